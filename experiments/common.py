@@ -1,0 +1,49 @@
+"""Shared experiment plumbing: gin-configurable model choice, run folders, results files."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+
+import gin
+import numpy as np
+
+from lsparse_jax.config import ModelConfig
+from lsparse_jax.model import preset
+
+
+@gin.configurable
+def model_preset(name: str = gin.REQUIRED, **overrides) -> ModelConfig:
+    """A model preset by name (``tiny``, ``v4_flash``, ``glm5``) with field overrides."""
+    return preset(name, **overrides)
+
+
+def fit_max_len(cfg: ModelConfig, tokens: int) -> ModelConfig:
+    """``cfg`` with max_len just large enough for ``tokens`` (a multiple of both strides)."""
+    unit = math.lcm(cfg.csa_ratio, cfg.hca_ratio)
+    return dataclasses.replace(cfg, max_len=-(-tokens // unit) * unit)
+
+
+def run_dir(name: str, root: str | None = None) -> pathlib.Path:
+    path = pathlib.Path(root or os.environ.get("LSPARSE_RUNS", "runs")) / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_results(path: pathlib.Path, results: dict) -> pathlib.Path:
+    """Writes results.json and the operative gin config next to it."""
+    out = path / "results.json"
+    out.write_text(json.dumps(results, indent=2, default=_jsonable) + "\n")
+    (path / "config.gin").write_text(gin.operative_config_str())
+    return out
+
+
+def _jsonable(x):
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    raise TypeError(f"not JSON serializable: {type(x)}")

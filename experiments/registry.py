@@ -1,0 +1,3 @@
+"""Imports every experiment so gin knows its configurables."""
+
+from experiments import common, quickstart  # noqa: F401

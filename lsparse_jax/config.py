@@ -1,0 +1,185 @@
+"""Frozen, validated configuration dataclasses.
+
+Every dataclass validates itself on construction: a bad value raises ``ValueError`` naming the
+field, the value and what is allowed. Configs are hashable, so they can be static arguments of
+``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+LayerKind = Literal["swa", "csa", "hca", "dsa"]
+LAYER_KINDS: tuple[str, ...] = ("swa", "csa", "hca", "dsa")
+METHODS: tuple[str, ...] = ("resident",)  # later issues add hisparse, leansparse, adaptive
+
+
+def _fail(cls: str, field: str, value, allowed: str):
+    raise ValueError(f"{cls}.{field}={value!r} is invalid: {allowed}")
+
+
+def _positive(cls: str, **fields):
+    for name, value in fields.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            _fail(cls, name, value, "must be a positive int")
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerConfig:
+    """The lightning indexer of CSA and DSA layers.
+
+    Attributes:
+      num_heads: indexer query heads H.
+      head_dim: indexer key/query dim D (one shared key head per entry).
+      top_k: positions selected per query.
+      fp8_block: values per FP8 scale; a key of D values stores D / fp8_block fp32 scales.
+    """
+
+    num_heads: int = 4
+    head_dim: int = 32
+    top_k: int = 16
+    fp8_block: int = 32
+
+    def __post_init__(self):
+        _positive("IndexerConfig", num_heads=self.num_heads, head_dim=self.head_dim,
+                  top_k=self.top_k, fp8_block=self.fp8_block)
+        if self.head_dim % self.fp8_block:
+            _fail("IndexerConfig", "fp8_block", self.fp8_block,
+                  f"must divide head_dim={self.head_dim}")
+
+    @property
+    def key_bytes(self) -> int:
+        """Bytes of one stored FP8 key: D e4m3 values plus D / fp8_block fp32 scales."""
+        return self.head_dim + 4 * (self.head_dim // self.fp8_block)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A model of the native sparse-attention family (DeepSeek-V4 CSA/HCA/SWA, GLM-5 DSA).
+
+    Attributes:
+      vocab_size: token vocabulary (256 for the byte tokenizer).
+      hidden: residual stream width.
+      num_heads: attention query heads; there is one KV head of dim ``head_dim``.
+      head_dim: dim of the KV head (a compressed entry is both key and value).
+      rope_dim: trailing dims of q/k that get RoPE (even, <= head_dim).
+      mlp_hidden: dense FFN width (FFNs are not our subject: a small gated MLP).
+      layer_pattern: the kind of each layer, from "swa", "csa", "hca", "dsa".
+      swa_window: raw tokens each query sees in SWA (including itself).
+      csa_ratio: CSA compression stride m (V4: 4); windows overlap by m.
+      hca_ratio: HCA compression stride (V4: 128); windows do not overlap.
+      indexer: the lightning indexer of CSA/DSA layers.
+      dsa_share_group: DSA layers are grouped in runs of this size; later layers of a group
+        reuse the first layer's selection (GLM-5 index sharing). 1 = no sharing.
+      rope_theta: RoPE base.
+      max_len: the longest context (prompt + generated) a slot can hold.
+    """
+
+    vocab_size: int = 256
+    hidden: int = 128
+    num_heads: int = 4
+    head_dim: int = 64
+    rope_dim: int = 16
+    mlp_hidden: int = 256
+    layer_pattern: tuple[str, ...] = ("swa", "csa", "hca", "csa")
+    swa_window: int = 32
+    csa_ratio: int = 4
+    hca_ratio: int = 128
+    indexer: IndexerConfig = dataclasses.field(default_factory=IndexerConfig)
+    dsa_share_group: int = 1
+    rope_theta: float = 10000.0
+    max_len: int = 2048
+
+    def __post_init__(self):
+        if isinstance(self.layer_pattern, list):
+            object.__setattr__(self, "layer_pattern", tuple(self.layer_pattern))
+        _positive("ModelConfig", vocab_size=self.vocab_size, hidden=self.hidden,
+                  num_heads=self.num_heads, head_dim=self.head_dim, mlp_hidden=self.mlp_hidden,
+                  swa_window=self.swa_window, csa_ratio=self.csa_ratio,
+                  hca_ratio=self.hca_ratio, dsa_share_group=self.dsa_share_group,
+                  max_len=self.max_len)
+        if not self.layer_pattern:
+            _fail("ModelConfig", "layer_pattern", self.layer_pattern, "needs at least one layer")
+        for kind in self.layer_pattern:
+            if kind not in LAYER_KINDS:
+                _fail("ModelConfig", "layer_pattern", self.layer_pattern,
+                      f"unknown layer kind {kind!r}; allowed kinds are {LAYER_KINDS}")
+        if not isinstance(self.rope_dim, int) or self.rope_dim < 0 or self.rope_dim % 2 \
+                or self.rope_dim > self.head_dim:
+            _fail("ModelConfig", "rope_dim", self.rope_dim,
+                  f"must be an even int in [0, head_dim={self.head_dim}]")
+        for name in ("csa_ratio", "hca_ratio"):
+            if self.max_len % getattr(self, name):
+                _fail("ModelConfig", "max_len", self.max_len, f"must be a multiple of {name}")
+        if not isinstance(self.indexer, IndexerConfig):
+            _fail("ModelConfig", "indexer", self.indexer, "must be an IndexerConfig")
+        if self.rope_theta <= 0:
+            _fail("ModelConfig", "rope_theta", self.rope_theta, "must be > 0")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_pattern)
+
+    def num_compressed(self, kind: str) -> int:
+        """Compressed entries a slot of ``max_len`` tokens holds for a layer of ``kind``."""
+        return {"csa": self.max_len // self.csa_ratio, "hca": self.max_len // self.hca_ratio,
+                "dsa": self.max_len}.get(kind, 0)
+
+    def dsa_leader(self, layer: int) -> int:
+        """The layer whose selection DSA layer ``layer`` uses (itself if it leads its group)."""
+        dsa_layers = [i for i, k in enumerate(self.layer_pattern) if k == "dsa"]
+        rank = dsa_layers.index(layer)
+        return dsa_layers[rank - rank % self.dsa_share_group]
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """Serving-side capacities.
+
+    Attributes:
+      num_slots: requests decoded together (the decode batch).
+      prefill_chunk: tokens per prefill chunk (a multiple of the CSA stride is not required).
+      hot_cache_rows: per-request, per-CSA-layer GPU hot-cache rows B (hierarchy methods);
+        None for methods that keep everything resident.
+    """
+
+    num_slots: int = 1
+    prefill_chunk: int = 256
+    hot_cache_rows: int | None = None
+
+    def __post_init__(self):
+        _positive("CacheConfig", num_slots=self.num_slots, prefill_chunk=self.prefill_chunk)
+        if self.hot_cache_rows is not None:
+            _positive("CacheConfig", hot_cache_rows=self.hot_cache_rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """Token sampling: temperature 0 is greedy; otherwise seeded categorical sampling."""
+
+    temperature: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.temperature >= 0.0:
+            _fail("SamplingConfig", "temperature", self.temperature, "must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """A serving method on a model with its capacities."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
+    sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
+    method: str = "resident"
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            _fail("EngineConfig", "method", self.method, f"allowed methods are {METHODS}")
+        rows = self.cache.hot_cache_rows
+        if rows is not None and rows < self.model.indexer.top_k:
+            _fail("EngineConfig", "cache.hot_cache_rows", rows,
+                  f"must be >= indexer.top_k={self.model.indexer.top_k}: a step's selection "
+                  "must fit in the hot cache")

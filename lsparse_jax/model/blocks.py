@@ -1,0 +1,146 @@
+"""Attention layers of the family: SWA, CSA, HCA (DeepSeek-V4) and DSA (GLM-5).
+
+Every layer maps a chunk of T tokens at positions start .. start+T-1 (the first ``num_valid``
+real) and its cache to (output, new cache, selection, stats). Decode is a chunk of one token;
+prefill is a chunk of many; the cache makes chunking invisible.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+from flax import struct
+
+from lsparse_jax.config import ModelConfig
+from lsparse_jax.indexing import index_scores, topk_positions
+from lsparse_jax.model.attention import sink_attention
+from lsparse_jax.model.cache import CSACache, DSACache, HCACache, SWACache
+from lsparse_jax.model.compressor import Compressor, write_rows
+from lsparse_jax.model.layers import MLP, RMSNorm, dense, extend_window, rope
+from lsparse_jax.quant import dequantize_index_keys, quantize_index_keys
+
+
+@struct.dataclass
+class Selection:
+    """What a sparse layer's indexer chose for each query of a chunk."""
+
+    positions: jnp.ndarray  # [T, k] int32, best first, -1 padded
+    eligible: jnp.ndarray  # [T] int32 eligible positions per query
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: query heads, head weights and (for CSA) its own compressor.
+
+    Notation: H indexer heads, D indexer dim, x [T, hidden].
+    Math: q_h = RoPE(x W_q)_h; w_h = (x W_w)_h * H^-1/2 * D^-1/2;
+      score(t, n) = sum_h w_h ReLU(q_h . k_n) with k_n the dequantized FP8 key.
+    """
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x, positions):
+        ic = self.cfg.indexer
+        rope_dim = min(self.cfg.rope_dim, ic.head_dim)
+        q = dense(ic.num_heads * ic.head_dim, "wq")(x).reshape(-1, ic.num_heads, ic.head_dim)
+        q = rope(q, positions, rope_dim, self.cfg.rope_theta)
+        w = dense(ic.num_heads, "ww")(x) * (ic.num_heads * ic.head_dim) ** -0.5
+        return q, w
+
+    def select(self, q, w, keys, scales, eligible):
+        """Top-k of eligible stored keys: q [T,H,D], w [T,H], keys [N,D] e4m3, eligible [T,N]."""
+        scores = index_scores(q, w, dequantize_index_keys(keys, scales))
+        positions, _ = topk_positions(scores, eligible, self.cfg.indexer.top_k)
+        return Selection(positions, jnp.sum(eligible, axis=-1).astype(jnp.int32))
+
+
+class AttentionLayer(nn.Module):
+    """One attention layer of kind cfg.layer_pattern[layer]."""
+
+    cfg: ModelConfig
+    layer: int
+    dense_selection: bool = False  # attend to every eligible entry (the no-sparsity reference)
+
+    @property
+    def kind(self) -> str:
+        return self.cfg.layer_pattern[self.layer]
+
+    @nn.compact
+    def __call__(self, x, cache, start, num_valid, shared: Selection | None = None):
+        cfg = self.cfg
+        h, d, w = cfg.num_heads, cfg.head_dim, cfg.swa_window
+        t_len = x.shape[0]
+        positions = start + jnp.arange(t_len)
+        q = dense(h * d, "wq")(x).reshape(t_len, h, d)
+        q = rope(q, positions, cfg.rope_dim, cfg.rope_theta)
+        raw = rope(RMSNorm(name="kv_norm")(dense(d, "wkv")(x)), positions, cfg.rope_dim,
+                   cfg.rope_theta)
+        sink = self.param("sink", nn.initializers.zeros, (h,))
+        groups, selection = [], None
+
+        if self.kind in ("swa", "csa", "hca"):
+            ext, ext_pos, window = extend_window(cache.window, raw, start, num_valid)
+            rel = positions[:, None] - ext_pos[None, :]
+            groups.append((ext[None], (rel >= 0) & (rel < w) & (ext_pos[None, :] >= 0)))
+            cache = cache.replace(window=window)
+
+        if self.kind in ("csa", "hca"):
+            m = cfg.csa_ratio if self.kind == "csa" else cfg.hca_ratio
+            comp = Compressor(d, m, self.kind == "csa", cfg.rope_dim, cfg.rope_theta, name="comp")
+            ids, rows, ok, kv_ring = comp(x, cache.kv_ring, start, num_valid)
+            entries = write_rows(cache.entries, ids, rows, ok)
+            cache = cache.replace(kv_ring=kv_ring, entries=entries)
+            eligible = jnp.arange(entries.shape[0])[None, :] < ((positions + 1) // m)[:, None]
+
+        if self.kind == "dsa":
+            entries = write_rows(cache.entries, positions, raw, jnp.arange(t_len) < num_valid)
+            cache = cache.replace(entries=entries)
+            eligible = jnp.arange(entries.shape[0])[None, :] <= positions[:, None]
+
+        if self.kind in ("csa", "dsa") and shared is None:
+            indexer = Indexer(cfg, name="indexer")
+            iq, iw = indexer(x, positions)
+            ic = cfg.indexer
+            if self.kind == "csa":
+                icomp = Compressor(ic.head_dim, m, True, min(cfg.rope_dim, ic.head_dim),
+                                   cfg.rope_theta, name="index_comp")
+                kids, krows, kok, index_ring = icomp(x, cache.index_ring, start, num_valid)
+                cache = cache.replace(index_ring=index_ring)
+            else:
+                kids, kok = positions, jnp.arange(t_len) < num_valid
+                krows = rope(dense(ic.head_dim, "index_wk")(x), positions,
+                             min(cfg.rope_dim, ic.head_dim), cfg.rope_theta)
+            kv, ks = quantize_index_keys(krows, ic.fp8_block)
+            cache = cache.replace(index_keys=write_rows(cache.index_keys, kids, kv, kok),
+                                  index_scales=write_rows(cache.index_scales, kids, ks, kok))
+            selection = indexer.select(iq, iw, cache.index_keys, cache.index_scales, eligible)
+        elif self.kind == "dsa":
+            selection = shared  # GLM-5 index sharing: reuse the group leader's positions
+
+        if self.kind == "hca" or (self.dense_selection and self.kind in ("csa", "dsa")):
+            groups.append((entries[None], eligible))
+        elif self.kind in ("csa", "dsa"):
+            sel = selection.positions
+            groups.append((entries[jnp.maximum(sel, 0)], sel >= 0))
+
+        out = sink_attention(q, groups, sink)
+        y = dense(cfg.hidden, "wo")(out.reshape(t_len, h * d))
+        return y, cache, selection
+
+
+class Block(nn.Module):
+    cfg: ModelConfig
+    layer: int
+    dense_selection: bool = False
+
+    @nn.compact
+    def __call__(self, x, cache, start, num_valid, shared=None):
+        attn = AttentionLayer(self.cfg, self.layer, self.dense_selection, name="attn")
+        y, cache, selection = attn(RMSNorm(name="attn_norm")(x), cache, start, num_valid, shared)
+        x = x + y
+        x = x + MLP(self.cfg.mlp_hidden, name="mlp")(RMSNorm(name="mlp_norm")(x))
+        return x, cache, selection
+
+
+__all__ = ["AttentionLayer", "Block", "Indexer", "Selection", "SWACache", "CSACache",
+           "HCACache", "DSACache"]

@@ -1,0 +1,70 @@
+"""Per-layer caches of one request (a slot). Batched state adds a leading slot axis.
+
+Rows that must never be read are NaN; nothing here is read without a position mask.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import struct
+
+from lsparse_jax.config import ModelConfig
+
+
+@struct.dataclass
+class SWACache:
+    window: jnp.ndarray  # [W, D] f32 ring of raw KV rows; position q at q % W
+
+
+@struct.dataclass
+class CSACache:
+    window: jnp.ndarray  # [W, D] f32 ring of raw KV rows (the SWA part)
+    kv_ring: jnp.ndarray  # [2m, 4D] f32 compressor inputs of the last 2m tokens
+    entries: jnp.ndarray  # [N, D] f32 compressed KV; entry i pools tokens (i-1)m .. im+m-1
+    index_ring: jnp.ndarray  # [2m, 4 D_I] f32 indexer-compressor inputs of the last 2m tokens
+    index_keys: jnp.ndarray  # [N, D_I] float8_e4m3fn indexer keys
+    index_scales: jnp.ndarray  # [N, D_I / fp8_block] f32 key scales
+
+
+@struct.dataclass
+class HCACache:
+    window: jnp.ndarray  # [W, D] f32 ring of raw KV rows
+    kv_ring: jnp.ndarray  # [m_hca, 2D] f32 compressor inputs of the last m_hca tokens
+    entries: jnp.ndarray  # [N_hca, D] f32 compressed KV
+
+
+@struct.dataclass
+class DSACache:
+    entries: jnp.ndarray  # [L, D] f32 per-token KV rows
+    index_keys: jnp.ndarray  # [L, D_I] e4m3 (zero rows for layers that reuse a leader's selection)
+    index_scales: jnp.ndarray  # [L, D_I / fp8_block] f32
+
+
+LayerCache = SWACache | CSACache | HCACache | DSACache
+
+
+def empty_layer_cache(cfg: ModelConfig, layer: int) -> LayerCache:
+    """A NaN-poisoned cache for one layer of one slot."""
+    kind = cfg.layer_pattern[layer]
+    d, di, w = cfg.head_dim, cfg.indexer.head_dim, cfg.swa_window
+    nb = di // cfg.indexer.fp8_block
+    nan = lambda *s: jnp.full(s, jnp.nan, jnp.float32)  # noqa: E731
+    fp8 = lambda *s: jnp.full(s, jnp.nan, jnp.float8_e4m3fn)  # noqa: E731
+    n = cfg.num_compressed(kind)
+    if kind == "swa":
+        return SWACache(window=nan(w, d))
+    if kind == "csa":
+        m = cfg.csa_ratio
+        return CSACache(window=nan(w, d), kv_ring=nan(2 * m, 4 * d), entries=nan(n, d),
+                        index_ring=nan(2 * m, 4 * di), index_keys=fp8(n, di),
+                        index_scales=nan(n, nb))
+    if kind == "hca":
+        m = cfg.hca_ratio
+        return HCACache(window=nan(w, d), kv_ring=nan(m, 2 * d), entries=nan(n, d))
+    leads = cfg.dsa_leader(layer) == layer
+    rows = n if leads else 0
+    return DSACache(entries=nan(n, d), index_keys=fp8(rows, di), index_scales=nan(rows, nb))
+
+
+def empty_cache(cfg: ModelConfig) -> tuple[LayerCache, ...]:
+    return tuple(empty_layer_cache(cfg, i) for i in range(cfg.num_layers))

@@ -1,0 +1,38 @@
+"""Model presets: ``tiny`` (CPU tests), ``v4_flash`` (DeepSeek-V4-Flash attention shapes),
+``glm5`` (GLM-5-style DSA with index sharing)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lsparse_jax.config import IndexerConfig, ModelConfig
+
+# DeepSeek-V4-Flash public config: 43 layers; compress ratio 0 = SWA only, 4 = CSA, 128 = HCA.
+# Its first two layers are SWA-only, then CSA and HCA alternate.
+_V4_PATTERN = ("swa", "swa") + tuple("csa" if i % 2 == 0 else "hca" for i in range(41))
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        vocab_size=256, hidden=128, num_heads=4, head_dim=64, rope_dim=16, mlp_hidden=256,
+        layer_pattern=("swa", "csa", "hca", "csa"), swa_window=32, csa_ratio=4, hca_ratio=128,
+        indexer=IndexerConfig(num_heads=4, head_dim=32, top_k=16, fp8_block=32),
+        max_len=2048),
+    "v4_flash": ModelConfig(
+        vocab_size=129280, hidden=4096, num_heads=64, head_dim=512, rope_dim=64,
+        mlp_hidden=2048, layer_pattern=_V4_PATTERN, swa_window=128, csa_ratio=4,
+        hca_ratio=128, indexer=IndexerConfig(num_heads=64, head_dim=128, top_k=512,
+                                             fp8_block=128),
+        max_len=1048576),
+    "glm5": ModelConfig(
+        vocab_size=154880, hidden=6144, num_heads=64, head_dim=576, rope_dim=64,
+        mlp_hidden=2048, layer_pattern=("dsa",) * 78, swa_window=128,
+        indexer=IndexerConfig(num_heads=32, head_dim=128, top_k=2048, fp8_block=128),
+        dsa_share_group=4, max_len=202752),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    """A preset by name, with fields replaced (validation runs again)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known presets: {sorted(PRESETS)}")
+    return dataclasses.replace(PRESETS[name], **overrides)

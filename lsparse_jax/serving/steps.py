@@ -1,0 +1,101 @@
+"""The jitted data-plane functions: prefill chunks and the batched decode step."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from lsparse_jax.config import EngineConfig, ModelConfig
+from lsparse_jax.model.cache import empty_cache
+from lsparse_jax.model.transformer import Transformer
+from lsparse_jax.serving.sampling import sample
+from lsparse_jax.serving.state import DecodeState
+
+
+@struct.dataclass
+class DecodeOutput:
+    logits: jnp.ndarray  # [S, V] f32 logits of each slot's input token
+    tokens: jnp.ndarray  # [S] int32 sampled next tokens (junk for inactive slots)
+    selected: jnp.ndarray  # [S, L_sparse, k] int32 positions chosen by each leading indexer
+    eligible: jnp.ndarray  # [S, L_sparse] int32 eligible positions per sparse layer
+
+
+def sparse_layers(cfg: ModelConfig) -> tuple[int, ...]:
+    """Layers that run their own indexer (CSA layers and leading DSA layers)."""
+    return tuple(i for i, k in enumerate(cfg.layer_pattern)
+                 if k == "csa" or (k == "dsa" and cfg.dsa_leader(i) == i))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "dense_selection"))
+def forward_chunk(params, cfg: ModelConfig, caches, tokens, start, num_valid,
+                  dense_selection: bool = False):
+    """One slot, one chunk: tokens [T] at positions start.. -> (logits [T, V], caches, sels)."""
+    model = Transformer(cfg, dense_selection)
+    return model.apply({"params": params}, tokens, caches, start, num_valid)
+
+
+def forward(params, cfg: ModelConfig, tokens, dense_selection: bool = False):
+    """Teacher-forced forward of a whole sequence from empty caches: logits [T, V]."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    logits, _, _ = forward_chunk(params, cfg, empty_cache(cfg), tokens, 0, tokens.shape[0],
+                                 dense_selection)
+    return logits
+
+
+def prefill(params, cfg: ModelConfig, tokens, chunk: int, progress=None):
+    """Chunked prefill of one prompt from empty caches.
+
+    Every chunk has ``chunk`` tokens (the last is padded), so one compilation serves any prompt.
+    Returns (caches, logits of the last prompt token [V]).
+    """
+    tokens = jnp.asarray(tokens, jnp.int32)
+    n = tokens.shape[0]
+    if n == 0:
+        raise ValueError("prefill: the prompt is empty")
+    if n > cfg.max_len:
+        raise ValueError(f"prefill: prompt of {n} tokens exceeds ModelConfig.max_len={cfg.max_len}")
+    caches, last = empty_cache(cfg), None
+    padded = jnp.pad(tokens, (0, -n % chunk))
+    for start in range(0, n, chunk):
+        valid = min(chunk, n - start)
+        logits, caches, _ = forward_chunk(params, cfg, caches, padded[start:start + chunk],
+                                          start, valid)
+        last = logits[valid - 1]
+        if progress is not None:
+            progress.update(valid)
+    return caches, last
+
+
+@functools.partial(jax.jit, static_argnames=("engine",), donate_argnames=("state",))
+def decode_step(params, engine: EngineConfig, state: DecodeState, tokens, active):
+    """Feeds one token per slot and samples the next.
+
+    tokens [S] int32 (each slot's newest token, at position lengths[s]); active [S] bool.
+    Inactive slots write nothing and keep their length. Returns (state, DecodeOutput).
+    """
+    cfg = engine.model
+
+    def one(caches, token, start, live):
+        logits, caches, sels = Transformer(cfg).apply(
+            {"params": params}, token[None], caches, start, live.astype(jnp.int32))
+        picked = [sels[i] for i in sparse_layers(cfg)]
+        positions = jnp.stack([s.positions[0] for s in picked]) if picked else \
+            jnp.zeros((0, cfg.indexer.top_k), jnp.int32)
+        eligible = jnp.stack([s.eligible[0] for s in picked]) if picked else \
+            jnp.zeros((0,), jnp.int32)
+        return logits[0], caches, positions, eligible
+
+    logits, caches, positions, eligible = jax.vmap(one)(state.caches, tokens, state.lengths,
+                                                        active)
+    rng, key = jax.random.split(state.rng)
+    next_tokens = sample(logits, key, engine.sampling.temperature)
+    state = state.replace(caches=caches, lengths=state.lengths + active.astype(jnp.int32),
+                          rng=rng)
+    return state, DecodeOutput(logits, next_tokens, positions, eligible)
+
+
+__all__ = ["DecodeOutput", "decode_step", "forward", "forward_chunk", "prefill",
+           "sparse_layers"]

@@ -1,0 +1,25 @@
+"""Small shared test helpers."""
+
+import numpy as np
+
+from lsparse_jax.model import init_params, preset
+
+# Layer patterns covering every kind, DSA with and without index sharing.
+PATTERNS = {
+    "v4": dict(layer_pattern=("swa", "csa", "hca", "csa")),
+    "dsa_shared": dict(layer_pattern=("dsa", "dsa", "dsa", "csa"), dsa_share_group=2),
+}
+
+
+def tiny(max_len=256, **overrides):
+    """A small tiny-preset model: short HCA stride so HCA entries appear in short prompts."""
+    fields = dict(max_len=max_len, hca_ratio=16, swa_window=8, hidden=64, num_heads=2,
+                  head_dim=32, mlp_hidden=64)
+    fields.update(overrides)
+    return preset("tiny", **fields)
+
+
+def model_and_tokens(cfg, length, seed=0):
+    params = init_params(cfg, seed)
+    tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, length).astype(np.int32)
+    return params, tokens

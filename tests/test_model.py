@@ -1,0 +1,99 @@
+"""Model identities: sparse == dense at full top-k (1), decode == forward (2), chunking."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lsparse_jax.config import CacheConfig, EngineConfig, IndexerConfig
+from lsparse_jax.model.cache import empty_cache
+from lsparse_jax.serving.state import empty_state, insert
+from lsparse_jax.serving.steps import decode_step, forward, forward_chunk, prefill, sparse_layers
+from tests.helpers import PATTERNS, model_and_tokens, tiny
+
+
+def assert_trees_close(a, b, atol):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+        np.testing.assert_array_equal(np.isnan(x), np.isnan(y))
+        np.testing.assert_allclose(np.nan_to_num(x), np.nan_to_num(y), atol=atol, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+def test_identity1_full_topk_equals_dense(pattern):
+    """Identity 1: top-k >= eligible length selects everything, so attention is dense."""
+    cfg = tiny(max_len=128, indexer=IndexerConfig(2, 16, top_k=128, fp8_block=16),
+               **PATTERNS[pattern])
+    params, tokens = model_and_tokens(cfg, 100, seed=1)
+    sparse = forward(params, cfg, tokens)
+    dense = forward(params, cfg, tokens, dense_selection=True)
+    np.testing.assert_allclose(np.asarray(sparse), np.asarray(dense), atol=2e-5, rtol=1e-5)
+    # ...and with a small top-k the sparse model really differs from dense.
+    small = tiny(max_len=128, indexer=IndexerConfig(2, 16, top_k=4, fp8_block=16),
+                 **PATTERNS[pattern])
+    assert not np.allclose(np.asarray(forward(params, small, tokens)),
+                           np.asarray(forward(params, small, tokens, dense_selection=True)),
+                           atol=1e-3)
+
+
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+def test_identity2_decode_equals_teacher_forced_forward(pattern):
+    """Identity 2 (resident): prefill + decode steps over a batch of slots give the logits and
+    the indexer selections of one teacher-forced forward of each sequence."""
+    cfg = tiny(max_len=256, **PATTERNS[pattern])
+    engine = EngineConfig(model=cfg, cache=CacheConfig(num_slots=3))
+    params, _ = model_and_tokens(cfg, 1)
+    rng = np.random.default_rng(7)
+    seqs = [rng.integers(0, 256, n).astype(np.int32) for n in (90, 130)]
+    prompt_lens = [37, 61]
+    refs = [forward_chunk(params, cfg, empty_cache(cfg), jnp.asarray(s), 0, len(s)) for s in seqs]
+
+    state = empty_state(cfg, 3)
+    for slot, (s, p) in zip((0, 2), zip(seqs, prompt_lens)):
+        caches, last = prefill(params, cfg, s[:p], chunk=16)
+        np.testing.assert_allclose(np.asarray(last), np.asarray(refs[slot // 2][0][p - 1]),
+                                   atol=1e-4, rtol=1e-4)
+        state = insert(state, slot, caches, p)
+    idle_before = jax.tree.map(lambda a: np.asarray(a[1], np.float32), state.caches)
+
+    pos = list(prompt_lens)
+    for _ in range(max(len(s) for s in seqs) - min(prompt_lens) - 1):
+        live = [pos[i] < len(seqs[i]) - 1 for i in range(2)]
+        if not any(live):
+            break
+        tokens = jnp.asarray([seqs[0][min(pos[0], 89)], 0, seqs[1][min(pos[1], 129)]], jnp.int32)
+        active = jnp.asarray([live[0], False, live[1]])
+        state, out = decode_step(params, engine, state, tokens, active)
+        for i, slot in enumerate((0, 2)):
+            if not live[i]:
+                continue
+            ref_logits, _, ref_sels = refs[i]
+            np.testing.assert_allclose(np.asarray(out.logits[slot]),
+                                       np.asarray(ref_logits[pos[i]]), atol=1e-4, rtol=1e-4)
+            for j, layer in enumerate(sparse_layers(cfg)):
+                got = np.asarray(out.selected[slot, j])
+                want = np.asarray(ref_sels[layer].positions[pos[i]])
+                assert set(got[got >= 0]) == set(want[want >= 0])
+            pos[i] += 1
+    np.testing.assert_array_equal(np.asarray(state.lengths), [pos[0], 0, pos[1]])
+    assert_trees_close(idle_before, jax.tree.map(lambda a: a[1], state.caches), atol=0)
+
+
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+def test_chunked_prefill_equals_unchunked(pattern):
+    cfg = tiny(max_len=128, **PATTERNS[pattern])
+    params, tokens = model_and_tokens(cfg, 83, seed=3)
+    whole, last = prefill(params, cfg, tokens, chunk=83)
+    for chunk in (1, 5, 16):
+        caches, last_c = prefill(params, cfg, tokens, chunk=chunk)
+        assert_trees_close(caches, whole, atol=2e-5)
+        np.testing.assert_allclose(np.asarray(last_c), np.asarray(last), atol=5e-5, rtol=1e-5)
+
+
+def test_prefill_rejects_bad_prompts():
+    cfg = tiny(max_len=64)
+    params, tokens = model_and_tokens(cfg, 65)
+    with pytest.raises(ValueError, match="exceeds ModelConfig.max_len=64"):
+        prefill(params, cfg, tokens, chunk=16)
+    with pytest.raises(ValueError, match="empty"):
+        prefill(params, cfg, tokens[:0], chunk=16)
