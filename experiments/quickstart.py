@@ -14,35 +14,41 @@ import matplotlib.pyplot as plt  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 
 from experiments.common import fit_max_len, run_dir, write_results  # noqa: E402
-from lsparse_jax.config import CacheConfig, EngineConfig, SamplingConfig  # noqa: E402
+from lsparse_jax.config import PAGED_METHODS, CacheConfig, EngineConfig, SamplingConfig  # noqa: E402
+from lsparse_jax.memory.accounting import request_bytes  # noqa: E402
 from lsparse_jax.model import init_params  # noqa: E402
 from lsparse_jax.serving.engine import Engine  # noqa: E402
 from lsparse_jax.tasks import niah_example, score_exact, tokenizer  # noqa: E402
 
-COLUMNS = ("method", "prefill_s", "decode_tok_s", "device_MB_per_req", "eligible", "selected",
-           "reuse")
+COLUMNS = ("method", "prefill_s", "decode_tok_s", "gpu_MB/req", "host_MB/req", "selected",
+           "reuse", "tail%", "hot%", "host%", "host_KB/tok")
 
 
 @gin.configurable
 def quickstart(name: str, model=gin.REQUIRED, methods=("resident",), prompt_tokens: int = 8192,
                decode_steps: int = 64, prefill_chunk: int = 512, num_needles: int = 4,
-               seed: int = 0, temperature: float = 0.0):
+               seed: int = 0, temperature: float = 0.0, hot_cache_rows: int = 64,
+               page_size: int = 64):
     cfg = fit_max_len(model, prompt_tokens + decode_steps + 1)
     example = niah_example(prompt_tokens, num_needles=num_needles, seed=seed)
     params = init_params(cfg, seed)
     rows = []
     for method in methods:
-        engine = Engine(EngineConfig(model=cfg, cache=CacheConfig(1, prefill_chunk),
-                                     sampling=SamplingConfig(temperature, seed), method=method),
-                        params)
+        paged = method in PAGED_METHODS
+        cache = CacheConfig(1, prefill_chunk, hot_cache_rows if paged else None, page_size)
+        config = EngineConfig(model=cfg, cache=cache, sampling=SamplingConfig(temperature, seed),
+                              method=method)
+        engine = Engine(config, params)
         engine.warmup()
         with tqdm(total=prompt_tokens, desc=f"{method} prefill", unit="tok") as bar:
-            slot = engine.admit(example.prompt, bar)
+            slot = engine.admit(example.prompt, decode_steps, bar)
         for _ in tqdm(range(decode_steps), desc=f"{method} decode", unit="step"):
             engine.step()
         text = tokenizer.decode(engine.release(slot))
         m = engine.metrics()
-        m.update(generated=text, niah_exact=score_exact(text, example.answer))
+        acc = request_bytes(config, prompt_tokens + decode_steps)
+        m.update(generated=text, niah_exact=score_exact(text, example.answer),
+                 gpu_bytes=acc.gpu, host_bytes=acc.host, host_bytes_per_request=acc.host_total)
         rows.append(m)
 
     table = format_table(rows)
@@ -59,11 +65,16 @@ def quickstart(name: str, model=gin.REQUIRED, methods=("resident",), prompt_toke
 
 
 def format_table(rows: list[dict]) -> str:
-    cells = [COLUMNS] + [(
-        r["method"], f"{r['prefill_seconds']:.2f}", f"{r['decode_tokens_per_second']:.1f}",
-        f"{r['device_bytes_per_request'] / 2**20:.3f}", f"{r['selection']['eligible']:.0f}",
-        f"{r['selection']['selected']:.1f}", f"{r['selection']['reuse_fraction']:.3f}")
-        for r in rows]
+    def row(r):
+        sel, frac = r["selection"], r["selection"]["resolved_fraction"]
+        return (r["method"], f"{r['prefill_seconds']:.2f}", f"{r['decode_tokens_per_second']:.1f}",
+                f"{r['device_bytes_per_request'] / 2**20:.3f}",
+                f"{r['host_bytes_per_request'] / 2**20:.3f}", f"{sel['selected']:.1f}",
+                f"{sel['reuse_fraction']:.3f}", f"{100 * frac['tail_or_resident']:.1f}",
+                f"{100 * frac['hot_cache']:.1f}", f"{100 * frac['host_copy']:.1f}",
+                f"{r['host_bytes_per_token'] / 1024:.2f}")
+
+    cells = [COLUMNS] + [row(r) for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
     lines = ["  ".join(c[i].rjust(widths[i]) for i in range(len(c))) for c in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -75,8 +86,12 @@ def plot(rows: list[dict], path):
     fig, axes = plt.subplots(1, 2, figsize=(8, 3))
     axes[0].bar(names, [r["decode_tokens_per_second"] for r in rows])
     axes[0].set_ylabel("decode tokens/s")
-    axes[1].bar(names, [r["device_bytes_per_request"] / 2**20 for r in rows])
-    axes[1].set_ylabel("device MB per request")
+    gpu = [r["device_bytes_per_request"] / 2**20 for r in rows]
+    host = [r["host_bytes_per_request"] / 2**20 for r in rows]
+    axes[1].bar(names, gpu, label="GPU")
+    axes[1].bar(names, host, bottom=gpu, label="host")
+    axes[1].set_ylabel("MB per request")
+    axes[1].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -12,7 +12,8 @@ from typing import Literal
 
 LayerKind = Literal["swa", "csa", "hca", "dsa"]
 LAYER_KINDS: tuple[str, ...] = ("swa", "csa", "hca", "dsa")
-METHODS: tuple[str, ...] = ("resident",)  # later issues add hisparse, leansparse, adaptive
+METHODS: tuple[str, ...] = ("resident", "hisparse")  # later: leansparse, adaptive
+PAGED_METHODS: tuple[str, ...] = ("hisparse",)  # CSA KV on the host behind a hot cache
 
 
 def _fail(cls: str, field: str, value, allowed: str):
@@ -142,16 +143,23 @@ class CacheConfig:
       prefill_chunk: tokens per prefill chunk (a multiple of the CSA stride is not required).
       hot_cache_rows: per-request, per-CSA-layer GPU hot-cache rows B (hierarchy methods);
         None for methods that keep everything resident.
+      page_size: compressed rows per host page P (hierarchy methods).
+      host_pages: pages in each CSA layer's host pool, shared by all slots; None = enough for
+        every slot at max_len.
     """
 
     num_slots: int = 1
     prefill_chunk: int = 256
     hot_cache_rows: int | None = None
+    page_size: int = 64
+    host_pages: int | None = None
 
     def __post_init__(self):
-        _positive("CacheConfig", num_slots=self.num_slots, prefill_chunk=self.prefill_chunk)
-        if self.hot_cache_rows is not None:
-            _positive("CacheConfig", hot_cache_rows=self.hot_cache_rows)
+        _positive("CacheConfig", num_slots=self.num_slots, prefill_chunk=self.prefill_chunk,
+                  page_size=self.page_size)
+        for name in ("hot_cache_rows", "host_pages"):
+            if getattr(self, name) is not None:
+                _positive("CacheConfig", **{name: getattr(self, name)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +187,26 @@ class EngineConfig:
         if self.method not in METHODS:
             _fail("EngineConfig", "method", self.method, f"allowed methods are {METHODS}")
         rows = self.cache.hot_cache_rows
+        if self.method in PAGED_METHODS and rows is None:
+            _fail("EngineConfig", "cache.hot_cache_rows", rows,
+                  f"method {self.method!r} needs a hot cache size B >= indexer.top_k")
         if rows is not None and rows < self.model.indexer.top_k:
             _fail("EngineConfig", "cache.hot_cache_rows", rows,
                   f"must be >= indexer.top_k={self.model.indexer.top_k}: a step's selection "
                   "must fit in the hot cache")
+
+    @property
+    def paged(self) -> bool:
+        """CSA KV lives in host pages behind a per-request hot cache."""
+        return self.method in PAGED_METHODS
+
+    @property
+    def pages_per_slot(self) -> int:
+        """Host pages one slot needs to hold max_len tokens' CSA rows."""
+        return -(-self.model.num_compressed("csa") // self.cache.page_size)
+
+    @property
+    def host_pages(self) -> int:
+        if self.cache.host_pages is not None:
+            return self.cache.host_pages
+        return self.cache.num_slots * self.pages_per_slot

@@ -48,7 +48,7 @@ def test_identity2_decode_equals_teacher_forced_forward(pattern):
     prompt_lens = [37, 61]
     refs = [forward_chunk(params, cfg, empty_cache(cfg), jnp.asarray(s), 0, len(s)) for s in seqs]
 
-    state = empty_state(cfg, 3)
+    state = empty_state(engine)
     for slot, (s, p) in zip((0, 2), zip(seqs, prompt_lens)):
         caches, last = prefill(params, cfg, s[:p], chunk=16)
         np.testing.assert_allclose(np.asarray(last), np.asarray(refs[slot // 2][0][p - 1]),

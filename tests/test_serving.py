@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 from lsparse_jax.config import CacheConfig, EngineConfig, SamplingConfig
+from lsparse_jax.model.cache import empty_cache
 from lsparse_jax.serving.engine import Engine
 from lsparse_jax.serving.sampling import sample
 from lsparse_jax.serving.state import empty_state, slot_bytes
-from lsparse_jax.serving.steps import forward
+from lsparse_jax.serving.steps import forward_chunk
 from tests.helpers import model_and_tokens, tiny
 
 
@@ -52,7 +53,8 @@ def expected_slot_bytes(cfg):
 @pytest.mark.parametrize("pattern", [("swa", "csa", "hca"), ("dsa", "dsa", "dsa")])
 def test_slot_bytes_match_config(pattern):
     cfg = tiny(max_len=256, layer_pattern=pattern, dsa_share_group=2)
-    assert slot_bytes(empty_state(cfg, 3)) == expected_slot_bytes(cfg)
+    engine = EngineConfig(model=cfg, cache=CacheConfig(num_slots=3))
+    assert slot_bytes(empty_state(engine)) == expected_slot_bytes(cfg)
 
 
 def test_engine_generates_greedy_continuation_of_forward():
@@ -67,8 +69,10 @@ def test_engine_generates_greedy_continuation_of_forward():
         engine.step()
     out = engine.release(slot)
     seq = list(prompt)
-    for _ in range(7):
-        seq.append(int(np.argmax(np.asarray(forward(params, cfg, np.asarray(seq)))[-1])))
+    for _ in range(7):  # one compilation: every forward is padded to 40 tokens
+        padded = jnp.asarray(np.pad(seq, (0, 40 - len(seq))), jnp.int32)
+        logits, _, _ = forward_chunk(params, cfg, empty_cache(cfg), padded, 0, len(seq))
+        seq.append(int(np.argmax(np.asarray(logits)[len(seq) - 1])))
     assert out == seq[len(prompt):]
     m = engine.metrics()
     assert m["decode_tokens"] == 6

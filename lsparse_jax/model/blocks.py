@@ -13,9 +13,12 @@ from flax import struct
 
 from lsparse_jax.config import ModelConfig
 from lsparse_jax.indexing import index_scores, topk_positions
+from lsparse_jax.memory import kv_store
+from lsparse_jax.memory.hot_cache import NUM_SOURCES
+from lsparse_jax.memory.kv_store import write_rows
 from lsparse_jax.model.attention import sink_attention
 from lsparse_jax.model.cache import CSACache, DSACache, HCACache, SWACache
-from lsparse_jax.model.compressor import Compressor, write_rows
+from lsparse_jax.model.compressor import Compressor
 from lsparse_jax.model.layers import MLP, RMSNorm, dense, extend_window, rope
 from lsparse_jax.quant import dequantize_index_keys, quantize_index_keys
 
@@ -26,6 +29,7 @@ class Selection:
 
     positions: jnp.ndarray  # [T, k] int32, best first, -1 padded
     eligible: jnp.ndarray  # [T] int32 eligible positions per query
+    sources: jnp.ndarray  # [T, 3] int32 selected rows found in (tail/resident, hot, host)
 
 
 class Indexer(nn.Module):
@@ -51,7 +55,9 @@ class Indexer(nn.Module):
         """Top-k of eligible stored keys: q [T,H,D], w [T,H], keys [N,D] e4m3, eligible [T,N]."""
         scores = index_scores(q, w, dequantize_index_keys(keys, scales))
         positions, _ = topk_positions(scores, eligible, self.cfg.indexer.top_k)
-        return Selection(positions, jnp.sum(eligible, axis=-1).astype(jnp.int32))
+        sources = jnp.zeros((positions.shape[0], NUM_SOURCES), jnp.int32)
+        sources = sources.at[:, 0].set(jnp.sum(positions >= 0, axis=-1))
+        return Selection(positions, jnp.sum(eligible, axis=-1).astype(jnp.int32), sources)
 
 
 class AttentionLayer(nn.Module):
@@ -66,7 +72,8 @@ class AttentionLayer(nn.Module):
         return self.cfg.layer_pattern[self.layer]
 
     @nn.compact
-    def __call__(self, x, cache, start, num_valid, shared: Selection | None = None):
+    def __call__(self, x, cache, start, num_valid, shared: Selection | None = None,
+                 host: kv_store.HostView | None = None):
         cfg = self.cfg
         h, d, w = cfg.num_heads, cfg.head_dim, cfg.swa_window
         t_len = x.shape[0]
@@ -84,18 +91,24 @@ class AttentionLayer(nn.Module):
             groups.append((ext[None], (rel >= 0) & (rel < w) & (ext_pos[None, :] >= 0)))
             cache = cache.replace(window=window)
 
+        num = cfg.num_compressed(self.kind)
         if self.kind in ("csa", "hca"):
             m = cfg.csa_ratio if self.kind == "csa" else cfg.hca_ratio
             comp = Compressor(d, m, self.kind == "csa", cfg.rope_dim, cfg.rope_theta, name="comp")
             ids, rows, ok, kv_ring = comp(x, cache.kv_ring, start, num_valid)
-            entries = write_rows(cache.entries, ids, rows, ok)
-            cache = cache.replace(kv_ring=kv_ring, entries=entries)
-            eligible = jnp.arange(entries.shape[0])[None, :] < ((positions + 1) // m)[:, None]
-
-        if self.kind == "dsa":
-            entries = write_rows(cache.entries, positions, raw, jnp.arange(t_len) < num_valid)
-            cache = cache.replace(entries=entries)
-            eligible = jnp.arange(entries.shape[0])[None, :] <= positions[:, None]
+            cache = cache.replace(kv_ring=kv_ring)
+            eligible = jnp.arange(num)[None, :] < ((positions + 1) // m)[:, None]
+        if self.kind == "csa":
+            paged = kv_store.paged_rows(cache.kv, start // m)
+            cache = cache.replace(kv=kv_store.write(cache.kv, ids, rows, ok, paged))
+        elif self.kind == "hca":
+            cache = cache.replace(entries=write_rows(cache.entries, ids, rows, ok))
+        elif self.kind == "dsa":
+            ok = jnp.arange(t_len) < num_valid
+            cache = cache.replace(entries=write_rows(cache.entries, positions, raw, ok))
+            eligible = jnp.arange(num)[None, :] <= positions[:, None]
+        if self.kind in ("csa", "hca", "dsa"):
+            eligible &= (jnp.arange(t_len) < num_valid)[:, None]  # padding selects nothing
 
         if self.kind in ("csa", "dsa") and shared is None:
             indexer = Indexer(cfg, name="indexer")
@@ -117,11 +130,21 @@ class AttentionLayer(nn.Module):
         elif self.kind == "dsa":
             selection = shared  # GLM-5 index sharing: reuse the group leader's positions
 
-        if self.kind == "hca" or (self.dense_selection and self.kind in ("csa", "dsa")):
-            groups.append((entries[None], eligible))
-        elif self.kind in ("csa", "dsa"):
+        if self.kind == "hca" or (self.dense_selection and self.kind == "dsa"):
+            groups.append((cache.entries[None], eligible))
+        elif self.dense_selection and self.kind == "csa":
+            if not isinstance(cache.kv, kv_store.ResidentKV):
+                raise ValueError("dense_selection needs the resident KV store")
+            groups.append((cache.kv.entries[None], eligible))
+        elif self.kind == "csa":
             sel = selection.positions
-            groups.append((entries[jnp.maximum(sel, 0)], sel >= 0))
+            rows, sources, kv = kv_store.gather(cache.kv, sel, paged, host)
+            cache = cache.replace(kv=kv)
+            groups.append((rows, sel >= 0))
+            selection = selection.replace(sources=sources)
+        elif self.kind == "dsa":
+            sel = selection.positions
+            groups.append((cache.entries[jnp.maximum(sel, 0)], sel >= 0))
 
         out = sink_attention(q, groups, sink)
         y = dense(cfg.hidden, "wo")(out.reshape(t_len, h * d))
@@ -134,9 +157,10 @@ class Block(nn.Module):
     dense_selection: bool = False
 
     @nn.compact
-    def __call__(self, x, cache, start, num_valid, shared=None):
+    def __call__(self, x, cache, start, num_valid, shared=None, host=None):
         attn = AttentionLayer(self.cfg, self.layer, self.dense_selection, name="attn")
-        y, cache, selection = attn(RMSNorm(name="attn_norm")(x), cache, start, num_valid, shared)
+        y, cache, selection = attn(RMSNorm(name="attn_norm")(x), cache, start, num_valid, shared,
+                                   host)
         x = x + y
         x = x + MLP(self.cfg.mlp_hidden, name="mlp")(RMSNorm(name="mlp_norm")(x))
         return x, cache, selection

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from lsparse_jax.config import ModelConfig
+from lsparse_jax.memory.kv_store import PagedKV, ResidentKV
 
 
 @struct.dataclass
@@ -20,7 +21,7 @@ class SWACache:
 class CSACache:
     window: jnp.ndarray  # [W, D] f32 ring of raw KV rows (the SWA part)
     kv_ring: jnp.ndarray  # [2m, 4D] f32 compressor inputs of the last 2m tokens
-    entries: jnp.ndarray  # [N, D] f32 compressed KV; entry i pools tokens (i-1)m .. im+m-1
+    kv: ResidentKV | PagedKV  # compressed KV; entry i pools tokens (i-1)m .. im+m-1
     index_ring: jnp.ndarray  # [2m, 4 D_I] f32 indexer-compressor inputs of the last 2m tokens
     index_keys: jnp.ndarray  # [N, D_I] float8_e4m3fn indexer keys
     index_scales: jnp.ndarray  # [N, D_I / fp8_block] f32 key scales
@@ -55,7 +56,7 @@ def empty_layer_cache(cfg: ModelConfig, layer: int) -> LayerCache:
         return SWACache(window=nan(w, d))
     if kind == "csa":
         m = cfg.csa_ratio
-        return CSACache(window=nan(w, d), kv_ring=nan(2 * m, 4 * d), entries=nan(n, d),
+        return CSACache(window=nan(w, d), kv_ring=nan(2 * m, 4 * d), kv=ResidentKV(nan(n, d)),
                         index_ring=nan(2 * m, 4 * di), index_keys=fp8(n, di),
                         index_scales=nan(n, nb))
     if kind == "hca":

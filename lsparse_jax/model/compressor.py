@@ -63,9 +63,3 @@ class Compressor(nn.Module):
 
     def ring_shape(self) -> tuple[int, int]:
         return (self.parts * self.ratio, 2 * self.parts * self.dim)
-
-
-def write_rows(table: jnp.ndarray, ids: jnp.ndarray, rows: jnp.ndarray, ok: jnp.ndarray):
-    """table[ids[j]] = rows[j] where ok[j]; other rows are dropped (never written)."""
-    ids = jnp.where(ok, ids, table.shape[0])  # out of bounds -> dropped
-    return table.at[ids].set(rows.astype(table.dtype), mode="drop")

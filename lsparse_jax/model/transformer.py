@@ -15,16 +15,17 @@ from lsparse_jax.model.layers import RMSNorm, dense
 class Transformer(nn.Module):
     """Maps a chunk of tokens and one slot's caches to logits and updated caches.
 
-    ``__call__(tokens [T] int32, caches, start, num_valid)`` ->
+    ``__call__(tokens [T] int32, caches, start, num_valid, hosts)`` ->
       (logits [T, V] f32, caches, selections: tuple of Selection | None per layer).
     Tokens past ``num_valid`` are padding: they write nothing and their logits are junk.
+    ``hosts`` (decode over paged KV): per layer a ``HostView`` or None.
     """
 
     cfg: ModelConfig
     dense_selection: bool = False
 
     @nn.compact
-    def __call__(self, tokens, caches, start, num_valid):
+    def __call__(self, tokens, caches, start, num_valid, hosts=None):
         cfg = self.cfg
         x = nn.Embed(cfg.vocab_size, cfg.hidden, name="embed",
                      embedding_init=nn.initializers.normal(1.0))(tokens)
@@ -34,7 +35,7 @@ class Transformer(nn.Module):
             if cfg.layer_pattern[i] == "dsa" and cfg.dsa_leader(i) != i:
                 shared = selections[cfg.dsa_leader(i)]
             x, c, sel = Block(cfg, i, self.dense_selection, name=f"block_{i}")(
-                x, caches[i], start, num_valid, shared)
+                x, caches[i], start, num_valid, shared, None if hosts is None else hosts[i])
             new_caches.append(c)
             selections.append(sel)
         x = RMSNorm(name="final_norm")(x)

@@ -13,26 +13,34 @@ import jax.numpy as jnp
 import numpy as np
 
 from lsparse_jax.config import EngineConfig
-from lsparse_jax.model.cache import empty_cache
+from lsparse_jax.memory.host_pool import PageAllocator
+from lsparse_jax.memory.hot_cache import NUM_SOURCES
 from lsparse_jax.serving.sampling import sample
-from lsparse_jax.serving.state import DecodeState, empty_state, insert, slot_bytes
-from lsparse_jax.serving.steps import DecodeOutput, decode_step, forward_chunk, prefill
+from lsparse_jax.serving.state import DecodeState, admit_paged, empty_state, insert, slot_bytes
+from lsparse_jax.serving.steps import DecodeOutput, decode_step, prefill
 
 
 @dataclasses.dataclass
 class SelectionStats:
-    """Per sparse layer, running sums over decode steps of active slots."""
+    """Per sparse layer and active slot, running sums over decode steps."""
 
     steps: int = 0
     eligible: float = 0.0  # eligible positions per query
     selected: float = 0.0  # positions selected per query (<= top-k)
     reused: float = 0.0  # selected positions that the same slot also selected the step before
     reuse_base: float = 0.0  # selected positions of steps that have a previous step
+    sources: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(NUM_SOURCES))
 
-    def as_dict(self) -> dict:
+    def as_dict(self, row_bytes: int) -> dict:
         n = max(self.steps, 1)
+        total = max(self.sources.sum(), 1.0)
+        frac = [float(x) for x in self.sources / total]
         return {"eligible": self.eligible / n, "selected": self.selected / n,
-                "reuse_fraction": self.reused / max(self.reuse_base, 1.0)}
+                "reuse_fraction": self.reused / max(self.reuse_base, 1.0),
+                "resolved_fraction": dict(zip(("tail_or_resident", "hot_cache", "host_copy"),
+                                              frac)),
+                "host_rows": float(self.sources[2]),
+                "host_bytes": float(self.sources[2]) * row_bytes}
 
 
 class Engine:
@@ -40,12 +48,14 @@ class Engine:
 
     def __init__(self, config: EngineConfig, params):
         self.config, self.params = config, params
-        self.state: DecodeState = empty_state(config.model, config.cache.num_slots,
-                                              config.sampling.seed)
+        self.state: DecodeState = empty_state(config)
         slots = config.cache.num_slots
         self.active = np.zeros(slots, bool)
+        self.limit = np.zeros(slots, np.int64)  # tokens each slot may hold (its reservation)
         self.next_token = np.zeros(slots, np.int32)
         self.generated: list[list[int]] = [[] for _ in range(slots)]
+        self.pages = PageAllocator(config.host_pages) if config.paged else None
+        self.slot_pages: dict[int, list[int]] = {}
         self._prev_sel: np.ndarray | None = None
         self._has_prev = np.zeros(slots, bool)  # slot has a previous decode step's selection
         self.selection = SelectionStats()
@@ -62,43 +72,72 @@ class Engine:
     def warmup(self):
         """Compiles the prefill chunk and the decode step so that timings exclude compilation."""
         cfg, chunk = self.config.model, self.config.cache.prefill_chunk
-        jax.block_until_ready(forward_chunk(self.params, cfg, empty_cache(cfg),
-                                            jnp.zeros((chunk,), jnp.int32), 0, 0))
+        tokens = np.zeros(min(chunk + 1, cfg.max_len), np.int32)  # a full and a partial chunk
+        jax.block_until_ready(prefill(self.params, cfg, tokens, chunk))
+        # An all-idle step writes nothing and selects nothing (only the sampling key moves).
         idle = jnp.zeros(self.active.shape, bool)
-        copy = jax.tree.map(jnp.copy, self.state)  # the step donates its state
-        jax.block_until_ready(decode_step(self.params, self.config, copy,
-                                          jnp.asarray(self.next_token), idle))
+        self.state, _ = decode_step(self.params, self.config, self.state,
+                                    jnp.asarray(self.next_token), idle)
+        jax.block_until_ready(self.state)
 
-    def admit(self, prompt, progress=None) -> int:
-        """Prefills ``prompt`` into a free slot and samples its first token; returns the slot."""
+    def admit(self, prompt, max_new_tokens: int | None = None, progress=None) -> int:
+        """Prefills ``prompt`` into a free slot and samples its first token; returns the slot.
+
+        Paged methods reserve host pages for prompt + max_new_tokens (default: up to max_len)
+        first, so running out of host memory fails here, before anything changes.
+        """
+        cfg = self.config.model
+        total = cfg.max_len if max_new_tokens is None else len(prompt) + max_new_tokens
+        if total > cfg.max_len:
+            raise ValueError(f"admit: prompt {len(prompt)} + max_new_tokens {max_new_tokens} "
+                             f"exceeds ModelConfig.max_len={cfg.max_len}")
         free = np.flatnonzero(~self.active)
         if free.size == 0:
             raise RuntimeError(f"admit: all {self.active.size} slots are busy")
         slot = int(free[0])
+        pages = None
+        if self.pages is not None:
+            rows = total // cfg.csa_ratio
+            pages = self.pages.allocate(-(-rows // self.config.cache.page_size),
+                                        what=f"a request of {total} tokens")
         t0 = time.perf_counter()
-        caches, last = prefill(self.params, self.config.model, prompt,
-                               self.config.cache.prefill_chunk, progress)
-        self.state = insert(self.state, slot, caches, len(prompt))
+        caches, last = prefill(self.params, cfg, prompt, self.config.cache.prefill_chunk,
+                               progress)
+        if pages is None:
+            self.state = insert(self.state, slot, caches, len(prompt))
+        else:
+            table = np.full(self.config.pages_per_slot, -1, np.int32)
+            table[:len(pages)] = pages
+            self.state = admit_paged(self.config, self.state, slot, caches, len(prompt),
+                                     jnp.asarray(table))
+            self.slot_pages[slot] = pages
         self._rng, key = jax.random.split(self._rng)
         first = int(sample(last[None], key, self.config.sampling.temperature)[0])
         jax.block_until_ready(self.state)
         self.prefill_seconds += time.perf_counter() - t0
-        self.active[slot], self.next_token[slot] = True, first
+        self.active[slot], self.next_token[slot], self.limit[slot] = True, first, total
         self.generated[slot] = [first]
         self._has_prev[slot] = False
         return slot
 
     def release(self, slot: int) -> list[int]:
+        """Ends a request: frees its slot and host pages; returns its generated tokens."""
+        if not self.active[slot]:
+            raise ValueError(f"release: slot {slot} is not active")
         self.active[slot] = False
+        if self.pages is not None:
+            self.pages.release(self.slot_pages.pop(slot))
+            table = self.state.host.page_table.at[slot].set(-1)
+            self.state = self.state.replace(host=self.state.host.replace(page_table=table))
         return self.generated[slot]
 
     def step(self) -> DecodeOutput:
         """One decode step of every active slot."""
         lengths = np.asarray(self.state.lengths)
-        full = self.active & (lengths >= self.config.model.max_len)
+        full = self.active & (lengths >= self.limit)
         if full.any():
-            raise RuntimeError(f"step: slots {np.flatnonzero(full).tolist()} reached "
-                               f"max_len={self.config.model.max_len}; release them first")
+            raise RuntimeError(f"step: slots {np.flatnonzero(full).tolist()} reached their "
+                               "reserved length (max_new_tokens or max_len); release them")
         t0 = time.perf_counter()
         self.state, out = decode_step(self.params, self.config, self.state,
                                       jnp.asarray(self.next_token), jnp.asarray(self.active))
@@ -108,10 +147,11 @@ class Engine:
         self.next_token = np.where(self.active, tokens, self.next_token)
         for s in np.flatnonzero(self.active):
             self.generated[s].append(int(tokens[s]))
-        self._record_selection(np.asarray(out.selected), np.asarray(out.eligible))
+        self._record_selection(np.asarray(out.selected), np.asarray(out.eligible),
+                               np.asarray(out.sources))
         return out
 
-    def _record_selection(self, selected: np.ndarray, eligible: np.ndarray):
+    def _record_selection(self, selected, eligible, sources):
         act = self.active
         if selected.shape[1] == 0 or not act.any():
             return
@@ -119,6 +159,7 @@ class Engine:
         self.selection.steps += sel.shape[0] * sel.shape[1]
         self.selection.eligible += float(eligible[act].sum())
         self.selection.selected += float((sel >= 0).sum())
+        self.selection.sources += sources[act].sum(axis=(0, 1))
         both = act & self._has_prev
         if both.any():
             cur, prev = selected[both], self._prev_sel[both]
@@ -131,6 +172,7 @@ class Engine:
         self._has_prev |= act
 
     def metrics(self) -> dict:
+        row_bytes = 4 * self.config.model.head_dim
         return {
             "method": self.config.method,
             "prefill_seconds": self.prefill_seconds,
@@ -138,5 +180,7 @@ class Engine:
             "decode_seconds": self.decode_seconds,
             "decode_tokens_per_second": self.decode_tokens / max(self.decode_seconds, 1e-9),
             "device_bytes_per_request": self.slot_bytes,
-            "selection": self.selection.as_dict(),
+            "selection": self.selection.as_dict(row_bytes),
+            "host_bytes_per_token": float(self.selection.sources[2]) * row_bytes
+            / max(self.decode_tokens, 1),
         }

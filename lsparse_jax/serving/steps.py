@@ -9,10 +9,12 @@ import jax.numpy as jnp
 from flax import struct
 
 from lsparse_jax.config import EngineConfig, ModelConfig
+from lsparse_jax.memory.hot_cache import NUM_SOURCES
+from lsparse_jax.memory.kv_store import HostView
 from lsparse_jax.model.cache import empty_cache
 from lsparse_jax.model.transformer import Transformer
 from lsparse_jax.serving.sampling import sample
-from lsparse_jax.serving.state import DecodeState
+from lsparse_jax.serving.state import DecodeState, writeback
 
 
 @struct.dataclass
@@ -21,6 +23,7 @@ class DecodeOutput:
     tokens: jnp.ndarray  # [S] int32 sampled next tokens (junk for inactive slots)
     selected: jnp.ndarray  # [S, L_sparse, k] int32 positions chosen by each leading indexer
     eligible: jnp.ndarray  # [S, L_sparse] int32 eligible positions per sparse layer
+    sources: jnp.ndarray  # [S, L_sparse, 3] int32 selected rows found in tail/resident, hot, host
 
 
 def sparse_layers(cfg: ModelConfig) -> tuple[int, ...]:
@@ -77,24 +80,35 @@ def decode_step(params, engine: EngineConfig, state: DecodeState, tokens, active
     Inactive slots write nothing and keep their length. Returns (state, DecodeOutput).
     """
     cfg = engine.model
+    pools = None if state.host is None else state.host.pools
+    page_table = jnp.zeros((state.num_slots, 0), jnp.int32) if state.host is None else \
+        state.host.page_table
 
-    def one(caches, token, start, live):
+    def one(caches, table, token, start, live):
+        # the host pools are shared by every slot: closed over, not mapped
+        hosts = None if pools is None else tuple(
+            None if p is None else HostView(p, table) for p in pools)
         logits, caches, sels = Transformer(cfg).apply(
-            {"params": params}, token[None], caches, start, live.astype(jnp.int32))
+            {"params": params}, token[None], caches, start, live.astype(jnp.int32), hosts)
         picked = [sels[i] for i in sparse_layers(cfg)]
-        positions = jnp.stack([s.positions[0] for s in picked]) if picked else \
-            jnp.zeros((0, cfg.indexer.top_k), jnp.int32)
-        eligible = jnp.stack([s.eligible[0] for s in picked]) if picked else \
-            jnp.zeros((0,), jnp.int32)
-        return logits[0], caches, positions, eligible
+        k = cfg.indexer.top_k
 
-    logits, caches, positions, eligible = jax.vmap(one)(state.caches, tokens, state.lengths,
-                                                        active)
+        def stack(field, empty_shape):
+            if not picked:
+                return jnp.zeros(empty_shape, jnp.int32)
+            return jnp.stack([getattr(s, field)[0] for s in picked])
+
+        return (logits[0], caches, stack("positions", (0, k)), stack("eligible", (0,)),
+                stack("sources", (0, NUM_SOURCES)))
+
+    logits, caches, positions, eligible, sources = jax.vmap(one)(
+        state.caches, page_table, tokens, state.lengths, active)
     rng, key = jax.random.split(state.rng)
     next_tokens = sample(logits, key, engine.sampling.temperature)
-    state = state.replace(caches=caches, lengths=state.lengths + active.astype(jnp.int32),
-                          rng=rng)
-    return state, DecodeOutput(logits, next_tokens, positions, eligible)
+    new = state.replace(caches=caches, lengths=state.lengths + active.astype(jnp.int32), rng=rng)
+    if engine.paged:
+        new = writeback(engine, new, state.lengths, active)
+    return new, DecodeOutput(logits, next_tokens, positions, eligible, sources)
 
 
 __all__ = ["DecodeOutput", "decode_step", "forward", "forward_chunk", "prefill",

@@ -1,0 +1,159 @@
+"""Byte-exact memory accounting per request: GPU and host bytes by component.
+
+For the arrays this project allocates (``Layout.ours``) the GPU total equals the bytes of one
+slot of ``DecodeState`` exactly (tested). ``Layout.v4_serving`` swaps in the byte sizes of
+DeepSeek-V4 serving stacks (584 B compressed KV rows, 132 B FP8 indexer keys) to compare with the
+papers' figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from lsparse_jax.config import EngineConfig, ModelConfig
+
+GPU_COMPONENTS = ("weights_share", "swa_window", "compressor_state", "attention_kv",
+                  "indexer_keys", "pq_codes", "hot_cache", "key_cache", "tail", "page_table",
+                  "staging")
+HOST_COMPONENTS = ("attention_kv", "indexer_keys")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Bytes of one stored row of each kind.
+
+    Attributes:
+      kv_row: one compressed (or SWA) KV row.
+      index_key: one indexer key with its scales.
+      hot_row_meta: per hot-cache row metadata (position and LRU stamp).
+      hot_scalar: per hot cache scalars (its clock).
+      compressor_value: one value of the compressors' pending-token rings.
+    """
+
+    kv_row: int
+    index_key: int
+    hot_row_meta: int = 8
+    hot_scalar: int = 4
+    compressor_value: int = 4
+
+    @classmethod
+    def ours(cls, cfg: ModelConfig) -> Layout:
+        return cls(kv_row=4 * cfg.head_dim, index_key=cfg.indexer.key_bytes)
+
+    @classmethod
+    def v4_serving(cls) -> Layout:
+        """DeepSeek-V4 FP8 serving layout: 448 FP8 + 64 BF16 rope + 7 scale + 1 pad = 584 B."""
+        return cls(kv_row=584, index_key=132, hot_row_meta=0, hot_scalar=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestBytes:
+    gpu: dict[str, int]  # component -> bytes on the GPU for one request
+    host: dict[str, int]  # component -> bytes in host memory for one request
+    per_layer: tuple[dict[str, int], ...]  # GPU component bytes of each layer
+
+    @property
+    def gpu_total(self) -> int:
+        return sum(self.gpu.values())
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+
+def sized_for(engine: EngineConfig, context: int) -> EngineConfig:
+    """``engine`` with max_len = context rounded up to a multiple of both strides."""
+    cfg = engine.model
+    unit = np.lcm(cfg.csa_ratio, cfg.hca_ratio)
+    model = dataclasses.replace(cfg, max_len=int(-(-context // unit) * unit))
+    return dataclasses.replace(engine, model=model)
+
+
+def request_bytes(engine: EngineConfig, context: int, layout: Layout | None = None,
+                  weights_share: int = 0) -> RequestBytes:
+    """GPU and host bytes of one request whose slot holds ``context`` tokens.
+
+    Notation: D KV dim, W SWA window, m CSA stride, N_c = ctx/m CSA rows, N_h = ctx/128 HCA
+    rows, P page rows, B hot rows, k_b key bytes.
+    Per layer on the GPU: SWA window W*row; CSA compressor rings 2m*4D + 2m*4D_I values, HCA
+    ring m_h*2D values; resident KV N*row (CSA resident, HCA, DSA); indexer keys N*k_b (CSA,
+    leading DSA layers); paged CSA layers: tail P*row + hot B*(row+meta) + clock instead of
+    N_c*row, and N_c rows in host pages (a whole number of pages). The page table is one int32
+    per page, once per request.
+    """
+    engine = sized_for(engine, context)
+    cfg, cache = engine.model, engine.cache
+    lay = layout or Layout.ours(cfg)
+    d, di, val = cfg.head_dim, cfg.indexer.head_dim, lay.compressor_value
+    gpu = dict.fromkeys(GPU_COMPONENTS, 0)
+    host = dict.fromkeys(HOST_COMPONENTS, 0)
+    per_layer = []
+    for i, kind in enumerate(cfg.layer_pattern):
+        layer = dict.fromkeys(GPU_COMPONENTS, 0)
+        n = cfg.num_compressed(kind)
+        if kind in ("swa", "csa", "hca"):
+            layer["swa_window"] = cfg.swa_window * lay.kv_row
+        if kind == "csa":
+            layer["compressor_state"] = 2 * cfg.csa_ratio * 4 * (d + di) * val
+            layer["indexer_keys"] = n * lay.index_key
+            if engine.paged:
+                pages = -(-n // cache.page_size)
+                layer["tail"] = cache.page_size * lay.kv_row
+                layer["hot_cache"] = (cache.hot_cache_rows * (lay.kv_row + lay.hot_row_meta)
+                                      + lay.hot_scalar)
+                host["attention_kv"] += pages * cache.page_size * lay.kv_row
+            else:
+                layer["attention_kv"] = n * lay.kv_row
+        if kind == "hca":
+            layer["compressor_state"] = cfg.hca_ratio * 2 * d * val
+            layer["attention_kv"] = n * lay.kv_row
+        if kind == "dsa":
+            layer["attention_kv"] = n * lay.kv_row
+            if cfg.dsa_leader(i) == i:
+                layer["indexer_keys"] = n * lay.index_key
+        per_layer.append(layer)
+        for key, value in layer.items():
+            gpu[key] += value
+    if engine.paged:
+        gpu["page_table"] = 4 * engine.pages_per_slot
+    gpu["weights_share"] = weights_share
+    return RequestBytes(gpu=gpu, host=host, per_layer=tuple(per_layer))
+
+
+def param_bytes(cfg: ModelConfig) -> int:
+    """Bytes of the model's parameters (f32), from shapes alone (nothing is allocated)."""
+    from lsparse_jax.model import init_params
+
+    shapes = jax.eval_shape(lambda: init_params(cfg))
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(shapes))
+
+
+def max_concurrency(engine: EngineConfig, context: int, hbm_bytes: int, weight_bytes: int,
+                    layout: Layout | None = None, host_bytes: int | None = None) -> int:
+    """Most requests of ``context`` tokens whose GPU state fits beside the weights in
+    ``hbm_bytes`` (and whose host state fits in ``host_bytes`` if given)."""
+    per = request_bytes(engine, context, layout)
+    free = hbm_bytes - weight_bytes
+    if free < 0:
+        raise ValueError(f"max_concurrency: weights ({weight_bytes} B) exceed the HBM budget "
+                         f"({hbm_bytes} B)")
+    count = free // per.gpu_total
+    if host_bytes is not None and per.host_total:
+        count = min(count, host_bytes // per.host_total)
+    return int(count)
+
+
+def figure1_ratio(context: int = 512 * 1024, hot_rows: int = 4096) -> float:
+    """LeanSparse Figure 1: one V4-Flash CSA layer's FP8 indexer keys over a hot KV buffer of
+    ``hot_rows`` 584-byte entries, at ``context`` tokens (7.2x at 512K)."""
+    from lsparse_jax.config import CacheConfig
+    from lsparse_jax.model.presets import preset
+
+    engine = EngineConfig(model=preset("v4_flash"), method="hisparse",
+                          cache=CacheConfig(hot_cache_rows=hot_rows))
+    layers = request_bytes(engine, context, Layout.v4_serving()).per_layer
+    csa = next(layer for layer, kind in zip(layers, engine.model.layer_pattern) if kind == "csa")
+    return csa["indexer_keys"] / csa["hot_cache"]

@@ -1,0 +1,73 @@
+"""Memory accounting equals the allocated state byte for byte; Figure 1 of LeanSparse."""
+
+import jax
+import pytest
+
+from lsparse_jax.config import CacheConfig, EngineConfig
+from lsparse_jax.memory.accounting import (
+    Layout,
+    figure1_ratio,
+    max_concurrency,
+    param_bytes,
+    request_bytes,
+)
+from lsparse_jax.model import init_params
+from lsparse_jax.serving.state import empty_state, slot_bytes
+from tests.helpers import tiny
+
+PATTERNS = [("swa", "csa", "hca", "csa"), ("dsa", "dsa", "dsa", "csa")]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("method,rows", [("resident", None), ("hisparse", 24)])
+def test_gpu_and_host_bytes_equal_allocated_state(pattern, method, rows):
+    cfg = tiny(max_len=256, layer_pattern=pattern, dsa_share_group=2)
+    engine = EngineConfig(model=cfg, method=method,
+                          cache=CacheConfig(num_slots=3, hot_cache_rows=rows, page_size=8))
+    state = empty_state(engine)
+    acc = request_bytes(engine, cfg.max_len)
+    assert acc.gpu_total == slot_bytes(state)
+    pools = [] if state.host is None else [p for p in state.host.pools if p is not None]
+    assert acc.host_total == sum(p.nbytes for p in pools) // 3
+    assert all(p.sharding.memory_kind == "pinned_host" for p in pools)
+
+
+def test_hisparse_moves_csa_kv_to_host():
+    cfg = tiny(max_len=2048)
+    res = request_bytes(EngineConfig(model=cfg), 2048)
+    his = request_bytes(EngineConfig(model=cfg, method="hisparse",
+                                     cache=CacheConfig(hot_cache_rows=32, page_size=64)), 2048)
+    csa_rows = 2 * (2048 // 4)  # two CSA layers
+    assert his.host["attention_kv"] == csa_rows * 4 * cfg.head_dim
+    saved = res.gpu["attention_kv"] - his.gpu["attention_kv"]
+    assert saved == csa_rows * 4 * cfg.head_dim
+    assert his.gpu["indexer_keys"] == res.gpu["indexer_keys"]  # HiSparse keeps keys on GPU
+    assert his.gpu_total < res.gpu_total
+
+
+def test_figure1_ratio_within_one_percent():
+    # 131072 keys x 132 B over 4096 x 584 B = 7.233
+    assert figure1_ratio() == pytest.approx(7.2, rel=0.01)
+    assert figure1_ratio() == pytest.approx(131072 * 132 / (4096 * 584), rel=1e-12)
+
+
+def test_max_concurrency_and_param_bytes():
+    cfg = tiny(max_len=256)
+    params = init_params(cfg)
+    assert param_bytes(cfg) == sum(a.nbytes for a in jax.tree.leaves(params))
+    engine = EngineConfig(model=cfg)
+    per = request_bytes(engine, 256).gpu_total
+    assert max_concurrency(engine, 256, 1000 + 5 * per + per - 1, 1000) == 5
+    with pytest.raises(ValueError, match="exceed the HBM budget"):
+        max_concurrency(engine, 256, 10, 1000)
+
+
+def test_v4_layout_counts_serving_bytes():
+    from lsparse_jax.model import preset
+
+    engine = EngineConfig(model=preset("v4_flash"), method="hisparse",
+                          cache=CacheConfig(hot_cache_rows=4096))
+    acc = request_bytes(engine, 512 * 1024, Layout.v4_serving())
+    n_csa = engine.model.layer_pattern.count("csa")
+    assert acc.gpu["indexer_keys"] == n_csa * 131072 * 132
+    assert acc.gpu["hot_cache"] == n_csa * 4096 * 584

@@ -1,0 +1,156 @@
+"""HiSparse over the KV hierarchy: bit-identical to resident, LRU, invariant, capacity."""
+
+import collections
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lsparse_jax.config import CacheConfig, EngineConfig
+from lsparse_jax.memory import HostCapacityError, HotCache, empty_pool, resolve
+from lsparse_jax.memory.host_pool import write_host_page
+from lsparse_jax.memory.invariant import hierarchy_violations
+from lsparse_jax.serving.engine import Engine
+from tests.helpers import model_and_tokens, tiny
+
+
+def engines(cfg, params, hot_rows, slots=3, page=8, host_pages=None):
+    make = lambda method, rows: Engine(EngineConfig(  # noqa: E731
+        model=cfg, method=method, cache=CacheConfig(num_slots=slots, prefill_chunk=32,
+                                                    hot_cache_rows=rows, page_size=page,
+                                                    host_pages=host_pages)), params)
+    return make("resident", None), make("hisparse", hot_rows)
+
+
+@pytest.mark.parametrize("hot_rows", [16, 24, 64])  # 16 = top-k: every row not reused misses
+def test_hisparse_bit_identical_to_resident_with_invariant(hot_rows):
+    cfg = tiny(max_len=512)
+    params, _ = model_and_tokens(cfg, 1, seed=hot_rows)
+    rng = np.random.default_rng(hot_rows)
+    prompts = [rng.integers(0, 256, n).astype(np.int32) for n in (70, 133, 45)]
+    resident, paged = engines(cfg, params, hot_rows)
+    for engine in (resident, paged):
+        engine.admit(prompts[0], max_new_tokens=150)
+        engine.admit(prompts[1], max_new_tokens=150)
+    host_rows = 0
+    for step in range(120):
+        if step == 30:  # a request joins mid-run
+            for engine in (resident, paged):
+                engine.admit(prompts[2], max_new_tokens=120)
+        if step == 90:  # and one leaves: its host pages go back to the pool
+            for engine in (resident, paged):
+                engine.release(0)
+        want, got = resident.step(), paged.step()
+        act = resident.active
+        np.testing.assert_array_equal(np.asarray(got.logits)[act], np.asarray(want.logits)[act])
+        np.testing.assert_array_equal(np.asarray(got.tokens)[act], np.asarray(want.tokens)[act])
+        np.testing.assert_array_equal(np.asarray(got.selected)[act],
+                                      np.asarray(want.selected)[act])
+        src = np.asarray(got.sources)[act]
+        np.testing.assert_array_equal(src.sum(-1), (np.asarray(want.selected)[act] >= 0).sum(-1))
+        host_rows += int(src[..., 2].sum())
+        assert hierarchy_violations(paged.config, paged.state, resident.state.caches, act) == []
+    assert resident.generated == paged.generated
+    m = paged.metrics()
+    assert m["selection"]["host_rows"] == host_rows > 0
+    assert m["selection"]["host_bytes"] == host_rows * 4 * cfg.head_dim
+    if hot_rows == 64:  # a hot cache larger than one step's selection serves repeats
+        assert m["selection"]["resolved_fraction"]["hot_cache"] > 0
+
+
+def test_host_capacity_error_at_admission_changes_nothing():
+    cfg = tiny(max_len=512)
+    params, prompt = model_and_tokens(cfg, 60, seed=4)
+    # each request of 60 + 100 tokens needs ceil(40 rows / 8) = 5 pages; the pool has 8
+    _, engine = engines(cfg, params, 16, slots=2, host_pages=8)
+    engine.admit(prompt, max_new_tokens=100)
+    before = engine.pages.free
+    with pytest.raises(HostCapacityError, match="needs 5 pages, 3 of 8 are free"):
+        engine.admit(prompt, max_new_tokens=100)
+    assert engine.pages.free == before and engine.active.sum() == 1
+    for _ in range(5):
+        engine.step()  # the admitted request goes on
+    engine.release(0)
+    assert engine.pages.free == 8
+    engine.admit(prompt, max_new_tokens=100)  # and its pages serve the next one
+
+
+def test_reservation_is_enforced_before_a_step():
+    cfg = tiny(max_len=512)
+    params, prompt = model_and_tokens(cfg, 20, seed=5)
+    _, engine = engines(cfg, params, 16, slots=1)
+    engine.admit(prompt, max_new_tokens=3)
+    for _ in range(3):
+        engine.step()
+    with pytest.raises(RuntimeError, match="reserved length"):
+        engine.step()
+
+
+def test_hisparse_requires_hot_cache_of_top_k():
+    cfg = tiny()
+    with pytest.raises(ValueError, match="hot_cache_rows"):
+        EngineConfig(model=cfg, method="hisparse")
+    with pytest.raises(ValueError, match="must be >= indexer.top_k=16"):
+        EngineConfig(model=cfg, method="hisparse", cache=CacheConfig(hot_cache_rows=15))
+
+
+class LRUModel:
+    """Plain-Python HiSparse hot cache: OrderedDict of position -> None, oldest first."""
+
+    def __init__(self, capacity):
+        self.capacity, self.order = capacity, collections.OrderedDict()
+
+    def step(self, selected, paged):
+        want = [p for p in selected if 0 <= p < paged]
+        hits = [p for p in want if p in self.order]
+        misses = [p for p in want if p not in self.order]
+        victims = [p for p in self.order if p not in hits]
+        for p in misses:
+            if len(self.order) >= self.capacity:
+                del self.order[victims.pop(0)]
+            self.order[p] = None
+        for p in want:  # touched in selection order: later rank = more recent
+            self.order.move_to_end(p)
+        tail = sum(1 for p in selected if p >= paged)
+        return tail, len(hits), len(misses)
+
+
+@settings(deadline=None, max_examples=30)
+@given(seed=st.integers(0, 2**16), capacity=st.integers(4, 12), k=st.integers(1, 4),
+       universe=st.integers(4, 40), steps=st.integers(1, 25))
+def test_lru_matches_python_model(seed, capacity, k, universe, steps):
+    """``resolve`` against a plain LRU on random access sequences, with the rows it returns
+    checked against the host truth and the slot map checked after every step."""
+    rng = np.random.default_rng(seed)
+    page, dim = 4, 3
+    pages = -(-universe // page) + 1
+    truth = rng.normal(size=(pages * page, dim)).astype(np.float32)
+    perm = rng.permutation(pages).astype(np.int32)  # logical page -> physical page
+    pool = empty_pool(pages, page, dim)
+    for logical in range(pages):
+        pool = write_host_page(pool, int(perm[logical]),
+                               jnp.asarray(truth[logical * page:(logical + 1) * page]))
+    paged = universe // page * page
+    tail = jnp.asarray(truth[paged:paged + page])
+    hot, model = HotCache.empty(capacity, dim), LRUModel(capacity)
+    k = min(k, capacity)
+    for _ in range(steps):
+        sel = rng.choice(universe, size=k, replace=False).astype(np.int32)
+        sel[rng.random(k) < 0.2] = -1  # padding
+        rows, hot, counts = resolve(hot, jnp.asarray(sel), tail, paged, jnp.asarray(perm), pool)
+        assert tuple(np.asarray(counts)) == model.step(list(sel), paged)
+        rows = np.asarray(rows)
+        for j, p in enumerate(sel):
+            if p >= 0:
+                np.testing.assert_array_equal(rows[j], truth[p])
+            else:
+                assert np.isnan(rows[j]).all()
+        pos, stamps = np.asarray(hot.positions), np.asarray(hot.stamps)
+        held = pos[pos >= 0]
+        assert sorted(held.tolist()) == sorted(model.order)  # same contents ...
+        assert held[np.argsort(stamps[pos >= 0])].tolist() == list(model.order)  # ... and order
+        hot_rows = np.asarray(hot.rows)
+        for j in np.flatnonzero(pos >= 0):
+            np.testing.assert_array_equal(hot_rows[j], truth[pos[j]])
