@@ -1,9 +1,5 @@
-import os
-
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

@@ -1,0 +1,35 @@
+"""The host tier on a real GPU: pinned_host pools, in-jit copies, hisparse == resident."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lsparse_jax.memory import empty_pool, read_host_rows, write_host_page
+
+pytestmark = pytest.mark.gpu
+
+
+def test_pool_lives_in_pinned_host_and_round_trips():
+    assert jax.devices()[0].platform == "gpu"
+    pool = empty_pool(64, 16, 128)
+    assert pool.sharding.memory_kind == "pinned_host"
+    rows = jnp.asarray(np.random.default_rng(0).normal(size=(16, 128)), jnp.float32)
+    pool = jax.jit(write_host_page, donate_argnums=0)(pool, 5, rows)
+    assert pool.sharding.memory_kind == "pinned_host"
+    ids = jnp.asarray([5 * 16 + 3, -1, 5 * 16 + 15], jnp.int32)
+    got = np.asarray(jax.jit(read_host_rows)(pool, ids))
+    np.testing.assert_array_equal(got[0], np.asarray(rows[3]))
+    np.testing.assert_array_equal(got[2], np.asarray(rows[15]))
+    assert np.isnan(got[1]).all()
+    # under vmap (one call per slot) every slot gets its own rows
+    batched = jnp.asarray([[5 * 16, -1], [-1, 5 * 16 + 1]], jnp.int32)
+    out = np.asarray(jax.jit(jax.vmap(read_host_rows, in_axes=(None, 0)))(pool, batched))
+    np.testing.assert_array_equal(out[0, 0], np.asarray(rows[0]))
+    np.testing.assert_array_equal(out[1, 1], np.asarray(rows[1]))
+
+
+def test_hisparse_bit_identical_on_gpu():
+    from tests.test_hierarchy import test_hisparse_bit_identical_to_resident_with_invariant
+
+    test_hisparse_bit_identical_to_resident_with_invariant(16)
