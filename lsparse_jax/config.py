@@ -12,8 +12,8 @@ from typing import Literal
 
 LayerKind = Literal["swa", "csa", "hca", "dsa"]
 LAYER_KINDS: tuple[str, ...] = ("swa", "csa", "hca", "dsa")
-METHODS: tuple[str, ...] = ("resident", "hisparse")  # later: leansparse, adaptive
-PAGED_METHODS: tuple[str, ...] = ("hisparse",)  # CSA KV on the host behind a hot cache
+METHODS: tuple[str, ...] = ("resident", "hisparse", "leansparse")  # later: adaptive
+PAGED_METHODS: tuple[str, ...] = ("hisparse", "leansparse")  # CSA KV on the host, GPU cache
 
 
 def _fail(cls: str, field: str, value, allowed: str):
@@ -175,6 +175,35 @@ class SamplingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LeanSparseConfig:
+    """LeanSparse coarse-to-fine indexing (paper defaults: C = 2048, 4K key cache, offset 1).
+
+    Attributes:
+      num_candidates: C, positions kept by the PQ coarse pass (>= top-k).
+      miss_filter_offset: an uncached candidate is dropped if its coarse score is below the
+        candidates' k-th largest minus this many sample standard deviations; None = no filter.
+      key_cache_rows: per-request, per-CSA-layer GPU cache of exact FP8 keys (>= C).
+      pq_subspace_dim: dims per PQ subvector (one byte each): M = head_dim / this.
+    """
+
+    num_candidates: int = 2048
+    miss_filter_offset: float | None = 1.0
+    key_cache_rows: int = 4096
+    pq_subspace_dim: int = 4
+
+    def __post_init__(self):
+        _positive("LeanSparseConfig", num_candidates=self.num_candidates,
+                  key_cache_rows=self.key_cache_rows, pq_subspace_dim=self.pq_subspace_dim)
+        if self.miss_filter_offset is not None and not self.miss_filter_offset >= 0:
+            _fail("LeanSparseConfig", "miss_filter_offset", self.miss_filter_offset,
+                  "must be >= 0 or None (no filter)")
+        if self.key_cache_rows < self.num_candidates:
+            _fail("LeanSparseConfig", "key_cache_rows", self.key_cache_rows,
+                  f"must be >= num_candidates={self.num_candidates}: one step's candidates "
+                  "must fit in the key cache")
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """A serving method on a model with its capacities."""
 
@@ -182,6 +211,7 @@ class EngineConfig:
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
     method: str = "resident"
+    leansparse: LeanSparseConfig = dataclasses.field(default_factory=LeanSparseConfig)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -190,6 +220,14 @@ class EngineConfig:
         if self.method in PAGED_METHODS and rows is None:
             _fail("EngineConfig", "cache.hot_cache_rows", rows,
                   f"method {self.method!r} needs a hot cache size B >= indexer.top_k")
+        if self.method == "leansparse":
+            lean, ic = self.leansparse, self.model.indexer
+            if lean.num_candidates < ic.top_k:
+                _fail("EngineConfig", "leansparse.num_candidates", lean.num_candidates,
+                      f"must be >= indexer.top_k={ic.top_k}")
+            if ic.head_dim % lean.pq_subspace_dim:
+                _fail("EngineConfig", "leansparse.pq_subspace_dim", lean.pq_subspace_dim,
+                      f"must divide indexer.head_dim={ic.head_dim}")
         if rows is not None and rows < self.model.indexer.top_k:
             _fail("EngineConfig", "cache.hot_cache_rows", rows,
                   f"must be >= indexer.top_k={self.model.indexer.top_k}: a step's selection "
@@ -210,3 +248,12 @@ class EngineConfig:
         if self.cache.host_pages is not None:
             return self.cache.host_pages
         return self.cache.num_slots * self.pages_per_slot
+
+    @property
+    def lean(self) -> LeanSparseConfig | None:
+        """The coarse-to-fine settings when the method is leansparse, else None."""
+        return self.leansparse if self.method == "leansparse" else None
+
+    @property
+    def pq_subspaces(self) -> int:
+        return self.model.indexer.head_dim // self.leansparse.pq_subspace_dim

@@ -1,9 +1,10 @@
 """Memory accounting equals the allocated state byte for byte; Figure 1 of LeanSparse."""
 
 import jax
+import numpy as np
 import pytest
 
-from lsparse_jax.config import CacheConfig, EngineConfig
+from lsparse_jax.config import CacheConfig, EngineConfig, LeanSparseConfig
 from lsparse_jax.memory.accounting import (
     Layout,
     figure1_ratio,
@@ -19,15 +20,19 @@ PATTERNS = [("swa", "csa", "hca", "csa"), ("dsa", "dsa", "dsa", "csa")]
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("method,rows", [("resident", None), ("hisparse", 24)])
+@pytest.mark.parametrize("method,rows", [("resident", None), ("hisparse", 24),
+                                         ("leansparse", 24)])
 def test_gpu_and_host_bytes_equal_allocated_state(pattern, method, rows):
     cfg = tiny(max_len=256, layer_pattern=pattern, dsa_share_group=2)
     engine = EngineConfig(model=cfg, method=method,
-                          cache=CacheConfig(num_slots=3, hot_cache_rows=rows, page_size=8))
-    state = empty_state(engine)
+                          cache=CacheConfig(num_slots=3, hot_cache_rows=rows, page_size=8),
+                          leansparse=LeanSparseConfig(32, 1.0, 40))
+    csa = [i for i, k in enumerate(pattern) if k == "csa"]
+    books = {i: np.zeros((engine.pq_subspaces, 16, 4), np.float32) for i in csa}
+    state = empty_state(engine, books if method == "leansparse" else None)
     acc = request_bytes(engine, cfg.max_len)
     assert acc.gpu_total == slot_bytes(state)
-    pools = [] if state.host is None else [p for p in state.host.pools if p is not None]
+    pools = [] if state.host is None else jax.tree.leaves(state.host.pools)
     assert acc.host_total == sum(p.nbytes for p in pools) // 3
     assert all(p.sharding.memory_kind == "pinned_host" for p in pools)
 
@@ -71,3 +76,16 @@ def test_v4_layout_counts_serving_bytes():
     n_csa = engine.model.layer_pattern.count("csa")
     assert acc.gpu["indexer_keys"] == n_csa * 131072 * 132
     assert acc.gpu["hot_cache"] == n_csa * 4096 * 584
+
+
+def test_leansparse_keeps_least_on_gpu_at_long_context():
+    """At V4-Flash shapes and 512K tokens, leansparse's per-request GPU bytes are the
+    smallest: 32-byte PQ codes replace 132-byte keys, caches are fixed-size."""
+    from lsparse_jax.model import preset
+
+    cfg = preset("v4_flash")
+    cache = CacheConfig(hot_cache_rows=4096, page_size=64)
+    totals = {m: request_bytes(EngineConfig(model=cfg, method=m, cache=cache), 512 * 1024,
+                               Layout.v4_serving()).gpu_total
+              for m in ("resident", "hisparse", "leansparse")}
+    assert totals["leansparse"] < totals["hisparse"] < totals["resident"]

@@ -81,8 +81,9 @@ def request_bytes(engine: EngineConfig, context: int, layout: Layout | None = No
     Per layer on the GPU: SWA window W*row; CSA compressor rings 2m*4D + 2m*4D_I values, HCA
     ring m_h*2D values; resident KV N*row (CSA resident, HCA, DSA); indexer keys N*k_b (CSA,
     leading DSA layers); paged CSA layers: tail P*row + hot B*(row+meta) + clock instead of
-    N_c*row, and N_c rows in host pages (a whole number of pages). The page table is one int32
-    per page, once per request.
+    N_c*row, and N_c rows in host pages (a whole number of pages); leansparse also moves the
+    keys: PQ codes N_c*M bytes + key cache Bk*(k_b+meta) + clock + key tail P*k_b on the GPU,
+    the keys in host pages. The page table is one int32 per page, once per request.
     """
     engine = sized_for(engine, context)
     cfg, cache = engine.model, engine.cache
@@ -100,13 +101,20 @@ def request_bytes(engine: EngineConfig, context: int, layout: Layout | None = No
             layer["compressor_state"] = 2 * cfg.csa_ratio * 4 * (d + di) * val
             layer["indexer_keys"] = n * lay.index_key
             if engine.paged:
-                pages = -(-n // cache.page_size)
+                paged_rows = -(-n // cache.page_size) * cache.page_size
                 layer["tail"] = cache.page_size * lay.kv_row
                 layer["hot_cache"] = (cache.hot_cache_rows * (lay.kv_row + lay.hot_row_meta)
                                       + lay.hot_scalar)
-                host["attention_kv"] += pages * cache.page_size * lay.kv_row
+                host["attention_kv"] += paged_rows * lay.kv_row
             else:
                 layer["attention_kv"] = n * lay.kv_row
+            if engine.lean is not None:
+                layer["indexer_keys"] = 0
+                layer["pq_codes"] = n * engine.pq_subspaces
+                layer["key_cache"] = (engine.leansparse.key_cache_rows
+                                      * (lay.index_key + lay.hot_row_meta) + lay.hot_scalar)
+                layer["tail"] += cache.page_size * lay.index_key
+                host["indexer_keys"] += paged_rows * lay.index_key
         if kind == "hca":
             layer["compressor_state"] = cfg.hca_ratio * 2 * d * val
             layer["attention_kv"] = n * lay.kv_row

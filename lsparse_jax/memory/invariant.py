@@ -9,49 +9,75 @@ from __future__ import annotations
 import numpy as np
 
 from lsparse_jax.config import EngineConfig
+from lsparse_jax.memory.key_store import PagedKeys
 from lsparse_jax.model.cache import CSACache
 
 
-def hierarchy_violations(engine: EngineConfig, state, truth_caches, active) -> list[str]:
+def _same(a, b) -> bool:
+    """Bit equality that also holds for NaN payloads and FP8 values."""
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def _check_store(name, tail, pool, cache, table, truth, done, paged, page, s, bad):
+    """Rows < done must be in the tail (>= paged) or in the slot's host pages; every occupied
+    cache row must hold the truth row of its position, no position twice."""
+    leaves = lambda t: t if isinstance(t, tuple) else (t,)  # noqa: E731
+    for i in range(done):
+        if i >= paged:
+            got = [leaf[s, i - paged] for leaf in leaves(tail)]
+        elif table[s, i // page] < 0:
+            bad.append(f"{name} slot {s} row {i}: no host page")
+            continue
+        else:
+            got = [leaf[table[s, i // page], i % page] for leaf in leaves(pool)]
+        if not all(_same(g, w[s, i]) for g, w in zip(got, leaves(truth))):
+            bad.append(f"{name} slot {s} row {i}: {'tail' if i >= paged else 'host'} differs")
+    pos = np.asarray(cache.positions)[s]
+    held = pos[pos >= 0]
+    if len(set(held.tolist())) != held.size:
+        bad.append(f"{name} slot {s}: a position is cached twice")
+    rows = [np.asarray(leaf) for leaf in leaves(cache.rows)]
+    for j in np.flatnonzero(pos >= 0):
+        p = pos[j]
+        if p >= paged or not all(_same(r[s, j], w[s, p]) for r, w in zip(rows, leaves(truth))):
+            bad.append(f"{name} slot {s} cache row {j} (position {p}) is stale")
+
+
+def hierarchy_violations(engine: EngineConfig, state, truth_caches, active,
+                         encode_keys=None, layers=None) -> list[str]:
     """Lists every row that is lost or wrong (empty list = invariant holds).
 
     state: a paged DecodeState; truth_caches: the caches of a resident DecodeState holding the
-    same requests in the same slots; active [S] bool: slots to check.
-    For each active slot and CSA layer, rows 0 .. completed-1 must be bit-equal to the truth
-    either in the tail (rows >= paged) or in the slot's host pages (rows < paged); every
-    occupied hot-cache row must equal the truth row of the position it claims, with no
-    position held twice.
+    same requests in the same slots; active [S] bool: slots to check. Covers compressed KV
+    (tail, host pages, hot cache) and, for leansparse, FP8 indexer keys (tail, host pages, key
+    cache) and the PQ codes of paged keys (``encode_keys(values, scales, layer)`` -> codes).
+    ``layers`` limits the check (an approximate method changes the rows of later layers, so
+    only layers before its first approximate selection can be checked against resident).
     """
     page, m = engine.cache.page_size, engine.model.csa_ratio
     lengths = np.asarray(state.lengths)
     table = np.asarray(state.host.page_table)
+    np_tree = lambda t: tuple(np.asarray(x) for x in t)  # noqa: E731
     bad = []
     for layer, (cache, truth) in enumerate(zip(state.caches, truth_caches)):
-        if not isinstance(cache, CSACache):
+        if not isinstance(cache, CSACache) or (layers is not None and layer not in layers):
             continue
-        pool = np.asarray(state.host.pools[layer])
-        tails = np.asarray(cache.kv.tail)
-        hot_rows, hot_pos = np.asarray(cache.kv.hot.rows), np.asarray(cache.kv.hot.positions)
-        want = np.asarray(truth.kv.entries)
+        pools = state.host.pools[layer]
+        want_kv = np.asarray(truth.kv.entries)
+        want_keys = (np.asarray(truth.keys.values), np.asarray(truth.keys.scales))
         for s in np.flatnonzero(active):
             done = int(lengths[s]) // m
             paged = done // page * page
-            for i in range(done):
-                if i >= paged:
-                    got = tails[s, i - paged]
-                elif table[s, i // page] < 0:
-                    bad.append(f"layer {layer} slot {s} row {i}: no host page")
-                    continue
-                else:
-                    got = pool[table[s, i // page], i % page]
-                if not np.array_equal(got, want[s, i]):
-                    where = "tail" if i >= paged else "host"
-                    bad.append(f"layer {layer} slot {s} row {i}: {where} copy differs")
-            held = hot_pos[s][hot_pos[s] >= 0]
-            if len(set(held.tolist())) != held.size:
-                bad.append(f"layer {layer} slot {s}: a position is cached twice")
-            for j in np.flatnonzero(hot_pos[s] >= 0):
-                p = hot_pos[s, j]
-                if p >= paged or not np.array_equal(hot_rows[s, j], want[s, p]):
-                    bad.append(f"layer {layer} slot {s} hot row {j} (position {p}) is stale")
+            _check_store(f"layer {layer} kv", np.asarray(cache.kv.tail), np.asarray(pools.kv),
+                         cache.kv.hot, table, want_kv, done, paged, page, s, bad)
+            if isinstance(cache.keys, PagedKeys):
+                _check_store(f"layer {layer} keys", np_tree(cache.keys.tail),
+                             np_tree(pools.keys), cache.keys.cache, table, want_keys, done,
+                             paged, page, s, bad)
+                if encode_keys is not None and paged:
+                    want = np.asarray(encode_keys(want_keys[0][s, :paged],
+                                                  want_keys[1][s, :paged], layer))
+                    if not _same(np.asarray(cache.keys.codes)[s, :paged], want):
+                        bad.append(f"layer {layer} slot {s}: PQ codes differ from encode()")
     return bad

@@ -27,6 +27,8 @@ class HostView:
 
     pool: jax.Array  # [NP, P, D] pinned_host pages of this layer
     page_table: jnp.ndarray  # [max_pages] int32 physical page of each logical page, -1 none
+    key_pool: tuple[jax.Array, jax.Array] | None = None  # ([NP,P,D_I] e4m3, [NP,P,nb] f32)
+    codebooks: jnp.ndarray | None = None  # [M, K, D_I / M] PQ codebooks (leansparse)
 
 
 def paged_rows(kv, completed) -> jnp.ndarray:

@@ -11,9 +11,10 @@ import flax.linen as nn
 import jax.numpy as jnp
 from flax import struct
 
-from lsparse_jax.config import ModelConfig
+from lsparse_jax.config import LeanSparseConfig, ModelConfig
 from lsparse_jax.indexing import index_scores, topk_positions
-from lsparse_jax.memory import kv_store
+from lsparse_jax.indexing.leansparse import leansparse_select
+from lsparse_jax.memory import key_store, kv_store
 from lsparse_jax.memory.hot_cache import NUM_SOURCES
 from lsparse_jax.memory.kv_store import write_rows
 from lsparse_jax.model.attention import sink_attention
@@ -29,7 +30,8 @@ class Selection:
 
     positions: jnp.ndarray  # [T, k] int32, best first, -1 padded
     eligible: jnp.ndarray  # [T] int32 eligible positions per query
-    sources: jnp.ndarray  # [T, 3] int32 selected rows found in (tail/resident, hot, host)
+    sources: jnp.ndarray  # [T, 3] int32 selected KV rows found in (tail/resident, hot, host)
+    key_sources: jnp.ndarray  # [T, 3] int32 exact keys scored from (tail/resident, cache, host)
 
 
 class Indexer(nn.Module):
@@ -56,8 +58,10 @@ class Indexer(nn.Module):
         scores = index_scores(q, w, dequantize_index_keys(keys, scales))
         positions, _ = topk_positions(scores, eligible, self.cfg.indexer.top_k)
         sources = jnp.zeros((positions.shape[0], NUM_SOURCES), jnp.int32)
+        scored = sources.at[:, 0].set(jnp.sum(eligible, axis=-1))
         sources = sources.at[:, 0].set(jnp.sum(positions >= 0, axis=-1))
-        return Selection(positions, jnp.sum(eligible, axis=-1).astype(jnp.int32), sources)
+        return Selection(positions, jnp.sum(eligible, axis=-1).astype(jnp.int32), sources,
+                         scored)
 
 
 class AttentionLayer(nn.Module):
@@ -66,6 +70,7 @@ class AttentionLayer(nn.Module):
     cfg: ModelConfig
     layer: int
     dense_selection: bool = False  # attend to every eligible entry (the no-sparsity reference)
+    lean: LeanSparseConfig | None = None  # coarse-to-fine settings (leansparse decode)
 
     @property
     def kind(self) -> str:
@@ -113,6 +118,8 @@ class AttentionLayer(nn.Module):
         if self.kind in ("csa", "dsa") and shared is None:
             indexer = Indexer(cfg, name="indexer")
             iq, iw = indexer(x, positions)
+            self.sow("intermediates", "indexer_q", iq)  # read by indexing.traces
+            self.sow("intermediates", "indexer_w", iw)
             ic = cfg.indexer
             if self.kind == "csa":
                 icomp = Compressor(ic.head_dim, m, True, min(cfg.rope_dim, ic.head_dim),
@@ -123,10 +130,27 @@ class AttentionLayer(nn.Module):
                 kids, kok = positions, jnp.arange(t_len) < num_valid
                 krows = rope(dense(ic.head_dim, "index_wk")(x), positions,
                              min(cfg.rope_dim, ic.head_dim), cfg.rope_theta)
-            kv, ks = quantize_index_keys(krows, ic.fp8_block)
-            cache = cache.replace(index_keys=write_rows(cache.index_keys, kids, kv, kok),
-                                  index_scales=write_rows(cache.index_scales, kids, ks, kok))
-            selection = indexer.select(iq, iw, cache.index_keys, cache.index_scales, eligible)
+            kval, kscale = quantize_index_keys(krows, ic.fp8_block)
+            if self.kind == "dsa":
+                cache = cache.replace(
+                    index_keys=write_rows(cache.index_keys, kids, kval, kok),
+                    index_scales=write_rows(cache.index_scales, kids, kscale, kok))
+                selection = indexer.select(iq, iw, cache.index_keys, cache.index_scales,
+                                           eligible)
+            elif isinstance(cache.keys, key_store.ResidentKeys):
+                keys = key_store.write(cache.keys, kids, kval, kscale, kok, 0)
+                cache = cache.replace(keys=keys)
+                selection = indexer.select(iq, iw, keys.values, keys.scales, eligible)
+            else:  # leansparse: coarse-to-fine over offloaded keys
+                if t_len != 1 or self.lean is None:
+                    raise ValueError("paged indexer keys serve leansparse decode (one token)")
+                keys = key_store.write(cache.keys, kids, kval, kscale, kok, paged)
+                picked, keys, key_sources, _ = leansparse_select(
+                    iq[0], iw[0], keys, eligible[0], paged, host, self.lean, ic.top_k)
+                cache = cache.replace(keys=keys)
+                selection = Selection(picked[None], jnp.sum(eligible, -1).astype(jnp.int32),
+                                      jnp.zeros((1, NUM_SOURCES), jnp.int32),
+                                      key_sources[None])
         elif self.kind == "dsa":
             selection = shared  # GLM-5 index sharing: reuse the group leader's positions
 
@@ -155,10 +179,11 @@ class Block(nn.Module):
     cfg: ModelConfig
     layer: int
     dense_selection: bool = False
+    lean: LeanSparseConfig | None = None
 
     @nn.compact
     def __call__(self, x, cache, start, num_valid, shared=None, host=None):
-        attn = AttentionLayer(self.cfg, self.layer, self.dense_selection, name="attn")
+        attn = AttentionLayer(self.cfg, self.layer, self.dense_selection, self.lean, name="attn")
         y, cache, selection = attn(RMSNorm(name="attn_norm")(x), cache, start, num_valid, shared,
                                    host)
         x = x + y

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from lsparse_jax.config import ModelConfig
+from lsparse_jax.memory.key_store import PagedKeys, ResidentKeys
 from lsparse_jax.memory.kv_store import PagedKV, ResidentKV
 
 
@@ -23,8 +24,7 @@ class CSACache:
     kv_ring: jnp.ndarray  # [2m, 4D] f32 compressor inputs of the last 2m tokens
     kv: ResidentKV | PagedKV  # compressed KV; entry i pools tokens (i-1)m .. im+m-1
     index_ring: jnp.ndarray  # [2m, 4 D_I] f32 indexer-compressor inputs of the last 2m tokens
-    index_keys: jnp.ndarray  # [N, D_I] float8_e4m3fn indexer keys
-    index_scales: jnp.ndarray  # [N, D_I / fp8_block] f32 key scales
+    keys: ResidentKeys | PagedKeys  # FP8 indexer keys of the compressed entries
 
 
 @struct.dataclass
@@ -57,8 +57,8 @@ def empty_layer_cache(cfg: ModelConfig, layer: int) -> LayerCache:
     if kind == "csa":
         m = cfg.csa_ratio
         return CSACache(window=nan(w, d), kv_ring=nan(2 * m, 4 * d), kv=ResidentKV(nan(n, d)),
-                        index_ring=nan(2 * m, 4 * di), index_keys=fp8(n, di),
-                        index_scales=nan(n, nb))
+                        index_ring=nan(2 * m, 4 * di),
+                        keys=ResidentKeys(values=fp8(n, di), scales=nan(n, nb)))
     if kind == "hca":
         m = cfg.hca_ratio
         return HCACache(window=nan(w, d), kv_ring=nan(m, 2 * d), entries=nan(n, d))

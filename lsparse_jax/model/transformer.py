@@ -6,7 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lsparse_jax.config import ModelConfig
+from lsparse_jax.config import LeanSparseConfig, ModelConfig
 from lsparse_jax.model.blocks import Block
 from lsparse_jax.model.cache import empty_cache
 from lsparse_jax.model.layers import RMSNorm, dense
@@ -23,6 +23,7 @@ class Transformer(nn.Module):
 
     cfg: ModelConfig
     dense_selection: bool = False
+    lean: LeanSparseConfig | None = None  # leansparse decode: coarse-to-fine settings
 
     @nn.compact
     def __call__(self, tokens, caches, start, num_valid, hosts=None):
@@ -34,7 +35,7 @@ class Transformer(nn.Module):
             shared = None
             if cfg.layer_pattern[i] == "dsa" and cfg.dsa_leader(i) != i:
                 shared = selections[cfg.dsa_leader(i)]
-            x, c, sel = Block(cfg, i, self.dense_selection, name=f"block_{i}")(
+            x, c, sel = Block(cfg, i, self.dense_selection, self.lean, name=f"block_{i}")(
                 x, caches[i], start, num_valid, shared, None if hosts is None else hosts[i])
             new_caches.append(c)
             selections.append(sel)

@@ -30,25 +30,31 @@ class SelectionStats:
     reused: float = 0.0  # selected positions that the same slot also selected the step before
     reuse_base: float = 0.0  # selected positions of steps that have a previous step
     sources: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(NUM_SOURCES))
+    key_sources: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(NUM_SOURCES))
 
-    def as_dict(self, row_bytes: int) -> dict:
+    def as_dict(self, row_bytes: int, key_bytes: int) -> dict:
         n = max(self.steps, 1)
-        total = max(self.sources.sum(), 1.0)
-        frac = [float(x) for x in self.sources / total]
+        frac = [float(x) for x in self.sources / max(self.sources.sum(), 1.0)]
+        key_frac = [float(x) for x in self.key_sources / max(self.key_sources.sum(), 1.0)]
+        names = ("tail_or_resident", "hot_cache", "host_copy")
         return {"eligible": self.eligible / n, "selected": self.selected / n,
                 "reuse_fraction": self.reused / max(self.reuse_base, 1.0),
-                "resolved_fraction": dict(zip(("tail_or_resident", "hot_cache", "host_copy"),
-                                              frac)),
+                "resolved_fraction": dict(zip(names, frac)),
+                "key_resolved_fraction": dict(zip(("tail_or_resident", "key_cache",
+                                                   "host_copy"), key_frac)),
                 "host_rows": float(self.sources[2]),
-                "host_bytes": float(self.sources[2]) * row_bytes}
+                "host_key_rows": float(self.key_sources[2]),
+                "host_bytes": float(self.sources[2]) * row_bytes
+                + float(self.key_sources[2]) * key_bytes}
 
 
 class Engine:
     """Serves up to ``config.cache.num_slots`` requests with one jitted decode step."""
 
-    def __init__(self, config: EngineConfig, params):
+    def __init__(self, config: EngineConfig, params, codebooks: dict | None = None):
+        """codebooks: {CSA layer: [M, K, D_I/M]} PQ codebooks, needed by leansparse."""
         self.config, self.params = config, params
-        self.state: DecodeState = empty_state(config)
+        self.state: DecodeState = empty_state(config, codebooks)
         slots = config.cache.num_slots
         self.active = np.zeros(slots, bool)
         self.limit = np.zeros(slots, np.int64)  # tokens each slot may hold (its reservation)
@@ -131,8 +137,15 @@ class Engine:
             self.state = self.state.replace(host=self.state.host.replace(page_table=table))
         return self.generated[slot]
 
-    def step(self) -> DecodeOutput:
-        """One decode step of every active slot."""
+    def step(self, tokens=None) -> DecodeOutput:
+        """One decode step of every active slot. ``tokens`` [S] forces each active slot's
+        next input (teacher forcing, e.g. to compare methods on identical contexts); by
+        default each slot feeds the token it sampled last."""
+        if tokens is not None:
+            tokens = np.asarray(tokens, np.int32)
+            self.next_token = np.where(self.active, tokens, self.next_token)
+            for s in np.flatnonzero(self.active):
+                self.generated[s][-1] = int(tokens[s])
         lengths = np.asarray(self.state.lengths)
         full = self.active & (lengths >= self.limit)
         if full.any():
@@ -148,10 +161,10 @@ class Engine:
         for s in np.flatnonzero(self.active):
             self.generated[s].append(int(tokens[s]))
         self._record_selection(np.asarray(out.selected), np.asarray(out.eligible),
-                               np.asarray(out.sources))
+                               np.asarray(out.sources), np.asarray(out.key_sources))
         return out
 
-    def _record_selection(self, selected, eligible, sources):
+    def _record_selection(self, selected, eligible, sources, key_sources):
         act = self.active
         if selected.shape[1] == 0 or not act.any():
             return
@@ -160,6 +173,7 @@ class Engine:
         self.selection.eligible += float(eligible[act].sum())
         self.selection.selected += float((sel >= 0).sum())
         self.selection.sources += sources[act].sum(axis=(0, 1))
+        self.selection.key_sources += key_sources[act].sum(axis=(0, 1))
         both = act & self._has_prev
         if both.any():
             cur, prev = selected[both], self._prev_sel[both]
@@ -173,6 +187,9 @@ class Engine:
 
     def metrics(self) -> dict:
         row_bytes = 4 * self.config.model.head_dim
+        key_bytes = self.config.model.indexer.key_bytes
+        host_bytes = float(self.selection.sources[2]) * row_bytes \
+            + float(self.selection.key_sources[2]) * key_bytes
         return {
             "method": self.config.method,
             "prefill_seconds": self.prefill_seconds,
@@ -180,7 +197,6 @@ class Engine:
             "decode_seconds": self.decode_seconds,
             "decode_tokens_per_second": self.decode_tokens / max(self.decode_seconds, 1e-9),
             "device_bytes_per_request": self.slot_bytes,
-            "selection": self.selection.as_dict(row_bytes),
-            "host_bytes_per_token": float(self.selection.sources[2]) * row_bytes
-            / max(self.decode_tokens, 1),
+            "selection": self.selection.as_dict(row_bytes, key_bytes),
+            "host_bytes_per_token": host_bytes / max(self.decode_tokens, 1),
         }

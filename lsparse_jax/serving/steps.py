@@ -10,7 +10,6 @@ from flax import struct
 
 from lsparse_jax.config import EngineConfig, ModelConfig
 from lsparse_jax.memory.hot_cache import NUM_SOURCES
-from lsparse_jax.memory.kv_store import HostView
 from lsparse_jax.model.cache import empty_cache
 from lsparse_jax.model.transformer import Transformer
 from lsparse_jax.serving.sampling import sample
@@ -24,6 +23,8 @@ class DecodeOutput:
     selected: jnp.ndarray  # [S, L_sparse, k] int32 positions chosen by each leading indexer
     eligible: jnp.ndarray  # [S, L_sparse] int32 eligible positions per sparse layer
     sources: jnp.ndarray  # [S, L_sparse, 3] int32 selected rows found in tail/resident, hot, host
+    key_sources: jnp.ndarray  # [S, L_sparse, 3] int32 exact keys scored from tail/resident,
+    #   key cache, host (resident and hisparse score every eligible key from the GPU)
 
 
 def sparse_layers(cfg: ModelConfig) -> tuple[int, ...]:
@@ -80,15 +81,14 @@ def decode_step(params, engine: EngineConfig, state: DecodeState, tokens, active
     Inactive slots write nothing and keep their length. Returns (state, DecodeOutput).
     """
     cfg = engine.model
-    pools = None if state.host is None else state.host.pools
-    page_table = jnp.zeros((state.num_slots, 0), jnp.int32) if state.host is None else \
-        state.host.page_table
+    tier = state.host
+    page_table = jnp.zeros((state.num_slots, 0), jnp.int32) if tier is None else tier.page_table
 
     def one(caches, table, token, start, live):
-        # the host pools are shared by every slot: closed over, not mapped
-        hosts = None if pools is None else tuple(
-            None if p is None else HostView(p, table) for p in pools)
-        logits, caches, sels = Transformer(cfg).apply(
+        # the host pools and codebooks are shared by every slot: closed over, not mapped
+        hosts = None if tier is None else tuple(
+            tier.view(i, table) for i in range(cfg.num_layers))
+        logits, caches, sels = Transformer(cfg, lean=engine.lean).apply(
             {"params": params}, token[None], caches, start, live.astype(jnp.int32), hosts)
         picked = [sels[i] for i in sparse_layers(cfg)]
         k = cfg.indexer.top_k
@@ -99,16 +99,16 @@ def decode_step(params, engine: EngineConfig, state: DecodeState, tokens, active
             return jnp.stack([getattr(s, field)[0] for s in picked])
 
         return (logits[0], caches, stack("positions", (0, k)), stack("eligible", (0,)),
-                stack("sources", (0, NUM_SOURCES)))
+                stack("sources", (0, NUM_SOURCES)), stack("key_sources", (0, NUM_SOURCES)))
 
-    logits, caches, positions, eligible, sources = jax.vmap(one)(
+    logits, caches, positions, eligible, sources, key_sources = jax.vmap(one)(
         state.caches, page_table, tokens, state.lengths, active)
     rng, key = jax.random.split(state.rng)
     next_tokens = sample(logits, key, engine.sampling.temperature)
     new = state.replace(caches=caches, lengths=state.lengths + active.astype(jnp.int32), rng=rng)
     if engine.paged:
         new = writeback(engine, new, state.lengths, active)
-    return new, DecodeOutput(logits, next_tokens, positions, eligible, sources)
+    return new, DecodeOutput(logits, next_tokens, positions, eligible, sources, key_sources)
 
 
 __all__ = ["DecodeOutput", "decode_step", "forward", "forward_chunk", "prefill",

@@ -1,0 +1,153 @@
+"""LeanSparse in the engine: identity 6, the invariant over keys and codes, writeback."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lsparse_jax.config import CacheConfig, EngineConfig, LeanSparseConfig
+from lsparse_jax.indexing.calibrate import calibrate_codebooks
+from lsparse_jax.indexing.coarse_to_fine import miss_filter
+from lsparse_jax.memory.invariant import hierarchy_violations
+from lsparse_jax.quant import dequantize_index_keys
+from lsparse_jax.quant.pq import encode
+from lsparse_jax.serving.engine import Engine
+from lsparse_jax.serving.state import writeback
+from tests.helpers import model_and_tokens, tiny
+
+
+@functools.cache
+def setup():
+    cfg = tiny(max_len=512)
+    params, _ = model_and_tokens(cfg, 1, seed=11)
+    calib = np.random.default_rng(123).integers(0, 256, 600).astype(np.int32)
+    return cfg, params, calibrate_codebooks(params, cfg, calib, iters=4)
+
+
+def make(method, lean=None, slots=3, kv_rows=16):
+    cfg, params, books = setup()
+    cache = CacheConfig(num_slots=slots, prefill_chunk=32, page_size=8,
+                        hot_cache_rows=None if method == "resident" else kv_rows)
+    return Engine(EngineConfig(model=cfg, cache=cache, method=method,
+                               leansparse=lean or LeanSparseConfig()), params, books)
+
+
+def encoder(engine):
+    books = setup()[2]  # the engine's own copies are donated step to step
+    return lambda values, scales, layer: encode(
+        dequantize_index_keys(jnp.asarray(values), jnp.asarray(scales)), books[layer])
+
+
+@pytest.mark.parametrize("lean,identical", [
+    (LeanSparseConfig(num_candidates=128, miss_filter_offset=None, key_cache_rows=128), True),
+    (LeanSparseConfig(num_candidates=32, miss_filter_offset=1.0, key_cache_rows=48), False),
+])
+def test_leansparse_against_resident(lean, identical):
+    """Identity 6: with C >= every eligible history (128 rows at max_len 512) and no miss
+    filter, leansparse emits resident's logits bit for bit. With a small C and the filter it
+    is approximate. Either way the hierarchy invariant (KV, FP8 keys, PQ codes) holds after
+    every step, with requests joining and leaving; contexts are kept identical by feeding both
+    engines resident's tokens."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 256, n).astype(np.int32) for n in (77, 141, 50)]
+    resident, lean_engine = make("resident"), make("leansparse", lean)
+    for engine in (resident, lean_engine):
+        engine.admit(prompts[0], max_new_tokens=140)
+        engine.admit(prompts[1], max_new_tokens=140)
+    check = encoder(lean_engine)
+    recalls = []
+    for step in range(110):
+        if step == 20:
+            for engine in (resident, lean_engine):
+                engine.admit(prompts[2], max_new_tokens=100)
+        if step == 80:
+            for engine in (resident, lean_engine):
+                engine.release(1)
+        inputs = resident.next_token.copy()
+        want = resident.step()
+        got = lean_engine.step(tokens=inputs)
+        act = resident.active
+        if identical:
+            np.testing.assert_array_equal(np.asarray(got.logits)[act],
+                                          np.asarray(want.logits)[act])
+        sel, ref = np.asarray(got.selected)[act], np.asarray(want.selected)[act]
+        for a, b in zip(sel.reshape(-1, sel.shape[-1]), ref.reshape(-1, ref.shape[-1])):
+            recalls.append(len(set(a[a >= 0]) & set(b[b >= 0])) / max((b >= 0).sum(), 1))
+        keys = np.asarray(got.key_sources)[act]
+        assert (keys.sum(-1) > 0).all()  # every query scored exact keys
+        # approximate selection changes what later layers compute: then only the first CSA
+        # layer's rows (computed from identical inputs) can be checked against resident
+        layers = None if identical else {1}
+        assert hierarchy_violations(lean_engine.config, lean_engine.state,
+                                    resident.state.caches, act, check, layers) == []
+    if identical:
+        assert min(recalls) == 1.0
+    else:
+        assert 0.5 < np.mean(recalls) < 1.0  # approximate, and not useless
+    m = lean_engine.metrics()["selection"]
+    assert m["host_key_rows"] > 0 and m["key_resolved_fraction"]["key_cache"] > 0
+
+
+def test_miss_filter_keeps_cached_and_applies_threshold():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        c, k = 40, 8
+        scores = rng.normal(size=c).astype(np.float32)
+        valid = rng.random(c) < 0.9
+        cached = rng.random(c) < 0.3
+        keep = np.asarray(miss_filter(jnp.asarray(scores), jnp.asarray(valid),
+                                      jnp.asarray(cached & valid), k, 1.0))
+        v = scores[valid]
+        threshold = np.sort(v)[::-1][min(k, v.size) - 1] - np.std(v, ddof=1)
+        assert keep[valid & cached].all()  # every cached candidate survives
+        np.testing.assert_array_equal(keep[valid & ~cached], scores[valid & ~cached] >= threshold)
+        assert not keep[~valid].any()
+        assert np.array_equal(np.asarray(miss_filter(jnp.asarray(scores), jnp.asarray(valid),
+                                                     jnp.asarray(cached), k, None)), valid)
+
+
+def test_page_writeback_keeps_cache_contents_and_encodes_codes():
+    engine = make("leansparse", LeanSparseConfig(32, 1.0, 48), slots=1)
+    _, prompt = model_and_tokens(engine.config.model, 60, seed=8)
+    engine.admit(prompt, max_new_tokens=40)
+    for _ in range(10):
+        engine.step()
+    state = engine.state
+    page, m = engine.config.cache.page_size, engine.config.model.csa_ratio
+    before = jax.tree.map(np.asarray, state.replace(rng=None))
+    # pretend this step completed logical page 0 of slot 0 (its physical page is table[0, 0])
+    after = writeback(engine.config, state,
+                      jnp.asarray([page * m - 1]), jnp.asarray([True]))
+    phys = int(before.host.page_table[0, 0])
+    for layer, (b, a) in enumerate(zip(before.caches, after.caches)):
+        if not hasattr(b, "keys"):
+            continue
+        for old, new in ((b.kv.hot, a.kv.hot), (b.keys.cache, a.keys.cache)):
+            for x, y in zip(jax.tree.leaves(old), jax.tree.leaves(new)):
+                assert np.asarray(x).tobytes() == np.asarray(y).tobytes()  # caches survive
+        pools = after.host.pools[layer]
+        np.testing.assert_array_equal(np.asarray(pools.kv)[phys], b.kv.tail[0])
+        tail_v, tail_s = b.keys.tail
+        assert np.asarray(pools.keys[0])[phys].tobytes() == tail_v[0].tobytes()
+        want = encoder(engine)(tail_v[0], tail_s[0], layer)
+        np.testing.assert_array_equal(np.asarray(a.keys.codes)[0, :page], np.asarray(want))
+        assert np.isnan(np.asarray(a.kv.tail)).all()  # the tail is poisoned for reuse
+
+
+def test_leansparse_needs_valid_codebooks():
+    cfg, params, books = setup()
+    config = EngineConfig(model=cfg, method="leansparse",
+                          cache=CacheConfig(hot_cache_rows=16, page_size=8),
+                          leansparse=LeanSparseConfig(32, 1.0, 48))
+    with pytest.raises(ValueError, match="needs PQ codebooks for CSA layers \\[1, 3\\]"):
+        Engine(config, params)
+    bad = {k: v[:, :, :2] for k, v in books.items()}
+    with pytest.raises(ValueError, match="codebooks\\[1\\] has shape"):
+        Engine(config, params, bad)
+    with pytest.raises(ValueError, match="key_cache_rows"):
+        LeanSparseConfig(num_candidates=64, key_cache_rows=32)
+    with pytest.raises(ValueError, match="num_candidates"):
+        EngineConfig(model=cfg, method="leansparse", cache=CacheConfig(hot_cache_rows=16),
+                     leansparse=LeanSparseConfig(8, 1.0, 48))
