@@ -11,8 +11,20 @@ import pathlib
 import gin
 import numpy as np
 
-from lsparse_jax.config import ModelConfig
+from lsparse_jax.config import LeanSparseConfig, ModelConfig
 from lsparse_jax.model import preset
+
+gin.external_configurable(LeanSparseConfig)
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 @gin.configurable

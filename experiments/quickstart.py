@@ -7,72 +7,108 @@ Writes runs/<name>/{config.gin, results.json, quickstart.png}.
 from __future__ import annotations
 
 import gin
-import matplotlib
+import numpy as np
+from tqdm.auto import tqdm
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
+from experiments.common import fit_max_len, pyplot, run_dir, write_results
+from lsparse_jax.config import (
+    PAGED_METHODS,
+    CacheConfig,
+    EngineConfig,
+    LeanSparseConfig,
+    SamplingConfig,
+)
+from lsparse_jax.indexing.calibrate import calibrate_codebooks
+from lsparse_jax.memory.accounting import request_bytes
+from lsparse_jax.model import init_params
+from lsparse_jax.serving.engine import Engine
+from lsparse_jax.tasks import niah_example, score_exact, tokenizer
 
-from experiments.common import fit_max_len, run_dir, write_results  # noqa: E402
-from lsparse_jax.config import PAGED_METHODS, CacheConfig, EngineConfig, SamplingConfig  # noqa: E402
-from lsparse_jax.memory.accounting import request_bytes  # noqa: E402
-from lsparse_jax.model import init_params  # noqa: E402
-from lsparse_jax.serving.engine import Engine  # noqa: E402
-from lsparse_jax.tasks import niah_example, score_exact, tokenizer  # noqa: E402
-
-COLUMNS = ("method", "prefill_s", "decode_tok_s", "gpu_MB/req", "host_MB/req", "selected",
-           "reuse", "tail%", "hot%", "host%", "host_KB/tok")
+COLUMNS = ("method", "prefill_s", "decode_tok_s", "gpu_MB/req", "host_MB/req", "recall",
+           "reuse", "kv_tail/hot/host%", "key_cache%", "host_KB/tok")
 
 
 @gin.configurable
 def quickstart(name: str, model=gin.REQUIRED, methods=("resident",), prompt_tokens: int = 8192,
                decode_steps: int = 64, prefill_chunk: int = 512, num_needles: int = 4,
                seed: int = 0, temperature: float = 0.0, hot_cache_rows: int = 64,
-               page_size: int = 64):
+               page_size: int = 64, leansparse=None, calibration_tokens: int = 4096):
+    """Runs each method on the same prompt. Methods after ``resident`` are fed resident's
+    tokens (teacher forcing), so their selections are compared on identical contexts: recall
+    is the fraction of resident's selected positions they also selected."""
     cfg = fit_max_len(model, prompt_tokens + decode_steps + 1)
     example = niah_example(prompt_tokens, num_needles=num_needles, seed=seed)
     params = init_params(cfg, seed)
-    rows = []
+    lean = leansparse or LeanSparseConfig()
+    codebooks = None
+    if "leansparse" in methods:  # trained offline, on text the run never sees
+        calib = niah_example(calibration_tokens, num_needles=num_needles, seed=seed + 1000)
+        codebooks = calibrate_codebooks(params, cfg, calib.prompt,
+                                        subspace_dim=lean.pq_subspace_dim, seed=seed)
+    rows, reference = [], None
     for method in methods:
         paged = method in PAGED_METHODS
         cache = CacheConfig(1, prefill_chunk, hot_cache_rows if paged else None, page_size)
         config = EngineConfig(model=cfg, cache=cache, sampling=SamplingConfig(temperature, seed),
-                              method=method)
-        engine = Engine(config, params)
+                              method=method, leansparse=lean)
+        engine = Engine(config, params, codebooks)
         engine.warmup()
         with tqdm(total=prompt_tokens, desc=f"{method} prefill", unit="tok") as bar:
             slot = engine.admit(example.prompt, decode_steps, bar)
-        for _ in tqdm(range(decode_steps), desc=f"{method} decode", unit="step"):
-            engine.step()
+        inputs, selections = [], []
+        for i in tqdm(range(decode_steps), desc=f"{method} decode", unit="step"):
+            forced = None if reference is None else reference["inputs"][i]
+            inputs.append(engine.next_token.copy() if forced is None else forced)
+            selections.append(np.asarray(engine.step(forced).selected[slot]))
         text = tokenizer.decode(engine.release(slot))
+        recall = None if reference is None else \
+            selection_recall(selections, reference["selections"])
+        if method == "resident":
+            reference = {"inputs": inputs, "selections": selections}
         m = engine.metrics()
         acc = request_bytes(config, prompt_tokens + decode_steps)
         m.update(generated=text, niah_exact=score_exact(text, example.answer),
-                 gpu_bytes=acc.gpu, host_bytes=acc.host, host_bytes_per_request=acc.host_total)
+                 gpu_bytes=acc.gpu, host_bytes=acc.host, host_bytes_per_request=acc.host_total,
+                 recall=recall)
         rows.append(m)
 
     table = format_table(rows)
     print(table)
     out = run_dir(name)
     results = {"model": cfg.__dict__ | {"indexer": cfg.indexer.__dict__},
-               "prompt_tokens": prompt_tokens, "decode_steps": decode_steps,
-               "answer": example.answer, "methods": rows, "table": table,
-               "note": "random weights: generated text and niah_exact are not meaningful"}
+               "leansparse": lean.__dict__, "prompt_tokens": prompt_tokens,
+               "decode_steps": decode_steps, "answer": example.answer, "methods": rows,
+               "table": table,
+               "note": "random weights: generated text and niah_exact are not meaningful; "
+                       "methods after resident are teacher-forced with resident's tokens"}
     path = write_results(out, results)
     plot(rows, out / "quickstart.png")
     print(f"wrote {path} and {out / 'quickstart.png'}")
     return results
 
 
+def selection_recall(selections, reference) -> float:
+    """Mean over steps and sparse layers of |selected & reference| / |reference|."""
+    found = total = 0
+    for got, want in zip(selections, reference):
+        for a, b in zip(got, want):
+            found += len(set(a[a >= 0].tolist()) & set(b[b >= 0].tolist()))
+            total += int((b >= 0).sum())
+    return found / max(total, 1)
+
+
 def format_table(rows: list[dict]) -> str:
     def row(r):
-        sel, frac = r["selection"], r["selection"]["resolved_fraction"]
+        sel = r["selection"]
+        kv, keys = sel["resolved_fraction"], sel["key_resolved_fraction"]
+        recall = "ref" if r["recall"] is None else f"{r['recall']:.3f}"
         return (r["method"], f"{r['prefill_seconds']:.2f}", f"{r['decode_tokens_per_second']:.1f}",
                 f"{r['device_bytes_per_request'] / 2**20:.3f}",
-                f"{r['host_bytes_per_request'] / 2**20:.3f}", f"{sel['selected']:.1f}",
-                f"{sel['reuse_fraction']:.3f}", f"{100 * frac['tail_or_resident']:.1f}",
-                f"{100 * frac['hot_cache']:.1f}", f"{100 * frac['host_copy']:.1f}",
-                f"{r['host_bytes_per_token'] / 1024:.2f}")
+                f"{r['host_bytes_per_request'] / 2**20:.3f}", recall,
+                f"{sel['reuse_fraction']:.3f}",
+                "/".join(f"{100 * kv[k]:.0f}" for k in ("tail_or_resident", "hot_cache",
+                                                         "host_copy")),
+                f"{100 * keys['key_cache']:.0f}", f"{r['host_bytes_per_token'] / 1024:.2f}")
 
     cells = [COLUMNS] + [row(r) for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
@@ -82,6 +118,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path):
+    plt = pyplot()
     names = [r["method"] for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(8, 3))
     axes[0].bar(names, [r["decode_tokens_per_second"] for r in rows])

@@ -5,6 +5,8 @@ import json
 import pytest
 
 from experiments.cli import main
+from lsparse_jax.config import CacheConfig, EngineConfig, LeanSparseConfig
+from lsparse_jax.memory.accounting import request_bytes
 from lsparse_jax.model import preset
 from tests.test_serving import expected_slot_bytes
 
@@ -17,10 +19,21 @@ def test_quickstart_cli_writes_results(tmp_path, monkeypatch):
     assert rc == 0
     out = tmp_path / "qs"
     results = json.loads((out / "results.json").read_text())
-    resident, hisparse = results["methods"]
-    assert (resident["method"], hisparse["method"]) == ("resident", "hisparse")
-    assert resident["decode_tokens"] == hisparse["decode_tokens"] == 5
+    resident, hisparse, lean = results["methods"]
+    assert [r["method"] for r in results["methods"]] == ["resident", "hisparse", "leansparse"]
+    assert resident["decode_tokens"] == hisparse["decode_tokens"] == lean["decode_tokens"] == 5
     assert hisparse["generated"] == resident["generated"]  # lossless: the same greedy tokens
+    assert hisparse["recall"] == 1.0 and 0.0 < lean["recall"] <= 1.0
+    assert resident["recall"] is None  # the reference
+    # (at this 600-token prompt the fixed-size key cache outweighs the keys it replaces; at the
+    # quickstart's 8K tokens leansparse keeps the least on the GPU:)
+    sizes = {}
+    for method in ("resident", "hisparse", "leansparse"):
+        cache = CacheConfig(hot_cache_rows=None if method == "resident" else 64, page_size=64)
+        engine = EngineConfig(model=preset("tiny"), method=method, cache=cache,
+                              leansparse=LeanSparseConfig(64, 1.0, 128))
+        sizes[method] = request_bytes(engine, 8192 + 64).gpu_total
+    assert sizes["leansparse"] < sizes["hisparse"] < sizes["resident"]
     cfg = preset("tiny", max_len=results["model"]["max_len"])
     assert results["model"]["max_len"] == 640  # 606 tokens rounded up to the HCA stride
     assert resident["device_bytes_per_request"] == expected_slot_bytes(cfg)

@@ -8,7 +8,7 @@ import pytest
 from experiments import recall_study
 from experiments.cli import main
 from experiments.common import fit_max_len
-from experiments.recall_study import evaluate, load_npz, model_traces, synthetic_data
+from experiments.recall_study import evaluate, load_npz, synthetic_data
 from lsparse_jax.indexing.traces import indexer_traces
 from lsparse_jax.model import preset
 from lsparse_jax.quant import pq
@@ -62,8 +62,8 @@ def test_chunked_traces_equal_indexer_traces():
     cfg = fit_max_len(preset("tiny"), 256)  # the CLI test's model: compilations are shared
     params = recall_study._init_params(cfg, 0)
     tokens = niah_example(256, num_needles=1, seed=3).prompt
-    for a, b in zip(indexer_traces(params, cfg, tokens), model_traces(params, cfg, tokens, 128),
-                    strict=True):
+    for a, b in zip(indexer_traces(params, cfg, tokens, 256),
+                    indexer_traces(params, cfg, tokens, 128), strict=True):
         assert a.layer == b.layer
         np.testing.assert_array_equal(a.lengths, b.lengths)
         for name in ("queries", "weights", "keys"):

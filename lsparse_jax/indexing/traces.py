@@ -1,11 +1,13 @@
 """Indexer traces: the queries, head weights and stored keys a model's indexers produce.
 
-Used by the recall study (and by anyone who wants to dump real indexer inputs to .npz).
+Used by the recall study, codebook calibration, and anyone who wants to dump real indexer
+inputs to .npz.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -26,27 +28,33 @@ class IndexerTrace:
     lengths: np.ndarray  # [T] int32 eligible entries for each query: (t + 1) // m
 
 
-def indexer_traces(params, cfg: ModelConfig, tokens) -> list[IndexerTrace]:
-    """One teacher-forced forward over ``tokens``; a trace per CSA layer."""
-    tokens = jnp.asarray(tokens, jnp.int32)
-    n = tokens.shape[0]
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _trace_chunk(params, cfg: ModelConfig, caches, tokens, start, num_valid):
+    (_, caches, _), inter = Transformer(cfg).apply(
+        {"params": params}, tokens, caches, start, num_valid, mutable=["intermediates"])
+    got = {i: (inter["intermediates"][f"block_{i}"]["attn"]["indexer_q"][0],
+               inter["intermediates"][f"block_{i}"]["attn"]["indexer_w"][0])
+           for i, cache in enumerate(caches) if isinstance(cache, CSACache)}
+    return caches, got
 
-    @jax.jit
-    def run(params, tokens):
-        (_, caches, _), inter = Transformer(cfg).apply(
-            {"params": params}, tokens, empty_cache(cfg), 0, n, mutable=["intermediates"])
-        return caches, inter["intermediates"]
 
-    caches, inter = run(params, tokens)
-    traces = []
-    for i, cache in enumerate(caches):
-        if not isinstance(cache, CSACache):
-            continue
-        got = inter[f"block_{i}"]["attn"]
-        done = n // cfg.csa_ratio
-        keys = dequantize_index_keys(cache.keys.values[:done], cache.keys.scales[:done])
-        traces.append(IndexerTrace(
-            layer=i, queries=np.asarray(got["indexer_q"][0]),
-            weights=np.asarray(got["indexer_w"][0]), keys=np.asarray(keys),
-            lengths=(np.arange(n, dtype=np.int32) + 1) // cfg.csa_ratio))
-    return traces
+def indexer_traces(params, cfg: ModelConfig, tokens, chunk: int = 512) -> list[IndexerTrace]:
+    """A teacher-forced forward over ``tokens`` in prefill chunks (memory linear in the
+    prompt; chunking is invisible to the model); a trace per CSA layer."""
+    tokens = np.asarray(tokens, np.int32)
+    n = len(tokens)
+    padded = np.pad(tokens, (0, -n % chunk))
+    caches, qs, ws = empty_cache(cfg), {}, {}
+    for start in range(0, n, chunk):
+        valid = min(chunk, n - start)
+        caches, got = _trace_chunk(params, cfg, caches, jnp.asarray(padded[start:start + chunk]),
+                                   start, valid)
+        for i, (q, w) in got.items():
+            qs.setdefault(i, []).append(np.asarray(q)[:valid])
+            ws.setdefault(i, []).append(np.asarray(w)[:valid])
+    done = n // cfg.csa_ratio
+    lengths = (np.arange(n, dtype=np.int32) + 1) // cfg.csa_ratio
+    return [IndexerTrace(layer=i, queries=np.concatenate(qs[i]), weights=np.concatenate(ws[i]),
+                         keys=np.asarray(dequantize_index_keys(caches[i].keys.values[:done],
+                                                               caches[i].keys.scales[:done])),
+                         lengths=lengths) for i in sorted(qs)]
