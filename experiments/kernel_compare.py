@@ -1,0 +1,194 @@
+"""XLA vs Triton (Pallas) vs jax-triton: times every implementation of every kernel op.
+
+Gin header -- must be set: nothing (defaults are the V4-Flash shapes of issue 5).
+Run on the GPU machine: lsparse run configs/experiments/kernel_compare.gin
+Writes runs/<name>/{config.gin, results.json, kernel_compare.png}.
+
+Timing: each implementation is jitted and warmed up; then for each repeat it is called once on
+each of R rotating input sets (R chosen so the sets exceed the 50 MB L2) back to back and the
+device is synchronized once: time / R is one call. The median over repeats is reported, with
+the binding roofline: max(FLOPs / 790 TFLOP/s (bf16 tensor cores), bytes / 3.0 TB/s (HBM)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import traceback
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from experiments.common import pyplot, run_dir, write_results
+
+PEAK_FLOPS = 790e12  # measured dense bf16 on the H200 (../shared/gpu_facts)
+PEAK_BYTES = 3.0e12  # measured HBM read+write bandwidth
+L2_BYTES = 50 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    op: str
+    params: dict
+    flops: float
+    bytes: float
+    make: callable  # key -> args tuple
+    call: callable  # (implementation, *args) -> outputs
+
+    @property
+    def floor(self) -> float:
+        return max(self.flops / PEAK_FLOPS, self.bytes / PEAK_BYTES)
+
+    @property
+    def bound(self) -> str:
+        return "flops" if self.flops / PEAK_FLOPS > self.bytes / PEAK_BYTES else "bytes"
+
+
+def pq_topc_case(batch, history, heads=64, dim=128, subspaces=32, centroids=256, c=2048):
+    from pallas_kernels.pq_topc.api import pq_topc
+
+    def make(key):
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        q = jax.random.normal(k1, (batch, heads, dim), jnp.float32)
+        w = jax.random.normal(k2, (batch, heads), jnp.float32)
+        codes = jax.random.randint(k3, (batch, history, subspaces), 0, centroids, jnp.int32)
+        books = jax.random.normal(k4, (subspaces, centroids, dim // subspaces), jnp.float32)
+        return q, w, codes.astype(jnp.uint8), books, jnp.full((batch,), history, jnp.int32)
+
+    def call(impl, *args):
+        return pq_topc(*args, num_candidates=c, implementation=impl)
+
+    return Case("pq_topc", dict(B=batch, N=history, H=heads, D=dim, M=subspaces, C=c),
+                flops=2.0 * batch * history * heads * dim,
+                bytes=batch * history * subspaces + batch * heads * dim * 4, make=make,
+                call=call)
+
+
+def topk_case(batch, n, k):
+    from pallas_kernels.topk.api import topk
+
+    def make(key):
+        return (jax.random.normal(key, (batch, n), jnp.float32),
+                jnp.full((batch,), n, jnp.int32))
+
+    return Case("topk", dict(B=batch, N=n, k=k), flops=0.0, bytes=4.0 * batch * n, make=make,
+                call=lambda impl, *a: topk(*a, k, implementation=impl))
+
+
+def index_scores_case(batch, c=2048, heads=64, dim=128):
+    from pallas_kernels.index_scores.api import index_scores
+
+    def make(key):
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        q = jax.random.normal(k1, (batch, heads, dim), jnp.float32)
+        w = jax.random.normal(k2, (batch, heads), jnp.float32)
+        values = jax.random.normal(k3, (batch, c, dim), jnp.float32).astype(jnp.float8_e4m3fn)
+        scales = jax.random.uniform(k4, (batch, c, 1), jnp.float32, 0.5, 2.0)
+        return q, w, values, scales, jnp.ones((batch, c), bool)
+
+    return Case("index_scores", dict(B=batch, C=c, H=heads, D=dim),
+                flops=2.0 * batch * c * heads * dim, bytes=batch * c * (dim + 4.0) + 4 * batch * c,
+                make=make, call=lambda impl, *a: index_scores(*a, implementation=impl))
+
+
+def time_case(case: Case, impl: str, repeats: int, warmup: int = 3) -> float:
+    fn = jax.jit(lambda *a: case.call(impl, *a))
+    one = case.make(jax.random.key(0))
+    size = sum(x.nbytes for x in jax.tree.leaves(one))
+    rotate = int(min(8, max(1, math.ceil(2 * L2_BYTES / max(size, 1)))))
+    sets = [one] + [case.make(jax.random.key(i)) for i in range(1, rotate)]
+    for _ in range(warmup):
+        jax.block_until_ready([fn(*s) for s in sets])
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready([fn(*s) for s in sets])
+        times.append((time.perf_counter() - t0) / rotate)
+    return float(np.median(times))
+
+
+@gin.configurable
+def kernel_compare(name: str, batches=(1, 8, 32, 64), histories=(51200, 131072, 243200),
+                   implementations=("xla", "triton", "jax_triton"), repeats: int = 20,
+                   topk_shapes=((64, 262144, 2048), (64, 131072, 2048), (64, 262144, 512)),
+                   ops=("pq_topc", "topk", "index_scores")):
+    cases = []
+    if "pq_topc" in ops:
+        cases += [pq_topc_case(b, n) for n in histories for b in batches]
+    if "topk" in ops:
+        cases += [topk_case(*s) for s in topk_shapes]
+    if "index_scores" in ops:
+        cases += [index_scores_case(b) for b in batches]
+    rows = []
+    device = jax.devices()[0]
+    for case in tqdm(cases, desc="kernel_compare", unit="case"):
+        for impl in implementations:
+            row = dict(op=case.op, implementation=impl, **case.params, flops=case.flops,
+                       bytes=case.bytes, floor_s=case.floor, bound=case.bound)
+            try:
+                t = time_case(case, impl, repeats)
+                row.update(seconds=t, fraction_of_roofline=case.floor / t,
+                           tflops=case.flops / t / 1e12, gbytes_per_s=case.bytes / t / 1e9)
+            except Exception as err:  # an implementation not available for this op/device
+                row.update(error=f"{type(err).__name__}: {err}"[:300],
+                           trace=traceback.format_exc(limit=2)[-600:])
+            rows.append(row)
+    for row in rows:  # speed-up over the XLA reference of the same case
+        ref = [r for r in rows if r["op"] == row["op"] and r["implementation"] == "xla"
+               and all(r.get(k) == row.get(k) for k in ("B", "N", "C", "k"))]
+        if ref and "seconds" in ref[0] and "seconds" in row:
+            row["speedup_vs_xla"] = ref[0]["seconds"] / row["seconds"]
+    table = format_table(rows)
+    print(table)
+    out = run_dir(name)
+    write_results(out, {"device": device.device_kind, "jax": jax.__version__,
+                        "rows": rows, "table": table})
+    plot(rows, out / "kernel_compare.png")
+    print(f"wrote {out}/results.json and kernel_compare.png")
+
+
+def format_table(rows) -> str:
+    head = f"{'op':13s} {'impl':10s} {'shape':28s} {'ms':>9s} {'xSpeed':>7s} {'%roof':>6s}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        shape = ",".join(f"{k}={r[k]}" for k in ("B", "N", "C", "k") if k in r)
+        if "seconds" in r:
+            lines.append(f"{r['op']:13s} {r['implementation']:10s} {shape:28s} "
+                         f"{r['seconds'] * 1e3:9.3f} {r.get('speedup_vs_xla', float('nan')):7.2f}"
+                         f" {100 * r['fraction_of_roofline']:6.1f}")
+        else:
+            lines.append(f"{r['op']:13s} {r['implementation']:10s} {shape:28s} "
+                         f"{'n/a':>9s}   {r['error'][:40]}")
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    plt = pyplot()
+    ops = sorted({r["op"] for r in rows})
+    fig, axes = plt.subplots(2, len(ops), figsize=(5 * len(ops), 7), squeeze=False)
+    for j, op in enumerate(ops):
+        mine = [r for r in rows if r["op"] == op and "seconds" in r]
+        labels = sorted({",".join(f"{k}={r[k]}" for k in ("B", "N", "k") if k in r)
+                         for r in mine}, key=lambda s: [int(x.split("=")[1]) for x in
+                                                         s.split(",")])
+        for impl in sorted({r["implementation"] for r in mine}):
+            pts = {",".join(f"{k}={r[k]}" for k in ("B", "N", "k") if k in r): r
+                   for r in mine if r["implementation"] == impl}
+            xs = [i for i, label in enumerate(labels) if label in pts]
+            axes[0, j].plot(xs, [pts[labels[i]]["seconds"] * 1e3 for i in xs], "o-",
+                            label=impl)
+            axes[1, j].plot(xs, [100 * pts[labels[i]]["fraction_of_roofline"] for i in xs],
+                            "o-", label=impl)
+        for ax, ylabel in ((axes[0, j], "ms (log)"), (axes[1, j], "% of roofline")):
+            ax.set_xticks(range(len(labels)), labels, rotation=70, fontsize=6)
+            ax.set_ylabel(ylabel)
+            ax.set_title(op)
+            ax.legend(fontsize=7)
+        axes[0, j].set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

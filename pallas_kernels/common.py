@@ -1,0 +1,69 @@
+"""Shared plumbing of the kernel ops: implementation choice, interpret mode, CUDA lowering.
+
+Every op folder holds ``reference.py`` (plain jnp, the XLA implementation), ``triton.py``
+(Pallas lowered through Triton), optionally ``jax_triton.py`` and later ``mosaic.py``, and
+``api.py`` exposing the op with ``implementation: Literal["xla", "triton", "jax_triton",
+"mosaic"] | None`` (None picks the fastest available; XLA always works).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Literal
+
+import jax
+
+Implementation = Literal["xla", "triton", "jax_triton", "mosaic"]
+IMPLEMENTATIONS: tuple[str, ...] = ("xla", "triton", "jax_triton", "mosaic")
+
+
+def on_gpu() -> bool:
+    """True when the default backend is a CUDA/ROCm GPU."""
+    return jax.default_backend() == "gpu"
+
+
+def choose(op: str, implementation: str | None, available: tuple[str, ...],
+           fastest_on_gpu: str) -> str:
+    """Validates the requested implementation of ``op``; None picks ``fastest_on_gpu`` on a
+    GPU and "xla" elsewhere. Raises ValueError naming the op and what is allowed."""
+    if implementation is None:
+        return fastest_on_gpu if on_gpu() else "xla"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"{op}: implementation={implementation!r} is unknown; allowed: "
+                         f"{IMPLEMENTATIONS} or None")
+    if implementation not in available:
+        raise ValueError(f"{op}: implementation={implementation!r} is not available for this "
+                         f"op; available: {available}")
+    if implementation == "jax_triton" and not on_gpu():
+        raise ValueError(f"{op}: implementation='jax_triton' needs a CUDA GPU (jax-triton "
+                         "compiles a Triton kernel for the device); use 'triton', which runs "
+                         "in Pallas interpret mode on CPU, or 'xla'")
+    return implementation
+
+
+def interpret() -> bool:
+    """Pallas kernels run in interpret mode when no GPU backend is present (CPU tests)."""
+    return not on_gpu()
+
+
+@contextlib.contextmanager
+def abstract_gpu(device_kind: str = "NVIDIA H200"):
+    """Lets a machine without a GPU lower Pallas-Triton kernels for CUDA:
+    ``with abstract_gpu(): jax.jit(f).trace(*specs).lower(lowering_platforms=("cuda",))``."""
+    from jax.sharding import AxisType
+
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None,
+                                         platform="cuda")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), (AxisType.Explicit,),
+                                     abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+        yield
+
+
+def lower_for_cuda(fn, *specs) -> str:
+    """StableHLO text of ``fn`` lowered for CUDA (works on a CPU-only machine)."""
+    with abstract_gpu():
+        return jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+TRITON_CALL_TARGET = "__gpu$xla.gpu.triton"  # the custom call a Pallas-Triton kernel becomes

@@ -1,0 +1,27 @@
+"""Shared test utilities for pallas_kernels ops: tolerances keyed by dtype, poison, sets."""
+
+import numpy as np
+
+# Relative tolerance of a kernel against its XLA reference, keyed by the dtype the kernel
+# computes in (the reference runs in f32 at HIGHEST precision).
+TOLERANCE = {"float32": 1e-5, "tf32": 5e-3, "bfloat16": 2e-2, "float8_e4m3fn": 2e-2}
+
+
+def assert_close(got, want, dtype: str, mask=None):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if mask is not None:
+        got, want = got[mask], want[mask]
+    assert np.isfinite(got).all(), "kernel produced NaN/inf where the reference has values"
+    scale = max(np.abs(want).max(initial=0.0), 1e-6)
+    err = np.abs(got - want).max(initial=0.0) / scale
+    assert err <= TOLERANCE[dtype], f"max error {err:.3g} (relative to max |ref|) > {dtype} tol"
+
+
+def assert_same_sets(got, want):
+    """Rows of index sets (-1 = padding) equal as sets, with equal padding counts."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape
+    for r, (a, b) in enumerate(zip(got.reshape(-1, got.shape[-1]),
+                                   want.reshape(-1, want.shape[-1]))):
+        assert sorted(a[a >= 0].tolist()) == sorted(b[b >= 0].tolist()), f"row {r} differs"
+        assert (a < 0).sum() == (b < 0).sum(), f"row {r}: padding differs"
