@@ -212,8 +212,13 @@ class EngineConfig:
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
     method: str = "resident"
     leansparse: LeanSparseConfig = dataclasses.field(default_factory=LeanSparseConfig)
+    implementation: str | None = "xla"  # kernels of the decode step: "xla" (reference),
+    #   "triton" (Pallas; interpret mode on CPU), "jax_triton", or None = fastest available
 
     def __post_init__(self):
+        if self.implementation not in (None, "xla", "triton", "jax_triton", "mosaic"):
+            _fail("EngineConfig", "implementation", self.implementation,
+                  "allowed: 'xla', 'triton', 'jax_triton', 'mosaic' or None")
         if self.method not in METHODS:
             _fail("EngineConfig", "method", self.method, f"allowed methods are {METHODS}")
         rows = self.cache.hot_cache_rows

@@ -42,7 +42,11 @@ def choose(op: str, implementation: str | None, available: tuple[str, ...],
 
 
 def interpret() -> bool:
-    """Pallas kernels run in interpret mode when no GPU backend is present (CPU tests)."""
+    """Pallas kernels run in interpret mode when no GPU backend is present (CPU tests),
+    except while ``abstract_gpu`` lowers for CUDA. Call it outside jit (it reads a context)."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if device is not None and device.platform in ("cuda", "rocm", "gpu"):
+        return False
     return not on_gpu()
 
 

@@ -33,18 +33,17 @@ def miss_filter(scores, valid, cached, top_k: int, offset: float | None):
     return valid & (cached | (scores >= threshold))
 
 
-def rerank(q, weights, positions, keys, top_k: int):
-    """Exact top-k among candidate positions.
+def rerank(positions, scores, top_k: int):
+    """Exact top-k among scored candidate positions.
 
-    positions [R] int32 (-1 = none, any order, no duplicates); keys [R, D] their exact
-    (dequantized) indexer keys. Candidates are put in position order first so that equal
-    scores go to the lower position, as in exact top-k over the whole history.
-    Returns (positions [top_k] best first, -1 padded; their exact scores).
+    positions [R] int32 (-1 = none, any order, no duplicates); scores [R] their exact scores.
+    Candidates are put in position order first so that equal scores go to the lower position,
+    as in exact top-k over the whole history.
+    Returns (positions [top_k] best first, -1 padded; their scores).
     """
     big = jnp.iinfo(jnp.int32).max
     order = jnp.argsort(jnp.where(positions >= 0, positions, big), stable=True)
-    positions, keys = positions[order], keys[order]
-    scores = index_scores(q, weights, keys)
+    positions, scores = positions[order], scores[order]
     picked, values = topk_positions(scores, positions >= 0, top_k)
     return jnp.where(picked >= 0, positions[jnp.maximum(picked, 0)], -1), values
 
@@ -82,8 +81,8 @@ def coarse_to_fine(q, weights, coarse, eligible, cached, exact_keys, tail_positi
     kept, stats = select_candidates(coarse, eligible, cached, num_candidates=num_candidates,
                                     top_k=top_k, filter_offset=filter_offset)
     retained = jnp.concatenate([kept, tail_positions])
-    keys = exact_keys[jnp.maximum(retained, 0)]
-    selected, _ = rerank(q, weights, retained, keys, top_k)
+    scores = index_scores(q, weights, exact_keys[jnp.maximum(retained, 0)])
+    selected, _ = rerank(retained, scores, top_k)
     return selected, stats
 
 

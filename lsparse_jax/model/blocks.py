@@ -71,6 +71,7 @@ class AttentionLayer(nn.Module):
     layer: int
     dense_selection: bool = False  # attend to every eligible entry (the no-sparsity reference)
     lean: LeanSparseConfig | None = None  # coarse-to-fine settings (leansparse decode)
+    implementation: str | None = "xla"  # kernels: "xla", "triton", ... (pallas_kernels api)
 
     @property
     def kind(self) -> str:
@@ -146,7 +147,8 @@ class AttentionLayer(nn.Module):
                     raise ValueError("paged indexer keys serve leansparse decode (one token)")
                 keys = key_store.write(cache.keys, kids, kval, kscale, kok, paged)
                 picked, keys, key_sources, _ = leansparse_select(
-                    iq[0], iw[0], keys, eligible[0], paged, host, self.lean, ic.top_k)
+                    iq[0], iw[0], keys, eligible[0], paged, host, self.lean, ic.top_k,
+                    self.implementation)
                 cache = cache.replace(keys=keys)
                 selection = Selection(picked[None], jnp.sum(eligible, -1).astype(jnp.int32),
                                       jnp.zeros((1, NUM_SOURCES), jnp.int32),
@@ -180,10 +182,12 @@ class Block(nn.Module):
     layer: int
     dense_selection: bool = False
     lean: LeanSparseConfig | None = None
+    implementation: str | None = "xla"
 
     @nn.compact
     def __call__(self, x, cache, start, num_valid, shared=None, host=None):
-        attn = AttentionLayer(self.cfg, self.layer, self.dense_selection, self.lean, name="attn")
+        attn = AttentionLayer(self.cfg, self.layer, self.dense_selection, self.lean,
+                              self.implementation, name="attn")
         y, cache, selection = attn(RMSNorm(name="attn_norm")(x), cache, start, num_valid, shared,
                                    host)
         x = x + y

@@ -24,6 +24,7 @@ class Transformer(nn.Module):
     cfg: ModelConfig
     dense_selection: bool = False
     lean: LeanSparseConfig | None = None  # leansparse decode: coarse-to-fine settings
+    implementation: str | None = "xla"  # kernel implementation (pallas_kernels api switch)
 
     @nn.compact
     def __call__(self, tokens, caches, start, num_valid, hosts=None):
@@ -35,7 +36,8 @@ class Transformer(nn.Module):
             shared = None
             if cfg.layer_pattern[i] == "dsa" and cfg.dsa_leader(i) != i:
                 shared = selections[cfg.dsa_leader(i)]
-            x, c, sel = Block(cfg, i, self.dense_selection, self.lean, name=f"block_{i}")(
+            x, c, sel = Block(cfg, i, self.dense_selection, self.lean, self.implementation,
+                              name=f"block_{i}")(
                 x, caches[i], start, num_valid, shared, None if hosts is None else hosts[i])
             new_caches.append(c)
             selections.append(sel)

@@ -88,7 +88,8 @@ def decode_step(params, engine: EngineConfig, state: DecodeState, tokens, active
         # the host pools and codebooks are shared by every slot: closed over, not mapped
         hosts = None if tier is None else tuple(
             tier.view(i, table) for i in range(cfg.num_layers))
-        logits, caches, sels = Transformer(cfg, lean=engine.lean).apply(
+        logits, caches, sels = Transformer(cfg, lean=engine.lean,
+                                           implementation=engine.implementation).apply(
             {"params": params}, token[None], caches, start, live.astype(jnp.int32), hosts)
         picked = [sels[i] for i in sparse_layers(cfg)]
         k = cfg.indexer.top_k

@@ -1,0 +1,90 @@
+"""Public entry point of ``index_scores``: exact rescoring of C gathered FP8 candidate keys.
+
+Notation:
+  B requests, H indexer heads, D head dim, C gathered candidates per request,
+  NB scale blocks per key (block = D / NB values share one fp32 scale; NB = 1 in V4).
+
+Math: scores[b, c] = sum_h weights[b, h] * ReLU(q[b, h] . dequant(key[b, c])) for valid
+candidates, -inf for invalid ones (whose NaN-poisoned values and scales never reach an output).
+
+Implementations: "xla" (``reference.py``, f32 HIGHEST), "triton" (Pallas lowered through Triton;
+interpret mode without a GPU), "jax_triton" (a plain Triton kernel via jax-triton; GPU only).
+None picks "triton" on a GPU and "xla" elsewhere. The Triton kernels round q to bf16 (~1e-2
+relative error) and need D a power of two >= 16 with scale blocks of >= 16 values.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from pallas_kernels import common
+
+OP = "index_scores"
+AVAILABLE = ("xla", "triton", "jax_triton")
+FASTEST_ON_GPU = "triton"
+
+
+def _check(q, weights, key_values, key_scales, valid) -> None:
+    """Raises ValueError naming the first argument with a bad shape or dtype."""
+    def fail(arg, what):
+        raise ValueError(f"{OP}: {arg} {what}")
+
+    if q.ndim != 3:
+        fail("q", f"must be [B, H, D], got shape {q.shape}")
+    if q.dtype not in (jnp.float32, jnp.bfloat16):
+        fail("q", f"must be float32 or bfloat16, got {q.dtype}")
+    b, h, d = q.shape
+    if weights.shape != (b, h):
+        fail("weights", f"must be [B, H] = {(b, h)}, got shape {weights.shape}")
+    if weights.dtype not in (jnp.float32, jnp.bfloat16):
+        fail("weights", f"must be float32 (or bfloat16), got {weights.dtype}")
+    if key_values.ndim != 3 or key_values.shape[0] != b or key_values.shape[2] != d:
+        fail("key_values", f"must be [B, C, D] with B={b}, D={d}, got shape {key_values.shape}")
+    if key_values.dtype != jnp.float8_e4m3fn:
+        fail("key_values", f"must be float8_e4m3fn, got {key_values.dtype}")
+    c = key_values.shape[1]
+    if key_scales.ndim != 3 or key_scales.shape[:2] != (b, c):
+        fail("key_scales", f"must be [B, C, NB] with B={b}, C={c}, got shape "
+             f"{key_scales.shape}")
+    nb = key_scales.shape[2]
+    if nb < 1 or d % nb:
+        fail("key_scales", f"has {nb} scale blocks per key, which must divide D={d}")
+    if key_scales.dtype != jnp.float32:
+        fail("key_scales", f"must be float32, got {key_scales.dtype}")
+    if valid.shape != (b, c):
+        fail("valid", f"must be [B, C] = {(b, c)}, got shape {valid.shape}")
+    if valid.dtype != jnp.bool_:
+        fail("valid", f"must be bool, got {valid.dtype}")
+
+
+def index_scores(q, weights, key_values, key_scales, valid, *,
+                 implementation: common.Implementation | None = None) -> jnp.ndarray:
+    """Exact index scores of gathered FP8 candidate keys.
+
+    Inputs:
+      q          [B, H, D]   f32 or bf16 queries
+      weights    [B, H]      f32 head weights
+      key_values [B, C, D]   float8_e4m3fn key values
+      key_scales [B, C, NB]  f32 block scales (NB divides D)
+      valid      [B, C]      bool; invalid rows may hold NaN poison in values and scales
+    Outputs:
+      scores     [B, C]      f32; -inf on invalid rows
+    Raises ValueError for bad shapes/dtypes (naming the argument) or implementations.
+    """
+    impl = common.choose(OP, implementation, AVAILABLE, FASTEST_ON_GPU)
+    args = [jnp.asarray(a) for a in (q, weights, key_values, key_scales, valid)]
+    _check(*args)
+    b, c = args[4].shape
+    if b == 0 or c == 0:
+        return jnp.zeros((b, c), jnp.float32)
+    if impl == "xla":
+        from pallas_kernels.index_scores.reference import index_scores_xla
+
+        return index_scores_xla(*args)
+    if impl == "triton":
+        from pallas_kernels.index_scores.triton import index_scores_triton
+
+        return index_scores_triton(*args)
+    from pallas_kernels.index_scores.jax_triton import index_scores_jax_triton
+
+    return index_scores_jax_triton(*args)

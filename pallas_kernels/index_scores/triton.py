@@ -1,0 +1,176 @@
+"""Pallas (Triton lowering) kernel of ``index_scores``: exact rescoring of FP8 candidate keys.
+
+Notation:
+  B requests, H indexer heads, D head dim, C gathered candidates per request,
+  NB scale blocks per key, BS = D / NB values per scale block,
+  HP = H padded to a power of two >= 16 (the smallest Triton dot dimension),
+  BC = candidates per block, STEPS = blocks per program (powers of two).
+
+Design: grid (B, cdiv(C, STEPS * BC)); program (b, i) scores candidates
+[i * STEPS * BC, (i + 1) * STEPS * BC) of request b. It loads q[b] [HP, D] once, cast to bf16,
+and for each of its STEPS blocks of BC candidates (a loop that Triton software-pipelines with
+num_stages when STEPS > 1; straight-line code when STEPS = 1) loads the FP8 key block [BC, D],
+casts it to bf16 (exact: every e4m3 value is a bf16 value) and dots it with q, accumulating in
+f32 -> [BC, HP]. Each scale block j contributes dot(k[:, j], q[:, j]) * scale[:, j] (one dot
+when NB = 1), so the scales multiply the f32 dot products instead of the keys. Then ReLU, the
+weighted sum over heads and a ``jnp.where`` that writes -inf to invalid rows (NaN poison in
+their values and scales only reaches their own row of the dot, which the select discards).
+Out-of-range rows of the last block are masked by the Triton lowering. The keys are read once:
+at B = 64, C = 2048, D = 128 that is 17 MB, ~6 us at the H200's ~3 TB/s; q (re-read by every
+program, 32 KB in f32) and the weights come from L2.
+
+Precision: q is rounded to bf16, so scores differ from the f32 reference by ~1e-2 relative
+(the FP8 keys and the f32 scales are used exactly).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels import common
+
+MIN_DOT = 16  # smallest dimension of a Triton tl.dot
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def padded_heads(h: int) -> int:
+    """HP: H rounded up to a power of two, at least ``MIN_DOT``."""
+    return max(MIN_DOT, _next_pow2(h))
+
+
+def check_triton_shapes(op: str, d: int, nb: int) -> None:
+    """Shape limits of the Triton kernels (power-of-two blocks, dots of >= 16 along D)."""
+    if not _pow2(d) or d < MIN_DOT:
+        raise ValueError(f"{op}: key_values key dim D={d} must be a power of two >= {MIN_DOT} "
+                         "for the Triton kernels; use implementation='xla'")
+    if d // nb < MIN_DOT:
+        raise ValueError(f"{op}: key_scales has {nb} scale blocks per key, i.e. blocks of "
+                         f"{d // nb} < {MIN_DOT} values, too small for the Triton kernels' "
+                         "per-block dots; use implementation='xla'")
+
+
+MIN_PROGRAMS = 512  # ~4 programs per H200 SM (132 SMs) before blocks are merged into loops
+
+
+def default_config(b: int, h: int, c: int) -> tuple[int, int, int]:
+    """(BC, STEPS, num_warps): a first guess, to be tuned on the GPU.
+
+    BC = 128 keeps the [BC, HP] f32 accumulator at 64 registers per thread with 4 warps at
+    HP = 64 (ptxas at sm_90: ~155-170 registers in all, no spills). STEPS (<= 4) merges blocks
+    into a pipelined loop while at least MIN_PROGRAMS programs remain, which cuts the re-reads
+    of q from L2 (at the V4 shape: 64 x 16 blocks -> STEPS = 2, 512 programs).
+    """
+    block_c = min(128, _next_pow2(c))
+    num_warps = 4 if block_c * padded_heads(h) <= 128 * 64 else 8
+    programs, steps = b * -(-c // block_c), 1
+    while steps < 4 and programs // (2 * steps) >= MIN_PROGRAMS:
+        steps *= 2
+    return block_c, steps, num_warps
+
+
+def _kernel(q_ref, w_ref, kv_ref, ks_ref, valid_ref, out_ref, *, nb: int, bs: int, bc: int,
+            steps: int):
+    # inputs
+    #   q_ref      [HP, D]          f32 or bf16 (request b)
+    #   w_ref      [HP]             f32
+    #   kv_ref     [steps * BC, D]  float8_e4m3fn (candidates of program i)
+    #   ks_ref     [steps * BC] f32 when NB = 1, else [steps * BC, NB] f32
+    #   valid_ref  [steps * BC]     bool
+    # outputs
+    #   out_ref    [steps * BC]     f32
+    # scratch: none
+    cols = [pl.ds(j * bs, bs) for j in range(nb)]
+    qs = [q_ref[:, col].astype(jnp.bfloat16) for col in cols]    # NB x [HP, BS], loaded once
+    w = w_ref[...].astype(jnp.float32)                             # [HP]
+
+    def score_block(start):
+        rows = pl.ds(start, bc)
+        dots = None                                                # [BC, HP] f32
+        for j, col in enumerate(cols):
+            k = kv_ref[rows, col].astype(jnp.bfloat16)             # [BC, BS] (exact)
+            part = jax.lax.dot_general(k, qs[j], (((1,), (1,)), ((), ())),
+                                       preferred_element_type=jnp.float32)  # [BC, HP]
+            scale = ks_ref[rows] if nb == 1 else ks_ref[rows, j]  # [BC] scale of block j
+            part = part * scale[:, None]
+            dots = part if dots is None else dots + part
+        scores = jnp.sum(jnp.maximum(dots, 0.0) * w[None, :], axis=1)  # [BC]
+        out_ref[rows] = jnp.where(valid_ref[rows], scores, -jnp.inf)   # drops NaN poison
+
+    if steps == 1:
+        score_block(0)
+    else:
+        def body(t, carry):
+            score_block(pl.multiple_of(t * bc, bc))
+            return carry
+
+        jax.lax.fori_loop(0, steps, body, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("block_c", "steps", "num_warps", "num_stages"))
+def index_scores_triton(q: jnp.ndarray, weights: jnp.ndarray, key_values: jnp.ndarray,
+                        key_scales: jnp.ndarray, valid: jnp.ndarray, *,
+                        block_c: int | None = None, steps: int | None = None,
+                        num_warps: int | None = None,
+                        num_stages: int | None = None) -> jnp.ndarray:
+    """Pallas-Triton ``index_scores`` (interpret mode without a GPU).
+
+    Inputs: q [B, H, D] f32/bf16, weights [B, H] f32, key_values [B, C, D] float8_e4m3fn,
+    key_scales [B, C, NB] f32, valid [B, C] bool (checked by ``api.index_scores``).
+    Output: scores [B, C] f32, -inf on invalid rows.
+    Tuning (None = ``default_config``): block_c (BC, a power of two), steps (candidate blocks
+    per program, a power of two: > 1 loads q once per program and loops over BC-row blocks,
+    which Triton can software-pipeline with num_stages), num_warps, num_stages.
+    """
+    b, h, d = q.shape
+    c, nb = key_values.shape[1], key_scales.shape[2]
+    check_triton_shapes("index_scores", d, nb)
+    block_c, steps, num_warps = resolve_config(b, h, c, block_c, steps, num_warps)
+    hp = padded_heads(h)
+    if hp != h:  # zero heads with zero weight add nothing
+        q = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
+        weights = jnp.pad(weights, ((0, 0), (0, hp - h)))
+    rows = block_c * steps                                         # candidates per program
+    kernel = functools.partial(_kernel, nb=nb, bs=d // nb, bc=block_c, steps=steps)
+    scale_block = (None, rows, None if nb == 1 else nb)            # NB = 1: a vector
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((b, c), jnp.float32),
+        grid=(b, pl.cdiv(c, rows)),
+        in_specs=[
+            pl.BlockSpec((None, hp, d), lambda i, j: (i, 0, 0)),        # q
+            pl.BlockSpec((None, hp), lambda i, j: (i, 0)),              # weights
+            pl.BlockSpec((None, rows, d), lambda i, j: (i, j, 0)),      # key_values
+            pl.BlockSpec(scale_block, lambda i, j: (i, j, 0)),          # key_scales
+            pl.BlockSpec((None, rows), lambda i, j: (i, j)),            # valid
+        ],
+        out_specs=pl.BlockSpec((None, rows), lambda i, j: (i, j)),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=common.interpret(),
+        name="index_scores",
+    )(q, weights.astype(jnp.float32), key_values, key_scales, valid)
+
+
+def resolve_config(b: int, h: int, c: int, block_c: int | None, steps: int | None,
+                   num_warps: int | None) -> tuple[int, int, int]:
+    """Fills unset tuning knobs from ``default_config`` and checks them."""
+    default_bc, default_steps, default_warps = default_config(b, h, c)
+    block_c = default_bc if block_c is None else block_c
+    steps = default_steps if steps is None else steps
+    num_warps = default_warps if num_warps is None else num_warps
+    if not _pow2(block_c):
+        raise ValueError(f"index_scores: block_c={block_c} must be a power of two")
+    if not _pow2(steps):
+        raise ValueError(f"index_scores: steps={steps} must be a power of two")
+    return block_c, steps, num_warps

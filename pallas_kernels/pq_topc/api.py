@@ -1,0 +1,119 @@
+"""``pq_topc``: LeanSparse's coarse pass, the top-C positions of PQ-coded indexer keys.
+
+For each request b, score every eligible position n < lengths[b] of its PQ-coded history with
+Eq. 6 and return the C best:
+
+    s[b, n] = sum_h weights[b, h] * ReLU( sum_j q[b, h, j-th slice] . codebooks[j, codes[b, n, j]] )
+
+Implementations: "xla" (``reference.py``: decode + f32 einsum + ``lax.top_k``) and "triton"
+(``triton.py``: fused decode + bf16 tensor-core score kernel, then top-C selection; interpret
+mode without a GPU). None picks "triton" on a GPU and "xla" elsewhere.
+"""
+
+from __future__ import annotations
+
+import operator
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import common
+from pallas_kernels.pq_topc import reference
+from pallas_kernels.pq_topc import triton as triton_impl
+
+OP = "pq_topc"
+AVAILABLE = ("xla", "triton")
+MAX_CENTROIDS = 256  # codes are uint8
+
+_pq_topc_xla = jax.jit(reference.pq_topc_xla, static_argnames=("num_candidates",))
+
+
+def _shape(x) -> tuple[int, ...]:
+    return tuple(x.shape)
+
+
+def _validate(q, weights, codes, codebooks, lengths, num_candidates) -> int:
+    """Raises ValueError naming the bad argument; returns num_candidates as an int."""
+    try:
+        if isinstance(num_candidates, bool):
+            raise TypeError
+        c = operator.index(num_candidates)
+    except TypeError:
+        raise ValueError(f"{OP}: num_candidates={num_candidates!r} must be an int >= 1") from None
+    if c < 1:
+        raise ValueError(f"{OP}: num_candidates={c} must be >= 1")
+    if q.ndim != 3:
+        raise ValueError(f"{OP}: q must be 3-D [B, H, D], got shape {_shape(q)}")
+    if q.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"{OP}: q must be float32 or bfloat16, got dtype {q.dtype}")
+    b, h, d = q.shape
+    if weights.shape != (b, h):
+        raise ValueError(f"{OP}: weights must be [B, H] = {(b, h)} (from q), got shape "
+                         f"{_shape(weights)}")
+    if not jnp.issubdtype(weights.dtype, jnp.floating):
+        raise ValueError(f"{OP}: weights must be floating point (float32), got dtype "
+                         f"{weights.dtype}")
+    if codebooks.ndim != 3:
+        raise ValueError(f"{OP}: codebooks must be 3-D [M, K, D/M], got shape "
+                         f"{_shape(codebooks)}")
+    if not jnp.issubdtype(codebooks.dtype, jnp.floating):
+        raise ValueError(f"{OP}: codebooks must be floating point (float32), got dtype "
+                         f"{codebooks.dtype}")
+    m, k, ds = codebooks.shape
+    if not 1 <= k <= MAX_CENTROIDS:
+        raise ValueError(f"{OP}: codebooks have K={k} centroids; need 1 <= K <= {MAX_CENTROIDS} "
+                         "(codes are uint8)")
+    if m < 1 or ds < 1 or m * ds != d:
+        raise ValueError(f"{OP}: codebooks [M, K, D/M] have M={m} subspaces of dim {ds} "
+                         f"(D={m * ds}) but q has D={d}")
+    if codes.ndim != 3 or codes.shape[0] != b or codes.shape[2] != m:
+        raise ValueError(f"{OP}: codes must be [B, N, M] with B={b} (from q) and M={m} (from "
+                         f"codebooks), got shape {_shape(codes)}")
+    if codes.dtype != jnp.uint8:
+        raise ValueError(f"{OP}: codes must be uint8, got dtype {codes.dtype}")
+    if codes.shape[1] < 1:
+        raise ValueError(f"{OP}: codes hold N=0 positions; need N >= 1")
+    if lengths.shape != (b,):
+        raise ValueError(f"{OP}: lengths must be [B] = {(b,)} (from q), got shape "
+                         f"{_shape(lengths)}")
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(f"{OP}: lengths must be integers (int32), got dtype {lengths.dtype}")
+    return int(c)
+
+
+def pq_topc(q, weights, codes, codebooks, lengths, *, num_candidates: int,
+            implementation: str | None = None):
+    """Top-C positions of PQ-coded keys by coarse score (LeanSparse's coarse pass).
+
+    Notation: B requests, H indexer heads, D head dim, M subspaces of d = D / M dims, K <= 256
+    centroids per subspace, N positions per request, C = num_candidates.
+    Args:
+      q: [B, H, D] float32 or bfloat16 indexer queries.
+      weights: [B, H] float32 head weights.
+      codes: [B, N, M] uint8 PQ codes; positions n >= lengths[b] may hold garbage (any byte).
+        Codes of eligible positions must be < K.
+      codebooks: [M, K, d] float32, shared by the batch.
+      lengths: [B] int32; position n of request b is eligible iff n < lengths[b].
+      num_candidates: C >= 1 (may exceed N: the rest is padding).
+      implementation: "xla", "triton" or None (triton on a GPU, xla elsewhere).
+    Returns:
+      positions [B, C] int32: the set of the C best eligible positions (higher score first,
+        ties to the lower position), -1 where fewer than C are eligible; in any order (the
+        "xla" implementation returns them best-first).
+      scores [B, C] float32 aligned with positions, -inf where the position is -1. The
+        "triton" scores use bf16 q and codebooks (~1e-2 relative to the f32 reference).
+    Raises ValueError on bad shapes, dtypes, num_candidates or implementation.
+    """
+    impl = common.choose(OP, implementation, AVAILABLE, fastest_on_gpu="triton")
+    q, weights, codes = jnp.asarray(q), jnp.asarray(weights), jnp.asarray(codes)
+    codebooks, lengths = jnp.asarray(codebooks), jnp.asarray(lengths)
+    c = _validate(q, weights, codes, codebooks, lengths, num_candidates)
+    weights = weights.astype(jnp.float32)
+    codebooks = codebooks.astype(jnp.float32)
+    lengths = lengths.astype(jnp.int32)
+    if impl == "xla":
+        fn = partial(_pq_topc_xla, num_candidates=c)
+    else:
+        fn = partial(triton_impl.pq_topc_triton, num_candidates=c)
+    return fn(q, weights, codes, codebooks, lengths)

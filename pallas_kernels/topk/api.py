@@ -1,0 +1,58 @@
+"""``topk``: exact top-k positions of long score rows under per-row lengths.
+
+Positions n < lengths[b] of row b are eligible; entries past a row's length may hold anything
+(NaN poison included) and never influence the result. Eligible scores must be finite or -inf:
+NaN inside the length is unsupported input, which both implementations treat as -inf. -0.0
+counts as +0.0.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import common
+from pallas_kernels.topk.reference import topk_xla
+from pallas_kernels.topk.triton import topk_triton
+
+AVAILABLE = ("xla", "triton")
+
+
+def _validate(scores, lengths, k):
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+        raise ValueError(f"topk: k must be a static int, got {k!r}")
+    if k <= 0:
+        raise ValueError(f"topk: k must be >= 1, got {k}")
+    if jnp.ndim(scores) != 2:
+        raise ValueError(f"topk: scores must be [B, N], got shape {jnp.shape(scores)}")
+    if jnp.result_type(scores) != jnp.float32:
+        raise ValueError(f"topk: scores must be float32, got {jnp.result_type(scores)}")
+    if jnp.ndim(lengths) != 1 or jnp.shape(lengths)[0] != jnp.shape(scores)[0]:
+        raise ValueError(f"topk: lengths must be [B] = [{jnp.shape(scores)[0]}], got shape "
+                         f"{jnp.shape(lengths)}")
+    if not jnp.issubdtype(jnp.result_type(lengths), jnp.integer):
+        raise ValueError(f"topk: lengths must be an integer array, got "
+                         f"{jnp.result_type(lengths)}")
+
+
+def topk(scores, lengths, k: int, *, implementation: str | None = None):
+    """Exact top-k of each score row.
+
+    scores [B, N] f32, lengths [B] int32, k static int >= 1 (may exceed N or a row's length)
+    -> (positions [B, k] int32, values [B, k] f32). positions holds the set of the
+    min(k, lengths[b]) eligible positions with the highest scores (among equal scores the lower
+    positions win), in any order ("xla" gives best-first), then -1; values are aligned (-inf at
+    -1). implementation: "xla", "triton" (Pallas lowered through Triton; interpret mode without
+    a GPU) or None (triton on a GPU, xla elsewhere).
+    """
+    _validate(scores, lengths, k)
+    k = int(k)
+    impl = common.choose("topk", implementation, AVAILABLE, fastest_on_gpu="triton")
+    scores = jnp.asarray(scores)
+    lengths = jnp.asarray(lengths).astype(jnp.int32)
+    b, n = scores.shape
+    if n == 0 or b == 0:
+        return (jnp.full((b, k), -1, jnp.int32), jnp.full((b, k), -jnp.inf, jnp.float32))
+    if impl == "triton":
+        return topk_triton(scores, lengths, k, interpret=common.interpret())
+    return topk_xla(scores, lengths, k)

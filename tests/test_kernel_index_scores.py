@@ -1,0 +1,182 @@
+"""index_scores kernels (pallas_kernels/index_scores) against a float64 numpy oracle.
+
+Notation: B requests, H heads, D head dim, C candidates, NB scale blocks per key.
+Invalid candidate rows hold NaN poison in their FP8 values and their scales; they must come back
+as exactly -inf and never leak into valid rows. "triton" runs in Pallas interpret mode on CPU;
+"jax_triton" and the V4-shape comparisons need a GPU (``gpu`` marker).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kernel_helpers import assert_close
+
+from lsparse_jax.quant import quantize_index_keys
+from pallas_kernels import common
+from pallas_kernels.index_scores import index_scores
+
+IMPLS = ["xla", "triton", pytest.param("jax_triton", marks=pytest.mark.gpu)]
+V4 = dict(b=64, h=64, d=128, c=2048)  # V4-Flash indexer: 64 heads x 128, 2048 candidates
+
+
+def _valid(rng, b, c, pattern):
+    if pattern == "all_valid":
+        return np.ones((b, c), bool)
+    if pattern == "none":
+        return np.zeros((b, c), bool)
+    if pattern == "prefix":  # ragged candidate lists, row 0 empty
+        lengths = np.linspace(0, c, b).astype(int)
+        return np.arange(c)[None, :] < lengths[:, None]
+    valid = rng.random((b, c)) < 0.7  # "random"; "invalid_row" also empties row 0
+    if pattern == "invalid_row":
+        valid[0] = False
+    return valid
+
+
+def _inputs(b, h, d, c, nb, pattern="random", q_dtype="float32", seed=0):
+    """(q, weights, key_values, key_scales, valid) with NaN poison in invalid rows."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, h, d), np.float32).astype(jnp.dtype(q_dtype))
+    weights = rng.standard_normal((b, h), np.float32)
+    keys = rng.standard_normal((b, c, d), np.float32) * rng.uniform(0.1, 10, (b, c, 1))
+    values, scales = (np.asarray(x) for x in quantize_index_keys(jnp.asarray(keys), d // nb))
+    valid = _valid(rng, b, c, pattern)
+    values = np.where(valid[..., None], values, np.float32(np.nan).astype(values.dtype))
+    scales = np.where(valid[..., None], scales, np.nan).astype(np.float32)
+    return q, weights, values, scales, valid
+
+
+def _oracle(q, weights, values, scales, valid):
+    """float64 numpy scores: dequantize, dot, ReLU, weighted head sum; -inf where invalid."""
+    d, nb = values.shape[-1], scales.shape[-1]
+    keys = values.astype(np.float64) * np.repeat(scales.astype(np.float64), d // nb, axis=-1)
+    keys = np.where(valid[..., None], keys, 0.0)
+    dots = q.astype(np.float64) @ keys.transpose(0, 2, 1)                  # [B, H, C]
+    scores = (weights.astype(np.float64)[:, None, :] @ np.maximum(dots, 0.0))[:, 0]
+    return np.where(valid, scores, -np.inf)
+
+
+def _check(got, args, dtype):
+    valid = args[-1]
+    got = np.asarray(got)
+    assert got.shape == valid.shape and got.dtype == np.float32
+    assert np.all(got[~valid] == -np.inf), "invalid rows must be exactly -inf"
+    assert_close(got, _oracle(*args), dtype, mask=valid)
+
+
+# (B, H, D, C, NB, valid pattern, q dtype): C not a multiple of the block, H padded to 16,
+# ragged / empty / all-invalid rows, one and two scale blocks.
+CASES = [
+    (2, 4, 64, 100, 1, "random", "float32"),
+    (2, 64, 128, 256, 2, "prefix", "float32"),
+    (3, 4, 128, 64, 2, "invalid_row", "bfloat16"),
+    (2, 64, 64, 128, 1, "all_valid", "bfloat16"),
+    (2, 4, 128, 32, 1, "none", "float32"),
+    (1, 6, 64, 300, 2, "random", "float32"),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_index_scores(impl, case):
+    b, h, d, c, nb, pattern, q_dtype = case
+    args = _inputs(b, h, d, c, nb, pattern, q_dtype)
+    got = index_scores(*args, implementation=impl)
+    # the Triton kernels round q to bf16; with a bf16 q every kernel is exact up to f32 sums
+    _check(got, args, "float32" if impl == "xla" or q_dtype == "bfloat16" else "bfloat16")
+
+
+@pytest.mark.parametrize("steps", [1, 2, 4])
+def test_block_and_loop_tiling_in_interpret_mode(steps):
+    """Blocks of 16 candidates, STEPS per program, a partial last program: same scores."""
+    from pallas_kernels.index_scores.triton import index_scores_triton
+
+    args = _inputs(2, 4, 64, 72, 2, "random", "bfloat16", seed=1)
+    got = index_scores_triton(*map(jnp.asarray, args), block_c=16, steps=steps)
+    _check(got, args, "float32")
+
+
+def test_empty_candidate_list():
+    args = _inputs(2, 4, 64, 0, 1)
+    assert index_scores(*args, implementation="triton").shape == (2, 0)
+
+
+def _specs(b, h, d, c, nb, q_dtype=jnp.float32):
+    s = jax.ShapeDtypeStruct
+    return (s((b, h, d), q_dtype), s((b, h), jnp.float32), s((b, c, d), jnp.float8_e4m3fn),
+            s((b, c, nb), jnp.float32), s((b, c), jnp.bool_))
+
+
+@pytest.mark.parametrize("nb,q_dtype", [(1, jnp.float32), (2, jnp.bfloat16)])
+def test_triton_lowers_for_cuda_at_v4_shape(nb, q_dtype):
+    fn = functools.partial(index_scores, implementation="triton")
+    text = common.lower_for_cuda(fn, *_specs(**V4, nb=nb, q_dtype=q_dtype))
+    assert text.count(common.TRITON_CALL_TARGET) == 1
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_triton_tilings_lower_for_cuda(steps):
+    from pallas_kernels.index_scores.triton import index_scores_triton
+
+    fn = functools.partial(index_scores_triton, block_c=64, steps=steps, num_warps=4)
+    text = common.lower_for_cuda(fn, *_specs(**V4, nb=1))
+    assert text.count(common.TRITON_CALL_TARGET) == 1
+
+
+def _bad(name):
+    """Valid small inputs with one argument replaced by a bad shape or dtype."""
+    q, w, kv, ks, valid = _inputs(2, 4, 64, 16, 1)
+    bad = {
+        "q_rank": ("q", q[0]),
+        "q_dtype": ("q", q.astype(np.int32)),
+        "weights_shape": ("weights", w[:, :3]),
+        "key_values_dtype": ("key_values", kv.astype(np.float32)),
+        "key_values_dim": ("key_values", kv[..., :32]),
+        "key_scales_blocks": ("key_scales", np.ones((2, 16, 3), np.float32)),
+        "key_scales_dtype": ("key_scales", ks.astype(jnp.bfloat16)),
+        "valid_dtype": ("valid", valid.astype(np.int32)),
+        "valid_shape": ("valid", valid[:, :8]),
+    }[name]
+    args = dict(q=q, weights=w, key_values=kv, key_scales=ks, valid=valid)
+    args[bad[0]] = bad[1]
+    return bad[0], args
+
+
+@pytest.mark.parametrize("case", ["q_rank", "q_dtype", "weights_shape", "key_values_dtype",
+                                  "key_values_dim", "key_scales_blocks", "key_scales_dtype",
+                                  "valid_dtype", "valid_shape"])
+def test_bad_inputs_name_the_argument(case):
+    arg, args = _bad(case)
+    with pytest.raises(ValueError, match=rf"index_scores: {arg}\b"):
+        index_scores(**args, implementation="xla")
+
+
+def test_triton_shape_limits_and_implementations():
+    q, w, kv, ks, valid = _inputs(1, 4, 48, 8, 1)  # D = 48 is not a power of two
+    index_scores(q, w, kv, ks, valid, implementation="xla")
+    with pytest.raises(ValueError, match="key_values key dim D=48"):
+        index_scores(q, w, kv, ks, valid, implementation="triton")
+    q, w, kv, ks, valid = _inputs(1, 4, 64, 8, 8)  # scale blocks of 8 values: too small
+    with pytest.raises(ValueError, match="key_scales has 8 scale blocks"):
+        index_scores(q, w, kv, ks, valid, implementation="triton")
+    with pytest.raises(ValueError, match="implementation='mosaic' is not available"):
+        index_scores(q, w, kv, ks, valid, implementation="mosaic")
+    if not common.on_gpu():
+        with pytest.raises(ValueError, match="needs a CUDA GPU"):
+            index_scores(q, w, kv, ks, valid, implementation="jax_triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "jax_triton", None])
+@pytest.mark.parametrize("nb", [1, 2])
+def test_gpu_v4_shape_matches_xla(impl, nb):
+    args = _inputs(**V4, nb=nb, pattern="prefix", seed=3)
+    want = index_scores(*args, implementation="xla")
+    got = index_scores(*args, implementation=impl)
+    valid = args[-1]
+    assert np.all(np.asarray(got)[~valid] == -np.inf)
+    assert_close(got, want, "bfloat16", mask=valid)
+    _check(got, args, "bfloat16")

@@ -1,0 +1,371 @@
+"""pq_topc (PQ coarse scores + top-C): xla and triton implementations, CUDA lowering, errors.
+
+Exact-value tests use small-integer queries and codebooks with dyadic head weights, so bf16 and
+f32 agree bit for bit and the many ties must be broken exactly by the rule (higher score first,
+then the lower position). Random-value tests compare scores within the bf16 tolerance and
+compare positions with the top-C of the kernel's own scores.
+"""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import common
+from pallas_kernels.pq_topc import pq_topc, reference
+from pallas_kernels.pq_topc import triton as pq_triton
+from tests.kernel_helpers import TOLERANCE, assert_close, assert_same_sets
+
+IMPLEMENTATIONS = ("xla", "triton")
+V4_FLASH = dict(b=64, h=64, d=128, m=32, k=256, n=131072, c=2048)
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+
+def make_inputs(rng, b, h, d, m, k, n, lengths, *, exact, q_dtype=np.float32, garbage="mix"):
+    """(q, weights, codes, codebooks, lengths) as numpy. Codes past each length are garbage:
+    255 (>= K when K < 256) in even rows, random bytes in odd rows (or all of one kind)."""
+    if exact:  # small integers and dyadic weights: exact in bf16, exact sums in f32
+        q = rng.integers(-1, 2, (b, h, d)).astype(np.float32)
+        books = rng.integers(-1, 2, (m, k, d // m)).astype(np.float32)
+        weights = (rng.integers(-2, 5, (b, h)) / 4).astype(np.float32)
+    else:
+        q = rng.normal(size=(b, h, d)).astype(np.float32)
+        books = rng.normal(size=(m, k, d // m)).astype(np.float32)
+        weights = rng.uniform(-0.5, 1.0, (b, h)).astype(np.float32)
+    codes = rng.integers(0, k, (b, n, m)).astype(np.uint8)
+    lengths = np.asarray(lengths, np.int32)
+    for row, length in enumerate(lengths):
+        tail = codes[row, max(int(length), 0):]
+        use_255 = garbage == "255" or (garbage == "mix" and row % 2 == 0)
+        tail[...] = 255 if use_255 else rng.integers(0, 256, tail.shape)
+    return jnp.asarray(q).astype(q_dtype), weights, codes, books, lengths
+
+
+def numpy_scores(q, weights, codes, books, lengths):
+    """Masked Eq. 6 scores [B, N] in float64 (-inf past each length; garbage codes clamped)."""
+    m, k, ds = books.shape
+    idx = np.minimum(codes.astype(np.int64), k - 1)
+    keys = books.astype(np.float64)[np.arange(m), idx].reshape(*codes.shape[:2], m * ds)
+    dots = np.einsum("bhd,bnd->bhn", np.asarray(q, np.float64), keys)
+    s = np.einsum("bh,bhn->bn", weights.astype(np.float64), np.maximum(dots, 0.0))
+    eligible = np.arange(codes.shape[1])[None, :] < lengths[:, None]
+    return np.where(eligible, s, -np.inf)
+
+
+def numpy_top_c(scores, c):
+    """Best-first top-C per row by the rule: higher score, then lower position; -1 padding."""
+    b, n = scores.shape
+    pos = np.full((b, c), -1, np.int64)
+    vals = np.full((b, c), -np.inf)
+    for r in range(b):
+        order = np.lexsort((np.arange(n), -scores[r]))  # primary: -score, secondary: position
+        order = order[np.isfinite(scores[r][order])][:c]
+        pos[r, :len(order)], vals[r, :len(order)] = order, scores[r][order]
+    return pos, vals
+
+
+def values_at(pos, vals, scores):
+    """Checks vals are aligned with pos: equal to ``scores`` there, -inf at padding."""
+    pos, vals = np.asarray(pos), np.asarray(vals)
+    pad = pos < 0
+    assert np.all(np.isneginf(vals[pad])), "padding positions must have score -inf"
+    want = np.take_along_axis(np.asarray(scores), np.maximum(pos, 0), axis=1)
+    return vals[~pad], want[~pad]
+
+
+def check_exact(got_pos, got_vals, want_pos, want_vals):
+    """Same sets, and every returned score equals the wanted score of that position."""
+    assert_same_sets(got_pos, want_pos)
+    got_pos, got_vals = np.asarray(got_pos), np.asarray(got_vals, np.float64)
+    for r in range(got_pos.shape[0]):
+        want = dict(zip(np.asarray(want_pos[r]).tolist(), np.asarray(want_vals[r]).tolist()))
+        for p, v in zip(got_pos[r].tolist(), got_vals[r].tolist()):
+            assert v == want[p] or (p < 0 and v == -np.inf), f"row {r} position {p}: {v}"
+
+
+# ---------------------------------------------------------------------- both implementations
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_exact_scores_with_ties(implementation):
+    """Integer-valued inputs: exact scores, many ties, lengths 0, < C, == N, > N; garbage codes
+    (255 >= K and random bytes) past each length; N not a multiple of the kernel block; H, D/M
+    not powers of two (the triton wrapper pads them)."""
+    rng = np.random.default_rng(0)
+    b, h, d, m, k, n, c = 6, 6, 12, 4, 10, 200, 24
+    lengths = [0, 7, n, 150, 1, n + 5]
+    q, w, codes, books, lengths = make_inputs(rng, b, h, d, m, k, n, lengths, exact=True)
+    pos, vals = pq_topc(q, w, codes, books, lengths, num_candidates=c,
+                        implementation=implementation)
+    assert pos.shape == (b, c) and pos.dtype == jnp.int32
+    assert vals.shape == (b, c) and vals.dtype == jnp.float32
+    exact = numpy_scores(q, w, codes, books, lengths)
+    straddle = [np.sort(row[np.isfinite(row)])[::-1][c - 1:c + 1] for row in exact]
+    assert any(len(t) == 2 and t[0] == t[1] for t in straddle), "want a tie at the C-th place"
+    want_pos, want_vals = numpy_top_c(exact, c)
+    check_exact(pos, vals, want_pos, want_vals)
+    assert (np.asarray(pos) < 0).sum(1).tolist() == [c, c - 7, 0, 0, c - 1, 0]
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_random_scores_bf16_query(implementation):
+    """Gaussian inputs with a bf16 query, under jax.jit: scores within the bf16 tolerance of the
+    f32 reference; positions are the top-C of the implementation's own score buffer and are
+    near-optimal under the reference scores."""
+    rng = np.random.default_rng(1)
+    b, h, d, m, k, n, c = 4, 16, 32, 8, 16, 256, 40
+    lengths = [n, 0, 33, 200]
+    q, w, codes, books, lengths = make_inputs(rng, b, h, d, m, k, n, lengths, exact=False,
+                                              q_dtype=jnp.bfloat16)
+    fn = jax.jit(lambda *a: pq_topc(*a, num_candidates=c, implementation=implementation))
+    pos, vals = fn(q, w, codes, books, lengths)
+    ref = np.asarray(reference.masked_coarse_scores(q, w, codes, books, lengths))
+    if implementation == "triton":
+        own = np.asarray(pq_triton.coarse_scores_triton(q, w, codes, books, lengths))
+        assert np.array_equal(np.isneginf(own), np.isneginf(ref)), "mask differs"
+        assert_close(own, ref, "bfloat16", mask=np.isfinite(ref))
+    else:
+        own = ref
+    want_pos, want_vals = numpy_top_c(own.astype(np.float64), c)
+    check_exact(pos, np.asarray(vals).astype(np.float32), want_pos, want_vals.astype(np.float32))
+    got, want = values_at(pos, vals, ref)
+    assert_close(got, want, "bfloat16")
+    # near-optimal: every chosen position's reference score >= the C-th best reference score
+    # minus the tolerance (both relative to the row's largest |score|)
+    ref_pos, ref_vals = numpy_top_c(ref.astype(np.float64), c)
+    for r in range(b):
+        chosen = np.asarray(pos[r])
+        chosen = chosen[chosen >= 0]
+        if chosen.size:
+            floor = ref_vals[r][ref_pos[r] >= 0].min()
+            scale = np.abs(ref[r][np.isfinite(ref[r])]).max()
+            assert ref[r, chosen].min() >= floor - 2 * TOLERANCE["bfloat16"] * scale
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_more_candidates_than_positions(implementation):
+    rng = np.random.default_rng(2)
+    b, h, d, m, k, n, c = 2, 16, 16, 4, 256, 20, 32
+    q, w, codes, books, lengths = make_inputs(rng, b, h, d, m, k, n, [n, 5], exact=True)
+    pos, vals = pq_topc(q, w, codes, books, lengths, num_candidates=c,
+                        implementation=implementation)
+    want_pos, want_vals = numpy_top_c(numpy_scores(q, w, codes, books, lengths), c)
+    check_exact(pos, vals, want_pos, want_vals)
+    assert (np.asarray(pos) < 0).sum(1).tolist() == [c - n, c - 5]
+
+
+def test_default_implementation_on_cpu_is_xla():
+    rng = np.random.default_rng(3)
+    args = make_inputs(rng, 2, 4, 8, 2, 4, 16, [16, 3], exact=True)
+    got = pq_topc(*args, num_candidates=4)
+    want = pq_topc(*args, num_candidates=4, implementation="xla")
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+
+
+# ------------------------------------------------------------------------ triton kernel only
+
+
+@pytest.mark.parametrize("shape", [(3, 3, 9, 3, 5), (2, 32, 64, 16, 256)])
+def test_triton_scores_loop_and_padding(shape):
+    """The score buffer of the kernel equals the exact scores bit for bit, with a multi-block
+    loop per program (blocks_per_program=4), N padded to the span, and padded H / M / D/M."""
+    rng = np.random.default_rng(4)
+    b, h, d, m, k = shape
+    n = 100
+    q, w, codes, books, lengths = make_inputs(rng, b, h, d, m, k, n, [n, 37, 0][:b],
+                                              exact=True)
+    params = pq_triton.Params(block_n=16, blocks_per_program=4)
+    got = pq_triton.coarse_scores_triton(q, w, jnp.asarray(codes), jnp.asarray(books),
+                                         jnp.asarray(lengths), params=params)
+    assert got.shape == (b, n) and got.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got), numpy_scores(q, w, codes, books, lengths))
+
+
+def test_triton_with_xla_top_c_stage():
+    """The score kernel followed by the XLA top-C stage (``topk_implementation="xla"``)."""
+    rng = np.random.default_rng(10)
+    b, h, d, m, k, n, c = 3, 16, 16, 4, 8, 90, 12
+    q, w, codes, books, lengths = make_inputs(rng, b, h, d, m, k, n, [n, 4, 60], exact=True)
+    pos, vals = pq_triton.pq_topc_triton(
+        jnp.asarray(q), jnp.asarray(w), jnp.asarray(codes), jnp.asarray(books),
+        jnp.asarray(lengths), num_candidates=c, topk_implementation="xla")
+    want_pos, want_vals = numpy_top_c(numpy_scores(q, w, codes, books, lengths), c)
+    check_exact(pos, vals, want_pos, want_vals)
+
+
+def _specs(b, h, d, m, k, n, q_dtype=jnp.bfloat16):
+    return (jax.ShapeDtypeStruct((b, h, d), q_dtype), jax.ShapeDtypeStruct((b, h), jnp.float32),
+            jax.ShapeDtypeStruct((b, n, m), jnp.uint8),
+            jax.ShapeDtypeStruct((m, k, d // m), jnp.float32),
+            jax.ShapeDtypeStruct((b,), jnp.int32))
+
+
+@pytest.mark.parametrize("shape", [V4_FLASH, dict(b=3, h=6, d=12, m=4, k=10, n=200, c=24)],
+                         ids=["v4_flash", "small"])
+def test_triton_lowers_for_cuda(shape):
+    s = dict(shape)
+    c = s.pop("c")
+    for q_dtype in (jnp.bfloat16, jnp.float32):
+        text = common.lower_for_cuda(
+            lambda *a: pq_topc(*a, num_candidates=c, implementation="triton"),
+            *_specs(**s, q_dtype=q_dtype))
+        assert "pq_coarse_scores" in text, "the score kernel did not lower to Triton"
+        # the score kernel plus at least one kernel of the top-C stage (pallas_kernels.topk)
+        assert text.count(common.TRITON_CALL_TARGET) >= 2
+
+
+# ------------------------------------------------------------------------------- bad inputs
+
+
+def _good():
+    rng = np.random.default_rng(5)
+    q, w, codes, books, lengths = make_inputs(rng, 2, 4, 8, 2, 4, 16, [16, 3], exact=True)
+    return dict(q=q, weights=w, codes=codes, codebooks=books, lengths=lengths)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(q=np.zeros((2, 4), np.float32)), "q must be 3-D"),
+    (dict(q=np.zeros((2, 4, 8), np.float16)), "q must be float32 or bfloat16"),
+    (dict(weights=np.zeros((2, 5), np.float32)), "weights must be"),
+    (dict(weights=np.zeros((2, 4), np.int32)), "weights must be floating"),
+    (dict(codes=np.zeros((2, 16, 3), np.uint8)), "codes must be"),
+    (dict(codes=np.zeros((3, 16, 2), np.uint8)), "codes must be"),
+    (dict(codes=np.zeros((2, 16, 2), np.int32)), "codes must be uint8"),
+    (dict(codes=np.zeros((2, 0, 2), np.uint8)), "N=0"),
+    (dict(codebooks=np.zeros((2, 4, 3), np.float32)), "codebooks"),
+    (dict(codebooks=np.zeros((2, 257, 4), np.float32)), "K=257"),
+    (dict(codebooks=np.zeros((8, 4), np.float32)), "codebooks must be 3-D"),
+    (dict(codebooks=np.zeros((2, 4, 4), np.int32)), "codebooks must be floating"),
+    (dict(lengths=np.zeros((3,), np.int32)), "lengths must be"),
+    (dict(lengths=np.zeros((2,), np.float32)), "lengths must be integers"),
+    (dict(num_candidates=0), "num_candidates"),
+    (dict(num_candidates=2.5), "num_candidates"),
+    (dict(num_candidates=True), "num_candidates"),
+    (dict(implementation="cuda"), "unknown"),
+    (dict(implementation="mosaic"), "not available"),
+])
+def test_bad_inputs(change, match):
+    kwargs = dict(_good(), num_candidates=4, implementation="xla") | change
+    with pytest.raises(ValueError, match=match):
+        pq_topc(**kwargs)
+
+
+# ---------------------------------------------------------------------------------- GPU only
+
+
+@pytest.mark.gpu
+def test_gpu_exact_ties_large():
+    """Integer-valued inputs at a moderately large shape: the real kernel must return exactly
+    the xla sets and scores, ties included."""
+    rng = np.random.default_rng(6)
+    b, h, d, m, k, n, c = 8, 64, 128, 32, 256, 40000, 2048
+    lengths = [n, 0, 1000, 2047, 2048, 39999, 12345, n]
+    q, w, codes, books, lengths = make_inputs(rng, b, h, d, m, k, n, lengths, exact=True,
+                                              garbage="random")
+    args = (q, w, codes, books, lengths)
+    want = pq_topc(*args, num_candidates=c, implementation="xla")
+    got = pq_topc(*args, num_candidates=c, implementation="triton")
+    check_exact(got[0], got[1], np.asarray(want[0]), np.asarray(want[1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_dtype", [jnp.bfloat16, jnp.float32])
+def test_gpu_random_against_xla(q_dtype):
+    rng = np.random.default_rng(7)
+    b, h, d, m, k, n, c = 8, 64, 128, 32, 256, 32768 + 77, 2048
+    lengths = [n, 0, 100, 2048, 30000, n - 1, 5000, 17]
+    q, w, codes, books, lengths = make_inputs(rng, b, h, d, m, k, n, lengths, exact=False,
+                                              q_dtype=q_dtype)
+    ref = np.asarray(reference.masked_coarse_scores(q, w, codes, books, lengths))
+    own = np.asarray(pq_triton.coarse_scores_triton(q, w, codes, books, lengths))
+    assert np.array_equal(np.isneginf(own), np.isneginf(ref)), "mask differs"
+    assert_close(own, ref, "bfloat16", mask=np.isfinite(ref))
+    pos, vals = pq_topc(q, w, codes, books, lengths, num_candidates=c, implementation="triton")
+    want_pos, _ = numpy_top_c(own.astype(np.float64), c)
+    assert_same_sets(pos, want_pos)
+    got, want = values_at(pos, vals, own)
+    np.testing.assert_array_equal(got, want)
+
+
+def _median_ms(fn, args, reps=10):
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return 1e3 * float(np.median(times))
+
+
+@pytest.mark.gpu
+def test_gpu_v4_flash_shape_timing():
+    """V4-Flash shape: correct against xla (scores within tolerance) and faster; prints both
+    times (run with -s). The target is >= 10x faster than xla (8.31 ms measured there)."""
+    s = dict(V4_FLASH)
+    c = s.pop("c")
+    b, n = s["b"], s["n"]
+    keys = jax.random.split(jax.random.key(8), 4)
+    q = jax.random.normal(keys[0], (b, s["h"], s["d"]), jnp.bfloat16)
+    w = jax.random.uniform(keys[1], (b, s["h"]), jnp.float32, -0.5, 1.0)
+    codes = jax.random.randint(keys[2], (b, n, s["m"]), 0, 256, jnp.int32).astype(jnp.uint8)
+    books = jax.random.normal(keys[3], (s["m"], s["k"], s["d"] // s["m"]), jnp.float32)
+    lengths = jnp.full((b,), n, jnp.int32).at[0].set(n // 3)
+    args = (q, w, codes, books, lengths)
+    xla = jax.jit(lambda *a: pq_topc(*a, num_candidates=c, implementation="xla"))
+    tri = jax.jit(lambda *a: pq_topc(*a, num_candidates=c, implementation="triton"))
+    scores_only = jax.jit(lambda *a: pq_triton.coarse_scores_triton(*a))
+    t_xla, t_tri = _median_ms(xla, args), _median_ms(tri, args)
+    t_scores = _median_ms(scores_only, args)
+    print(f"\npq_topc V4-Flash: xla {t_xla:.3f} ms, triton {t_tri:.3f} ms "
+          f"(score kernel {t_scores:.3f} ms, {2 * b * n * s['h'] * s['d'] / t_scores / 1e9:.0f}"
+          f" TFLOP/s), speedup {t_xla / t_tri:.1f}x")
+    got, want = tri(*args), xla(*args)
+    ref = reference.masked_coarse_scores(*args)
+    g, r = values_at(got[0], got[1], ref)
+    assert_close(g, r, "bfloat16")
+    overlap = np.mean([len(set(np.asarray(got[0][i]).tolist())
+                           & set(np.asarray(want[0][i]).tolist())) / c for i in range(b)])
+    assert overlap > 0.98, f"top-C overlap with xla only {overlap:.3f}"
+    assert t_tri < t_xla
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_param_sweep():
+    """Times the score kernel at the V4-Flash shape for a grid of launch parameters and prints
+    them fastest first (run with -s), as data for ``triton.TUNED``. Every configuration that
+    compiles must give the default configuration's scores (same bf16 inputs: within 1e-5)."""
+    s = dict(V4_FLASH)
+    s.pop("c")
+    b, n = s["b"], s["n"]
+    keys = jax.random.split(jax.random.key(9), 4)
+    q = jax.random.normal(keys[0], (b, s["h"], s["d"]), jnp.bfloat16)
+    w = jax.random.uniform(keys[1], (b, s["h"]), jnp.float32, -0.5, 1.0)
+    codes = jax.random.randint(keys[2], (b, n, s["m"]), 0, 256, jnp.int32).astype(jnp.uint8)
+    books = jax.random.normal(keys[3], (s["m"], s["k"], s["d"] // s["m"]), jnp.float32)
+    lengths = jnp.full((b,), n, jnp.int32)
+    args = (q, w, codes, books, lengths)
+    base = np.asarray(pq_triton.coarse_scores_triton(*args))
+    rows = []
+    for block_n in (64, 128, 256):
+        for bpp in (1, 4, 16):
+            for warps in (4, 8):
+                for stages in (2, 3):
+                    p = pq_triton.Params(block_n, bpp, warps, stages)
+                    fn = jax.jit(lambda *a, p=p: pq_triton.coarse_scores_triton(*a, params=p))
+                    try:
+                        ms = _median_ms(fn, args)
+                    except Exception as e:  # report a configuration that fails, go on
+                        rows.append((np.inf, p, f"{type(e).__name__}: {str(e)[:80]}"))
+                        continue
+                    assert_close(fn(*args), base, "float32")
+                    tflops = 2 * b * n * s["h"] * s["d"] / ms / 1e9
+                    rows.append((ms, p, f"{tflops:.0f} TFLOP/s"))
+    print()
+    for ms, p, note in sorted(rows, key=lambda r: r[0]):
+        print(f"{ms:8.3f} ms  {p}  {note}")
