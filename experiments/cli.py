@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     # gin logs an ERROR for every search prefix that lacks an included file; only the last
     # miss matters, and gin raises it as an exception itself.
     logging.getLogger().addFilter(lambda r: not r.getMessage().startswith("Path not found"))
+    with gin.unlock_config():  # a fresh config per run (tests run several in one process)
+        gin.clear_config()
     gin.add_config_file_search_path(str(config.resolve().parent))
     gin.add_config_file_search_path(str(CONFIG_ROOT))
     gin.parse_config_files_and_bindings([str(config)], bindings)
