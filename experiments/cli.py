@@ -46,11 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     # gin logs an ERROR for every search prefix that lacks an included file; only the last
     # miss matters, and gin raises it as an exception itself.
     logging.getLogger().addFilter(lambda r: not r.getMessage().startswith("Path not found"))
-    with gin.unlock_config():  # a fresh config per run (tests run several in one process)
-        gin.clear_config()
+    gin.clear_config()  # a fresh config per run (tests run several in one process); never
+    # finalized, so a later run in the same process may parse again
     gin.add_config_file_search_path(str(config.resolve().parent))
     gin.add_config_file_search_path(str(CONFIG_ROOT))
-    gin.parse_config_files_and_bindings([str(config)], bindings)
+    gin.parse_config_files_and_bindings([str(config)], bindings, finalize_config=False)
     run()
     return 0
 
