@@ -42,9 +42,8 @@ def test_leansparse_kernels_match_xla_on_gpu():
     from tests.test_leansparse import make
 
     lean = LeanSparseConfig(num_candidates=64, miss_filter_offset=1.0, key_cache_rows=96)
-    engines = {impl: make("leansparse", lean) for impl in ("xla", "triton")}
-    engines["triton"].config = engines["triton"].config.__class__(
-        **{**engines["triton"].config.__dict__, "implementation": "triton"})
+    engines = {impl: make("leansparse", lean, slots=1, implementation=impl)
+               for impl in ("xla", "triton")}
     rng = np.random.default_rng(3)
     prompt = rng.integers(0, 256, 150).astype(np.int32)
     for e in engines.values():

@@ -26,12 +26,13 @@ def setup():
     return cfg, params, calibrate_codebooks(params, cfg, calib, iters=4)
 
 
-def make(method, lean=None, slots=3, kv_rows=16):
+def make(method, lean=None, slots=3, kv_rows=16, implementation="xla"):
     cfg, params, books = setup()
     cache = CacheConfig(num_slots=slots, prefill_chunk=32, page_size=8,
                         hot_cache_rows=None if method == "resident" else kv_rows)
     return Engine(EngineConfig(model=cfg, cache=cache, method=method,
-                               leansparse=lean or LeanSparseConfig()), params, books)
+                               leansparse=lean or LeanSparseConfig(),
+                               implementation=implementation), params, books)
 
 
 def encoder(engine):
