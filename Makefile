@@ -23,7 +23,7 @@ test: setup
 	JAX_PLATFORMS=cpu $(BIN)/python -m pytest -n 2 -q $(PYTEST_ARGS)
 
 lint: setup
-	$(BIN)/ruff check lsparse_jax pallas_kernels experiments tests
+	$(BIN)/ruff check lsparse_jax pallas_kernels experiments tests benchmarks
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lsparse_jax.config import CacheConfig, EngineConfig
-from lsparse_jax.memory import empty_pool, read_host_rows, write_host_page
+from lsparse_jax.memory import read_host_rows, write_host_page
 from lsparse_jax.model import init_params, preset
 from lsparse_jax.serving.engine import Engine
 
@@ -108,7 +108,8 @@ def main():
     path = pathlib.Path(args.out) / "hierarchy_gpu.json"
     path.write_text(json.dumps(results, indent=2))
     print(f"device={results['device']} jax={results['jax']}")
-    print(f"{'op':28s} {'rows':>6s} {'row_B':>6s} {'ms':>9s} {'us/row':>8s} {'GB/s':>7s} {'%pcie':>6s}")
+    print(f"{'op':28s} {'rows':>6s} {'row_B':>6s} {'ms':>9s} {'us/row':>8s} {'GB/s':>7s} "
+          f"{'%pcie':>6s}")
     for r in rows:
         print(f"{r['op']:28s} {r.get('rows', r.get('slots', '')):>6} {r.get('row_bytes', ''):>6} "
               f"{r['seconds'] * 1e3:9.3f} {r.get('us_per_row', float('nan')):8.2f} "

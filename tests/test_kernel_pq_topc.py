@@ -6,7 +6,6 @@ then the lower position). Random-value tests compare scores within the bf16 tole
 compare positions with the top-C of the kernel's own scores.
 """
 
-import time
 
 import jax
 import jax.numpy as jnp
@@ -292,20 +291,10 @@ def test_gpu_random_against_xla(q_dtype):
     np.testing.assert_array_equal(got, want)
 
 
-def _median_ms(fn, args, reps=10):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(times))
-
-
 @pytest.mark.gpu
-def test_gpu_v4_flash_shape_timing():
-    """V4-Flash shape: correct against xla (scores within tolerance) and faster; prints both
-    times (run with -s). The target is >= 10x faster than xla (8.31 ms measured there)."""
+def test_gpu_v4_flash_shape_matches_xla():
+    """V4-Flash shape: triton scores within tolerance of xla and top-C sets nearly equal
+    (speed is measured by experiments/kernel_compare.py and benchmarks/pq_topc_sweep.py)."""
     s = dict(V4_FLASH)
     c = s.pop("c")
     b, n = s["b"], s["n"]
@@ -318,12 +307,6 @@ def test_gpu_v4_flash_shape_timing():
     args = (q, w, codes, books, lengths)
     xla = jax.jit(lambda *a: pq_topc(*a, num_candidates=c, implementation="xla"))
     tri = jax.jit(lambda *a: pq_topc(*a, num_candidates=c, implementation="triton"))
-    scores_only = jax.jit(lambda *a: pq_triton.coarse_scores_triton(*a))
-    t_xla, t_tri = _median_ms(xla, args), _median_ms(tri, args)
-    t_scores = _median_ms(scores_only, args)
-    print(f"\npq_topc V4-Flash: xla {t_xla:.3f} ms, triton {t_tri:.3f} ms "
-          f"(score kernel {t_scores:.3f} ms, {2 * b * n * s['h'] * s['d'] / t_scores / 1e9:.0f}"
-          f" TFLOP/s), speedup {t_xla / t_tri:.1f}x")
     got, want = tri(*args), xla(*args)
     ref = reference.masked_coarse_scores(*args)
     g, r = values_at(got[0], got[1], ref)
@@ -331,41 +314,3 @@ def test_gpu_v4_flash_shape_timing():
     overlap = np.mean([len(set(np.asarray(got[0][i]).tolist())
                            & set(np.asarray(want[0][i]).tolist())) / c for i in range(b)])
     assert overlap > 0.98, f"top-C overlap with xla only {overlap:.3f}"
-    assert t_tri < t_xla
-
-
-@pytest.mark.gpu
-@pytest.mark.slow
-def test_gpu_param_sweep():
-    """Times the score kernel at the V4-Flash shape for a grid of launch parameters and prints
-    them fastest first (run with -s), as data for ``triton.TUNED``. Every configuration that
-    compiles must give the default configuration's scores (same bf16 inputs: within 1e-5)."""
-    s = dict(V4_FLASH)
-    s.pop("c")
-    b, n = s["b"], s["n"]
-    keys = jax.random.split(jax.random.key(9), 4)
-    q = jax.random.normal(keys[0], (b, s["h"], s["d"]), jnp.bfloat16)
-    w = jax.random.uniform(keys[1], (b, s["h"]), jnp.float32, -0.5, 1.0)
-    codes = jax.random.randint(keys[2], (b, n, s["m"]), 0, 256, jnp.int32).astype(jnp.uint8)
-    books = jax.random.normal(keys[3], (s["m"], s["k"], s["d"] // s["m"]), jnp.float32)
-    lengths = jnp.full((b,), n, jnp.int32)
-    args = (q, w, codes, books, lengths)
-    base = np.asarray(pq_triton.coarse_scores_triton(*args))
-    rows = []
-    for block_n in (64, 128, 256):
-        for bpp in (1, 4, 16):
-            for warps in (4, 8):
-                for stages in (2, 3):
-                    p = pq_triton.Params(block_n, bpp, warps, stages)
-                    fn = jax.jit(lambda *a, p=p: pq_triton.coarse_scores_triton(*a, params=p))
-                    try:
-                        ms = _median_ms(fn, args)
-                    except Exception as e:  # report a configuration that fails, go on
-                        rows.append((np.inf, p, f"{type(e).__name__}: {str(e)[:80]}"))
-                        continue
-                    assert_close(fn(*args), base, "float32")
-                    tflops = 2 * b * n * s["h"] * s["d"] / ms / 1e9
-                    rows.append((ms, p, f"{tflops:.0f} TFLOP/s"))
-    print()
-    for ms, p, note in sorted(rows, key=lambda r: r[0]):
-        print(f"{ms:8.3f} ms  {p}  {note}")
