@@ -40,7 +40,7 @@ def median_time(fn, make_args, repeats=20, warmup=3):
 def copy_path(rows_list, dim, pool_gib, rng):
     page = 64
     num_pages = int(pool_gib * 2**30 // (page * dim * 4))
-    pool = jax.device_put(np.zeros((num_pages, page, dim), np.float32), jax.memory.Space.Host)
+    pool = jax.device_put(np.zeros((num_pages * page, dim), np.float32), jax.memory.Space.Host)
     read = jax.jit(read_host_rows)
     out = []
     for rows in rows_list:
@@ -73,9 +73,11 @@ def decode_steps(slots, prompt_len, steps, hot_rows):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, prompt_len).astype(np.int32) for _ in range(slots)]
     rows = []
-    for method, b in (("resident", None), ("hisparse", hot_rows)):
-        eng = Engine(EngineConfig(model=cfg, method=method, cache=CacheConfig(
-            num_slots=slots, prefill_chunk=512, hot_cache_rows=b, page_size=64)), params)
+    for method, b, impl in (("resident", None, "xla"), ("hisparse", hot_rows, "xla"),
+                            ("hisparse", hot_rows, "triton")):
+        eng = Engine(EngineConfig(model=cfg, method=method, implementation=impl,
+                                  cache=CacheConfig(num_slots=slots, prefill_chunk=512,
+                                                    hot_cache_rows=b, page_size=64)), params)
         eng.warmup()
         for p in prompts:
             eng.admit(p, steps + 1)
@@ -85,11 +87,12 @@ def decode_steps(slots, prompt_len, steps, hot_rows):
             eng.step()
             times.append(time.perf_counter() - t0)
         m = eng.metrics()
-        rows.append({"op": f"decode_step[{method}]", "slots": slots, "prompt": prompt_len,
+        rows.append({"op": f"decode_step[{method},{impl}]", "slots": slots, "prompt": prompt_len,
                      "seconds": float(np.median(times[2:])),
                      "resolved_fraction": m["selection"]["resolved_fraction"],
                      "generated": [eng.generated[s] for s in range(slots)]})
-    rows[1]["identical_tokens"] = rows[0]["generated"] == rows[1]["generated"]
+    for row in rows[1:]:
+        row["identical_tokens"] = rows[0]["generated"] == row["generated"]
     return rows
 
 
@@ -115,7 +118,8 @@ def main():
               f"{r['seconds'] * 1e3:9.3f} {r.get('us_per_row', float('nan')):8.2f} "
               f"{r.get('GB_per_s', float('nan')):7.2f} "
               f"{100 * r.get('fraction_of_pcie', float('nan')):6.1f}")
-    print("hisparse tokens identical to resident:", rows[-1]["identical_tokens"])
+    print("hisparse tokens identical to resident (xla, triton gather):",
+          rows[-2]["identical_tokens"], rows[-1]["identical_tokens"])
 
 
 if __name__ == "__main__":

@@ -30,9 +30,13 @@ def test_pool_lives_in_pinned_host_and_round_trips():
 
 
 def test_hisparse_bit_identical_on_gpu():
-    from tests.test_hierarchy import test_hisparse_bit_identical_to_resident_with_invariant
+    from tests.test_hierarchy import (
+        test_hisparse_bit_identical_to_resident_with_invariant,
+        test_hisparse_with_pallas_host_gather_is_bit_identical,
+    )
 
     test_hisparse_bit_identical_to_resident_with_invariant(16)
+    test_hisparse_with_pallas_host_gather_is_bit_identical()  # zero-copy gather, for real
 
 
 def test_leansparse_kernels_match_xla_on_gpu():

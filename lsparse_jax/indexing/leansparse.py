@@ -49,7 +49,7 @@ def leansparse_select(q, weights, keys: PagedKeys, eligible, paged, host, lean: 
     tail = jnp.where(eligible[jnp.clip(tail, 0, n - 1)] & (tail < n), tail, -1)
     retained = jnp.concatenate([jnp.where(keep, cand, -1), tail])
     (values, scales), cache, sources = resolve(keys.cache, retained, keys.tail, paged,
-                                               host.page_table, host.key_pool)
+                                               host.page_table, host.key_pool, implementation)
     scores = index_scores(q[None], weights[None], values[None], scales[None],
                           (retained >= 0)[None], implementation=implementation)[0]
     selected, _ = rerank(retained, scores, top_k)

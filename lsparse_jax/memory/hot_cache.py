@@ -37,12 +37,14 @@ class HotCache:
                    stamps=jnp.full((rows,), -1, jnp.int32), clock=jnp.zeros((), jnp.int32))
 
 
-def resolve(hot: HotCache, selected, tail, paged, page_table, pool):
+def resolve(hot: HotCache, selected, tail, paged, page_table, pool,
+            implementation: str | None = "xla"):
     """Makes every selected row readable on the device and returns the rows in order.
 
     Notation: k selected positions (best first, -1 padded); B hot rows; P rows per page.
       selected [k] int32; tail [P, D] rows of positions paged .. paged+P-1 (not yet on host);
-      page_table [max_pages] int32 physical host page of each logical page; pool [NP, P, D].
+      page_table [max_pages] int32 physical host page of each logical page; pool [NP * P, D]
+      (row r of physical page p at p * P + r); implementation: the host-row copy kernel.
       Rows may be pytrees (e.g. FP8 keys and their scales): tail, pool and hot.rows alike.
     Steps:
       1. tail hits: selected >= paged.
@@ -69,7 +71,7 @@ def resolve(hot: HotCache, selected, tail, paged, page_table, pool):
 
     host_row = page_table[jnp.where(miss, selected // page, 0)] * page + selected % page
     host_row = jnp.where(miss, host_row, -1)
-    fetched = jax.tree.map(lambda p: read_host_rows(p, host_row), pool)
+    fetched = jax.tree.map(lambda p: read_host_rows(p, host_row, implementation), pool)
     dest = jnp.where(miss, victim, b)  # b = out of bounds = dropped
     rows = jax.tree.map(lambda r, f: r.at[dest].set(f, mode="drop"), hot.rows, fetched)
     positions = hot.positions.at[dest].set(selected, mode="drop")

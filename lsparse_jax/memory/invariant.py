@@ -30,7 +30,7 @@ def _check_store(name, tail, pool, cache, table, truth, done, paged, page, s, ba
             bad.append(f"{name} slot {s} row {i}: no host page")
             continue
         else:
-            got = [leaf[table[s, i // page], i % page] for leaf in leaves(pool)]
+            got = [leaf[table[s, i // page] * page + i % page] for leaf in leaves(pool)]
         if not all(_same(g, w[s, i]) for g, w in zip(got, leaves(truth))):
             bad.append(f"{name} slot {s} row {i}: {'tail' if i >= paged else 'host'} differs")
     pos = np.asarray(cache.positions)[s]

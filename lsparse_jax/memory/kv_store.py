@@ -25,9 +25,9 @@ class PagedKV:
 class HostView:
     """What one slot's layer sees of the host tier (the pool is shared by all slots)."""
 
-    pool: jax.Array  # [NP, P, D] pinned_host pages of this layer
+    pool: jax.Array  # [NP * P, D] pinned_host pages of this layer (page p: rows p*P ..)
     page_table: jnp.ndarray  # [max_pages] int32 physical page of each logical page, -1 none
-    key_pool: tuple[jax.Array, jax.Array] | None = None  # ([NP,P,D_I] e4m3, [NP,P,nb] f32)
+    key_pool: tuple[jax.Array, jax.Array] | None = None  # ([NP*P, D_I] e4m3, [NP*P, nb] f32)
     codebooks: jnp.ndarray | None = None  # [M, K, D_I / M] PQ codebooks (leansparse)
 
 
@@ -50,7 +50,7 @@ def write(kv, ids, rows, ok, paged):
     return kv.replace(tail=write_rows(kv.tail, ids - paged, rows, ok))
 
 
-def gather(kv, selected, paged, host: HostView | None):
+def gather(kv, selected, paged, host: HostView | None, implementation: str | None = "xla"):
     """Rows of the selected positions [T, k] -> (rows [T, k, D], counts [T, 3], new kv).
 
     Counts are the rows resolved from (tail or resident map, hot cache, host copy).
@@ -62,7 +62,8 @@ def gather(kv, selected, paged, host: HostView | None):
         return kv.entries[jnp.maximum(selected, 0)], counts, kv
     if selected.shape[0] != 1:
         raise ValueError("PagedKV serves decode (one query per slot); prefill runs resident")
-    rows, hot, counts = resolve(kv.hot, selected[0], kv.tail, paged, host.page_table, host.pool)
+    rows, hot, counts = resolve(kv.hot, selected[0], kv.tail, paged, host.page_table, host.pool,
+                                implementation)
     return rows[None], counts[None], kv.replace(hot=hot)
 
 

@@ -164,7 +164,7 @@ class AttentionLayer(nn.Module):
             groups.append((cache.kv.entries[None], eligible))
         elif self.kind == "csa":
             sel = selection.positions
-            rows, sources, kv = kv_store.gather(cache.kv, sel, paged, host)
+            rows, sources, kv = kv_store.gather(cache.kv, sel, paged, host, self.implementation)
             cache = cache.replace(kv=kv)
             groups.append((rows, sel >= 0))
             selection = selection.replace(sources=sources)

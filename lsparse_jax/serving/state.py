@@ -22,8 +22,8 @@ from lsparse_jax.quant.pq import encode
 class LayerPools:
     """One CSA layer's host pages (the page table is shared by every layer)."""
 
-    kv: jax.Array  # [NP, P, D] f32 pinned_host compressed KV pages
-    keys: tuple[jax.Array, jax.Array] | None  # leansparse: ([NP, P, D_I] e4m3, [NP, P, nb] f32)
+    kv: jax.Array  # [NP * P, D] f32 pinned_host compressed KV pages (page p: rows p*P ..)
+    keys: tuple[jax.Array, jax.Array] | None  # leansparse: ([NP*P, D_I] e4m3, [NP*P, nb] f32)
 
 
 @struct.dataclass
