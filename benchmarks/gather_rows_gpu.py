@@ -8,28 +8,15 @@ of 20 synchronized calls after 3 warm-ups. Prints a table and writes gather_rows
 import argparse
 import json
 import pathlib
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from timing import median_time  # benchmarks/timing.py
 
 from pallas_kernels.gather_rows.api import gather_rows
 
 PCIE = 48e9
-
-
-def median_time(fn, make_args, repeats=20, warmup=3):
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*make_args()))
-    times = []
-    for _ in range(repeats):
-        args = make_args()
-        jax.block_until_ready(args)
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
 
 
 def main():

@@ -15,6 +15,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from timing import median_time  # benchmarks/timing.py
 
 from lsparse_jax.config import CacheConfig, EngineConfig
 from lsparse_jax.memory import read_host_rows, write_host_page
@@ -22,19 +23,6 @@ from lsparse_jax.model import init_params, preset
 from lsparse_jax.serving.engine import Engine
 
 PCIE = 48e9  # measured pinned_host -> device, ../shared/gpu_facts
-
-
-def median_time(fn, make_args, repeats=20, warmup=3):
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*make_args()))
-    times = []
-    for _ in range(repeats):
-        args = make_args()
-        jax.block_until_ready(args)
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
 
 
 def copy_path(rows_list, dim, pool_gib, rng):

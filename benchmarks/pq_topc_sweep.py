@@ -6,23 +6,13 @@ for ``pallas_kernels.pq_topc.triton.TUNED``; every configuration must reproduce 
 configuration's scores.
 """
 
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from timing import median_time  # benchmarks/timing.py
 
 from pallas_kernels.pq_topc import triton as pq_triton
-
-
-def median_ms(fn, args, reps=10):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(times))
 
 
 def main(b=64, n=131072, h=64, d=128, m=32, k=256):
@@ -41,7 +31,7 @@ def main(b=64, n=131072, h=64, d=128, m=32, k=256):
                     p = pq_triton.Params(block_n, bpp, warps, stages)
                     fn = jax.jit(lambda *a, p=p: pq_triton.coarse_scores_triton(*a, params=p))
                     try:
-                        ms = median_ms(fn, args)
+                        ms = 1e3 * median_time(fn, lambda: args, repeats=10, warmup=1)
                     except Exception as e:  # report a configuration that fails, go on
                         rows.append((np.inf, p, f"{type(e).__name__}: {str(e)[:80]}"))
                         continue

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 import os
 import pathlib
 
@@ -13,6 +11,7 @@ import numpy as np
 
 from lsparse_jax.config import LeanSparseConfig, ModelConfig
 from lsparse_jax.model import preset
+from lsparse_jax.model.presets import fit_max_len  # noqa: F401  (experiments import it here)
 
 gin.external_configurable(LeanSparseConfig)
 
@@ -31,12 +30,6 @@ def pyplot():
 def model_preset(name: str = gin.REQUIRED, **overrides) -> ModelConfig:
     """A model preset by name (``tiny``, ``v4_flash``, ``glm5``) with field overrides."""
     return preset(name, **overrides)
-
-
-def fit_max_len(cfg: ModelConfig, tokens: int) -> ModelConfig:
-    """``cfg`` with max_len just large enough for ``tokens`` (a multiple of both strides)."""
-    unit = math.lcm(cfg.csa_ratio, cfg.hca_ratio)
-    return dataclasses.replace(cfg, max_len=-(-tokens // unit) * unit)
 
 
 def run_dir(name: str, root: str | None = None) -> pathlib.Path:

@@ -66,10 +66,9 @@ class RequestBytes:
 
 def sized_for(engine: EngineConfig, context: int) -> EngineConfig:
     """``engine`` with max_len = context rounded up to a multiple of both strides."""
-    cfg = engine.model
-    unit = np.lcm(cfg.csa_ratio, cfg.hca_ratio)
-    model = dataclasses.replace(cfg, max_len=int(-(-context // unit) * unit))
-    return dataclasses.replace(engine, model=model)
+    from lsparse_jax.model.presets import fit_max_len
+
+    return dataclasses.replace(engine, model=fit_max_len(engine.model, context))
 
 
 def request_bytes(engine: EngineConfig, context: int, layout: Layout | None = None,

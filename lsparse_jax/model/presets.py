@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from lsparse_jax.config import IndexerConfig, ModelConfig
 
@@ -36,3 +37,9 @@ def preset(name: str, **overrides) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; known presets: {sorted(PRESETS)}")
     return dataclasses.replace(PRESETS[name], **overrides)
+
+
+def fit_max_len(cfg: ModelConfig, tokens: int) -> ModelConfig:
+    """``cfg`` with max_len just large enough for ``tokens`` (a multiple of both strides)."""
+    unit = math.lcm(cfg.csa_ratio, cfg.hca_ratio)
+    return dataclasses.replace(cfg, max_len=-(-tokens // unit) * unit)

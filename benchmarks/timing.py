@@ -1,0 +1,21 @@
+"""Shared timing for the GPU benchmark scripts (run as ``python3 benchmarks/<script>.py``)."""
+
+import time
+
+import jax
+import numpy as np
+
+
+def median_time(fn, make_args, repeats=20, warmup=3):
+    """Median seconds of ``fn(*make_args())`` over ``repeats`` device-synchronized calls after
+    ``warmup`` calls; fresh arguments each call (made and synchronized outside the timing)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*make_args()))
+    times = []
+    for _ in range(repeats):
+        args = make_args()
+        jax.block_until_ready(args)
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
