@@ -1,3 +1,3 @@
 """Imports every experiment so gin knows its configurables."""
 
-from experiments import common, kernel_compare, quickstart, recall_study  # noqa: F401
+from experiments import common, kernel_compare, quickstart, recall_study, train  # noqa: F401

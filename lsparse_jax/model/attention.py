@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from lsparse_jax.model.layers import HIGHEST
 
 
-def sink_attention(q, groups, sink):
+def sink_attention(q, groups, sink, return_probs: bool = False):
     """Softmax attention of queries over several row groups plus a per-head sink.
 
     Notation: T queries, H heads, D dim; group g has S_g rows that serve as keys and values
@@ -14,20 +14,33 @@ def sink_attention(q, groups, sink):
     q [T, H, D]; groups: list of (rows [T or 1, S_g, D], mask [T, S_g]); sink [H] logits.
     Math: logits_{t,h,s} = q_{t,h} . r_s / sqrt(D) over the unmasked rows of all groups; the sink
       adds exp(sink_h) to the softmax denominator and contributes no value.
-    Masked rows are never read (they may hold NaN poison). Returns [T, H, D] f32.
+    Masked rows are never read (they may hold NaN poison). Returns [T, H, D] f32, and with
+    ``return_probs`` also the attention probabilities of each group, a list of [T, H, S_g].
     """
     scale = q.shape[-1] ** -0.5
     q = q.astype(jnp.float32)
     logits, values = [], []
     for rows, mask in groups:
-        rows = jnp.where(mask[..., None], rows.astype(jnp.float32), 0.0)
-        rows = jnp.broadcast_to(rows, (q.shape[0],) + rows.shape[1:])
-        lg = jnp.einsum("thd,tsd->ths", q, rows, precision=HIGHEST) * scale
+        rows = rows.astype(jnp.float32)
+        if rows.shape[0] == 1:  # rows shared by every query: never broadcast them to [T, S, D]
+            # a row no query may read is zeroed (it may be NaN); rows some query may read are
+            # real data, and a query's masked logits give them probability 0
+            rows = jnp.where(jnp.any(mask, axis=0)[:, None], rows[0], 0.0)
+            lg = jnp.einsum("thd,sd->ths", q, rows, precision=HIGHEST) * scale
+        else:
+            rows = jnp.where(mask[..., None], rows, 0.0)
+            lg = jnp.einsum("thd,tsd->ths", q, rows, precision=HIGHEST) * scale
         logits.append(jnp.where(mask[:, None, :], lg, -jnp.inf))
         values.append(rows)
     sink_logit = jnp.broadcast_to(sink.astype(jnp.float32)[None, :, None],
                                   (q.shape[0], q.shape[1], 1))
-    logits = jnp.concatenate(logits + [sink_logit], axis=-1)
-    probs = jax.nn.softmax(logits, axis=-1)[..., :-1]
-    values = jnp.concatenate(values, axis=1)
-    return jnp.einsum("ths,tsd->thd", probs, values, precision=HIGHEST)
+    probs = jax.nn.softmax(jnp.concatenate(logits + [sink_logit], axis=-1), axis=-1)
+    bounds = [0]
+    for lg in logits:
+        bounds.append(bounds[-1] + lg.shape[-1])
+    group_probs = [probs[..., a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    out = 0.0
+    for p, rows in zip(group_probs, values):
+        spec = "ths,sd->thd" if rows.ndim == 2 else "ths,tsd->thd"
+        out = out + jnp.einsum(spec, p, rows, precision=HIGHEST)
+    return (out, group_probs) if return_probs else out

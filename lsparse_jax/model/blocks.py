@@ -8,6 +8,7 @@ prefill is a chunk of many; the cache makes chunking invisible.
 from __future__ import annotations
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 from flax import struct
 
@@ -72,6 +73,7 @@ class AttentionLayer(nn.Module):
     dense_selection: bool = False  # attend to every eligible entry (the no-sparsity reference)
     lean: LeanSparseConfig | None = None  # coarse-to-fine settings (leansparse decode)
     implementation: str | None = "xla"  # kernels: "xla", "triton", ... (pallas_kernels api)
+    indexer_loss: bool = False  # training: sow the indexer's KL to the attention (CSA layers)
 
     @property
     def kind(self) -> str:
@@ -118,18 +120,19 @@ class AttentionLayer(nn.Module):
 
         if self.kind in ("csa", "dsa") and shared is None:
             indexer = Indexer(cfg, name="indexer")
-            iq, iw = indexer(x, positions)
+            xi = jax.lax.stop_gradient(x)  # the indexer learns from its own loss only
+            iq, iw = indexer(xi, positions)
             self.sow("intermediates", "indexer_q", iq)  # read by indexing.traces
             self.sow("intermediates", "indexer_w", iw)
             ic = cfg.indexer
             if self.kind == "csa":
                 icomp = Compressor(ic.head_dim, m, True, min(cfg.rope_dim, ic.head_dim),
                                    cfg.rope_theta, name="index_comp")
-                kids, krows, kok, index_ring = icomp(x, cache.index_ring, start, num_valid)
+                kids, krows, kok, index_ring = icomp(xi, cache.index_ring, start, num_valid)
                 cache = cache.replace(index_ring=index_ring)
             else:
                 kids, kok = positions, jnp.arange(t_len) < num_valid
-                krows = rope(dense(ic.head_dim, "index_wk")(x), positions,
+                krows = rope(dense(ic.head_dim, "index_wk")(xi), positions,
                              min(cfg.rope_dim, ic.head_dim), cfg.rope_theta)
             kval, kscale = quantize_index_keys(krows, ic.fp8_block)
             if self.kind == "dsa":
@@ -172,9 +175,53 @@ class AttentionLayer(nn.Module):
             sel = selection.positions
             groups.append((cache.entries[jnp.maximum(sel, 0)], sel >= 0))
 
-        out = sink_attention(q, groups, sink)
+        if self.indexer_loss:
+            if self.kind != "csa":
+                raise ValueError(f"indexer_loss trains CSA indexers; layer {self.layer} is "
+                                 f"{self.kind!r}")
+            out, probs = sink_attention(q, groups, sink, return_probs=True)
+            attended = None if self.dense_selection else selection.positions
+            self.sow("losses", "indexer_kl", indexer_kl(
+                iq, iw, krows, kval, kscale, kids, kok, num, eligible, attended, probs[-1]))
+        else:
+            out = sink_attention(q, groups, sink)
         y = dense(cfg.hidden, "wo")(out.reshape(t_len, h * d))
         return y, cache, selection
+
+
+def indexer_kl(iq, iw, krows, kval, kscale, kids, kok, num, eligible, attended, probs):
+    """KL divergence of the indexer's distribution from the attention's (DeepSeek-V3.2 recipe).
+
+    Notation: T queries of a chunk that starts at position 0 and holds the whole sequence;
+      N compressed entries; S attended entries per query (all N in the dense warm-up, the k
+      selected ones in sparse training); H attention heads.
+      iq [T, H_I, D_I], iw [T, H_I]: indexer queries and head weights; krows [n, D_I] the
+      chunk's compressed indexer keys (ids kids, valid kok) and their FP8 form kval, kscale;
+      eligible [T, N]; attended [T, k] positions (-1 none) or None (dense); probs [T, H, S].
+    Math:
+      1. keys k_n: the FP8 round trip in the forward pass (the scores equal serving's), the
+         identity in the backward pass (straight-through).
+      2. p_t = sum_h probs[t, h, :] / sum over the attended entries (the target, no gradient).
+      3. q_t = softmax over attended entries of I(t, n) = sum_h w_h ReLU(q_h . k_n).
+      4. loss = mean over queries with an attended entry of sum_n p_t(n) (log p_t(n) - log q_t(n)).
+    """
+    ste = krows + jax.lax.stop_gradient(
+        dequantize_index_keys(kval, kscale).astype(krows.dtype) - krows)
+    keys = write_rows(jnp.zeros((num, krows.shape[-1]), krows.dtype), kids, ste, kok)
+    scores = index_scores(iq, iw, keys)  # [T, N]
+    if attended is None:
+        mask = eligible
+    else:
+        mask = attended >= 0
+        scores = jnp.take_along_axis(scores, jnp.maximum(attended, 0), axis=-1)
+    target = jax.lax.stop_gradient(jnp.sum(jnp.where(mask[:, None, :], probs, 0.0), axis=1))
+    target = target / jnp.maximum(jnp.sum(target, axis=-1, keepdims=True), 1e-30)
+    # a finite fill: a query with nothing attended must not put NaN into the backward pass
+    logq = jax.nn.log_softmax(jnp.where(mask, scores, -1e30), axis=-1)
+    terms = jnp.where(mask & (target > 0), target * (jnp.log(jnp.where(target > 0, target, 1.0))
+                                                       - jnp.where(mask, logq, 0.0)), 0.0)
+    rows = jnp.any(mask, axis=-1)
+    return jnp.sum(jnp.where(rows, jnp.sum(terms, -1), 0.0)) / jnp.maximum(jnp.sum(rows), 1)
 
 
 class Block(nn.Module):
@@ -183,11 +230,12 @@ class Block(nn.Module):
     dense_selection: bool = False
     lean: LeanSparseConfig | None = None
     implementation: str | None = "xla"
+    indexer_loss: bool = False
 
     @nn.compact
     def __call__(self, x, cache, start, num_valid, shared=None, host=None):
         attn = AttentionLayer(self.cfg, self.layer, self.dense_selection, self.lean,
-                              self.implementation, name="attn")
+                              self.implementation, self.indexer_loss, name="attn")
         y, cache, selection = attn(RMSNorm(name="attn_norm")(x), cache, start, num_valid, shared,
                                    host)
         x = x + y

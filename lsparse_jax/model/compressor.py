@@ -56,7 +56,9 @@ class Compressor(nn.Module):
         live = (pos >= 0)[..., None]
         gates = jnp.where(live, gates, -jnp.inf)
         weights = jax.nn.softmax(gates, axis=1)
-        pooled = jnp.sum(jnp.where(live, weights * vals, 0.0), axis=1)  # [J, D]
+        # positions before 0 hold NaN poison: zero them before the product, so that neither
+        # the forward nor the backward pass multiplies by NaN
+        pooled = jnp.sum(weights * jnp.where(live, vals, 0.0), axis=1)  # [J, D]
         entries = rope(RMSNorm(name="norm")(pooled), ids * m, self.rope_dim, self.rope_theta)
         ok = ids * m + m - 1 < start + num_valid
         return ids, entries, ok, ring

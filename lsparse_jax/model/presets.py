@@ -1,5 +1,5 @@
-"""Model presets: ``tiny`` (CPU tests), ``v4_flash`` (DeepSeek-V4-Flash attention shapes),
-``glm5`` (GLM-5-style DSA with index sharing)."""
+"""Model presets: ``tiny`` (CPU tests), ``small`` (the trained model), ``v4_flash``
+(DeepSeek-V4-Flash attention shapes), ``glm5`` (GLM-5-style DSA with index sharing)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,13 @@ PRESETS: dict[str, ModelConfig] = {
         layer_pattern=("swa", "csa", "hca", "csa"), swa_window=32, csa_ratio=4, hca_ratio=128,
         indexer=IndexerConfig(num_heads=4, head_dim=32, top_k=16, fp8_block=32),
         max_len=2048),
+    # The trained accuracy-study model (issue 7): V4's layer kinds at a size that trains in
+    # minutes on one GPU; top-k 16 of 256 compressed entries at its 1K training length.
+    "small": ModelConfig(
+        vocab_size=256, hidden=256, num_heads=8, head_dim=64, rope_dim=16, mlp_hidden=768,
+        layer_pattern=("swa", "csa", "hca", "csa"), swa_window=64, csa_ratio=4,
+        hca_ratio=128, indexer=IndexerConfig(num_heads=4, head_dim=32, top_k=16, fp8_block=32),
+        max_len=8192),
     "v4_flash": ModelConfig(
         vocab_size=129280, hidden=4096, num_heads=64, head_dim=512, rope_dim=64,
         mlp_hidden=2048, layer_pattern=_V4_PATTERN, swa_window=128, csa_ratio=4,

@@ -25,6 +25,7 @@ class Transformer(nn.Module):
     dense_selection: bool = False
     lean: LeanSparseConfig | None = None  # leansparse decode: coarse-to-fine settings
     implementation: str | None = "xla"  # kernel implementation (pallas_kernels api switch)
+    indexer_loss: bool = False  # training: CSA layers sow "losses"/"indexer_kl"
 
     @nn.compact
     def __call__(self, tokens, caches, start, num_valid, hosts=None):
@@ -36,8 +37,9 @@ class Transformer(nn.Module):
             shared = None
             if cfg.layer_pattern[i] == "dsa" and cfg.dsa_leader(i) != i:
                 shared = selections[cfg.dsa_leader(i)]
+            indexer_loss = self.indexer_loss and cfg.layer_pattern[i] == "csa"
             x, c, sel = Block(cfg, i, self.dense_selection, self.lean, self.implementation,
-                              name=f"block_{i}")(
+                              indexer_loss, name=f"block_{i}")(
                 x, caches[i], start, num_valid, shared, None if hosts is None else hosts[i])
             new_caches.append(c)
             selections.append(sel)

@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 
 from lsparse_jax.tasks import tokenizer
+from lsparse_jax.tasks.scoring import score_exact  # noqa: F401  (re-exported, moved)
 
 _WORDS = ("the river carried small stones past quiet fields while birds circled over old "
           "barns and a farmer counted sheep near the fence before the evening rain began to "
@@ -61,8 +62,3 @@ def niah_example(length: int, *, num_needles: int = 1, seed: int = 0,
     parts.append(text[prev:])
     prompt = "".join(parts) + query
     return NiahExample(tokenizer.encode(prompt), values[pick], tuple(offsets), keys[pick])
-
-
-def score_exact(generated: str, answer: str) -> float:
-    """1.0 when the generated text starts with the answer, else 0.0."""
-    return float(generated.startswith(answer))

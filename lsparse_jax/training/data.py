@@ -1,0 +1,118 @@
+"""Training batches from the task generators: whole examples of one fixed length.
+
+Each sequence holds T + 1 tokens; the model reads the first T and predicts the last T. A NIAH
+training sequence is a task prompt, its answer, and then up to ``extra_queries`` more
+question/answer pairs about the prompt's other needles (more retrieval events per sequence:
+a single 4-digit answer per 1K tokens is too little signal for a small model to discover
+retrieval); the rest is padding with loss weight 0. Evaluation uses the plain task format.
+Training examples use seeds >= TRAIN_SEED_BASE, evaluation seeds below it, so no evaluation
+example is seen in training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+
+from lsparse_jax.tasks import mrcr_example, niah_example, tokenizer
+
+TRAIN_SEED_BASE = 1_000_000_000  # evaluation seeds are < this
+TASKS = ("niah", "mrcr")
+NIAH_DIGITS = 4
+_NEEDLE = re.compile(r" The magic number for (\S+) is (\d+)\. ")
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    tokens: np.ndarray  # [B, T] int32 inputs
+    targets: np.ndarray  # [B, T] int32 next tokens
+    weights: np.ndarray  # [B, T] f32 loss weight of each target (answers weigh more, pad 0)
+    answer_mask: np.ndarray  # [B, T] bool targets that belong to an answer
+
+
+def task_example(task: str, length: int, seed: int, num_needles: int | None = None):
+    """A prompt of ``length`` tokens (an object with .prompt and .answer) of ``task``.
+
+    NIAH: ``num_needles`` (default 1 to 4, drawn from the seed) needles with 4-digit values.
+    MRCR: 4 request rounds, 2 of them of the asked kind and topic.
+    """
+    if task == "niah":
+        needles = 1 + seed % 4 if num_needles is None else num_needles
+        return niah_example(length, num_needles=needles, seed=seed, value_digits=NIAH_DIGITS)
+    if task == "mrcr":
+        return mrcr_example(length, num_rounds=4, num_same=2, seed=seed)
+    raise ValueError(f"unknown task {task!r}; tasks: {TASKS}")
+
+
+def _qa(key: str, value: str) -> tuple[str, str]:
+    return (f".\nQuestion: what is the magic number for {key}? Answer: The magic number for "
+            f"{key} is ", value)
+
+
+def training_sequence(task: str, length: int, seed: int, extra_queries: int):
+    """(tokens [length] int32, answer mask [length] bool, weight mask [length] bool)."""
+    rng = np.random.default_rng(seed)
+    if task != "niah" or extra_queries == 0:
+        ex = task_example(task, length - len(_answer(task)), seed)
+        seq = np.concatenate([ex.prompt, tokenizer.encode(ex.answer)])
+        answer = np.zeros(length, bool)
+        answer[len(ex.prompt):] = True
+        return seq, answer, np.ones(length, bool)
+    needles = int(rng.integers(2, 2 + 2 * extra_queries))
+    extra_queries = min(extra_queries, length // 4 // len("".join(_qa("w" * 12, "0000"))))
+    reserve = NIAH_DIGITS + extra_queries * len("".join(_qa("w" * 12, "0" * NIAH_DIGITS)))
+    ex = task_example("niah", length - reserve, seed, num_needles=needles)
+    text = tokenizer.decode(ex.prompt)
+    pairs = [(k, v) for k, v in _NEEDLE.findall(text) if k != ex.query_key]
+    order = rng.permutation(len(pairs))[:extra_queries]
+    parts, flags = [tokenizer.encode(text), tokenizer.encode(ex.answer)], [False, True]
+    for i in order:
+        q, a = _qa(*pairs[i])
+        parts += [tokenizer.encode(q), tokenizer.encode(a)]
+        flags += [False, True]
+    seq = np.concatenate(parts)
+    answer = np.concatenate([np.full(len(p), f) for p, f in zip(parts, flags)])
+    real = np.ones(length, bool)
+    if seq.shape[0] > length:
+        raise AssertionError(f"niah training sequence of {seq.shape[0]} > {length} tokens")
+    real[seq.shape[0]:] = False
+    pad = length - seq.shape[0]
+    return (np.concatenate([seq, np.full(pad, ord(" "), np.int32)]),
+            np.concatenate([answer, np.zeros(pad, bool)]), real)
+
+
+def make_batch(step: int, batch: int, length: int, mix: dict[str, float],
+               answer_weight: float, seed: int = 0, held_out: bool = False,
+               extra_queries: int = 0) -> Batch:
+    """Batch number ``step`` of a deterministic stream (same arguments, same batch).
+
+    mix: {task: probability}; answer_weight: loss weight of answer targets (others weigh 1,
+    padding 0); held_out: example seeds below TRAIN_SEED_BASE (evaluation) instead of above;
+    extra_queries: more NIAH question/answer pairs per sequence (0 = the plain task format).
+    """
+    for task in mix:
+        if task not in TASKS:
+            raise ValueError(f"make_batch: unknown task {task!r} in mix; tasks: {TASKS}")
+    names = list(mix)
+    probs = np.asarray([mix[t] for t in names], np.float64)
+    if (probs < 0).any() or probs.sum() <= 0:
+        raise ValueError(f"make_batch: mix probabilities must be >= 0 and not all 0: {mix}")
+    rng = np.random.default_rng([seed, step, int(held_out)])
+    base = 0 if held_out else TRAIN_SEED_BASE
+    tokens = np.zeros((batch, length + 1), np.int32)
+    answer = np.zeros((batch, length + 1), bool)
+    real = np.zeros((batch, length + 1), bool)
+    for b in range(batch):
+        task = names[rng.choice(len(names), p=probs / probs.sum())]
+        ex_seed = base + int(rng.integers(0, TRAIN_SEED_BASE))
+        tokens[b], answer[b], real[b] = training_sequence(task, length + 1, ex_seed,
+                                                          extra_queries)
+    weights = np.where(answer[:, 1:], answer_weight, 1.0) * real[:, 1:]
+    return Batch(tokens[:, :-1], tokens[:, 1:], weights.astype(np.float32), answer[:, 1:])
+
+
+def _answer(task: str) -> str:
+    """A placeholder of the task's answer length: NIAH 4 digits; MRCR 8 letters + newline."""
+    return {"niah": "0" * NIAH_DIGITS, "mrcr": "x" * 8 + "\n"}[task]

@@ -1,0 +1,231 @@
+"""The training loop: dense warm-up, then sparse training (DeepSeek-V3.2's indexer recipe).
+
+Phase 1 (dense warm-up): CSA layers attend to every eligible compressed entry; the indexer
+learns by KL divergence to the attention distribution (its input is detached, so only that
+loss trains it). Phase 2 (sparse): CSA layers attend to the indexer's top-k, exactly as in
+serving; the indexer's KL is taken over the selected entries. The language-model loss trains
+everything else in both phases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from lsparse_jax.config import ModelConfig
+from lsparse_jax.model.cache import empty_cache
+from lsparse_jax.model.presets import fit_max_len
+from lsparse_jax.model.transformer import Transformer, init_params
+from lsparse_jax.training.data import make_batch
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Attributes:
+      seq_len: training length T (tokens per sequence).
+      batch: sequences per step.
+      dense_steps, sparse_steps: steps of the dense warm-up and of sparse training.
+      lr, warmup, weight_decay, clip: AdamW with linear warm-up then cosine decay to lr / 10.
+      answer_weight: loss weight of answer tokens (every other token weighs 1).
+      indexer_weight: weight of the indexer KL loss (it only reaches the indexer).
+      mix: task probabilities, e.g. (("niah", 0.7), ("mrcr", 0.3)).
+      extra_queries: NIAH training sequences ask up to this many more needles (data.py).
+      seed: parameter init and data stream seed.
+      checkpoint_every: steps between orbax checkpoints (resumable).
+    """
+
+    seq_len: int = 1024
+    batch: int = 32
+    dense_steps: int = 1000
+    sparse_steps: int = 1000
+    lr: float = 2e-3
+    warmup: int = 100
+    weight_decay: float = 0.01
+    clip: float = 1.0
+    answer_weight: float = 4.0
+    indexer_weight: float = 1.0
+    mix: tuple = (("niah", 0.7), ("mrcr", 0.3))
+    extra_queries: int = 3  # more NIAH question/answer pairs per training sequence
+    seed: int = 0
+    checkpoint_every: int = 250
+
+    def __post_init__(self):
+        for name in ("seq_len", "batch", "warmup", "checkpoint_every"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"TrainConfig.{name}={getattr(self, name)} must be > 0")
+        if self.dense_steps < 0 or self.sparse_steps < 0 or self.total_steps == 0:
+            raise ValueError("TrainConfig: dense_steps and sparse_steps must be >= 0, not both 0")
+
+    @property
+    def total_steps(self) -> int:
+        return self.dense_steps + self.sparse_steps
+
+
+def loss_fn(params, cfg: ModelConfig, tokens, targets, weights, dense: bool,
+            indexer_weight: float):
+    """Weighted next-token cross entropy plus the indexers' KL.
+
+    Notation: B sequences of T tokens; L_c CSA layers.
+    tokens, targets [B, T] int32; weights [B, T] f32.
+    Math: lm = sum w_bt CE(logits_bt, target_bt) / sum w_bt;
+      kl = mean over sequences and CSA layers of the per-layer indexer KL;
+      loss = lm + indexer_weight * kl (the KL's gradient reaches only the indexers).
+    Returns (loss, {"lm", "kl", "accuracy" of answer-weighted argmax}).
+    """
+    model = Transformer(cfg, dense_selection=dense, indexer_loss=True)
+    caches = empty_cache(cfg)
+    t_len = tokens.shape[1]
+
+    def one(tok):
+        (logits, _, _), state = model.apply({"params": params}, tok, caches, 0, t_len,
+                                            mutable=["losses"])
+        kls = jax.tree.leaves(state.get("losses", {}))
+        kl = jnp.mean(jnp.stack(kls)) if kls else jnp.zeros((), jnp.float32)
+        return logits, kl
+
+    logits, kl = jax.vmap(one)(tokens)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    lm = jnp.sum(weights * ce) / jnp.sum(weights)
+    kl = jnp.mean(kl)
+    return lm + indexer_weight * kl, {"lm": lm, "kl": kl}
+
+
+def answer_accuracy(logits, targets, answer_mask):
+    """Fraction of sequences whose every answer target is the argmax (= greedy exact match:
+    greedy decoding reproduces the answer iff each answer token is the argmax given the
+    previous ones)."""
+    right = (jnp.argmax(logits, -1) == targets) | ~answer_mask
+    return jnp.mean(jnp.all(right, axis=-1))
+
+
+def make_optimizer(tc: TrainConfig):
+    schedule = optax.warmup_cosine_decay_schedule(0.0, tc.lr, tc.warmup, tc.total_steps,
+                                                  tc.lr / 10)
+    return optax.chain(optax.clip_by_global_norm(tc.clip),
+                       optax.adamw(schedule, weight_decay=tc.weight_decay))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "tc", "dense"), donate_argnums=(0, 1))
+def train_step(params, opt_state, cfg: ModelConfig, tc: TrainConfig, tokens, targets, weights,
+               dense: bool):
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    (loss, aux), grads = grad_fn(params, cfg, tokens, targets, weights, dense,
+                                 tc.indexer_weight)
+    updates, opt_state = make_optimizer(tc).update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return params, opt_state, dict(aux, loss=loss, grad_norm=optax.global_norm(grads))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def eval_logits(params, cfg: ModelConfig, tokens):
+    """Teacher-forced logits [B, T, V] with sparse selection (the serving computation)."""
+    model = Transformer(cfg)
+    caches = empty_cache(cfg)
+    return jax.vmap(lambda t: model.apply({"params": params}, t, caches, 0, t.shape[0])[0])(
+        tokens)
+
+
+def _checkpointer():
+    import orbax.checkpoint as ocp  # lazy: slow to import
+
+    return ocp.PyTreeCheckpointer()
+
+
+def save_params(path, params, meta: dict | None = None) -> None:
+    """Writes params (f32 pytree) to the orbax directory ``path`` and meta as meta.json."""
+    path = pathlib.Path(os.path.abspath(os.fspath(path)))
+    _checkpointer().save(path / "params", jax.device_get(params), force=True)
+    if meta is not None:
+        (path / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def load_params(path, cfg: ModelConfig | None = None):
+    """Params from a ``save_params`` directory; with ``cfg``, checked against its shapes."""
+    path = pathlib.Path(os.path.abspath(os.fspath(path)))
+    if not (path / "params").is_dir():
+        raise FileNotFoundError(f"load_params: no checkpoint at {path}/params")
+    params = _checkpointer().restore(path / "params")
+    if cfg is not None:
+        want = jax.tree.map(lambda x: (x.shape, x.dtype), init_params(cfg))
+        got = jax.tree.map(lambda x: (x.shape, x.dtype), params)
+        if jax.tree.structure(want) != jax.tree.structure(got) or want != got:
+            raise ValueError(f"load_params: the checkpoint at {path} does not match the model "
+                             "config (different parameter names or shapes)")
+    return jax.tree.map(jnp.asarray, params)
+
+
+def train(cfg: ModelConfig, tc: TrainConfig, workdir, progress: bool = True,
+          eval_every: int = 100, eval_batch: int = 64, log=print):
+    """Trains from scratch, or resumes from ``workdir``'s last checkpoint.
+
+    Writes workdir/{state (orbax, resumable), history.json}. Returns (params, history):
+    history is a list of {step, phase, loss, lm, kl, grad_norm, seconds[, eval_<task>]}
+    (eval_<task>: greedy exact match on a fixed batch of held-out examples, sparse model).
+    """
+    import orbax.checkpoint as ocp
+    from tqdm.auto import tqdm
+
+    cfg = fit_max_len(cfg, tc.seq_len)
+    workdir = pathlib.Path(os.path.abspath(os.fspath(workdir)))
+    workdir.mkdir(parents=True, exist_ok=True)
+    manager = ocp.CheckpointManager(workdir / "state",
+                                    options=ocp.CheckpointManagerOptions(max_to_keep=2))
+    params = init_params(cfg, tc.seed)
+    opt_state = make_optimizer(tc).init(params)
+    history, start = [], 0
+    hist_path = workdir / "history.json"
+    if manager.latest_step() is not None:
+        start = manager.latest_step()
+        restored = manager.restore(start, args=ocp.args.StandardRestore(
+            {"params": params, "opt_state": opt_state}))
+        params, opt_state = restored["params"], restored["opt_state"]
+        if hist_path.exists():
+            history = [h for h in json.loads(hist_path.read_text()) if h["step"] < start]
+        log(f"resumed from step {start} in {workdir}")
+    mix = dict(tc.mix)
+    evals = {task: make_batch(0, eval_batch, tc.seq_len, {task: 1.0}, tc.answer_weight,
+                              tc.seed, held_out=True) for task in mix}  # evaluation seeds
+    bar = tqdm(range(start, tc.total_steps), initial=start, total=tc.total_steps,
+               desc="train", unit="step", disable=not progress)
+    t0 = time.perf_counter()
+    for step in bar:
+        dense = step < tc.dense_steps
+        b = make_batch(step, tc.batch, tc.seq_len, mix, tc.answer_weight, tc.seed,
+                       extra_queries=tc.extra_queries)
+        params, opt_state, aux = train_step(params, opt_state, cfg, tc, jnp.asarray(b.tokens),
+                                            jnp.asarray(b.targets), jnp.asarray(b.weights),
+                                            dense)
+        if step % 10 == 0 or step == tc.total_steps - 1:
+            row = {k: float(v) for k, v in aux.items()}
+            row.update(step=step, phase="dense" if dense else "sparse",
+                       seconds=time.perf_counter() - t0)
+            if step % eval_every == 0 or step == tc.total_steps - 1:
+                for task, eb in evals.items():
+                    logits = eval_logits(params, cfg, jnp.asarray(eb.tokens))
+                    row[f"eval_{task}"] = float(answer_accuracy(
+                        logits, jnp.asarray(eb.targets), jnp.asarray(eb.answer_mask)))
+                log(f"step {step} {row['phase']} loss {row['loss']:.3f} lm {row['lm']:.3f} "
+                    f"kl {row['kl']:.3f} " + " ".join(
+                        f"{k} {v:.3f}" for k, v in row.items() if k.startswith("eval_"))
+                    + f" t {row['seconds']:.0f}s")
+            history.append(row)
+            bar.set_postfix(loss=f"{row['loss']:.3f}", kl=f"{row['kl']:.3f}")
+        if (step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.total_steps:
+            manager.save(step + 1, args=ocp.args.StandardSave(
+                {"params": params, "opt_state": opt_state}))
+            hist_path.write_text(json.dumps(history) + "\n")
+    manager.wait_until_finished()
+    hist_path.write_text(json.dumps(history) + "\n")
+    return params, history
+
+
+__all__ = ["TrainConfig", "train", "train_step", "loss_fn", "eval_logits", "answer_accuracy",
+           "save_params", "load_params"]

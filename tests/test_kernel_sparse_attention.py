@@ -1,0 +1,222 @@
+"""sparse_attention kernels (pallas_kernels/sparse_attention) against the model's sink_attention.
+
+Notation: S requests, H heads, D head dim, R table rows, K slots (-1 = none), W window rows.
+Ground truth: ``lsparse_jax.model.attention.sink_attention`` per request with T = 1 and groups
+[(window, window_mask), (table[max(slots, 0)], slots >= 0)]. Every table row no slot names and
+every masked window row holds NaN poison, which must never reach an output; slots mix -1 and
+duplicates; one request has no valid row (its output is exactly 0). "triton" runs in Pallas
+interpret mode on CPU; the real-kernel checks at the V4-Flash shape need a GPU (``gpu`` marker).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kernel_helpers import assert_close
+
+from lsparse_jax.model.attention import sink_attention
+from pallas_kernels import common
+from pallas_kernels.sparse_attention import sparse_attention
+
+IMPLS = ["xla", "triton"]
+V4 = dict(h=64, d=512, r=2048, k=512, w=128, dtype="bfloat16")  # V4-Flash CSA decode
+
+
+def _inputs(s, h, d, r, k, w, dtype="float32", empty=1, seed=0):
+    """(q, table, slots, window, window_mask, sink); request ``empty`` has no valid row."""
+    rng = np.random.default_rng(seed)
+    dt = jnp.dtype(dtype)
+    q = (rng.standard_normal((s, h, d), np.float32) * 2).astype(dt)
+    table = rng.standard_normal((s, r, d), np.float32).astype(dt)
+    slots = rng.integers(0, r, (s, k)).astype(np.int32)
+    slots[rng.random((s, k)) < 0.25] = -1
+    if k >= 2:
+        slots[:, 1] = slots[:, 0]  # duplicates (or a pair of -1)
+    window = rng.standard_normal((s, w, d), np.float32).astype(dt)
+    window_mask = rng.random((s, w)) < 0.7
+    if empty is not None and empty < s:
+        slots[empty] = -1
+        window_mask[empty] = False
+    sink = rng.uniform(-3, 3, h).astype(np.float32)
+    sink[0] = 12.0  # a head whose sink dominates
+    named = np.zeros((s, r), bool)
+    for i in range(s):
+        named[i, slots[i][slots[i] >= 0]] = True
+    table[~named] = np.nan  # poison: rows no slot names
+    window[~window_mask] = np.nan  # poison: masked window rows
+    return q, table, slots, window, window_mask, sink
+
+
+@jax.jit
+def _model(q, table, slots, window, window_mask, sink):
+    """sink_attention per request: T = 1, groups [(window, mask), (table[slots], slots >= 0)]."""
+    def one(q1, table1, slots1, window1, mask1):
+        groups = [(window1[None], mask1[None]),
+                  (table1[jnp.maximum(slots1, 0)][None], (slots1 >= 0)[None])]
+        return sink_attention(q1[None], groups, sink)[0]
+
+    return jax.vmap(one)(q, table, slots, window, window_mask)
+
+
+def _truth(*args):
+    return np.asarray(_model(*map(jnp.asarray, args)))
+
+
+def _check(got, args, tol, empty=1):
+    got = np.asarray(got)
+    q = args[0]
+    assert got.shape == q.shape and got.dtype == np.float32
+    if empty is not None and empty < q.shape[0]:
+        assert np.all(got[empty] == 0.0), "a request with no valid row must return 0"
+    assert_close(got, _truth(*args), tol)
+
+
+def _tol(impl, dtype):
+    # "xla" and the interpreted kernel compute in f32; the kernel rounds probabilities to bf16
+    return "bfloat16" if impl == "triton" and dtype == "bfloat16" else "float32"
+
+
+CASES = [  # (S, H, D, R, K, W, dtype)
+    (3, 4, 64, 48, 40, 20, "float32"),    # K, W not multiples of the block; H padded to 16
+    (3, 32, 32, 50, 45, 20, "float32"),   # two head blocks
+    (2, 4, 64, 64, 16, 32, "bfloat16"),   # the tiny preset's shape
+    (2, 16, 64, 30, 50, 0, "bfloat16"),   # no window
+    (2, 8, 16, 1, 0, 9, "float32"),       # no slots
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_sparse_attention(impl, case):
+    *shape, dtype = case
+    args = _inputs(*shape, dtype=dtype)
+    got = sparse_attention(*args, implementation=impl)
+    _check(got, args, _tol(impl, dtype))
+
+
+@pytest.mark.parametrize("tiling", [
+    dict(block_h=16, block_k=16, splits=1),
+    dict(block_h=16, block_k=16, splits=4),  # 5 blocks: 2 + 2 + 1 + 0, one split only window
+])
+def test_tilings_in_interpret_mode(tiling):
+    """Head blocks, row blocks, splits of the row loop (merged by ``combine``): same output,
+    with logits of std ~40 (exp overflows f32 without the running maximum)."""
+    from pallas_kernels.sparse_attention.triton import sparse_attention_triton
+
+    args = _inputs(3, 32, 32, 50, 45, 20, seed=1)  # CASES[1]'s shape
+    args[0][:] *= 20
+    got = sparse_attention_triton(*map(jnp.asarray, args), **tiling)
+    _check(got, args, "float32")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_duplicate_slot_counts_twice(impl):
+    """Identity: a row named twice == that row once with the sink lowered by ln 2
+    (2 e^x r / (e^s + 2 e^x) = e^x r / (e^(s - ln 2) + e^x))."""
+    q, table, slots, window, window_mask, sink = _inputs(2, 4, 32, 20, 8, 4, seed=2, empty=None)
+    table[:, 7] = np.random.default_rng(3).standard_normal(table[:, 7].shape)
+    slots[:] = -1
+    slots[:, [2, 5]] = 7
+    window_mask[:] = False
+    twice = sparse_attention(q, table, slots, window, window_mask, sink, implementation=impl)
+    slots[:, 5] = -1
+    once = sparse_attention(q, table, slots, window, window_mask, sink - np.log(2.0),
+                            implementation=impl)
+    twice, once = np.asarray(twice), np.asarray(once)
+    assert np.isfinite(twice).all() and np.abs(twice).max() > 0.1
+    np.testing.assert_allclose(twice, once, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_under_jit_with_f32_query_and_bf16_rows(impl):
+    q, table, slots, window, mask, sink = _inputs(3, 4, 64, 48, 40, 20, seed=3)  # CASES[0]
+    args = (q, table.astype(jnp.bfloat16), slots, window.astype(jnp.bfloat16), mask, sink)
+    fn = jax.jit(functools.partial(sparse_attention, implementation=impl))
+    _check(fn(*map(jnp.asarray, args)), args, _tol(impl, "bfloat16"))  # triton rounds q
+
+
+def _specs(s, h, d, r, k, w, dtype):
+    sd, dt = jax.ShapeDtypeStruct, jnp.dtype(dtype)
+    return (sd((s, h, d), dt), sd((s, r, d), dt), sd((s, k), jnp.int32), sd((s, w, d), dt),
+            sd((s, w), jnp.bool_), sd((h,), jnp.float32))
+
+
+@pytest.mark.parametrize("s", [2, 64])  # 2: the row loop split across programs; 64: not
+def test_triton_lowers_for_cuda_at_v4_shape(s):
+    fn = functools.partial(sparse_attention, implementation="triton")
+    text = common.lower_for_cuda(fn, *_specs(s, **V4))
+    assert text.count(common.TRITON_CALL_TARGET) == 1
+
+
+def test_triton_lowers_for_cuda_at_tiny_shape():
+    fn = functools.partial(sparse_attention, implementation="triton")
+    text = common.lower_for_cuda(fn, *_specs(4, 4, 64, 256, 16, 32, "float32"))
+    assert text.count(common.TRITON_CALL_TARGET) == 1
+
+
+def _bad(name):
+    """Valid small inputs with one argument replaced by a bad shape or dtype."""
+    q, table, slots, window, mask, sink = _inputs(2, 4, 16, 8, 4, 3)
+    bad = {
+        "q_rank": ("q", q[0]),
+        "q_dtype": ("q", q.astype(np.float16)),
+        "table_rank": ("table", table[0]),
+        "table_dim": ("table", table[..., :8]),
+        "table_dtype": ("table", table.astype(np.float16)),
+        "table_rows": ("table", table[:, :0]),
+        "slots_shape": ("slots", slots[:1]),
+        "slots_dtype": ("slots", slots.astype(np.int64)),
+        "window_dim": ("window", window[..., :8]),
+        "window_dtype": ("window", window.astype(jnp.bfloat16)),
+        "window_mask_shape": ("window_mask", mask[:, :2]),
+        "window_mask_dtype": ("window_mask", mask.astype(np.int32)),
+        "sink_shape": ("sink", sink[:3]),
+        "sink_dtype": ("sink", sink.astype(jnp.bfloat16)),
+    }[name]
+    args = dict(q=q, table=table, slots=slots, window=window, window_mask=mask, sink=sink)
+    args[bad[0]] = bad[1]
+    return bad[0], args
+
+
+@pytest.mark.parametrize("case", ["q_rank", "q_dtype", "table_rank", "table_dim", "table_dtype",
+                                  "table_rows", "slots_shape", "slots_dtype", "window_dim",
+                                  "window_dtype", "window_mask_shape", "window_mask_dtype",
+                                  "sink_shape", "sink_dtype"])
+def test_bad_inputs_name_the_argument(case):
+    arg, args = _bad(case)
+    with pytest.raises(ValueError, match=rf"sparse_attention: {arg}\b"):
+        sparse_attention(**args, implementation="xla")
+
+
+def test_triton_shape_limits_and_implementations():
+    args = _inputs(1, 4, 48, 8, 4, 3, empty=None)  # D = 48 is not a power of two
+    sparse_attention(*args, implementation="xla")
+    with pytest.raises(ValueError, match="head dim D=48.*implementation='xla'"):
+        sparse_attention(*args, implementation="triton")
+    for bad in ("mosaic", "jax_triton", "cuda"):
+        with pytest.raises(ValueError, match="sparse_attention: implementation="):
+            sparse_attention(*args, implementation=bad)
+
+
+# ---------------------------------------------------------------- GPU ----------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s", [2, 64])
+def test_gpu_v4_shape_matches_reference(s):
+    """The real Triton kernel at the V4-Flash shape (bf16) vs the XLA reference and the model."""
+    args = _inputs(s, **V4, seed=4)
+    got = np.asarray(sparse_attention(*args, implementation="triton"))
+    want = np.asarray(sparse_attention(*args, implementation="xla"))
+    assert np.all(got[1] == 0.0)
+    assert_close(got, want, "bfloat16")
+    if s == 2:
+        _check(got, args, "bfloat16")
+
+
+@pytest.mark.gpu
+def test_gpu_tiny_shape_matches_model():
+    args = _inputs(4, 4, 64, 256, 16, 32, "float32", seed=5)
+    _check(sparse_attention(*args, implementation="triton"), args, "float32")
