@@ -1,3 +1,10 @@
 """Imports every experiment so gin knows its configurables."""
 
-from experiments import common, kernel_compare, quickstart, recall_study, train  # noqa: F401
+from experiments import (  # noqa: F401
+    accuracy,
+    common,
+    kernel_compare,
+    quickstart,
+    recall_study,
+    train,
+)

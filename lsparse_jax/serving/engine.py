@@ -86,11 +86,14 @@ class Engine:
                                     jnp.asarray(self.next_token), idle)
         jax.block_until_ready(self.state)
 
-    def admit(self, prompt, max_new_tokens: int | None = None, progress=None) -> int:
+    def admit(self, prompt, max_new_tokens: int | None = None, progress=None,
+              prefilled=None) -> int:
         """Prefills ``prompt`` into a free slot and samples its first token; returns the slot.
 
         Paged methods reserve host pages for prompt + max_new_tokens (default: up to max_len)
         first, so running out of host memory fails here, before anything changes.
+        prefilled: (caches, last logits) that ``steps.prefill`` returned for this prompt and
+        model, to share one prefill between engines (every method prefills alike).
         """
         cfg = self.config.model
         total = cfg.max_len if max_new_tokens is None else len(prompt) + max_new_tokens
@@ -107,8 +110,11 @@ class Engine:
             pages = self.pages.allocate(-(-rows // self.config.cache.page_size),
                                         what=f"a request of {total} tokens")
         t0 = time.perf_counter()
-        caches, last = prefill(self.params, cfg, prompt, self.config.cache.prefill_chunk,
-                               progress)
+        if prefilled is None:
+            caches, last = prefill(self.params, cfg, prompt, self.config.cache.prefill_chunk,
+                                   progress)
+        else:
+            caches, last = prefilled
         if pages is None:
             self.state = insert(self.state, slot, caches, len(prompt))
         else:

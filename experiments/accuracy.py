@@ -1,0 +1,272 @@
+"""Gradient-free accuracy study of the trained model: NIAH and MRCR across context lengths.
+
+Gin header -- must be set: run.experiment, run.name, accuracy.model, accuracy.checkpoint.
+Run (CPU, short lengths): lsparse run configs/experiments/accuracy.gin
+Run (GPU, full table):    lsparse run configs/experiments/accuracy.gin \\
+                            --gin.accuracy.lengths=(1024,2048,4096,8192) --gin.accuracy.examples=64
+Writes runs/<name>/{config.gin, results.json, accuracy.png, table.md}.
+
+Methods: "dense" (no sparsity: CSA layers attend to every eligible entry), "resident",
+"hisparse", "leansparse_C<n>" (coarse top-n candidates, miss filter, exact rerank) and
+"direct_pq" (leansparse with C = k and no miss filter: the PQ coarse top-k, which exact scores
+only order and against which the not-yet-paged tail competes). Every method shares one
+prefill per example (prefill is the same computation for all of them) and decodes greedily.
+Recall: a second, teacher-forced pass feeds every method the reference answer, so selections
+are compared on identical contexts with resident's (exact top-k).
+Evaluation seeds are 0 .. examples-1 (< TRAIN_SEED_BASE: never seen in training); the PQ
+codebooks are calibrated on one more held-out prompt (seed CALIBRATION_SEED).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from experiments.common import fit_max_len, pyplot, run_dir, write_results
+from lsparse_jax.config import CacheConfig, EngineConfig, LeanSparseConfig, SamplingConfig
+from lsparse_jax.indexing.calibrate import calibrate_codebooks
+from lsparse_jax.serving.engine import Engine
+from lsparse_jax.serving.steps import forward_chunk, prefill
+from lsparse_jax.tasks import score_exact, score_similarity, tokenizer
+from lsparse_jax.training import load_params
+from lsparse_jax.training.data import TRAIN_SEED_BASE, task_example
+
+CALIBRATION_SEED = TRAIN_SEED_BASE - 1
+_LEAN = re.compile(r"leansparse_C(\d+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    name: str
+    engine_method: str | None  # None = dense (no engine)
+    lean: LeanSparseConfig | None = None
+
+
+def parse_method(name: str, top_k: int, miss_filter_offset: float | None) -> Method:
+    """A method name -> how to run it. Raises ValueError for an unknown name."""
+    if name == "dense":
+        return Method(name, None)
+    if name in ("resident", "hisparse"):
+        return Method(name, name)
+    if name == "direct_pq":
+        return Method(name, "leansparse", LeanSparseConfig(top_k, None, top_k))
+    match = _LEAN.match(name)
+    if match:
+        c = int(match.group(1))
+        if c < top_k:
+            raise ValueError(f"accuracy: method {name!r} has C={c} < top-k={top_k}")
+        return Method(name, "leansparse", LeanSparseConfig(c, miss_filter_offset, c))
+    raise ValueError(f"accuracy: unknown method {name!r}; methods: dense, resident, hisparse, "
+                     "direct_pq, leansparse_C<candidates>")
+
+
+def mcnemar(a: np.ndarray, b: np.ndarray) -> dict:
+    """Exact two-sided McNemar test of paired 0/1 outcomes a, b (same examples).
+
+    Notation: n01 = #(a right, b wrong), n10 = #(a wrong, b right), n = n01 + n10.
+    Math: under H0 the discordant pairs split Binomial(n, 1/2);
+      p = min(1, 2 * sum_{i <= min(n01, n10)} C(n, i) / 2^n) (p = 1 when n = 0).
+    """
+    a, b = np.asarray(a, bool), np.asarray(b, bool)
+    n01, n10 = int(np.sum(a & ~b)), int(np.sum(~a & b))
+    n = n01 + n10
+    tail = sum(math.comb(n, i) for i in range(min(n01, n10) + 1)) / 2**n if n else 1.0
+    return {"a_only": n01, "b_only": n10, "p": min(1.0, 2 * tail)}
+
+
+def selection_recall(got: np.ndarray, want: np.ndarray) -> float:
+    """Mean over (step, slot, layer) rows with a reference of |got & want| / |want|
+    (arrays [..., k], -1 padded)."""
+    got, want = got.reshape(-1, got.shape[-1]), want.reshape(-1, want.shape[-1])
+    found = total = 0
+    for a, b in zip(got, want):
+        ref = set(b[b >= 0].tolist())
+        found += len(set(a[a >= 0].tolist()) & ref)
+        total += len(ref)
+    return found / max(total, 1)
+
+
+def dense_decode(params, cfg, caches, last, start: int, steps: int) -> list[int]:
+    """Greedy decoding with dense CSA attention from prefilled caches."""
+    tok = int(jnp.argmax(last))
+    out = [tok]
+    for i in range(steps):
+        logits, caches, _ = forward_chunk(params, cfg, caches, jnp.asarray([tok], jnp.int32),
+                                          start + i, 1, True)
+        tok = int(jnp.argmax(logits[0]))
+        out.append(tok)
+    return out
+
+
+def run_engine(engine: Engine, batch, prefilled, answers, forced: bool):
+    """Admits a batch, decodes len(answer) tokens each; returns (texts, selections [steps, S,
+    L, k]). Forced: inputs are the reference answers (teacher forcing)."""
+    steps = max(len(a) for a in answers) - 1
+    slots = [engine.admit(ex.prompt, steps + 1, prefilled=p) for ex, p in zip(batch, prefilled)]
+    sels = []
+    for i in range(steps):
+        tokens = None
+        if forced:
+            tokens = np.zeros(engine.active.shape, np.int32)
+            for s, ans in zip(slots, answers):
+                tokens[s] = ans[min(i, len(ans) - 1)]
+        sels.append(np.asarray(engine.step(tokens).selected)[slots])
+    texts = [tokenizer.decode(engine.release(s)) for s in slots]
+    return texts, np.stack(sels) if sels else None
+
+
+@gin.configurable
+def accuracy(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
+             tasks=("niah", "mrcr"), lengths=(1024, 2048), examples: int = 16,
+             methods=("dense", "resident", "hisparse", "leansparse_C64", "leansparse_C128",
+                      "leansparse_C2048", "leansparse_C4096", "direct_pq"),
+             num_slots: int = 8, prefill_chunk: int = 1024, hot_cache_rows: int = 64,
+             page_size: int = 64, miss_filter_offset: float | None = 1.0,
+             calibration_tokens: int = 4096, implementation: str | None = "xla"):
+    """Runs every method on the same held-out examples of every (task, length) cell."""
+    cfg = fit_max_len(model, max(lengths) + 16)
+    params = load_params(checkpoint, cfg)
+    specs = [parse_method(m, cfg.indexer.top_k, miss_filter_offset) for m in methods]
+    codebooks = None
+    if any(s.engine_method == "leansparse" for s in specs):
+        calib = task_example("niah", calibration_tokens, CALIBRATION_SEED)
+        codebooks = calibrate_codebooks(params, cfg, calib.prompt, seed=0)
+    engines = {}
+    for s in specs:
+        if s.engine_method is None:
+            continue
+        paged = s.engine_method != "resident"
+        cache = CacheConfig(num_slots, prefill_chunk, hot_cache_rows if paged else None,
+                            page_size)
+        engines[s.name] = Engine(EngineConfig(
+            model=cfg, cache=cache, sampling=SamplingConfig(0.0, 0), method=s.engine_method,
+            leansparse=s.lean or LeanSparseConfig(), implementation=implementation),
+            params, codebooks)
+
+    records = []  # one per (task, length, example, method)
+    cells = [(t, n) for t in tasks for n in lengths]
+    bar = tqdm(total=len(cells) * examples, desc="accuracy", unit="example")
+    for task, length in cells:
+        for lo in range(0, examples, num_slots):
+            batch = [task_example(task, length, seed) for seed in
+                     range(lo, min(lo + num_slots, examples))]
+            answers = [tokenizer.encode(ex.answer) for ex in batch]
+            prefilled = [prefill(params, cfg, ex.prompt, prefill_chunk) for ex in batch]
+            reference = None
+            for s in specs:
+                if s.engine_method is None:
+                    texts = [tokenizer.decode(dense_decode(params, cfg, c, last,
+                                                           len(ex.prompt), len(a) - 1))
+                             for ex, (c, last), a in zip(batch, prefilled, answers)]
+                    recall = [None] * len(batch)
+                else:
+                    texts, _ = run_engine(engines[s.name], batch, prefilled, answers, False)
+                    _, sel = run_engine(engines[s.name], batch, prefilled, answers, True)
+                    if s.name == "resident":
+                        reference = sel
+                    recall = [None if reference is None or sel is None else
+                              selection_recall(sel[:, j], reference[:, j])
+                              for j in range(len(batch))]
+                for j, (ex, text) in enumerate(zip(batch, texts)):
+                    records.append(dict(task=task, length=length, seed=lo + j, method=s.name,
+                                        generated=text, answer=ex.answer,
+                                        exact=score_exact(text, ex.answer),
+                                        similarity=score_similarity(text, ex.answer),
+                                        recall=recall[j]))
+            bar.update(len(batch))
+        done = cells[:cells.index((task, length)) + 1]
+        summary, table = save(name, cfg, checkpoint, examples, records, methods, done,
+                              complete=len(done) == len(cells))
+    bar.close()
+    print(table)
+    out = run_dir(name)
+    plot(summary, methods, tasks, lengths, out / "accuracy.png")
+    print(f"wrote {out}/results.json, table.md and accuracy.png")
+    return summary
+
+
+def save(name, cfg, checkpoint, examples, records, methods, cells, complete: bool):
+    """Writes the results of the finished cells (after every cell: a long run that stops
+    early keeps what it measured, marked complete=False)."""
+    summary = summarize(records, methods, cells)
+    table = format_table(summary, methods, cells)
+    out = run_dir(name)
+    write_results(out, {"model": dataclasses.asdict(cfg), "checkpoint": checkpoint,
+                        "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                        "examples_per_cell": examples, "complete": complete,
+                        "summary": summary, "table": table, "records": records})
+    (out / "table.md").write_text(table + "\n")
+    return summary, table
+
+
+def summarize(records, methods, cells) -> dict:
+    """Per cell and method: exact-match accuracy, similarity, recall; McNemar vs resident
+    (and vs dense) per cell."""
+    out = {}
+    for task, length in cells:
+        key = f"{task}@{length}"
+        mine = {m: [r for r in records if r["task"] == task and r["length"] == length
+                    and r["method"] == m] for m in methods}
+        cell = {}
+        for m, rs in mine.items():
+            rec = [r["recall"] for r in rs if r["recall"] is not None]
+            cell[m] = {"exact": float(np.mean([r["exact"] for r in rs])),
+                       "similarity": float(np.mean([r["similarity"] for r in rs])),
+                       "recall": float(np.mean(rec)) if rec else None, "n": len(rs)}
+            for ref in ("resident", "dense"):
+                if ref in mine and m != ref:
+                    cell[m][f"mcnemar_vs_{ref}"] = mcnemar(
+                        [r["exact"] for r in rs], [r["exact"] for r in mine[ref]])
+        out[key] = cell
+    return out
+
+
+def format_table(summary, methods, cells) -> str:
+    """Markdown: one row per method, one column per cell: exact % (recall)."""
+    head = "| method | " + " | ".join(f"{t} {n // 1024}K" if n % 1024 == 0 else f"{t} {n}"
+                                       for t, n in cells) + " |"
+    lines = [head, "|" + "---|" * (len(cells) + 1)]
+    for m in methods:
+        row = []
+        for t, n in cells:
+            c = summary[f"{t}@{n}"][m]
+            text = f"{100 * c['exact']:.1f}"
+            if t == "mrcr":
+                text += f" / {c['similarity']:.2f}"
+            if c["recall"] is not None and m != "resident":
+                text += f" (r {c['recall']:.3f})"
+            p = c.get("mcnemar_vs_resident", {}).get("p")
+            if p is not None and p < 0.05:
+                text += " *"
+            row.append(text)
+        lines.append(f"| {m} | " + " | ".join(row) + " |")
+    lines.append("")
+    lines.append("Cells: exact-match % (MRCR: / mean similarity), (r: indexer recall of "
+                 "resident's top-k under teacher forcing); * = McNemar p < 0.05 vs resident.")
+    return "\n".join(lines)
+
+
+def plot(summary, methods, tasks, lengths, path):
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        for m in methods:
+            ys = [100 * summary[f"{task}@{n}"][m]["exact"] for n in lengths]
+            ax.plot(lengths, ys, "o-", label=m)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("exact match %")
+        ax.set_ylim(-2, 102)
+        ax.set_title(task)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
