@@ -23,6 +23,7 @@ from lsparse_jax.model.cache import CSACache, DSACache, HCACache, SWACache
 from lsparse_jax.model.compressor import Compressor
 from lsparse_jax.model.layers import MLP, RMSNorm, dense, extend_window, rope
 from lsparse_jax.quant import dequantize_index_keys, quantize_index_keys
+from pallas_kernels.sparse_attention.api import sparse_attention
 
 
 @struct.dataclass
@@ -100,6 +101,9 @@ class AttentionLayer(nn.Module):
             cache = cache.replace(window=window)
 
         num = cfg.num_compressed(self.kind)
+        # decode (one query) of a CSA layer over its selection: the sparse_attention op
+        kernel_decode = (self.kind == "csa" and t_len == 1 and not self.dense_selection
+                         and not self.indexer_loss and self.implementation != "xla")
         if self.kind in ("csa", "hca"):
             m = cfg.csa_ratio if self.kind == "csa" else cfg.hca_ratio
             comp = Compressor(d, m, self.kind == "csa", cfg.rope_dim, cfg.rope_theta, name="comp")
@@ -167,9 +171,17 @@ class AttentionLayer(nn.Module):
             groups.append((cache.kv.entries[None], eligible))
         elif self.kind == "csa":
             sel = selection.positions
-            rows, sources, kv = kv_store.gather(cache.kv, sel, paged, host, self.implementation)
-            cache = cache.replace(kv=kv)
-            groups.append((rows, sel >= 0))
+            if kernel_decode and isinstance(cache.kv, kv_store.ResidentKV):
+                # the kernel gathers the selected rows from the resident store in place
+                table, slots = cache.kv.entries[None], sel
+                _, sources, _ = kv_store.gather(cache.kv, sel, paged, host, "xla")
+            else:
+                rows, sources, kv = kv_store.gather(cache.kv, sel, paged, host,
+                                                    self.implementation)
+                cache = cache.replace(kv=kv)
+                table, slots = rows, jnp.where(sel >= 0, jnp.arange(sel.shape[-1]), -1)
+            if not kernel_decode:
+                groups.append((rows, sel >= 0))
             selection = selection.replace(sources=sources)
         elif self.kind == "dsa":
             sel = selection.positions
@@ -183,6 +195,10 @@ class AttentionLayer(nn.Module):
             attended = None if self.dense_selection else selection.positions
             self.sow("losses", "indexer_kl", indexer_kl(
                 iq, iw, krows, kval, kscale, kids, kok, num, eligible, attended, probs[-1]))
+        elif kernel_decode:
+            ((window_rows, window_mask),) = groups
+            out = sparse_attention(q, table, slots, window_rows, window_mask, sink,
+                                   implementation=self.implementation)
         else:
             out = sink_attention(q, groups, sink)
         y = dense(cfg.hidden, "wo")(out.reshape(t_len, h * d))
