@@ -121,7 +121,8 @@ def train_step(params, opt_state, cfg: ModelConfig, tc: TrainConfig, tokens, tar
                                  tc.indexer_weight)
     updates, opt_state = make_optimizer(tc).update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    return params, opt_state, dict(aux, loss=loss, grad_norm=optax.global_norm(grads))
+    norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
+    return params, opt_state, dict(aux, loss=loss, grad_norm=norm)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -163,8 +164,11 @@ def load_params(path, cfg: ModelConfig | None = None):
 
 
 def train(cfg: ModelConfig, tc: TrainConfig, workdir, progress: bool = True,
-          eval_every: int = 100, eval_batch: int = 64, log=print):
+          eval_every: int = 100, eval_batch: int = 64, log=print, stop_at: int | None = None):
     """Trains from scratch, or resumes from ``workdir``'s last checkpoint.
+
+    stop_at: stop after this many steps (checkpointed; a later call resumes), e.g. to split a
+    run across time-limited jobs. The schedule always spans ``tc.total_steps``.
 
     Writes workdir/{state (orbax, resumable), history.json}. Returns (params, history):
     history is a list of {step, phase, loss, lm, kl, grad_norm, seconds[, eval_<task>]}
@@ -193,7 +197,8 @@ def train(cfg: ModelConfig, tc: TrainConfig, workdir, progress: bool = True,
     mix = dict(tc.mix)
     evals = {task: make_batch(0, eval_batch, tc.seq_len, {task: 1.0}, tc.answer_weight,
                               tc.seed, held_out=True) for task in mix}  # evaluation seeds
-    bar = tqdm(range(start, tc.total_steps), initial=start, total=tc.total_steps,
+    end = tc.total_steps if stop_at is None else min(stop_at, tc.total_steps)
+    bar = tqdm(range(start, end), initial=start, total=tc.total_steps,
                desc="train", unit="step", disable=not progress)
     t0 = time.perf_counter()
     for step in bar:
@@ -218,7 +223,7 @@ def train(cfg: ModelConfig, tc: TrainConfig, workdir, progress: bool = True,
                     + f" t {row['seconds']:.0f}s")
             history.append(row)
             bar.set_postfix(loss=f"{row['loss']:.3f}", kl=f"{row['kl']:.3f}")
-        if (step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.total_steps:
+        if (step + 1) % tc.checkpoint_every == 0 or step + 1 == end:
             manager.save(step + 1, args=ocp.args.StandardSave(
                 {"params": params, "opt_state": opt_state}))
             hist_path.write_text(json.dumps(history) + "\n")

@@ -1,0 +1,65 @@
+"""The shipped checkpoint (checkpoints/small, issue 7) on CPU: it loads, answers a fixed
+held-out NIAH prompt, and hisparse gives exactly resident's answers."""
+
+import pathlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments.accuracy import mcnemar, run_engine
+from lsparse_jax.config import CacheConfig, EngineConfig, SamplingConfig
+from lsparse_jax.model import preset
+from lsparse_jax.model.presets import fit_max_len
+from lsparse_jax.serving.engine import Engine
+from lsparse_jax.serving.steps import forward, prefill
+from lsparse_jax.tasks import score_exact, tokenizer
+from lsparse_jax.training import load_params
+from lsparse_jax.training.data import task_example
+
+CHECKPOINT = pathlib.Path(__file__).resolve().parent.parent / "checkpoints" / "small"
+LENGTH = 1024  # the training length
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = fit_max_len(preset("small"), LENGTH + 16)
+    return cfg, load_params(CHECKPOINT, cfg)
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_checkpoint_answers_a_held_out_niah_prompt(model, dense):
+    """Teacher-forced argmax over the answer = greedy decoding's answer (seed 0 < the training
+    seed base, so the prompt was never trained on)."""
+    cfg, params = model
+    ex = task_example("niah", LENGTH, 0)
+    answer = tokenizer.encode(ex.answer)
+    tokens = np.concatenate([ex.prompt, answer])
+    logits = forward(params, cfg, tokens, dense_selection=dense)
+    predicted = np.asarray(jnp.argmax(logits[len(ex.prompt) - 1:-1], axis=-1))
+    assert tokenizer.decode(predicted) == ex.answer
+
+
+def test_hisparse_answers_equal_resident_on_every_example(model):
+    cfg, params = model
+    batch = [task_example(task, LENGTH, seed) for task in ("niah", "mrcr") for seed in (1, 2)]
+    answers = [tokenizer.encode(ex.answer) for ex in batch]
+    prefilled = [prefill(params, cfg, ex.prompt, 512) for ex in batch]
+    texts = {}
+    for method, hot in (("resident", None), ("hisparse", 32)):
+        engine = Engine(EngineConfig(model=cfg, cache=CacheConfig(len(batch), 512, hot, 16),
+                                     sampling=SamplingConfig(0.0, 0), method=method), params)
+        texts[method], _ = run_engine(engine, batch, prefilled, answers, forced=False)
+    assert texts["hisparse"] == texts["resident"]
+    niah = [score_exact(t, ex.answer) for t, ex in zip(texts["resident"], batch)][:2]
+    assert niah == [1.0, 1.0]
+
+
+def test_mcnemar_exact_values():
+    """Discordant pairs 2 vs 5: p = 2 * (C(7,0) + C(7,1) + C(7,2)) / 2^7 = 58 / 128."""
+    a = np.array([1, 0, 0, 0, 0, 0, 1, 1], bool)
+    b = np.array([0, 1, 1, 1, 1, 1, 1, 0], bool)
+    got = mcnemar(a, b)
+    assert (got["a_only"], got["b_only"]) == (2, 5)
+    assert got["p"] == pytest.approx(2 * (1 + 7 + 21) / 2**7)
+    assert mcnemar(a, a)["p"] == 1.0
