@@ -122,7 +122,8 @@ def time_case(case: Case, impl: str, repeats: int, warmup: int = 2,
 def kernel_compare(name: str, batches=(1, 8, 32, 64), histories=(51200, 131072, 243200),
                    implementations=("xla", "triton", "jax_triton"), repeats: int = 20,
                    topk_shapes=((64, 262144, 2048), (64, 131072, 2048), (64, 262144, 512)),
-                   ops=("pq_topc", "topk", "index_scores"), per_call: bool = False):
+                   ops=("pq_topc", "topk", "index_scores", "sparse_attention", "hot_resolve"),
+                   per_call: bool = False):
     cases = []
     if "pq_topc" in ops:
         cases += [pq_topc_case(b, n) for n in histories for b in batches]
@@ -130,6 +131,14 @@ def kernel_compare(name: str, batches=(1, 8, 32, 64), histories=(51200, 131072, 
         cases += [topk_case(*s) for s in topk_shapes]
     if "index_scores" in ops:
         cases += [index_scores_case(b) for b in batches]
+    if "sparse_attention" in ops:
+        from experiments.cases.sparse_attention import sparse_attention_case
+
+        cases += [sparse_attention_case(b) for b in batches]
+    if "hot_resolve" in ops:  # bound by the 48 GB/s host link, not HBM (see its case)
+        from experiments.cases.hot_resolve import hot_resolve_case
+
+        cases += [hot_resolve_case(64, miss_fraction=f) for f in (0.0, 0.05)]
     rows = []
     device = jax.devices()[0]
     for case in tqdm(cases, desc="kernel_compare", unit="case"):
@@ -146,7 +155,7 @@ def kernel_compare(name: str, batches=(1, 8, 32, 64), histories=(51200, 131072, 
             rows.append(row)
     for row in rows:  # speed-up over the XLA reference of the same case
         ref = [r for r in rows if r["op"] == row["op"] and r["implementation"] == "xla"
-               and all(r.get(k) == row.get(k) for k in ("B", "N", "C", "k"))]
+               and all(r.get(k) == row.get(k) for k in ("B", "N", "C", "k", "misses"))]
         if ref and "seconds" in ref[0] and "seconds" in row:
             row["speedup_vs_xla"] = ref[0]["seconds"] / row["seconds"]
     table = format_table(rows)

@@ -146,6 +146,8 @@ class CacheConfig:
       page_size: compressed rows per host page P (hierarchy methods).
       host_pages: pages in each CSA layer's host pool, shared by all slots; None = enough for
         every slot at max_len.
+      streamed_prefill: prefill layer by layer with each layer's prefix state in host memory,
+        streamed through two device buffers (LeanSparse; serving/prefill_stream.py).
     """
 
     num_slots: int = 1
@@ -153,6 +155,7 @@ class CacheConfig:
     hot_cache_rows: int | None = None
     page_size: int = 64
     host_pages: int | None = None
+    streamed_prefill: bool = False
 
     def __post_init__(self):
         _positive("CacheConfig", num_slots=self.num_slots, prefill_chunk=self.prefill_chunk,

@@ -170,3 +170,20 @@ def test_decoding_after_streamed_prefill_matches_monolithic():
     emitted = np.stack(emitted)
     np.testing.assert_array_equal(emitted[:, 0], emitted[:, 1])
     assert len(set(emitted[:, 0].tolist())) > 1  # a real continuation, not a constant
+
+
+def test_engine_with_streamed_prefill_serves_like_monolithic():
+    """CacheConfig(streamed_prefill=True): a paged (leansparse-style hierarchy) engine admits
+    through the stream and decodes exactly as one admitting through monolithic prefill."""
+    from lsparse_jax.serving.engine import Engine
+
+    cfg = tiny(max_len=256)
+    params, prompt = model_and_tokens(cfg, 70, seed=3)
+    outs = []
+    for streamed in (False, True):
+        cache = CacheConfig(1, 16, 16, 8, streamed_prefill=streamed)
+        engine = Engine(EngineConfig(model=cfg, cache=cache, method="hisparse"), params)
+        engine.admit(prompt, max_new_tokens=8)
+        outs.append([np.asarray(engine.step().logits) for _ in range(4)])
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)

@@ -15,6 +15,7 @@ import numpy as np
 from lsparse_jax.config import EngineConfig
 from lsparse_jax.memory.host_pool import PageAllocator
 from lsparse_jax.memory.hot_cache import NUM_SOURCES
+from lsparse_jax.serving.prefill_stream import streamed_prefill
 from lsparse_jax.serving.sampling import sample
 from lsparse_jax.serving.state import DecodeState, admit_paged, empty_state, insert, slot_bytes
 from lsparse_jax.serving.steps import DecodeOutput, decode_step, prefill
@@ -111,8 +112,9 @@ class Engine:
                                         what=f"a request of {total} tokens")
         t0 = time.perf_counter()
         if prefilled is None:
-            caches, last = prefill(self.params, cfg, prompt, self.config.cache.prefill_chunk,
-                                   progress)
+            run = streamed_prefill if self.config.cache.streamed_prefill else prefill
+            caches, last = run(self.params, cfg, prompt, self.config.cache.prefill_chunk,
+                               progress=progress)
         else:
             caches, last = prefilled
         if pages is None:
