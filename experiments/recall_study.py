@@ -154,16 +154,19 @@ def recall_model(model: ModelConfig = gin.REQUIRED, prompt_tokens: int = 9216,
                  num_needles: int = 4, seed: int = 0, train_seed: int = 1,
                  prefill_chunk: int = 512, top_k: int | None = None,
                  candidates=(16, 32, 64, 128, 256), histories=(512, 1024, 2048),
-                 max_queries: int = 256, checkpoint: str | None = None) -> Source:
-    """Traces of every CSA layer on niah_example(seed); codebooks from niah_example(train_seed).
+                 max_queries: int = 256, checkpoint: str | None = None,
+                 train_prompts: int = 1) -> Source:
+    """Traces of every CSA layer on niah_example(seed); codebooks from the keys of
+    ``train_prompts`` prompts niah_example(train_seed + j), j = 0 .. train_prompts - 1.
 
     Model weights: the trained ``checkpoint`` (lsparse_jax.training.save_params directory), or
     random init from ``seed`` when None. top_k None = the model's indexer top-k.
     Both prompts use seeds below TRAIN_SEED_BASE, so a trained model never saw them.
     """
-    if seed == train_seed:
-        raise ValueError("recall_model: train_seed must differ from seed (codebooks are trained "
-                         "on a different prompt than the evaluated one)")
+    if train_seed <= seed < train_seed + train_prompts:
+        raise ValueError("recall_model: the seeds train_seed .. train_seed + train_prompts - 1 "
+                         "must not include seed (codebooks are trained on other prompts than "
+                         "the evaluated one)")
     cfg = fit_max_len(model, prompt_tokens)
     if checkpoint is None:
         params = _init_params(cfg, seed)
@@ -173,18 +176,22 @@ def recall_model(model: ModelConfig = gin.REQUIRED, prompt_tokens: int = 9216,
         params = load_params(checkpoint, cfg)
     evaluated = indexer_traces(params, cfg, niah_example(prompt_tokens, num_needles=num_needles,
                                                        seed=seed).prompt, prefill_chunk)
-    training = indexer_traces(params, cfg, niah_example(prompt_tokens, num_needles=num_needles,
-                                                      seed=train_seed).prompt, prefill_chunk)
+    training = [indexer_traces(params, cfg, niah_example(
+        prompt_tokens, num_needles=num_needles, seed=train_seed + j).prompt, prefill_chunk)
+        for j in range(train_prompts)]
     problems = []
-    for ev, tr in zip(evaluated, training, strict=True):
+    for i, ev in enumerate(evaluated):
         eligible = ev.lengths >= 1  # the first queries see no completed entry yet
+        train_keys = np.concatenate([traces[i].keys for traces in training])
         problems.append(Problem(ev.layer, ev.queries[eligible], ev.weights[eligible], ev.keys,
-                                ev.lengths[eligible], tr.keys))
+                                ev.lengths[eligible], train_keys))
     info = {"model": cfg.__dict__ | {"indexer": cfg.indexer.__dict__},
             "prompt_tokens": prompt_tokens, "prompt_seed": seed, "train_prompt_seed": train_seed,
+            "train_prompts": train_prompts,
             "weights": f"random init, seed {seed}" if checkpoint is None else
             f"trained checkpoint {checkpoint}", "layers": [p.layer for p in problems],
-            "codebook_training": f"per-layer, on the keys of niah_example(seed={train_seed})"}
+            "codebook_training": f"per-layer, on the keys of niah_example(seed={train_seed} .. "
+                                 f"{train_seed + train_prompts - 1})"}
     return Source("model", top_k or cfg.indexer.top_k, tuple(candidates), tuple(histories),
                   max_queries, seed, problems, info)
 
