@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import time
 
 import gin
 import jax
@@ -150,6 +151,10 @@ def accuracy(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
             leansparse=s.lean or LeanSparseConfig(), implementation=implementation),
             params, codebooks)
 
+    began = time.perf_counter()
+    for method_name, engine in tqdm(engines.items(), desc="compile decode steps"):
+        engine.warmup()
+        tqdm.write(f"accuracy: {method_name} compiled at {time.perf_counter() - began:.0f} s")
     records = []  # one per (task, length, example, method)
     cells = [(t, n) for t in tasks for n in lengths]
     bar = tqdm(total=len(cells) * examples, desc="accuracy", unit="example")

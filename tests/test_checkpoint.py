@@ -63,3 +63,29 @@ def test_mcnemar_exact_values():
     assert (got["a_only"], got["b_only"]) == (2, 5)
     assert got["p"] == pytest.approx(2 * (1 + 7 + 21) / 2**7)
     assert mcnemar(a, a)["p"] == 1.0
+
+
+def test_accuracy_cli_on_the_checkpoint(tmp_path, monkeypatch):
+    """The accuracy study end to end (shortened): results, table and per-example records; the
+    lossless method answers exactly as resident on every example, and the McNemar test of two
+    identical outcome vectors has p = 1."""
+    import json
+
+    from experiments.cli import main
+
+    monkeypatch.setenv("LSPARSE_RUNS", str(tmp_path))
+    rc = main(["run", "configs/experiments/accuracy.gin", "--gin.accuracy.lengths=(1024,)",
+               "--gin.accuracy.examples=2", "--gin.accuracy.tasks=('niah',)",
+               "--gin.accuracy.methods=('resident', 'hisparse', 'direct_pq')",
+               "--gin.accuracy.num_slots=2", "--gin.run.name='acc'"])
+    assert rc == 0
+    results = json.loads((tmp_path / "acc" / "results.json").read_text())
+    assert results["complete"] and (tmp_path / "acc" / "accuracy.png").exists()
+    by = {}
+    for r in results["records"]:
+        by.setdefault(r["method"], []).append(r)
+    assert [r["generated"] for r in by["hisparse"]] == [r["generated"] for r in by["resident"]]
+    cell = results["summary"]["niah@1024"]
+    assert cell["hisparse"]["mcnemar_vs_resident"]["p"] == 1.0
+    assert cell["hisparse"]["recall"] == 1.0 and 0.0 < cell["direct_pq"]["recall"] < 1.0
+    assert cell["resident"]["exact"] == 1.0
