@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from experiments.common import fit_max_len, pyplot, run_dir, write_results
+from experiments.common import fit_max_len, pyplot, run_dir, selection_recall, write_results
 from lsparse_jax.config import CacheConfig, EngineConfig, LeanSparseConfig, SamplingConfig
 from lsparse_jax.indexing.calibrate import calibrate_codebooks
 from lsparse_jax.serving.engine import Engine
@@ -80,18 +80,6 @@ def mcnemar(a: np.ndarray, b: np.ndarray) -> dict:
     n = n01 + n10
     tail = sum(math.comb(n, i) for i in range(min(n01, n10) + 1)) / 2**n if n else 1.0
     return {"a_only": n01, "b_only": n10, "p": min(1.0, 2 * tail)}
-
-
-def selection_recall(got: np.ndarray, want: np.ndarray) -> float:
-    """Mean over (step, slot, layer) rows with a reference of |got & want| / |want|
-    (arrays [..., k], -1 padded)."""
-    got, want = got.reshape(-1, got.shape[-1]), want.reshape(-1, want.shape[-1])
-    found = total = 0
-    for a, b in zip(got, want):
-        ref = set(b[b >= 0].tolist())
-        found += len(set(a[a >= 0].tolist()) & ref)
-        total += len(ref)
-    return found / max(total, 1)
 
 
 def dense_decode(params, cfg, caches, last, start: int, steps: int) -> list[int]:

@@ -32,6 +32,19 @@ def model_preset(name: str = gin.REQUIRED, **overrides) -> ModelConfig:
     return preset(name, **overrides)
 
 
+def selection_recall(got, want) -> float:
+    """|got & want| / |want| summed over every row of index sets (arrays [..., k] of the same
+    shape, -1 padded; e.g. [steps, layers, k]): the recall of the reference selection."""
+    got, want = np.asarray(got), np.asarray(want)
+    got, want = got.reshape(-1, got.shape[-1]), want.reshape(-1, want.shape[-1])
+    found = total = 0
+    for a, b in zip(got, want):
+        ref = set(b[b >= 0].tolist())
+        found += len(set(a[a >= 0].tolist()) & ref)
+        total += len(ref)
+    return found / max(total, 1)
+
+
 def run_dir(name: str, root: str | None = None) -> pathlib.Path:
     path = pathlib.Path(root or os.environ.get("LSPARSE_RUNS", "runs")) / name
     path.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ import gin
 import numpy as np
 from tqdm.auto import tqdm
 
-from experiments.common import fit_max_len, pyplot, run_dir, write_results
+from experiments.common import fit_max_len, pyplot, run_dir, selection_recall, write_results
 from lsparse_jax.config import (
     PAGED_METHODS,
     CacheConfig,
@@ -62,7 +62,7 @@ def quickstart(name: str, model=gin.REQUIRED, methods=("resident",), prompt_toke
             selections.append(np.asarray(engine.step(forced).selected[slot]))
         text = tokenizer.decode(engine.release(slot))
         recall = None if reference is None else \
-            selection_recall(selections, reference["selections"])
+            selection_recall(np.stack(selections), np.stack(reference["selections"]))
         if method == "resident":
             reference = {"inputs": inputs, "selections": selections}
         m = engine.metrics()
@@ -85,16 +85,6 @@ def quickstart(name: str, model=gin.REQUIRED, methods=("resident",), prompt_toke
     plot(rows, out / "quickstart.png")
     print(f"wrote {path} and {out / 'quickstart.png'}")
     return results
-
-
-def selection_recall(selections, reference) -> float:
-    """Mean over steps and sparse layers of |selected & reference| / |reference|."""
-    found = total = 0
-    for got, want in zip(selections, reference):
-        for a, b in zip(got, want):
-            found += len(set(a[a >= 0].tolist()) & set(b[b >= 0].tolist()))
-            total += int((b >= 0).sum())
-    return found / max(total, 1)
 
 
 def format_table(rows: list[dict]) -> str:

@@ -19,6 +19,16 @@ def tiny(max_len=256, **overrides):
     return preset("tiny", **fields)
 
 
+def assert_resolved_rows(rows, selected, truth):
+    """Row j of a resolver's output is truth[selected[j]], or all NaN where selected[j] < 0."""
+    rows = np.asarray(rows)
+    for j, p in enumerate(selected):
+        if p >= 0:
+            np.testing.assert_array_equal(rows[j], truth[p])
+        else:
+            assert np.isnan(rows[j]).all()
+
+
 def model_and_tokens(cfg, length, seed=0):
     params = init_params(cfg, seed)
     tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, length).astype(np.int32)

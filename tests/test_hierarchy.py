@@ -13,7 +13,7 @@ from lsparse_jax.memory import HostCapacityError, HotCache, empty_pool, resolve
 from lsparse_jax.memory.host_pool import write_host_page
 from lsparse_jax.memory.invariant import hierarchy_violations
 from lsparse_jax.serving.engine import Engine
-from tests.helpers import model_and_tokens, tiny
+from tests.helpers import assert_resolved_rows, model_and_tokens, tiny
 
 
 def engines(cfg, params, hot_rows, slots=3, page=8, host_pages=None, implementation="xla"):
@@ -166,12 +166,7 @@ def test_lru_matches_python_model(seed, capacity, k, universe, steps):
         sel[rng.random(k) < 0.2] = -1  # padding
         rows, hot, counts = resolve(hot, jnp.asarray(sel), tail, paged, jnp.asarray(perm), pool)
         assert tuple(np.asarray(counts)) == model.step(list(sel), paged)
-        rows = np.asarray(rows)
-        for j, p in enumerate(sel):
-            if p >= 0:
-                np.testing.assert_array_equal(rows[j], truth[p])
-            else:
-                assert np.isnan(rows[j]).all()
+        assert_resolved_rows(rows, sel, truth)
         pos, stamps = np.asarray(hot.positions), np.asarray(hot.stamps)
         held = pos[pos >= 0]
         assert sorted(held.tolist()) == sorted(model.order)  # same contents ...

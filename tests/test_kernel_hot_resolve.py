@@ -22,6 +22,7 @@ from lsparse_jax.memory import HotCache, empty_pool, resolve
 from lsparse_jax.memory.host_pool import write_host_page
 from pallas_kernels import common
 from pallas_kernels.hot_resolve import hot_resolve
+from tests.helpers import assert_resolved_rows
 
 IMPLS = ["xla", "triton"]
 HOST = jax.memory.Space.Host  # pinned_host
@@ -249,12 +250,7 @@ def test_resolve_compacts_selections_longer_than_the_cache(impl):
         sel = np.concatenate([sel, paged + rng.permutation(page).astype(np.int32)])  # k = 10
         rows, hot, counts = resolve(hot, jnp.asarray(sel), tail, paged, jnp.asarray(perm),
                                     pool, impl)
-        rows = np.asarray(rows)
-        for j, p in enumerate(sel):
-            if p >= 0:
-                np.testing.assert_array_equal(rows[j], truth[p])
-            else:
-                assert np.isnan(rows[j]).all()
+        assert_resolved_rows(rows, sel, truth)
         want = [p for p in sel if 0 <= p < paged]
         hits = sum(p in order for p in want)
         assert tuple(np.asarray(counts)) == (page, hits, len(want) - hits), f"step {step}"

@@ -55,16 +55,19 @@ def gather(kv, selected, paged, host: HostView | None, implementation: str | Non
 
     Counts are the rows resolved from (tail or resident map, hot cache, host copy).
     """
-    valid = selected >= 0
     if isinstance(kv, ResidentKV):
-        counts = jnp.zeros(selected.shape[:1] + (NUM_SOURCES,), jnp.int32)
-        counts = counts.at[:, 0].set(jnp.sum(valid, axis=-1))
-        return kv.entries[jnp.maximum(selected, 0)], counts, kv
+        return kv.entries[jnp.maximum(selected, 0)], resident_counts(selected), kv
     if selected.shape[0] != 1:
         raise ValueError("PagedKV serves decode (one query per slot); prefill runs resident")
     rows, hot, counts = resolve(kv.hot, selected[0], kv.tail, paged, host.page_table, host.pool,
                                 implementation)
     return rows[None], counts[None], kv.replace(hot=hot)
+
+
+def resident_counts(selected) -> jnp.ndarray:
+    """Counts [T, 3] of selected rows [T, k] that a resident store holds: all valid ones."""
+    counts = jnp.zeros(selected.shape[:1] + (NUM_SOURCES,), jnp.int32)
+    return counts.at[:, 0].set(jnp.sum(selected >= 0, axis=-1))
 
 
 def write_rows(table: jnp.ndarray, ids: jnp.ndarray, rows: jnp.ndarray, ok: jnp.ndarray):

@@ -173,8 +173,7 @@ class AttentionLayer(nn.Module):
             sel = selection.positions
             if kernel_decode and isinstance(cache.kv, kv_store.ResidentKV):
                 # the kernel gathers the selected rows from the resident store in place
-                table, slots = cache.kv.entries[None], sel
-                _, sources, _ = kv_store.gather(cache.kv, sel, paged, host, "xla")
+                table, slots, sources = cache.kv.entries[None], sel, kv_store.resident_counts(sel)
             else:
                 rows, sources, kv = kv_store.gather(cache.kv, sel, paged, host,
                                                     self.implementation)

@@ -16,11 +16,10 @@ import re
 
 import numpy as np
 
-from lsparse_jax.tasks import mrcr_example, niah_example, tokenizer
+from lsparse_jax.tasks import TASKS, example, tokenizer
 
 TRAIN_SEED_BASE = 1_000_000_000  # evaluation seeds are < this
-TASKS = ("niah", "mrcr")
-NIAH_DIGITS = 4
+NIAH_DIGITS = 4  # tasks.example's NIAH values
 _NEEDLE = re.compile(r" The magic number for (\S+) is (\d+)\. ")
 
 
@@ -35,15 +34,12 @@ class Batch:
 def task_example(task: str, length: int, seed: int, num_needles: int | None = None):
     """A prompt of ``length`` tokens (an object with .prompt and .answer) of ``task``.
 
-    NIAH: ``num_needles`` (default 1 to 4, drawn from the seed) needles with 4-digit values.
-    MRCR: 4 request rounds, 2 of them of the asked kind and topic.
+    NIAH: ``num_needles`` (default 1 + seed % 4) needles with 4-digit values. MRCR: 4 request
+    rounds, 2 of them of the asked kind and topic (``tasks.example``).
     """
-    if task == "niah":
-        needles = 1 + seed % 4 if num_needles is None else num_needles
-        return niah_example(length, num_needles=needles, seed=seed, value_digits=NIAH_DIGITS)
-    if task == "mrcr":
-        return mrcr_example(length, num_rounds=4, num_same=2, seed=seed)
-    raise ValueError(f"unknown task {task!r}; tasks: {TASKS}")
+    if task == "niah" and num_needles is None:
+        num_needles = 1 + seed % 4
+    return example(task, length, seed, num_needles)
 
 
 def _qa(key: str, value: str) -> tuple[str, str]:

@@ -155,7 +155,7 @@ def load_params(path, cfg: ModelConfig | None = None):
         raise FileNotFoundError(f"load_params: no checkpoint at {path}/params")
     params = _checkpointer().restore(path / "params")
     if cfg is not None:
-        want = jax.tree.map(lambda x: (x.shape, x.dtype), init_params(cfg))
+        want = jax.tree.map(lambda x: (x.shape, x.dtype), jax.eval_shape(lambda: init_params(cfg)))
         got = jax.tree.map(lambda x: (x.shape, x.dtype), params)
         if jax.tree.structure(want) != jax.tree.structure(got) or want != got:
             raise ValueError(f"load_params: the checkpoint at {path} does not match the model "
