@@ -23,6 +23,7 @@ import dataclasses
 import math
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import gin
 import jax
@@ -94,6 +95,18 @@ def dense_decode(params, cfg, caches, last, start: int, steps: int) -> list[int]
     return out
 
 
+def compile_all(engines: dict):
+    """Compiles every engine's prefill and decode step, concurrently (XLA compiles outside the
+    GIL, and on a GPU host compilation dominates a short study)."""
+    began = time.perf_counter()
+    with ThreadPoolExecutor(max(1, len(engines))) as pool:
+        futures = {pool.submit(e.warmup): m for m, e in engines.items()}
+        for future in tqdm(as_completed(futures), total=len(futures), desc="compile decode steps"):
+            future.result()
+            tqdm.write(f"accuracy: {futures[future]} compiled at "
+                       f"{time.perf_counter() - began:.0f} s")
+
+
 def run_engine(engine: Engine, batch, prefilled, answers, forced: bool):
     """Admits a batch, decodes len(answer) tokens each; returns (texts, selections [steps, S,
     L, k]). Forced: inputs are the reference answers (teacher forcing)."""
@@ -139,10 +152,7 @@ def accuracy(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
             leansparse=s.lean or LeanSparseConfig(), implementation=implementation),
             params, codebooks)
 
-    began = time.perf_counter()
-    for method_name, engine in tqdm(engines.items(), desc="compile decode steps"):
-        engine.warmup()
-        tqdm.write(f"accuracy: {method_name} compiled at {time.perf_counter() - began:.0f} s")
+    compile_all(engines)
     records = []  # one per (task, length, example, method)
     cells = [(t, n) for t in tasks for n in lengths]
     bar = tqdm(total=len(cells) * examples, desc="accuracy", unit="example")
@@ -151,9 +161,13 @@ def accuracy(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
             batch = [task_example(task, length, seed) for seed in
                      range(lo, min(lo + num_slots, examples))]
             answers = [tokenizer.encode(ex.answer) for ex in batch]
+            t0 = time.perf_counter()
             prefilled = [prefill(params, cfg, ex.prompt, prefill_chunk) for ex in batch]
+            jax.block_until_ready(prefilled)
+            timing = {"prefill": time.perf_counter() - t0}
             reference = None
             for s in specs:
+                t0 = time.perf_counter()
                 if s.engine_method is None:
                     texts = [tokenizer.decode(dense_decode(params, cfg, c, last,
                                                            len(ex.prompt), len(a) - 1))
@@ -173,6 +187,9 @@ def accuracy(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
                                         exact=score_exact(text, ex.answer),
                                         similarity=score_similarity(text, ex.answer),
                                         recall=recall[j]))
+                timing[s.name] = time.perf_counter() - t0
+            tqdm.write(f"accuracy: {task}@{length} examples {lo}..{lo + len(batch) - 1}: " +
+                       ", ".join(f"{k} {v:.1f} s" for k, v in timing.items()))
             bar.update(len(batch))
         done = cells[:cells.index((task, length)) + 1]
         summary, table = save(name, cfg, checkpoint, examples, records, methods, done,
