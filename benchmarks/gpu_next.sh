@@ -2,6 +2,7 @@
 # What the GPU still owes issues 6 and 7, in one device call each (see benchmarks/RESULTS.md):
 #   STEP=kernels  GPU tests + kernel_compare of the issue-6 ops + the hierarchy decode-step
 #                 timing with the Triton kernels wired in (hisparse vs resident, +15% target)
+#                 + streamed-vs-monolithic prefill on the trained model (issue 4 tolerance)
 #   STEP=pq_sweep launch-parameter sweep of the pq_topc score kernel (data for TUNED)
 #   STEP=accuracy the accuracy study's GPU table (1K-8K, 64 examples, both tasks, every
 #                 method; results written after every cell; ACC_LENGTHS/ACC_TASKS/ACC_NAME
@@ -18,7 +19,8 @@ case "${STEP:-kernels}" in
     timeout 200 python3 -m experiments.cli run configs/experiments/kernel_compare.gin \
       "--gin.kernel_compare.ops=('sparse_attention','hot_resolve')" \
       "--gin.kernel_compare.implementations=('xla','triton')" 2>&1 | grep -v "it/s\]" | tail -30
-    timeout 120 python3 benchmarks/hierarchy_gpu.py --out "$OUT" 2>&1 | tail -20 ;;
+    timeout 100 python3 benchmarks/hierarchy_gpu.py --out "$OUT" 2>&1 | tail -20
+    timeout 110 python3 benchmarks/prefill_stream_tolerance.py --out "$OUT" 2>&1 | tail -6 ;;
   pq_sweep)
     timeout 240 python3 benchmarks/pq_topc_sweep.py 2>&1 | tail -40 ;;
   accuracy)
