@@ -4,6 +4,7 @@
 #                 timing with the Triton kernels wired in (hisparse vs resident, +15% target)
 #                 + streamed-vs-monolithic prefill on the trained model (issue 4 tolerance)
 #   STEP=pq_sweep launch-parameter sweep of the pq_topc score kernel (data for TUNED)
+#   STEP=pq_fused GPU tests + fused vs unfused pq_topc (kernel_compare, launch parameters)
 #   STEP=accuracy the accuracy study's GPU table (1K-8K, 64 examples, both tasks, every
 #                 method; results written after every cell; ACC_LENGTHS/ACC_TASKS/ACC_NAME
 #                 restrict a rerun, ACC_EXTRA adds gin flags, e.g. an ablation)
@@ -23,6 +24,14 @@ case "${STEP:-kernels}" in
     timeout 110 python3 benchmarks/prefill_stream_tolerance.py --out "$OUT" 2>&1 | tail -6 ;;
   pq_sweep)
     timeout 240 python3 benchmarks/pq_topc_sweep.py 2>&1 | tail -40 ;;
+  pq_fused)  # GPU tests, then fused vs unfused pq_topc (kernel_compare + launch parameters)
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -4
+    timeout 150 python3 -m experiments.cli run configs/experiments/kernel_compare.gin \
+      "--gin.kernel_compare.ops=('pq_topc',)" "--gin.kernel_compare.batches=(8,64)" \
+      "--gin.kernel_compare.histories=(131072,)" "--gin.run.name='kernel_compare_pq_fused'" \
+      "--gin.kernel_compare.implementations=('xla','triton','triton_unfused')" 2>&1 \
+      | tr '\r' '\n' | grep -v "case/s" | tail -12
+    timeout 150 python3 benchmarks/pq_topc_fused_gpu.py 2>&1 | tail -8 ;;
   accuracy)
     # One process, every method, both tasks; engines compile concurrently, and the XLA
     # compilation cache goes back in $OUT/jaxcache.tar (carry it as runs/jaxcache next time).
@@ -33,5 +42,5 @@ case "${STEP:-kernels}" in
       "--gin.accuracy.num_slots=32" "--gin.accuracy.tasks=${ACC_TASKS:-('niah','mrcr')}" \
       "--gin.run.name='${ACC_NAME:-accuracy_gpu}'" ${ACC_EXTRA:-} 2>&1 | tr '\r' '\n' | grep -v "example/s\]" | tail -40
     tar -C runs -cf "$OUT/jaxcache.tar" jaxcache; ls -la "$OUT" ;;
-  *) echo "STEP must be kernels, pq_sweep or accuracy" >&2; exit 2 ;;
+  *) echo "STEP must be kernels, pq_sweep, pq_fused or accuracy" >&2; exit 2 ;;
 esac

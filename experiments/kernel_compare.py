@@ -62,6 +62,10 @@ def pq_topc_case(batch, history, heads=64, dim=128, subspaces=32, centroids=256,
         return q, w, codes.astype(jnp.uint8), books, jnp.full((batch,), history, jnp.int32)
 
     def call(impl, *args):
+        if impl == "triton_unfused":  # the score kernel, then the separate top-k kernel
+            from pallas_kernels.pq_topc.triton import pq_topc_triton
+
+            return pq_topc_triton(*args, num_candidates=c, fused=False)
         return pq_topc(*args, num_candidates=c, implementation=impl)
 
     return Case("pq_topc", dict(B=batch, N=history, H=heads, D=dim, M=subspaces, C=c),

@@ -1,4 +1,6 @@
-"""pq_topc (PQ coarse scores + top-C): xla and triton implementations, CUDA lowering, errors.
+"""pq_topc (PQ coarse scores + top-C): xla, triton (fused: the score kernel runs topk's first
+counting pass) and triton_unfused (score kernel, then topk) implementations, CUDA lowering,
+errors.
 
 Exact-value tests use small-integer queries and codebooks with dyadic head weights, so bf16 and
 f32 agree bit for bit and the many ties must be broken exactly by the rule (higher score first,
@@ -17,7 +19,7 @@ from pallas_kernels.pq_topc import pq_topc, reference
 from pallas_kernels.pq_topc import triton as pq_triton
 from tests.kernel_helpers import TOLERANCE, assert_close, assert_same_sets
 
-IMPLEMENTATIONS = ("xla", "triton")
+IMPLEMENTATIONS = ("xla", "triton", "triton_unfused")
 V4_FLASH = dict(b=64, h=64, d=128, m=32, k=256, n=131072, c=2048)
 
 
@@ -86,7 +88,18 @@ def check_exact(got_pos, got_vals, want_pos, want_vals):
             assert v == want[p] or (p < 0 and v == -np.inf), f"row {r} position {p}: {v}"
 
 
-# ---------------------------------------------------------------------- both implementations
+def run(implementation, *args, c, **kwargs):
+    """pq_topc by ``implementation``; "triton_unfused" is pq_topc_triton(fused=False)."""
+    if implementation == "triton_unfused":
+        args = [jnp.asarray(a) for a in args]
+        return pq_triton.pq_topc_triton(*args, num_candidates=c, fused=False, **kwargs)
+    if kwargs:
+        args = [jnp.asarray(a) for a in args]
+        return pq_triton.pq_topc_triton(*args, num_candidates=c, **kwargs)
+    return pq_topc(*args, num_candidates=c, implementation=implementation)
+
+
+# ------------------------------------------------------------------------ all implementations
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -98,8 +111,7 @@ def test_exact_scores_with_ties(implementation):
     b, h, d, m, k, n, c = 6, 6, 12, 4, 10, 200, 24
     lengths = [0, 7, n, 150, 1, n + 5]
     q, w, codes, books, lengths = make_inputs(rng, b, h, d, m, k, n, lengths, exact=True)
-    pos, vals = pq_topc(q, w, codes, books, lengths, num_candidates=c,
-                        implementation=implementation)
+    pos, vals = run(implementation, q, w, codes, books, lengths, c=c)
     assert pos.shape == (b, c) and pos.dtype == jnp.int32
     assert vals.shape == (b, c) and vals.dtype == jnp.float32
     exact = numpy_scores(q, w, codes, books, lengths)
@@ -120,10 +132,10 @@ def test_random_scores_bf16_query(implementation):
     lengths = [n, 0, 33, 200]
     q, w, codes, books, lengths = make_inputs(rng, b, h, d, m, k, n, lengths, exact=False,
                                               q_dtype=jnp.bfloat16)
-    fn = jax.jit(lambda *a: pq_topc(*a, num_candidates=c, implementation=implementation))
+    fn = jax.jit(lambda *a: run(implementation, *a, c=c))
     pos, vals = fn(q, w, codes, books, lengths)
     ref = np.asarray(reference.masked_coarse_scores(q, w, codes, books, lengths))
-    if implementation == "triton":
+    if implementation != "xla":
         own = np.asarray(pq_triton.coarse_scores_triton(q, w, codes, books, lengths))
         assert np.array_equal(np.isneginf(own), np.isneginf(ref)), "mask differs"
         assert_close(own, ref, "bfloat16", mask=np.isfinite(ref))
@@ -150,8 +162,7 @@ def test_more_candidates_than_positions(implementation):
     rng = np.random.default_rng(2)
     b, h, d, m, k, n, c = 2, 16, 16, 4, 256, 20, 32
     q, w, codes, books, lengths = make_inputs(rng, b, h, d, m, k, n, [n, 5], exact=True)
-    pos, vals = pq_topc(q, w, codes, books, lengths, num_candidates=c,
-                        implementation=implementation)
+    pos, vals = run(implementation, q, w, codes, books, lengths, c=c)
     want_pos, want_vals = numpy_top_c(numpy_scores(q, w, codes, books, lengths), c)
     check_exact(pos, vals, want_pos, want_vals)
     assert (np.asarray(pos) < 0).sum(1).tolist() == [c - n, c - 5]
@@ -192,9 +203,89 @@ def test_triton_with_xla_top_c_stage():
     q, w, codes, books, lengths = make_inputs(rng, b, h, d, m, k, n, [n, 4, 60], exact=True)
     pos, vals = pq_triton.pq_topc_triton(
         jnp.asarray(q), jnp.asarray(w), jnp.asarray(codes), jnp.asarray(books),
-        jnp.asarray(lengths), num_candidates=c, topk_implementation="xla")
+        jnp.asarray(lengths), num_candidates=c, fused=False, topk_implementation="xla")
     want_pos, want_vals = numpy_top_c(numpy_scores(q, w, codes, books, lengths), c)
     check_exact(pos, vals, want_pos, want_vals)
+
+
+def numpy_span_counts(scores, thr, lengths, span):
+    """[B, N_pad / SPAN, NT] counts of eligible order-preserving keys >= each threshold, from a
+    score row (topk's keys: -0.0 as +0.0, negative floats with their magnitude bits flipped)."""
+    x = np.array(scores, np.float32)
+    x[x == 0] = 0.0
+    bits = x.view(np.int32)
+    keys = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    eligible = np.arange(x.shape[1])[None, :] < np.minimum(lengths, x.shape[1])[:, None]
+    keys = np.where(eligible, keys, np.iinfo(np.int32).min)
+    ge = keys[:, :, None] >= np.asarray(thr)[:, None, :]  # [B, N_pad, NT]
+    return ge.reshape(x.shape[0], -1, span, ge.shape[2]).sum(axis=2)
+
+
+def bracket_after_first_pass(thr, counts, lengths, n, c):
+    """[B] positions left in topk's bracket after the fused first pass (the tightest [t, t')
+    of key(-inf), thresholds, INT32_MAX with c(t) >= m > c(t'))."""
+    length = np.clip(lengths, 0, n)
+    m = np.minimum(length, c)
+    tot = np.concatenate([length[:, None], np.asarray(counts).sum(1),
+                          np.zeros_like(length)[:, None]], axis=1)
+    sel = np.clip((tot >= m[:, None]).sum(1) - 1, 0, tot.shape[1] - 2)
+    rows = np.arange(len(length))
+    return tot[rows, sel] - tot[rows, sel + 1]
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_fused_counts_equal_counts_of_own_scores(exact):
+    """The fused kernel's per-span counts equal exactly the counts recomputed from its own
+    score output, over several spans, a partial last span, garbage codes and lengths N / 0 /
+    inside a span; its scores equal the unfused kernel's bit for bit (-inf past lengths)."""
+    rng = np.random.default_rng(11)
+    b, h, d, m, k, n, c = 4, 16, 32, 8, 16, 200, 20
+    q, w, codes, books, lengths = make_inputs(rng, b, h, d, m, k, n, [n, 0, 77, 130],
+                                              exact=exact)
+    args = [jnp.asarray(a) for a in (q, w, codes, books, lengths)]
+    params = pq_triton.Params(block_n=16, blocks_per_program=2)  # SPAN 32, N_pad 224
+    thr, scores, counts, span = pq_triton.fused_first_pass(*args, num_candidates=c,
+                                                           params=params)
+    thr, scores, counts = np.asarray(thr), np.asarray(scores), np.asarray(counts)
+    assert span == 32 and counts.shape == (b, 7, 16)
+    assert np.all(thr[:, 1:] >= thr[:, :-1]), "thresholds must ascend"
+    np.testing.assert_array_equal(counts, numpy_span_counts(scores, thr, lengths, span))
+    unfused = pq_triton.coarse_scores_triton(*args, params=params)
+    np.testing.assert_array_equal(scores[:, :n], np.asarray(unfused))
+    assert np.all(np.isneginf(scores[:, n:]))
+    total = counts.sum(1)
+    assert np.any((total > 0) & (total < lengths[:, None])), "thresholds split no row"
+
+
+def test_fused_rows_needing_more_passes():
+    """Small topk tunables (CAP 16, 4 thresholds a pass, an 8-position sample, topk block = 2
+    spans) so that the fused first pass leaves brackets of > CAP positions and later counting
+    passes run; integer-valued scores (heavy ties, a tie at the C-th place); lengths 0, < C,
+    not a multiple of the block, N."""
+    rng = np.random.default_rng(12)
+    b, h, d, m, k, n, c = 5, 6, 12, 4, 10, 300, 24
+    q, w, codes, books, lengths = make_inputs(rng, b, h, d, m, k, n, [n, 0, 13, 250, 299],
+                                              exact=True)
+    tunables = dict(cap=16, digit_bits=2, sample=8, block=64, chunk=32)
+    params = pq_triton.Params(block_n=16, blocks_per_program=2)
+    pos, vals = run("triton", q, w, codes, books, lengths, c=c, params=params,
+                    topk_tunables=tunables)
+    exact = numpy_scores(q, w, codes, books, lengths)
+    straddle = [np.sort(row[np.isfinite(row)])[::-1][c - 1:c + 1] for row in exact]
+    assert any(len(t) == 2 and t[0] == t[1] for t in straddle), "want a tie at the C-th place"
+    check_exact(pos, vals, *numpy_top_c(exact, c))
+    thr, _, counts, _ = pq_triton.fused_first_pass(
+        *[jnp.asarray(a) for a in (q, w, codes, books, lengths)], num_candidates=c,
+        params=params, topk_tunables=tunables)
+    left = bracket_after_first_pass(thr, counts, lengths, n, c)
+    assert np.any(left > tunables["cap"]), f"no row needs a second pass: {left}"
+
+
+def test_fused_needs_triton_top_c():
+    args = [jnp.asarray(a) for a in make_inputs(np.random.default_rng(13), 1, 4, 8, 2, 4, 16,
+                                                [16], exact=True)]
+    with pytest.raises(ValueError, match="fused=True"):
+        pq_triton.pq_topc_triton(*args, num_candidates=4, topk_implementation="xla")
 
 
 def _specs(b, h, d, m, k, n, q_dtype=jnp.bfloat16):
@@ -207,15 +298,20 @@ def _specs(b, h, d, m, k, n, q_dtype=jnp.bfloat16):
 @pytest.mark.parametrize("shape", [V4_FLASH, dict(b=3, h=6, d=12, m=4, k=10, n=200, c=24)],
                          ids=["v4_flash", "small"])
 def test_triton_lowers_for_cuda(shape):
+    """Default (fused): the score + first-pass count kernel, then topk's later-pass counting,
+    selection and stage-2 kernels; unfused: the plain score kernel, then topk's three."""
     s = dict(shape)
     c = s.pop("c")
     for q_dtype in (jnp.bfloat16, jnp.float32):
         text = common.lower_for_cuda(
             lambda *a: pq_topc(*a, num_candidates=c, implementation="triton"),
             *_specs(**s, q_dtype=q_dtype))
-        assert "pq_coarse_scores" in text, "the score kernel did not lower to Triton"
-        # the score kernel plus at least one kernel of the top-C stage (pallas_kernels.topk)
-        assert text.count(common.TRITON_CALL_TARGET) >= 2
+        assert "pq_coarse_scores_count" in text, "the fused kernel did not lower to Triton"
+        assert text.count(common.TRITON_CALL_TARGET) == 4
+    text = common.lower_for_cuda(
+        lambda *a: pq_triton.pq_topc_triton(*a, num_candidates=c, fused=False), *_specs(**s))
+    assert "pq_coarse_scores" in text and "pq_coarse_scores_count" not in text
+    assert text.count(common.TRITON_CALL_TARGET) == 4
 
 
 # ------------------------------------------------------------------------------- bad inputs
@@ -258,8 +354,9 @@ def test_bad_inputs(change, match):
 
 
 @pytest.mark.gpu
-def test_gpu_exact_ties_large():
-    """Integer-valued inputs at a moderately large shape: the real kernel must return exactly
+@pytest.mark.parametrize("implementation", ["triton", "triton_unfused"])
+def test_gpu_exact_ties_large(implementation):
+    """Integer-valued inputs at a moderately large shape: the real kernels must return exactly
     the xla sets and scores, ties included."""
     rng = np.random.default_rng(6)
     b, h, d, m, k, n, c = 8, 64, 128, 32, 256, 40000, 2048
@@ -268,8 +365,31 @@ def test_gpu_exact_ties_large():
                                               garbage="random")
     args = (q, w, codes, books, lengths)
     want = pq_topc(*args, num_candidates=c, implementation="xla")
-    got = pq_topc(*args, num_candidates=c, implementation="triton")
+    got = run(implementation, *args, c=c)
     check_exact(got[0], got[1], np.asarray(want[0]), np.asarray(want[1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("exact", [False, True])
+def test_gpu_fused_counts_and_passes(exact):
+    """The compiled fused kernel: per-span counts equal those of its own scores exactly, and a
+    small CAP (later counting passes needed) still gives the exact top-C of those scores."""
+    rng = np.random.default_rng(9)
+    b, h, d, m, k, n, c = 8, 64, 128, 32, 256, 20000 + 77, 512
+    lengths = [n, 0, 100, 511, 512, 9000, n - 1, 4097]
+    q, w, codes, books, lengths = make_inputs(rng, b, h, d, m, k, n, lengths, exact=exact)
+    args = [jnp.asarray(a) for a in (q, w, codes, books, lengths)]
+    tunables = dict(cap=512, sample=16)  # sample stride ~1250 > CAP: a first bracket > CAP
+    thr, scores, counts, span = pq_triton.fused_first_pass(*args, num_candidates=c,
+                                                           topk_tunables=tunables)
+    scores = np.asarray(scores)
+    np.testing.assert_array_equal(np.asarray(counts),
+                                  numpy_span_counts(scores, np.asarray(thr), lengths, span))
+    pos, vals = run("triton", *args, c=c, topk_tunables=tunables)
+    want_pos, _ = numpy_top_c(scores[:, :n].astype(np.float64), c)
+    assert_same_sets(pos, want_pos)
+    got, want = values_at(pos, vals, scores[:, :n])
+    np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.gpu

@@ -15,6 +15,7 @@ from kernel_helpers import assert_same_sets
 
 from pallas_kernels import common
 from pallas_kernels.topk import topk
+from pallas_kernels.topk import triton as topk_impl
 from pallas_kernels.topk.triton import topk_triton
 
 IMPLEMENTATIONS = ("xla", "triton")
@@ -120,6 +121,31 @@ def test_topk_matches_numpy(implementation, case):
     else:
         got = topk(jnp.asarray(scores), jnp.asarray(lengths), k, implementation=implementation)
     assert_topk_equal(got, want)
+
+
+@pytest.mark.parametrize("case", ["ties", "wide"])
+def test_topk_after_first_pass_matches_numpy(case):
+    """Entering after a first counting pass done elsewhere (as the fused pq_topc does): sample
+    thresholds and per-block counts computed in numpy from the row; later passes, selection
+    and stage 2 run as usual."""
+    build, tunables = CASES[case]
+    scores, lengths, k = build(np.random.default_rng(sorted(CASES).index(case)))
+    cfg = topk_impl.config(scores.shape[1], k, interpret=True, **tunables)
+    length, m = topk_impl.row_lengths(jnp.asarray(lengths), cfg)
+    xs = jnp.asarray(scores)[:, ::topk_impl.sample_stride(cfg)]
+    thr = np.asarray(topk_impl.sample_thresholds(xs, length, m, cfg))
+    x = np.where(np.isnan(scores), -np.inf, scores).astype(np.float32)
+    x[x == 0] = 0.0
+    bits = x.view(np.int32)
+    keys = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    keys[np.arange(x.shape[1])[None, :] >= np.asarray(length)[:, None]] = np.iinfo(np.int32).min
+    keys = np.pad(keys, ((0, 0), (0, cfg.nblk * cfg.block - x.shape[1])),
+                  constant_values=np.iinfo(np.int32).min)
+    ge = keys[:, :, None] >= thr[:, None, :]
+    counts = ge.reshape(x.shape[0], cfg.nblk, cfg.block, cfg.nt).sum(2).astype(np.int32)
+    fn = jax.jit(topk_impl.topk_after_first_pass, static_argnames="cfg")
+    got = fn(jnp.asarray(scores), jnp.asarray(lengths), thr, counts, cfg=cfg)
+    assert_topk_equal(got, numpy_topk(scores, lengths, k))
 
 
 def test_xla_is_best_first_and_jittable():

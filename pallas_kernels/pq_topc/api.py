@@ -6,8 +6,9 @@ Eq. 6 and return the C best:
     s[b, n] = sum_h weights[b, h] * ReLU( sum_j q[b, h, j-th slice] . codebooks[j, codes[b, n, j]] )
 
 Implementations: "xla" (``reference.py``: decode + f32 einsum + ``lax.top_k``) and "triton"
-(``triton.py``: fused decode + bf16 tensor-core score kernel, then top-C selection; interpret
-mode without a GPU). None picks "triton" on a GPU and "xla" elsewhere.
+(``triton.py``: fused decode + bf16 tensor-core score kernel that also runs the first counting
+pass of the top-C threshold search, then the rest of ``pallas_kernels.topk``'s selection;
+interpret mode without a GPU). None picks "triton" on a GPU and "xla" elsewhere.
 """
 
 from __future__ import annotations

@@ -30,6 +30,12 @@ Stage 2 (rows of CAP candidates, one program per row): radix search of the r-th 
   candidates == T until r are taken, written after the stage-1 winners; slots >= m get -1 /
   -inf.
 
+Entry points: ``topk_triton`` runs all of the above. ``topk_after_first_pass`` enters after
+the first counting pass, for a producer of the score rows that counted pass 1 itself while
+writing them (the fused ``pallas_kernels.pq_topc``): it gives thresholds (``sample_thresholds``
+on its own sample) and per-block counts (``count_at_least`` of ``eligible_keys``) on a grid of
+``config(...).block`` positions; further passes, selection and stage 2 are shared code.
+
 Tie rule: among equal scores the lower positions win, which holds because candidates keep
 position order. Scores are canonicalised (NaN -> -inf, -0.0 -> +0.0) as in reference.py; NaN
 inside a row's length is unsupported input. Positions past a row's length never influence
@@ -38,6 +44,7 @@ anything (their keys are replaced before any comparison).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -75,11 +82,16 @@ def order_keys(x: jnp.ndarray) -> jnp.ndarray:
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
-def _eligible_keys(x, start, length):
+def eligible_keys(x, start, length):
     """Keys of a block of raw scores starting at position ``start``; INT32_MIN past length."""
     pos = start + lax.broadcasted_iota(jnp.int32, x.shape, 0)
     key = order_keys(canonical_scores(x))
     return pos, jnp.where(pos < length, key, INT32_MIN)
+
+
+def count_at_least(key, thr):
+    """[chunk, NT] int32 indicators key[i] >= thr[t] (summed over i by the caller, once)."""
+    return (key[:, None] >= thr[None, :]).astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -101,8 +113,8 @@ def _count_kernel(row_ref, thr_ref, x_ref, cnt_ref, *, block, chunk):
 
         def step(i, acc):
             start = pl.multiple_of(i * chunk, chunk)
-            _, key = _eligible_keys(x_ref[pl.ds(start, chunk)], j * block + start, length)
-            return acc + (key[:, None] >= thr[None, :]).astype(jnp.int32)
+            _, key = eligible_keys(x_ref[pl.ds(start, chunk)], j * block + start, length)
+            return acc + count_at_least(key, thr)
 
         acc = lax.fori_loop(0, block // chunk, step,
                             jnp.zeros((chunk, thr.shape[0]), jnp.int32))
@@ -122,7 +134,7 @@ def _select_kernel(row_ref, off_ref, x_ref, wpos_ref, wval_ref, cpos_ref, cval_r
     """
     j = pl.program_id(1)
     x = x_ref[...]
-    pos, key = _eligible_keys(x, j * block, row_ref[0])
+    pos, key = eligible_keys(x, j * block, row_ref[0])
     is_win = key >= row_ref[2]
     is_cand = (key >= row_ref[1]) & jnp.logical_not(is_win)  # INT32_MIN < lo: never eligible
     # One scan for both ranks: winners in the low 16 bits, candidates in the high bits.
@@ -171,7 +183,7 @@ def _finish_kernel(row_ref, cpos_ref, cval_ref, wpos_in_ref, wval_in_ref, wpos_r
 
     def keys_at(i):
         start = pl.multiple_of(i * chunk, chunk)
-        _, key = _eligible_keys(cval_ref[pl.ds(start, chunk)], start, n)
+        _, key = eligible_keys(cval_ref[pl.ds(start, chunk)], start, n)
         return start, key
 
     digits = lax.broadcasted_iota(jnp.int32, (nt,), 0)
@@ -182,7 +194,7 @@ def _finish_kernel(row_ref, cpos_ref, cval_ref, wpos_in_ref, wval_in_ref, wpos_r
 
         def count(i, acc):
             _, key = keys_at(i)
-            return acc + (key[:, None] >= thr[None, :]).astype(jnp.int32)
+            return acc + count_at_least(key, thr)
 
         acc = lax.fori_loop(0, steps, count, jnp.zeros((chunk, nt), jnp.int32))
         digit = jnp.sum((jnp.sum(acc, axis=0) >= r).astype(jnp.int32)) - 1
@@ -218,31 +230,102 @@ def _finish_kernel(row_ref, cpos_ref, cval_ref, wpos_in_ref, wval_in_ref, wpos_r
 # ----------------------------------------------------------------------------- XLA glue
 
 
-def _sample_thresholds(scores, length, m, *, nt, sample, cap):
-    """First-pass thresholds [B, NT] ascending: sample keys around the m-th largest.
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Static sizes and tunables of one call, fitted to rows of N positions by ``config``
+    (hashable: a jit static argument). Notation as in the module docstring."""
+
+    k: int
+    n: int
+    digit_bits: int
+    block: int
+    cap: int
+    chunk: int
+    sample: int
+    num_warps: int
+    select_warps: int
+    interpret: bool
+
+    @property
+    def nt(self) -> int:
+        return 1 << self.digit_bits
+
+    @property
+    def kn(self) -> int:
+        return min(self.k, self.n)
+
+    @property
+    def kp(self) -> int:
+        return _next_pow2(self.kn)
+
+    @property
+    def nblk(self) -> int:
+        return -(-self.n // self.block)
+
+    @property
+    def chunk2(self) -> int:  # stage-2 chunk
+        return min(self.chunk, self.cap)
+
+
+def config(n: int, k: int, *, block: int = DEFAULT_BLOCK, digit_bits: int = DEFAULT_DIGIT_BITS,
+           cap: int = DEFAULT_CAP, sample: int = DEFAULT_SAMPLE, chunk: int = DEFAULT_CHUNK,
+           num_warps: int = DEFAULT_NUM_WARPS, select_warps: int = DEFAULT_SELECT_WARPS,
+           interpret: bool | None = None) -> Config:
+    """Validated tunables (see ``topk_triton``) fitted to N: BLOCK <= min(2^ceil(log2 N),
+    32768), the [chunk, NT] counters at most 4096 entries, CAP in [KP, 2^ceil(log2 N)] (at
+    least KP). interpret=None asks ``common.interpret()`` (call this outside jit)."""
+    for name, v in (("block", block), ("cap", cap), ("chunk", chunk)):
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"topk_triton: {name}={v} must be a power of two")
+    if digit_bits not in (1, 2, 4, 8):
+        raise ValueError(f"topk_triton: digit_bits={digit_bits} must be 1, 2, 4 or 8")
+    if interpret is None:
+        interpret = common.interpret()
+    n, k = int(n), int(k)
+    block = min(block, _next_pow2(n), 32768)
+    chunk = min(chunk, block, max(1, 4096 // (1 << digit_bits)))
+    cap = max(_next_pow2(min(k, n)), min(cap, _next_pow2(n)))
+    return Config(k=k, n=n, digit_bits=digit_bits, block=block, cap=cap, chunk=chunk,
+                  sample=sample, num_warps=num_warps, select_warps=select_warps,
+                  interpret=bool(interpret))
+
+
+def row_lengths(lengths, cfg: Config):
+    """(L [B] eligible positions per row, m [B] = min(k, L) winners) from raw lengths."""
+    length = jnp.clip(lengths.astype(jnp.int32), 0, cfg.n)
+    return length, jnp.minimum(length, cfg.k)
+
+
+def sample_stride(cfg: Config) -> int:
+    """Stride st of the first-pass sample: positions 0, st, 2 st, ... < N."""
+    return max(1, cfg.n // cfg.sample)
+
+
+def sample_thresholds(xs, length, m, cfg: Config):
+    """First-pass thresholds [B, NT] ascending, inside the start bracket [key(-inf),
+    INT32_MAX]: sample keys around the m-th largest. xs [B, S]: scores at the sample positions
+    (``sample_stride``); any scores ranking like the row's will do (a fused producer samples
+    its own cheap estimate), since only the counts decide the bracket.
 
     Notation: st = sample stride, ns = eligible samples of the row, q = m * ns / L - 1 the
     expected 0-based descending sample rank of the m-th largest key; threshold j sits at rank
     q + (j - (NT - 1) / 2) * delta, delta = max(1, CAP // (4 st)) (about CAP / 4 positions
     between neighbouring thresholds, so that one pass nearly always suffices).
     """
-    n = scores.shape[1]
-    st = max(1, n // sample)
-    xs = scores[:, ::st]
-    s = xs.shape[1]
+    st, nt, s = sample_stride(cfg), cfg.nt, xs.shape[1]
     spos = jnp.arange(s, dtype=jnp.int32)[None, :] * st
     keys = jnp.where(spos < length[:, None], order_keys(canonical_scores(xs)), INT32_MIN)
     asc = lax.sort(keys, dimension=1)
     ns = (length + st - 1) // st
     q = m.astype(jnp.float32) * ns.astype(jnp.float32) / jnp.maximum(length, 1) - 1.0
-    delta = max(1, cap // (4 * st))
+    delta = max(1, cfg.cap // (4 * st))
     offs = (jnp.arange(nt, dtype=jnp.float32) - (nt - 1) / 2.0) * delta
     ranks = jnp.clip(jnp.round(q[:, None] + offs[None, :]).astype(jnp.int32), 0,
                      jnp.maximum(ns - 1, 0)[:, None])
     thr = jnp.take_along_axis(asc, s - 1 - ranks, axis=1)[:, ::-1]  # ascending in j
     # A repeated threshold is worth more one key higher: it then isolates a tied key.
     dup = jnp.concatenate([jnp.zeros_like(thr[:, :1]), thr[:, 1:] == thr[:, :-1]], axis=1)
-    return thr + dup.astype(jnp.int32)
+    return jnp.clip(thr + dup.astype(jnp.int32), KEY_NEG_INF, INT32_MAX)
 
 
 def _even_thresholds(lo, hi, nt):
@@ -261,6 +344,151 @@ def _exclusive_cumsum(x):
     return jnp.cumsum(x, axis=-1) - x
 
 
+def _kernel_params(cfg: Config, warps: int) -> dict:
+    return dict(interpret=cfg.interpret,
+                compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1))
+
+
+def _start(length, cfg: Config):
+    """Bracket state (pass, lo, hi, blk_lo, blk_hi) before any pass: [key(-inf), INT32_MAX),
+    per-block c(lo) = the block's eligible positions, c(hi) = 0."""
+    first = jnp.arange(cfg.nblk, dtype=jnp.int32)[None, :] * cfg.block
+    blk_lo = jnp.clip(length[:, None] - first, 0, cfg.block)
+    lo = jnp.full(length.shape, KEY_NEG_INF, jnp.int32)
+    hi = jnp.full(length.shape, INT32_MAX, jnp.int32)
+    return jnp.int32(0), lo, hi, blk_lo, jnp.zeros_like(blk_lo)
+
+
+def _active(state, cap):
+    """[B] bool: rows whose bracket still holds more than CAP keys over more than one key."""
+    _, lo, hi, blk_lo, blk_hi = state
+    return (jnp.sum(blk_lo - blk_hi, axis=1) > cap) & (lo + 1 < hi)
+
+
+def _narrow(state, thr, cnt, m, cap):
+    """One pass: the new bracket of each active row from thresholds thr [B, NT] (ascending,
+    inside [lo, hi]) and their per-block counts cnt [B, nblk, NT]: the tightest [t, t') of
+    lo, thr..., hi with c(t) >= m > c(t'). Inactive rows keep theirs."""
+    it, lo, hi, blk_lo, blk_hi = state
+    act = _active(state, cap)
+    nt = thr.shape[1]
+    all_thr = jnp.concatenate([lo[:, None], thr, hi[:, None]], axis=1)             # [B, NT + 2]
+    all_cnt = jnp.concatenate([blk_lo[..., None], cnt, blk_hi[..., None]], axis=2)
+    tot = jnp.sum(all_cnt, axis=1)                                                 # [B, NT + 2]
+    sel = jnp.clip(jnp.sum((tot >= m[:, None]).astype(jnp.int32), axis=1) - 1, 0, nt)
+    new_lo = jnp.take_along_axis(all_thr, sel[:, None], axis=1)[:, 0]
+    new_hi = jnp.take_along_axis(all_thr, sel[:, None] + 1, axis=1)[:, 0]
+    new_blk_lo = jnp.take_along_axis(all_cnt, sel[:, None, None], axis=2)[..., 0]
+    new_blk_hi = jnp.take_along_axis(all_cnt, sel[:, None, None] + 1, axis=2)[..., 0]
+    return (it + 1, jnp.where(act, new_lo, lo), jnp.where(act, new_hi, hi),
+            jnp.where(act[:, None], new_blk_lo, blk_lo),
+            jnp.where(act[:, None], new_blk_hi, blk_hi))
+
+
+def _search(scores, length, m, thr0, cnt0, cfg: Config):
+    """Counting passes until every row's bracket holds <= CAP keys (or one key); returns
+    (lo, hi, blk_lo, blk_hi). Pass 0 uses thr0; its counts are cnt0 when a producer counted
+    them already (then the loop starts at pass 1), else the counting kernel's."""
+    b, nt = scores.shape[0], cfg.nt
+    count_call = pl.pallas_call(
+        functools.partial(_count_kernel, block=cfg.block, chunk=cfg.chunk),
+        grid=(b, cfg.nblk),
+        in_specs=[pl.BlockSpec((None, 2), lambda i, j: (i, 0)),
+                  pl.BlockSpec((None, nt), lambda i, j: (i, 0)),
+                  pl.BlockSpec((None, cfg.block), lambda i, j: (i, j))],
+        out_specs=pl.BlockSpec((None, None, nt), lambda i, j: (i, j, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, cfg.nblk, nt), jnp.int32),
+        name="topk_count", **_kernel_params(cfg, cfg.num_warps))
+
+    state = _start(length, cfg)
+    if cnt0 is not None:
+        state = _narrow(state, thr0, cnt0, m, cfg.cap)
+
+    def cond(state):
+        return jnp.any(_active(state, cfg.cap)) & (state[0] < _MAX_PASSES)
+
+    def body(state):
+        it, lo, hi = state[:3]
+        thr = jnp.where(it == 0, thr0, _even_thresholds(lo, hi, nt))
+        thr = jnp.clip(thr, lo[:, None], hi[:, None])
+        act = _active(state, cfg.cap).astype(jnp.int32)
+        cnt = count_call(jnp.stack([length, act], axis=1), thr, scores)
+        return _narrow(state, thr, cnt, m, cfg.cap)
+
+    return lax.while_loop(cond, body, state)[1:]
+
+
+def _select(scores, length, lo, hi, blk_lo, blk_hi, cfg: Config):
+    """Selection kernel: (winner pos / val [B, KP], candidate pos / val [B, CAP])."""
+    b, kp, cap = scores.shape[0], cfg.kp, cfg.cap
+    offsets = jnp.stack([_exclusive_cumsum(blk_hi), _exclusive_cumsum(blk_lo - blk_hi)], axis=2)
+    row = jnp.stack([length, lo, hi, jnp.zeros_like(lo)], axis=1)
+    return pl.pallas_call(
+        functools.partial(_select_kernel, block=cfg.block),
+        grid=(b, cfg.nblk),
+        in_specs=[pl.BlockSpec((None, 4), lambda i, j: (i, 0)),
+                  pl.BlockSpec((None, None, 2), lambda i, j: (i, j, 0)),
+                  pl.BlockSpec((None, cfg.block), lambda i, j: (i, j))],
+        out_specs=[pl.BlockSpec((None, kp), lambda i, j: (i, 0)),
+                   pl.BlockSpec((None, kp), lambda i, j: (i, 0)),
+                   pl.BlockSpec((None, cap), lambda i, j: (i, 0)),
+                   pl.BlockSpec((None, cap), lambda i, j: (i, 0))],
+        out_shape=[jax.ShapeDtypeStruct((b, kp), jnp.int32),
+                   jax.ShapeDtypeStruct((b, kp), jnp.float32),
+                   jax.ShapeDtypeStruct((b, cap), jnp.int32),
+                   jax.ShapeDtypeStruct((b, cap), jnp.float32)],
+        name="topk_select", **_kernel_params(cfg, cfg.select_warps))(row, offsets, scores)
+
+
+def _finish(lo, hi, wins, cands, m, selected, cfg: Config):
+    """Stage 2: (positions [B, KP], values [B, KP]) from the selection kernel's outputs."""
+    wpos, wval, cpos, cval = selected
+    b, kp, cap, digit_bits = lo.shape[0], cfg.kp, cfg.cap, cfg.digit_bits
+    # Candidates lie in [lo, hi): the digits where lo and hi - 1 agree are known already.
+    lo_u, top_u = lo ^ INT32_MIN, (hi - 1) ^ INT32_MIN
+    p0 = lax.clz(lo_u ^ top_u) // digit_bits
+    low_bits = 32 - p0 * digit_bits
+    low_mask = jnp.where(low_bits >= 32, -1, (jnp.int32(1) << jnp.minimum(low_bits, 31)) - 1)
+    u0 = lo_u & ~low_mask
+    zero = jnp.zeros_like(lo)
+    row2 = jnp.stack([jnp.minimum(cands, cap), m - wins, wins, m, p0, u0, zero, zero], axis=1)
+    one_row = lambda i: (i, 0)  # noqa: E731
+    return pl.pallas_call(
+        functools.partial(_finish_kernel, digit_bits=digit_bits, chunk=cfg.chunk2),
+        grid=(b,),
+        in_specs=[pl.BlockSpec((None, 8), one_row),
+                  pl.BlockSpec((None, cap), one_row), pl.BlockSpec((None, cap), one_row),
+                  pl.BlockSpec((None, kp), one_row), pl.BlockSpec((None, kp), one_row)],
+        out_specs=[pl.BlockSpec((None, kp), one_row), pl.BlockSpec((None, kp), one_row)],
+        out_shape=[jax.ShapeDtypeStruct((b, kp), jnp.int32),
+                   jax.ShapeDtypeStruct((b, kp), jnp.float32)],
+        input_output_aliases={3: 0, 4: 1},
+        name="topk_finish", **_kernel_params(cfg, cfg.num_warps))(row2, cpos, cval, wpos, wval)
+
+
+def _from_first_pass(scores, length, m, thr0, cnt0, cfg: Config):
+    """Everything after the first thresholds: counting passes, selection, stage 2, padding."""
+    lo, hi, blk_lo, blk_hi = _search(scores, length, m, thr0, cnt0, cfg)
+    selected = _select(scores, length, lo, hi, blk_lo, blk_hi, cfg)
+    wins, cands = jnp.sum(blk_hi, axis=1), jnp.sum(blk_lo - blk_hi, axis=1)
+    pos, val = _finish(lo, hi, wins, cands, m, selected, cfg)
+    pos, val = pos[:, :cfg.kn], val[:, :cfg.kn]
+    if cfg.kn < cfg.k:
+        pos = jnp.pad(pos, ((0, 0), (0, cfg.k - cfg.kn)), constant_values=-1)
+        val = jnp.pad(val, ((0, 0), (0, cfg.k - cfg.kn)), constant_values=-jnp.inf)
+    return pos, val
+
+
+def topk_after_first_pass(scores, lengths, thr, counts, cfg: Config):
+    """Top-k when a producer of the score rows already ran the first counting pass (the fused
+    ``pq_topc``); call inside jit. scores [B, N] f32 (N = cfg.n), lengths [B] int, thr [B, NT]
+    int32 keys ascending inside [KEY_NEG_INF, INT32_MAX] (e.g. ``sample_thresholds``), counts
+    [B, nblk, NT] int32: per block of cfg.block positions, #{eligible n : key(scores[n]) >=
+    thr} (``count_at_least`` over ``eligible_keys``). Returns as ``topk_triton``."""
+    length, m = row_lengths(lengths, cfg)
+    return _from_first_pass(scores.astype(jnp.float32), length, m, thr, counts, cfg)
+
+
 def topk_triton(scores: jnp.ndarray, lengths: jnp.ndarray, k: int, *,
                 block: int = DEFAULT_BLOCK, digit_bits: int = DEFAULT_DIGIT_BITS,
                 cap: int = DEFAULT_CAP, sample: int = DEFAULT_SAMPLE,
@@ -273,132 +501,15 @@ def topk_triton(scores: jnp.ndarray, lengths: jnp.ndarray, k: int, *,
     sample (first-pass sample size per row), num_warps / select_warps (Triton warps of the
     counting and stage-2 kernels / of the selection kernel). interpret=None asks
     ``common.interpret()`` here, outside the jitted body."""
-    for name, v in (("block", block), ("cap", cap), ("chunk", chunk)):
-        if v < 1 or v & (v - 1):
-            raise ValueError(f"topk_triton: {name}={v} must be a power of two")
-    if digit_bits not in (1, 2, 4, 8):
-        raise ValueError(f"topk_triton: digit_bits={digit_bits} must be 1, 2, 4 or 8")
-    if interpret is None:
-        interpret = common.interpret()
-    return _topk_triton(scores, lengths, k=int(k), block=block, digit_bits=digit_bits, cap=cap,
-                        sample=sample, chunk=chunk, num_warps=num_warps,
-                        select_warps=select_warps, interpret=bool(interpret))
+    cfg = config(scores.shape[1], k, block=block, digit_bits=digit_bits, cap=cap,
+                 sample=sample, chunk=chunk, num_warps=num_warps, select_warps=select_warps,
+                 interpret=interpret)
+    return _topk_triton(scores, lengths, cfg=cfg)
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "k", "block", "digit_bits", "cap", "sample", "chunk", "num_warps", "select_warps",
-    "interpret"))
-def _topk_triton(scores, lengths, *, k, block, digit_bits, cap, sample, chunk, num_warps,
-                 select_warps, interpret):
-    b, n = scores.shape
-    nt = 1 << digit_bits
-    kn = min(k, n)
-    kp = _next_pow2(kn)
-    block = min(block, _next_pow2(n), 32768)
-    chunk = min(chunk, block, max(1, 4096 // nt))  # the [chunk, NT] counters stay in registers
-    nblk = -(-n // block)
-    cap = max(kp, min(cap, _next_pow2(n)))
-    chunk2 = min(chunk, cap)
-    params = dict(interpret=interpret,
-                  compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1))
-    select_params = dict(
-        interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=select_warps, num_stages=1))
-
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _topk_triton(scores, lengths, *, cfg: Config):
     scores = scores.astype(jnp.float32)
-    length = jnp.clip(lengths.astype(jnp.int32), 0, n)
-    m = jnp.minimum(length, k)
-
-    count_call = pl.pallas_call(
-        functools.partial(_count_kernel, block=block, chunk=chunk),
-        grid=(b, nblk),
-        in_specs=[pl.BlockSpec((None, 2), lambda i, j: (i, 0)),
-                  pl.BlockSpec((None, nt), lambda i, j: (i, 0)),
-                  pl.BlockSpec((None, block), lambda i, j: (i, j))],
-        out_specs=pl.BlockSpec((None, None, nt), lambda i, j: (i, j, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, nblk, nt), jnp.int32),
-        name="topk_count", **params)
-
-    # Bracket state: lo/hi keys and their per-block counts. Start: [key(-inf), INT32_MAX).
-    first = jnp.arange(nblk, dtype=jnp.int32)[None, :] * block
-    blk_lo0 = jnp.clip(length[:, None] - first, 0, block)
-    blk_hi0 = jnp.zeros((b, nblk), jnp.int32)
-    lo0 = jnp.full((b,), KEY_NEG_INF, jnp.int32)
-    hi0 = jnp.full((b,), INT32_MAX, jnp.int32)
-    thr0 = _sample_thresholds(scores, length, m, nt=nt, sample=sample, cap=cap)
-
-    def active(lo, hi, blk_lo, blk_hi):
-        return (jnp.sum(blk_lo - blk_hi, axis=1) > cap) & (lo + 1 < hi)
-
-    def cond(state):
-        it, lo, hi, blk_lo, blk_hi = state
-        return jnp.any(active(lo, hi, blk_lo, blk_hi)) & (it < _MAX_PASSES)
-
-    def body(state):
-        it, lo, hi, blk_lo, blk_hi = state
-        act = active(lo, hi, blk_lo, blk_hi)
-        thr = jnp.where(it == 0, thr0, _even_thresholds(lo, hi, nt))
-        thr = jnp.clip(thr, lo[:, None], hi[:, None])
-        cnt = count_call(jnp.stack([length, act.astype(jnp.int32)], axis=1), thr, scores)
-        all_thr = jnp.concatenate([lo[:, None], thr, hi[:, None]], axis=1)       # [B, NT + 2]
-        all_cnt = jnp.concatenate([blk_lo[..., None], cnt, blk_hi[..., None]], axis=2)
-        tot = jnp.sum(all_cnt, axis=1)                                           # [B, NT + 2]
-        sel = jnp.clip(jnp.sum((tot >= m[:, None]).astype(jnp.int32), axis=1) - 1, 0, nt)
-        new_lo = jnp.take_along_axis(all_thr, sel[:, None], axis=1)[:, 0]
-        new_hi = jnp.take_along_axis(all_thr, sel[:, None] + 1, axis=1)[:, 0]
-        new_blk_lo = jnp.take_along_axis(all_cnt, sel[:, None, None], axis=2)[..., 0]
-        new_blk_hi = jnp.take_along_axis(all_cnt, sel[:, None, None] + 1, axis=2)[..., 0]
-        return (it + 1, jnp.where(act, new_lo, lo), jnp.where(act, new_hi, hi),
-                jnp.where(act[:, None], new_blk_lo, blk_lo),
-                jnp.where(act[:, None], new_blk_hi, blk_hi))
-
-    _, lo, hi, blk_lo, blk_hi = lax.while_loop(
-        cond, body, (jnp.int32(0), lo0, hi0, blk_lo0, blk_hi0))
-
-    wins = jnp.sum(blk_hi, axis=1)
-    cands = jnp.sum(blk_lo - blk_hi, axis=1)
-    offsets = jnp.stack([_exclusive_cumsum(blk_hi), _exclusive_cumsum(blk_lo - blk_hi)], axis=2)
-    row = jnp.stack([length, lo, hi, jnp.zeros_like(lo)], axis=1)
-    row_spec = pl.BlockSpec((None, 4), lambda i, j: (i, 0))
-    wpos, wval, cpos, cval = pl.pallas_call(
-        functools.partial(_select_kernel, block=block),
-        grid=(b, nblk),
-        in_specs=[row_spec,
-                  pl.BlockSpec((None, None, 2), lambda i, j: (i, j, 0)),
-                  pl.BlockSpec((None, block), lambda i, j: (i, j))],
-        out_specs=[pl.BlockSpec((None, kp), lambda i, j: (i, 0)),
-                   pl.BlockSpec((None, kp), lambda i, j: (i, 0)),
-                   pl.BlockSpec((None, cap), lambda i, j: (i, 0)),
-                   pl.BlockSpec((None, cap), lambda i, j: (i, 0))],
-        out_shape=[jax.ShapeDtypeStruct((b, kp), jnp.int32),
-                   jax.ShapeDtypeStruct((b, kp), jnp.float32),
-                   jax.ShapeDtypeStruct((b, cap), jnp.int32),
-                   jax.ShapeDtypeStruct((b, cap), jnp.float32)],
-        name="topk_select", **select_params)(row, offsets, scores)
-
-    # Candidates lie in [lo, hi): the digits where lo and hi - 1 agree are known already.
-    lo_u, top_u = lo ^ INT32_MIN, (hi - 1) ^ INT32_MIN
-    p0 = lax.clz(lo_u ^ top_u) // digit_bits
-    low_bits = 32 - p0 * digit_bits
-    low_mask = jnp.where(low_bits >= 32, -1, (jnp.int32(1) << jnp.minimum(low_bits, 31)) - 1)
-    u0 = lo_u & ~low_mask
-    zero = jnp.zeros_like(lo)
-    row2 = jnp.stack([jnp.minimum(cands, cap), m - wins, wins, m, p0, u0, zero, zero], axis=1)
-    one_row = lambda i: (i, 0)  # noqa: E731
-    pos, val = pl.pallas_call(
-        functools.partial(_finish_kernel, digit_bits=digit_bits, chunk=chunk2),
-        grid=(b,),
-        in_specs=[pl.BlockSpec((None, 8), one_row),
-                  pl.BlockSpec((None, cap), one_row), pl.BlockSpec((None, cap), one_row),
-                  pl.BlockSpec((None, kp), one_row), pl.BlockSpec((None, kp), one_row)],
-        out_specs=[pl.BlockSpec((None, kp), one_row), pl.BlockSpec((None, kp), one_row)],
-        out_shape=[jax.ShapeDtypeStruct((b, kp), jnp.int32),
-                   jax.ShapeDtypeStruct((b, kp), jnp.float32)],
-        input_output_aliases={3: 0, 4: 1},
-        name="topk_finish", **params)(row2, cpos, cval, wpos, wval)
-
-    pos, val = pos[:, :kn], val[:, :kn]
-    if kn < k:
-        pos = jnp.pad(pos, ((0, 0), (0, k - kn)), constant_values=-1)
-        val = jnp.pad(val, ((0, 0), (0, k - kn)), constant_values=-jnp.inf)
-    return pos, val
+    length, m = row_lengths(lengths, cfg)
+    thr0 = sample_thresholds(scores[:, ::sample_stride(cfg)], length, m, cfg)
+    return _from_first_pass(scores, length, m, thr0, None, cfg)
