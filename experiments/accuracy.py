@@ -12,7 +12,8 @@ Methods: "dense" (no sparsity: CSA layers attend to every eligible entry), "resi
 only order and against which the not-yet-paged tail competes). Every method shares one
 prefill per example (prefill is the same computation for all of them) and decodes greedily.
 Recall: a second, teacher-forced pass feeds every method the reference answer, so selections
-are compared on identical contexts with resident's (exact top-k).
+are compared on identical contexts with resident's (exact top-k); records also keep the recall
+of every decode step (``recall_by_step``: the caches start cold at admission).
 Evaluation seeds are 0 .. examples-1 (< TRAIN_SEED_BASE: never seen in training); the PQ
 codebooks are calibrated on one more held-out prompt (seed CALIBRATION_SEED).
 """
@@ -172,7 +173,7 @@ def accuracy(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
                     texts = [tokenizer.decode(dense_decode(params, cfg, c, last,
                                                            len(ex.prompt), len(a) - 1))
                              for ex, (c, last), a in zip(batch, prefilled, answers)]
-                    recall = [None] * len(batch)
+                    recall = by_step = [None] * len(batch)
                 else:
                     texts, _ = run_engine(engines[s.name], batch, prefilled, answers, False)
                     _, sel = run_engine(engines[s.name], batch, prefilled, answers, True)
@@ -181,12 +182,15 @@ def accuracy(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
                     recall = [None if reference is None or sel is None else
                               selection_recall(sel[:, j], reference[:, j])
                               for j in range(len(batch))]
+                    by_step = [None if reference is None or sel is None else
+                               [selection_recall(sel[t, j], reference[t, j])
+                                for t in range(sel.shape[0])] for j in range(len(batch))]
                 for j, (ex, text) in enumerate(zip(batch, texts)):
                     records.append(dict(task=task, length=length, seed=lo + j, method=s.name,
                                         generated=text, answer=ex.answer,
                                         exact=score_exact(text, ex.answer),
                                         similarity=score_similarity(text, ex.answer),
-                                        recall=recall[j]))
+                                        recall=recall[j], recall_by_step=by_step[j]))
                 timing[s.name] = time.perf_counter() - t0
             tqdm.write(f"accuracy: {task}@{length} examples {lo}..{lo + len(batch) - 1}: " +
                        ", ".join(f"{k} {v:.1f} s" for k, v in timing.items()))
