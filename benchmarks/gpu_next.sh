@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What the GPU still owes issues 6 and 7, in one device call each (see benchmarks/RESULTS.md):
+# The GPU calls of session 3 (issues 4-7), one device call each (see benchmarks/RESULTS.md):
 #   STEP=kernels  GPU tests + kernel_compare of the issue-6 ops + the hierarchy decode-step
 #                 timing with the Triton kernels wired in (hisparse vs resident, +15% target)
 #                 + streamed-vs-monolithic prefill on the trained model (issue 4 tolerance)

@@ -76,9 +76,10 @@ class Params:
 
 
 DEFAULT_PARAMS = Params()
-# Tuned parameters keyed by (H, D, M, K) after padding. Empty: no GPU was available to tune on;
-# candidates to sweep on the H200: block_n in {64, 128, 256}, blocks_per_program in {1, 4, 16},
-# num_warps in {4, 8}, num_stages in {2, 3}.
+# Tuned parameters keyed by (H, D, M, K) after padding. Empty on purpose: the H200 sweep
+# (benchmarks/pq_topc_sweep.py, results/gpu_session3/pq_topc_sweep.log) put all 36 launch
+# configurations of the score kernel within 15% of each other, and the default was fastest for
+# the fused kernel (benchmarks/pq_topc_fused_gpu.py): decode gathers bound it, not the launch.
 TUNED: dict[tuple[int, int, int, int], Params] = {}
 
 
