@@ -32,7 +32,8 @@ COLUMNS = ("method", "prefill_s", "decode_tok_s", "gpu_MB/req", "host_MB/req", "
 def quickstart(name: str, model=gin.REQUIRED, methods=("resident",), prompt_tokens: int = 8192,
                decode_steps: int = 64, prefill_chunk: int = 512, num_needles: int = 4,
                seed: int = 0, temperature: float = 0.0, hot_cache_rows: int = 64,
-               page_size: int = 64, leansparse=None, calibration_tokens: int = 4096):
+               page_size: int = 64, leansparse=None, calibration_tokens: int = 4096,
+               optional_pages: int = 64):
     """Runs each method on the same prompt. Methods after ``resident`` are fed resident's
     tokens (teacher forcing), so their selections are compared on identical contexts: recall
     is the fraction of resident's selected positions they also selected."""
@@ -48,7 +49,8 @@ def quickstart(name: str, model=gin.REQUIRED, methods=("resident",), prompt_toke
     rows, reference = [], None
     for method in methods:
         paged = method in PAGED_METHODS
-        cache = CacheConfig(1, prefill_chunk, hot_cache_rows if paged else None, page_size)
+        cache = CacheConfig(1, prefill_chunk, hot_cache_rows if paged else None, page_size,
+                            optional_pages=optional_pages if method == "adaptive" else None)
         config = EngineConfig(model=cfg, cache=cache, sampling=SamplingConfig(temperature, seed),
                               method=method, leansparse=lean)
         engine = Engine(config, params, codebooks)

@@ -6,5 +6,6 @@ from experiments import (  # noqa: F401
     kernel_compare,
     quickstart,
     recall_study,
+    residency,
     train,
 )

@@ -12,8 +12,8 @@ from typing import Literal
 
 LayerKind = Literal["swa", "csa", "hca", "dsa"]
 LAYER_KINDS: tuple[str, ...] = ("swa", "csa", "hca", "dsa")
-METHODS: tuple[str, ...] = ("resident", "hisparse", "leansparse")  # later: adaptive
-PAGED_METHODS: tuple[str, ...] = ("hisparse", "leansparse")  # CSA KV on the host, GPU cache
+METHODS: tuple[str, ...] = ("resident", "hisparse", "leansparse", "adaptive")
+PAGED_METHODS: tuple[str, ...] = ("hisparse", "leansparse", "adaptive")  # CSA KV on the host
 
 
 def _fail(cls: str, field: str, value, allowed: str):
@@ -148,6 +148,10 @@ class CacheConfig:
         every slot at max_len.
       streamed_prefill: prefill layer by layer with each layer's prefix state in host memory,
         streamed through two device buffers (LeanSparse; serving/prefill_stream.py).
+      optional_pages: adaptive only: device pages per CSA layer, shared by all slots, lent to
+        complete pages of imported (prompt) history (Adaptive DHiSparse's optional residency).
+      refill_pages: adaptive only: optional pages refilled per decode step at most (bounded
+        round-robin over the requests that lost theirs).
     """
 
     num_slots: int = 1
@@ -156,11 +160,13 @@ class CacheConfig:
     page_size: int = 64
     host_pages: int | None = None
     streamed_prefill: bool = False
+    optional_pages: int | None = None
+    refill_pages: int = 4
 
     def __post_init__(self):
         _positive("CacheConfig", num_slots=self.num_slots, prefill_chunk=self.prefill_chunk,
-                  page_size=self.page_size)
-        for name in ("hot_cache_rows", "host_pages"):
+                  page_size=self.page_size, refill_pages=self.refill_pages)
+        for name in ("hot_cache_rows", "host_pages", "optional_pages"):
             if getattr(self, name) is not None:
                 _positive("CacheConfig", **{name: getattr(self, name)})
 
@@ -236,6 +242,10 @@ class EngineConfig:
             if ic.head_dim % lean.pq_subspace_dim:
                 _fail("EngineConfig", "leansparse.pq_subspace_dim", lean.pq_subspace_dim,
                       f"must divide indexer.head_dim={ic.head_dim}")
+        if (self.method == "adaptive") != (self.cache.optional_pages is not None):
+            _fail("EngineConfig", "cache.optional_pages", self.cache.optional_pages,
+                  "the adaptive method needs it (device pages lent to imported history); "
+                  "other methods must leave it None")
         if rows is not None and rows < self.model.indexer.top_k:
             _fail("EngineConfig", "cache.hot_cache_rows", rows,
                   f"must be >= indexer.top_k={self.model.indexer.top_k}: a step's selection "
@@ -245,6 +255,11 @@ class EngineConfig:
     def paged(self) -> bool:
         """CSA KV lives in host pages behind a per-request hot cache."""
         return self.method in PAGED_METHODS
+
+    @property
+    def adaptive(self) -> bool:
+        """Complete pages of imported history may also sit in lent device pages."""
+        return self.method == "adaptive"
 
     @property
     def pages_per_slot(self) -> int:

@@ -1,8 +1,9 @@
 """The per-request, per-layer GPU hot cache (HiSparse) and its resolver.
 
-The resolver finds each selected compressed row, in order: (1) the tail of rows not yet paged,
-(2) the hot cache, by a scan bounded by its B rows, (3) a copy from the host pool into the
-least-recently-used rows not hit this step. Steps (2) and (3) are the ``hot_resolve`` op
+The resolver finds each selected compressed row, in order: (1) the tail of rows not yet paged
+and, for the adaptive method, the ready map of optional (lent) device pages, (2) the hot cache,
+by a scan bounded by its B rows, (3) a copy from the host pool into the least-recently-used
+rows not hit this step. Steps (2) and (3) are the ``hot_resolve`` op
 (``pallas_kernels.hot_resolve``: XLA reference, or a Pallas-Triton kernel that reads the
 pinned_host pool in place and writes each missed row straight into its victim row).
 """
@@ -17,7 +18,7 @@ from flax import struct
 
 from pallas_kernels.hot_resolve import hot_resolve
 
-NUM_SOURCES = 3  # resolved from: 0 tail / resident map, 1 hot-cache hit, 2 host copy
+NUM_SOURCES = 3  # resolved from: 0 tail / resident (or optional) map, 1 hot hit, 2 host copy
 
 
 @struct.dataclass
@@ -41,7 +42,7 @@ class HotCache:
 
 
 def resolve(hot: HotCache, selected, tail, paged, page_table, pool,
-            implementation: str | None = "xla"):
+            implementation: str | None = "xla", optional=None, ready=None):
     """Makes every selected row readable on the device and returns the rows in order.
 
     Notation: k selected positions (best first, -1 padded); B hot rows; P rows per page.
@@ -49,9 +50,12 @@ def resolve(hot: HotCache, selected, tail, paged, page_table, pool,
       page_table [max_pages] int32 physical host page of each logical page; pool [NP * P, D]
       (row r of physical page p at p * P + r); implementation: the ``hot_resolve`` kernel
       ("xla", "triton" or None). Rows may be pytrees (e.g. FP8 keys and their scales): tail,
-      pool and hot.rows alike.
+      pool and hot.rows alike. Adaptive only: optional [NO * P, D] device pages lent to
+      imported history, ready [max_pages] int32 the optional page holding each logical page
+      (-1 = not resident).
     Steps:
-      1. tail hits: selected >= paged.
+      1. tail hits: selected >= paged; optional hits: ready[selected // P] >= 0 (read in
+         place, the hot cache is not touched).
       2. the other positions go through ``pallas_kernels.hot_resolve``: hot hits by a [k, B]
          compare with hot.positions; misses take the LRU rows among those not hit this step
          (empty rows first), the j-th miss the j-th victim, and their rows are copied from the
@@ -67,7 +71,12 @@ def resolve(hot: HotCache, selected, tail, paged, page_table, pool,
     page = jax.tree.leaves(tail)[0].shape[0]
     valid = selected >= 0
     in_tail = valid & (selected >= paged)
-    want = valid & ~in_tail
+    opt = jnp.full((k,), -1, jnp.int32)
+    if ready is not None:
+        lp = jnp.clip(selected // page, 0, ready.shape[0] - 1)
+        opt = jnp.where(valid & ~in_tail, ready[lp], -1)
+    in_opt = opt >= 0
+    want = valid & ~in_tail & ~in_opt
     request = jnp.where(want, selected, -1)
     if k <= b:
         order = None
@@ -81,12 +90,17 @@ def resolve(hot: HotCache, selected, tail, paged, page_table, pool,
         row_of = jnp.full((k,), -1, jnp.int32).at[order].set(row_of)
     hot = HotCache(rows=rows, positions=positions, stamps=stamps, clock=clock)
 
-    def pick(t, r):
+    def pick(t, r, o=None):
         mask = lambda m: m.reshape(m.shape + (1,) * (t.ndim - 1))  # noqa: E731
         got = jnp.where(mask(in_tail), t[jnp.clip(selected - paged, 0, page - 1)],
                         r[jnp.clip(row_of, 0, b - 1)])
+        if o is not None:
+            at = jnp.clip(opt * page + selected % page, 0, o.shape[0] - 1)
+            got = jnp.where(mask(in_opt), o[at], got)
         return jnp.where(mask(valid), got, jnp.nan)
 
-    out = jax.tree.map(pick, tail, rows)
-    counts = jnp.concatenate([jnp.sum(in_tail, keepdims=True).astype(jnp.int32), hot_counts])
+    out = (jax.tree.map(pick, tail, rows) if optional is None
+           else jax.tree.map(pick, tail, rows, optional))
+    first = jnp.sum(in_tail | in_opt, keepdims=True).astype(jnp.int32)
+    counts = jnp.concatenate([first, hot_counts])
     return out, hot, counts

@@ -44,14 +44,25 @@ def _check_store(name, tail, pool, cache, table, truth, done, paged, page, s, ba
             bad.append(f"{name} slot {s} cache row {j} (position {p}) is stale")
 
 
+def _check_lent(layer, optional, ready, truth, paged, page, s, bad):
+    """Every optional page lent to the slot holds the truth rows of its (paged) logical page."""
+    for logical in np.flatnonzero(ready >= 0):
+        rows = optional[ready[logical] * page:(ready[logical] + 1) * page]
+        if (logical + 1) * page > paged or not _same(rows, truth[logical * page:
+                                                                   (logical + 1) * page]):
+            bad.append(f"layer {layer} slot {s}: optional page of logical page {logical} "
+                       "is stale or not yet paged")
+
+
 def hierarchy_violations(engine: EngineConfig, state, truth_caches, active,
                          encode_keys=None, layers=None) -> list[str]:
     """Lists every row that is lost or wrong (empty list = invariant holds).
 
     state: a paged DecodeState; truth_caches: the caches of a resident DecodeState holding the
     same requests in the same slots; active [S] bool: slots to check. Covers compressed KV
-    (tail, host pages, hot cache) and, for leansparse, FP8 indexer keys (tail, host pages, key
-    cache) and the PQ codes of paged keys (``encode_keys(values, scales, layer)`` -> codes).
+    (tail, host pages, hot cache, adaptive's lent optional pages) and, for leansparse, FP8
+    indexer keys (tail, host pages, key cache) and the PQ codes of paged keys
+    (``encode_keys(values, scales, layer)`` -> codes).
     ``layers`` limits the check (an approximate method changes the rows of later layers, so
     only layers before its first approximate selection can be checked against resident).
     """
@@ -71,6 +82,9 @@ def hierarchy_violations(engine: EngineConfig, state, truth_caches, active,
             paged = done // page * page
             _check_store(f"layer {layer} kv", np.asarray(cache.kv.tail), np.asarray(pools.kv),
                          cache.kv.hot, table, want_kv, done, paged, page, s, bad)
+            if pools.optional is not None:
+                _check_lent(layer, np.asarray(pools.optional),
+                            np.asarray(state.host.ready)[s], want_kv[s], paged, page, s, bad)
             if isinstance(cache.keys, PagedKeys):
                 _check_store(f"layer {layer} keys", np_tree(cache.keys.tail),
                              np_tree(pools.keys), cache.keys.cache, table, want_keys, done,

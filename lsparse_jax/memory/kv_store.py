@@ -29,6 +29,8 @@ class HostView:
     page_table: jnp.ndarray  # [max_pages] int32 physical page of each logical page, -1 none
     key_pool: tuple[jax.Array, jax.Array] | None = None  # ([NP*P, D_I] e4m3, [NP*P, nb] f32)
     codebooks: jnp.ndarray | None = None  # [M, K, D_I / M] PQ codebooks (leansparse)
+    optional: jax.Array | None = None  # [NO * P, D] device pages lent to imported history
+    ready: jnp.ndarray | None = None  # [max_pages] int32 optional page of each logical page
 
 
 def paged_rows(kv, completed) -> jnp.ndarray:
@@ -60,7 +62,7 @@ def gather(kv, selected, paged, host: HostView | None, implementation: str | Non
     if selected.shape[0] != 1:
         raise ValueError("PagedKV serves decode (one query per slot); prefill runs resident")
     rows, hot, counts = resolve(kv.hot, selected[0], kv.tail, paged, host.page_table, host.pool,
-                                implementation)
+                                implementation, host.optional, host.ready)
     return rows[None], counts[None], kv.replace(hot=hot)
 
 

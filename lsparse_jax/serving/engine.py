@@ -16,8 +16,17 @@ from lsparse_jax.config import EngineConfig
 from lsparse_jax.memory.host_pool import PageAllocator
 from lsparse_jax.memory.hot_cache import NUM_SOURCES
 from lsparse_jax.serving.prefill_stream import streamed_prefill
+from lsparse_jax.serving.residency import OptionalResidency
 from lsparse_jax.serving.sampling import sample
-from lsparse_jax.serving.state import DecodeState, admit_paged, empty_state, insert, slot_bytes
+from lsparse_jax.serving.state import (
+    DecodeState,
+    admit_paged,
+    empty_state,
+    insert,
+    reclaim,
+    refill,
+    slot_bytes,
+)
 from lsparse_jax.serving.steps import DecodeOutput, decode_step, prefill
 
 
@@ -63,6 +72,10 @@ class Engine:
         self.generated: list[list[int]] = [[] for _ in range(slots)]
         self.pages = PageAllocator(config.host_pages) if config.paged else None
         self.slot_pages: dict[int, list[int]] = {}
+        self.residency = None  # adaptive: optional device pages lent to imported history
+        if config.adaptive:
+            self.residency = OptionalResidency(config.cache.optional_pages,
+                                               config.pages_per_slot, config.cache.refill_pages)
         self._prev_sel: np.ndarray | None = None
         self._has_prev = np.zeros(slots, bool)  # slot has a previous decode step's selection
         self.selection = SelectionStats()
@@ -85,6 +98,12 @@ class Engine:
         idle = jnp.zeros(self.active.shape, bool)
         self.state, _ = decode_step(self.params, self.config, self.state,
                                     jnp.asarray(self.next_token), idle)
+        if self.residency is not None:  # no-op calls: nothing is lent to a free slot
+            none = jnp.full((self.config.cache.refill_pages,), -1, jnp.int32)
+            free = int(np.flatnonzero(~self.active)[0]) if (~self.active).any() else None
+            if free is not None:
+                self.state = refill(self.config, self.state, free, none, none)
+                self.state = reclaim(self.config, self.state, free)
         jax.block_until_ready(self.state)
 
     def admit(self, prompt, max_new_tokens: int | None = None, progress=None,
@@ -122,8 +141,15 @@ class Engine:
         else:
             table = np.full(self.config.pages_per_slot, -1, np.int32)
             table[:len(pages)] = pages
+            ready = None
+            if self.residency is not None:  # resident-first: reclaim others' pages if needed
+                full = len(prompt) // cfg.csa_ratio // self.config.cache.page_size
+                victims, ready = self.residency.admit(slot, full)
+                for victim in victims:
+                    self.state = reclaim(self.config, self.state, victim)
+                ready = jnp.asarray(ready)
             self.state = admit_paged(self.config, self.state, slot, caches, len(prompt),
-                                     jnp.asarray(table))
+                                     jnp.asarray(table), ready)
             self.slot_pages[slot] = pages
         self._rng, key = jax.random.split(self._rng)
         first = int(sample(last[None], key, self.config.sampling.temperature)[0])
@@ -139,6 +165,8 @@ class Engine:
         if not self.active[slot]:
             raise ValueError(f"release: slot {slot} is not active")
         self.active[slot] = False
+        if self.residency is not None and self.residency.release(slot):
+            self.state = reclaim(self.config, self.state, slot)
         if self.pages is not None:
             self.pages.release(self.slot_pages.pop(slot))
             table = self.state.host.page_table.at[slot].set(-1)
@@ -159,6 +187,10 @@ class Engine:
         if full.any():
             raise RuntimeError(f"step: slots {np.flatnonzero(full).tolist()} reached their "
                                "reserved length (max_new_tokens or max_len); release them")
+        if self.residency is not None:  # bounded round-robin refill of lent pages
+            for slot, logical, lent in self.residency.plan_refill():
+                self.state = refill(self.config, self.state, slot, jnp.asarray(logical),
+                                    jnp.asarray(lent))
         t0 = time.perf_counter()
         self.state, out = decode_step(self.params, self.config, self.state,
                                       jnp.asarray(self.next_token), jnp.asarray(self.active))
@@ -207,4 +239,6 @@ class Engine:
             "device_bytes_per_request": self.slot_bytes,
             "selection": self.selection.as_dict(row_bytes, key_bytes),
             "host_bytes_per_token": host_bytes / max(self.decode_tokens, 1),
+            **({} if self.residency is None else
+               {"optional_pages_in_use": self.residency.in_use()}),
         }

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from lsparse_jax.config import EngineConfig
-from lsparse_jax.memory.host_pool import empty_pool, write_host_page
+from lsparse_jax.memory.host_pool import empty_pool, read_host_rows, write_host_page
 from lsparse_jax.memory.hot_cache import HotCache
 from lsparse_jax.memory.key_store import PagedKeys
 from lsparse_jax.memory.kv_store import HostView, PagedKV
@@ -24,6 +24,8 @@ class LayerPools:
 
     kv: jax.Array  # [NP * P, D] f32 pinned_host compressed KV pages (page p: rows p*P ..)
     keys: tuple[jax.Array, jax.Array] | None  # leansparse: ([NP*P, D_I] e4m3, [NP*P, nb] f32)
+    optional: jax.Array | None = None  # adaptive: [NO * P, D] f32 device pages lent to
+    #   complete pages of imported history (copies of host pages; NaN when not lent)
 
 
 @struct.dataclass
@@ -33,13 +35,17 @@ class HostTier:
     pools: tuple[LayerPools | None, ...]  # per layer (None for non-CSA layers)
     page_table: jnp.ndarray  # [S, max_pages] int32 physical page of each logical page, -1 none
     codebooks: tuple[jnp.ndarray | None, ...]  # per layer [M, K, D_I/M] (leansparse CSA)
+    ready: jnp.ndarray | None = None  # adaptive: [S, max_pages] int32 optional page holding
+    #   each logical page (the same page in every CSA layer's optional pool), -1 = not lent
 
-    def view(self, layer: int, table) -> HostView | None:
-        """What one slot's layer sees: its pools, this slot's page-table row, the codebooks."""
+    def view(self, layer: int, table, ready=None) -> HostView | None:
+        """What one slot's layer sees: its pools, this slot's page-table (and ready-map) row,
+        the codebooks."""
         pools = self.pools[layer]
         if pools is None:
             return None
-        return HostView(pools.kv, table, pools.keys, self.codebooks[layer])
+        return HostView(pools.kv, table, pools.keys, self.codebooks[layer], pools.optional,
+                        ready)
 
 
 @struct.dataclass
@@ -92,13 +98,17 @@ def empty_state(engine: EngineConfig, codebooks: dict | None = None) -> DecodeSt
         def pools(i):
             if i not in csa:
                 return None
-            keys = None
+            keys = optional = None
             if engine.lean is not None:
                 keys = (empty_pool(n, size, di, jnp.float8_e4m3fn), empty_pool(n, size, nb))
-            return LayerPools(empty_pool(n, size, cfg.head_dim), keys)
+            if engine.adaptive:
+                optional = jnp.full((engine.cache.optional_pages * size, cfg.head_dim), jnp.nan,
+                                    jnp.float32)
+            return LayerPools(empty_pool(n, size, cfg.head_dim), keys, optional)
 
-        host = HostTier(tuple(pools(i) for i in range(cfg.num_layers)),
-                        jnp.full((slots, engine.pages_per_slot), -1, jnp.int32), books)
+        none = lambda: jnp.full((slots, engine.pages_per_slot), -1, jnp.int32)  # noqa: E731
+        host = HostTier(tuple(pools(i) for i in range(cfg.num_layers)), none(), books,
+                        none() if engine.adaptive else None)
     state = DecodeState(caches=caches, lengths=jnp.zeros((slots,), jnp.int32),
                         rng=jax.random.key(engine.sampling.seed), host=host)
     # Commit every array to its memory now: jitted steps return committed arrays, and a jit
@@ -148,13 +158,17 @@ def _encode_keys(values, scales, codebooks):
 
 
 @functools.partial(jax.jit, static_argnames=("engine",), donate_argnames=("state",))
-def admit_paged(engine: EngineConfig, state: DecodeState, slot, caches, length, pages):
+def admit_paged(engine: EngineConfig, state: DecodeState, slot, caches, length, pages,
+                ready=None):
     """Admits a prefilled request (resident caches, no slot axis) into a paged slot.
 
     For each CSA layer: every complete page of compressed KV (and, for leansparse, of FP8
     keys) goes to the host pool (the prefix writeback at admission); the partial page stays as
     the tail; GPU caches start empty; leansparse PQ-encodes the paged keys.
     pages [max_pages] int32: the slot's physical host pages, -1 past its reservation.
+    ready [max_pages] int32 (adaptive): the optional page lent to each complete logical page,
+    -1 none; those pages are also copied into the optional pools (resident-first admission;
+    the host copy is written too, so reclaiming a page never loses a row).
     """
     page = engine.cache.page_size
     full_pages = (length // engine.model.csa_ratio) // page
@@ -166,6 +180,9 @@ def admit_paged(engine: EngineConfig, state: DecodeState, slot, caches, length, 
         fresh = _paged(cache, engine)  # empty paged stores of the right shapes
         kv_pool, kv_tail = _page_out(pools[i].kv, cache.kv.entries, pages, full_pages, page)
         kv = fresh.kv.replace(tail=kv_tail)
+        optional = pools[i].optional
+        if engine.adaptive:
+            optional = _lend(optional, cache.kv.entries, ready, full_pages, page)
         keys, key_pools = cache.keys, pools[i].keys
         if engine.lean is not None:
             rows = (cache.keys.values, cache.keys.scales)
@@ -173,11 +190,76 @@ def admit_paged(engine: EngineConfig, state: DecodeState, slot, caches, length, 
             codes = _encode_keys(*rows, state.host.codebooks[i])
             paged = jnp.arange(codes.shape[0]) < full_pages * page
             keys = fresh.keys.replace(tail=key_tail, codes=jnp.where(paged[:, None], codes, 0))
-        pools[i] = LayerPools(kv_pool, key_pools)
+        pools[i] = LayerPools(kv_pool, key_pools, optional)
         out.append(cache.replace(kv=kv, keys=keys))
     table = state.host.page_table.at[slot].set(pages)
     host = state.host.replace(pools=tuple(pools), page_table=table)
+    if engine.adaptive:
+        host = host.replace(ready=host.ready.at[slot].set(ready))
     return insert(state.replace(host=host), slot, tuple(out), length)
+
+
+def _lend(optional, entries, ready, count, page):
+    """Copies rows [j*P, (j+1)*P) of entries into optional page ready[j], for j < count with
+    ready[j] >= 0."""
+    def body(j, opt):
+        rows = jax.lax.dynamic_slice_in_dim(entries, j * page, page)
+        keep = jax.lax.dynamic_slice_in_dim(opt, jnp.maximum(ready[j], 0) * page, page)
+        rows = jnp.where(ready[j] >= 0, rows, keep)
+        return jax.lax.dynamic_update_slice_in_dim(opt, rows, jnp.maximum(ready[j], 0) * page, 0)
+
+    return jax.lax.fori_loop(0, jnp.minimum(count, ready.shape[0]), body, optional)
+
+
+@functools.partial(jax.jit, static_argnames=("engine",), donate_argnames=("state",))
+def reclaim(engine: EngineConfig, state: DecodeState, slot) -> DecodeState:
+    """Takes back every optional page of ``slot`` (adaptive): its ready-map row becomes -1 and
+    the pages are poisoned with NaN. Nothing is lost: every lent page has its host copy."""
+    row = state.host.ready[slot]
+    page = engine.cache.page_size
+    pools = []
+    for pool in state.host.pools:
+        if pool is None:
+            pools.append(None)
+            continue
+
+        def body(j, opt):
+            nan = jnp.full((page, opt.shape[1]), jnp.nan, opt.dtype)
+            keep = jax.lax.dynamic_slice_in_dim(opt, jnp.maximum(row[j], 0) * page, page)
+            rows = jnp.where(row[j] >= 0, nan, keep)
+            return jax.lax.dynamic_update_slice_in_dim(opt, rows, jnp.maximum(row[j], 0) * page, 0)
+
+        pools.append(pool.replace(optional=jax.lax.fori_loop(0, row.shape[0], body,
+                                                             pool.optional)))
+    host = state.host.replace(pools=tuple(pools), ready=state.host.ready.at[slot].set(-1))
+    return state.replace(host=host)
+
+
+@functools.partial(jax.jit, static_argnames=("engine",), donate_argnames=("state",))
+def refill(engine: EngineConfig, state: DecodeState, slot, logical, lent) -> DecodeState:
+    """Lends optional page lent[j] to logical page logical[j] of ``slot`` (adaptive), for j
+    with lent[j] >= 0: copies the page from its host copy and marks it ready."""
+    page = engine.cache.page_size
+    host_pages = state.host.page_table[slot, jnp.clip(logical, 0, None)]
+    ok = (lent >= 0) & (logical >= 0) & (host_pages >= 0)
+    ids = jnp.where(ok[:, None], host_pages[:, None] * page + jnp.arange(page), -1)  # [R, P]
+    pools = []
+    for pool in state.host.pools:
+        if pool is None:
+            pools.append(None)
+            continue
+        rows = read_host_rows(pool.kv, ids)  # [R, P, D] on the device
+
+        def body(j, opt, rows=rows):
+            at = jnp.maximum(lent[j], 0) * page
+            keep = jax.lax.dynamic_slice_in_dim(opt, at, page)
+            return jax.lax.dynamic_update_slice_in_dim(opt, jnp.where(ok[j], rows[j], keep), at, 0)
+
+        pools.append(pool.replace(optional=jax.lax.fori_loop(0, lent.shape[0], body,
+                                                             pool.optional)))
+    where = jnp.where(ok, logical, state.host.ready.shape[1])  # out of bounds -> dropped
+    ready = state.host.ready.at[slot, where].set(lent, mode="drop")
+    return state.replace(host=state.host.replace(pools=tuple(pools), ready=ready))
 
 
 def _page_out(pool, rows, pages, count, page):
@@ -221,9 +303,9 @@ def writeback(engine: EngineConfig, state: DecodeState, lengths_before, active) 
         def body(j, carry, tails=tails, book=state.host.codebooks[i]):
             pool, codes = carry
             s = order[j]
-            pool = LayerPools(
-                write_host_page(pool.kv, dest[s], tails[0][s]),
-                None if pool.keys is None else tuple(
+            pool = pool.replace(
+                kv=write_host_page(pool.kv, dest[s], tails[0][s]),
+                keys=None if pool.keys is None else tuple(
                     write_host_page(p, dest[s], t[s]) for p, t in zip(pool.keys, tails[1])))
             if codes is not None:
                 new = _encode_keys(tails[1][0][s], tails[1][1][s], book)
@@ -240,4 +322,4 @@ def writeback(engine: EngineConfig, state: DecodeState, lengths_before, active) 
 
 
 __all__ = ["DecodeState", "HostTier", "LayerPools", "admit_paged", "empty_slot",
-           "empty_state", "insert", "slot_bytes", "writeback"]
+           "empty_state", "insert", "reclaim", "refill", "slot_bytes", "writeback"]

@@ -84,10 +84,13 @@ def decode_step(params, engine: EngineConfig, state: DecodeState, tokens, active
     tier = state.host
     page_table = jnp.zeros((state.num_slots, 0), jnp.int32) if tier is None else tier.page_table
 
-    def one(caches, table, token, start, live):
+    ready = page_table if tier is None or tier.ready is None else tier.ready
+
+    def one(caches, table, ready_row, token, start, live):
         # the host pools and codebooks are shared by every slot: closed over, not mapped
+        row = None if tier is None or tier.ready is None else ready_row
         hosts = None if tier is None else tuple(
-            tier.view(i, table) for i in range(cfg.num_layers))
+            tier.view(i, table, row) for i in range(cfg.num_layers))
         logits, caches, sels = Transformer(cfg, lean=engine.lean,
                                            implementation=engine.implementation).apply(
             {"params": params}, token[None], caches, start, live.astype(jnp.int32), hosts)
@@ -103,7 +106,7 @@ def decode_step(params, engine: EngineConfig, state: DecodeState, tokens, active
                 stack("sources", (0, NUM_SOURCES)), stack("key_sources", (0, NUM_SOURCES)))
 
     logits, caches, positions, eligible, sources, key_sources = jax.vmap(one)(
-        state.caches, page_table, tokens, state.lengths, active)
+        state.caches, page_table, ready, tokens, state.lengths, active)
     rng, key = jax.random.split(state.rng)
     next_tokens = sample(logits, key, engine.sampling.temperature)
     new = state.replace(caches=caches, lengths=state.lengths + active.astype(jnp.int32), rng=rng)

@@ -1,0 +1,174 @@
+"""Adaptive DHiSparse's optional residency: bit-identical to resident under any reclaim/refill
+schedule (identity 3), every row on the GPU or in a host page (identity 8), the policy."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lsparse_jax.config import CacheConfig, EngineConfig
+from lsparse_jax.memory import HotCache, empty_pool, resolve
+from lsparse_jax.memory.host_pool import write_host_page
+from lsparse_jax.memory.invariant import hierarchy_violations
+from lsparse_jax.serving.engine import Engine
+from lsparse_jax.serving.residency import OptionalResidency
+from tests.helpers import assert_resolved_rows, model_and_tokens, tiny
+
+PAGE = 8
+
+
+def make(cfg, params, method, optional=None, slots=3, refill=2):
+    rows = None if method == "resident" else 16
+    return Engine(EngineConfig(model=cfg, method=method, cache=CacheConfig(
+        num_slots=slots, prefill_chunk=32, hot_cache_rows=rows, page_size=PAGE,
+        optional_pages=optional, refill_pages=refill)), params)
+
+
+def check_step(resident, adaptive):
+    want, got = resident.step(), adaptive.step()
+    act = resident.active
+    for field in ("logits", "tokens", "selected"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, field))[act],
+                                      np.asarray(getattr(want, field))[act])
+    assert hierarchy_violations(adaptive.config, adaptive.state, resident.state.caches,
+                                act) == []
+    return np.asarray(got.sources)[act]
+
+
+@pytest.mark.parametrize("optional,refill", [(5, 1), (40, 4)])  # 5: constant reclaiming
+def test_adaptive_bit_identical_to_resident_under_load_changes(optional, refill):
+    cfg = tiny(max_len=512)
+    params, _ = model_and_tokens(cfg, 1, seed=optional)
+    rng = np.random.default_rng(optional)
+    prompts = [rng.integers(0, 256, n).astype(np.int32) for n in (300, 200, 260, 150)]
+    resident, adaptive = make(cfg, params, "resident"), make(cfg, params, "adaptive",
+                                                                  optional, refill=refill)
+    schedule = {0: ("admit", 0), 1: ("admit", 1), 12: ("admit", 2), 30: ("release", 0),
+                34: ("admit", 3), 50: ("release", 2)}
+    lent_changes, seen = 0, None
+    for step in range(70):
+        if step in schedule:
+            what, i = schedule[step]
+            for e in (resident, adaptive):
+                if what == "admit":
+                    e.admit(prompts[i], max_new_tokens=80)
+                else:
+                    e.release(i)
+        check_step(resident, adaptive)
+        lent = {s: dict(v) for s, v in adaptive.residency.lent.items()}
+        lent_changes += lent != seen
+        seen = lent
+    assert resident.generated == adaptive.generated
+    assert lent_changes >= 4  # residency grew and shrank with the load
+    assert adaptive.metrics()["optional_pages_in_use"] <= optional
+
+
+def test_full_residency_serves_imported_history_without_host_copies():
+    """With every prompt page lent, the first steps (before a generated page completes) copy
+    nothing from the host, while hisparse does; both equal resident."""
+    cfg = tiny(max_len=512)
+    params, prompt = model_and_tokens(cfg, 320, seed=5)  # 80 rows = 10 complete pages
+    resident = make(cfg, params, "resident", slots=1)
+    hisparse = make(cfg, params, "hisparse", slots=1)
+    adaptive = make(cfg, params, "adaptive", 10, slots=1)
+    for e in (resident, hisparse, adaptive):
+        e.admit(prompt, max_new_tokens=20)
+    host = {"hisparse": 0, "adaptive": 0}
+    for _ in range(20):  # 20 tokens = 5 rows: the tail page (80..87) does not complete
+        fed = resident.next_token.copy()
+        src = check_step(resident, adaptive)
+        host["adaptive"] += int(src[..., 2].sum())
+        host["hisparse"] += int(np.asarray(hisparse.step(fed).sources)[0, ..., 2].sum())
+    assert host["adaptive"] == 0 < host["hisparse"]
+
+
+def test_reclaim_order_and_bounded_round_robin_refill():
+    r = OptionalResidency(num_pages=10, pages_per_slot=16, refill_pages=2)
+    victims, row = r.admit(0, 6)
+    assert victims == [] and list(row[:7]) == [0, 1, 2, 3, 4, 5, -1]
+    victims, row = r.admit(1, 3)  # fits beside slot 0: resident-first, nothing reclaimed
+    assert victims == [] and list(row[:4]) == [6, 7, 8, -1]
+    victims, _ = r.admit(2, 5)  # deficit 4: slot 0 (admitted first) gives back all six
+    assert victims == [0] and r.lent[0] == {} and len(r.lent[2]) == 5 and r.pages.free == 2
+    plans = r.plan_refill()  # two free pages go back to slot 0, one step at most two
+    assert [(s, list(lg[lg >= 0])) for s, lg, _ in plans] == [(0, [0, 1])]
+    assert r.plan_refill() == [] and r.pages.free == 0
+    assert r.release(2) is True and r.pages.free == 5
+    got = []
+    for _ in range(3):
+        got += [(s, int(p)) for s, lg, _ in r.plan_refill() for p in lg[lg >= 0]]
+    assert got == [(0, 2), (0, 3), (0, 4), (0, 5)]  # slot 1 is complete; bounded by 2 a step
+    assert r.release(1) is True and r.release(0) is True and r.pages.free == 10
+    victims, _ = r.admit(1, 12)  # larger than the pool: the first ten pages, nothing to take
+    assert victims == [] and sorted(r.lent[1]) == list(range(10))
+
+
+def test_resolver_reads_ready_optional_pages_in_place():
+    """Step 1 of the resolver: a position whose page is lent is read from the optional pool;
+    the hot cache neither scans for it nor stores it."""
+    dim, pages = 3, 4
+    rng = np.random.default_rng(0)
+    truth = rng.normal(size=(pages * PAGE, dim)).astype(np.float32)
+    pool = empty_pool(pages, PAGE, dim)
+    table = jnp.arange(pages, dtype=jnp.int32)
+    for p in range(pages):
+        pool = write_host_page(pool, p, jnp.asarray(truth[p * PAGE:(p + 1) * PAGE]))
+    optional = np.full((2 * PAGE, dim), np.nan, np.float32)
+    optional[PAGE:] = truth[PAGE:2 * PAGE]  # logical page 1 lent in optional page 1
+    ready = jnp.asarray([-1, 1, -1, -1], jnp.int32)
+    tail = jnp.full((PAGE, dim), jnp.nan)
+    selected = jnp.asarray([9, 2, 14, 25, -1], jnp.int32)
+    rows, hot, counts = resolve(HotCache.empty(4, dim), selected, tail, pages * PAGE, table,
+                                pool, "xla", jnp.asarray(optional), ready)
+    assert_resolved_rows(rows, np.asarray(selected), truth)
+    np.testing.assert_array_equal(np.asarray(counts), [2, 0, 2])
+    assert sorted(np.asarray(hot.positions)[np.asarray(hot.positions) >= 0]) == [2, 25]
+
+
+def test_optional_pages_only_with_adaptive():
+    cfg = tiny()
+    with pytest.raises(ValueError, match="optional_pages"):
+        EngineConfig(model=cfg, method="adaptive", cache=CacheConfig(hot_cache_rows=16))
+    with pytest.raises(ValueError, match="optional_pages"):
+        EngineConfig(model=cfg, method="hisparse",
+                     cache=CacheConfig(hot_cache_rows=16, optional_pages=4))
+    with pytest.raises(ValueError, match="refill_pages"):
+        CacheConfig(refill_pages=0)
+
+
+def test_adaptive_with_the_triton_kernels_is_bit_identical():
+    """Lent pages resolve before the hot_resolve kernel; sparse_attention reads them alike."""
+    cfg = tiny(max_len=512)
+    params, prompt = model_and_tokens(cfg, 200, seed=2)
+    engines = [Engine(EngineConfig(model=cfg, method=m, implementation="triton", cache=CacheConfig(
+        num_slots=2, prefill_chunk=32, hot_cache_rows=rows, page_size=PAGE, optional_pages=opt)),
+        params) for m, rows, opt in (("resident", None, None), ("adaptive", 16, 3))]
+    for e in engines:
+        e.admit(prompt, max_new_tokens=20)
+    sources = np.zeros(3, int)
+    for _ in range(8):
+        sources += check_step(*engines)[0].sum(0)
+    assert (sources > 0).all()  # lent pages / tail, hot hits and host copies all occurred
+
+
+def test_residency_experiment_cli(tmp_path, monkeypatch):
+    """The load-step study end to end (shortened): it checks token identity with resident
+    itself; at step 0 a lone request with every prompt page lent copies nothing from the host,
+    while hisparse's cold hot cache copies every selected paged row."""
+    import json
+
+    from experiments.cli import main
+
+    monkeypatch.setenv("LSPARSE_RUNS", str(tmp_path))
+    rc = main(["run", "configs/experiments/residency.gin", "--gin.residency.prompt_tokens=512",
+               "--gin.residency.requests=3", "--gin.residency.arrival_steps=2",
+               "--gin.residency.decode_tokens=6", "--gin.residency.num_slots=2",
+               "--gin.residency.optional_pages=8", "--gin.run.name='res'"])
+    assert rc == 0
+    out = json.loads((tmp_path / "res" / "results.json").read_text())
+    assert out["tokens_identical_to_resident"]
+    series = out["series"]
+    assert series["adaptive"]["host_fraction"][0] == 0.0
+    assert series["hisparse"]["host_fraction"][0] == 1.0
+    assert series["adaptive"]["optional_pages"][0] == 8 and (tmp_path / "res" /
+                                                             "residency.png").exists()
+    assert series["adaptive"]["active"] == series["hisparse"]["active"]
