@@ -19,11 +19,15 @@ def test_quickstart_cli_writes_results(tmp_path, monkeypatch):
     assert rc == 0
     out = tmp_path / "qs"
     results = json.loads((out / "results.json").read_text())
-    resident, hisparse, lean = results["methods"]
-    assert [r["method"] for r in results["methods"]] == ["resident", "hisparse", "leansparse"]
+    resident, hisparse, lean, adaptive = results["methods"]
+    assert [r["method"] for r in results["methods"]] == ["resident", "hisparse", "leansparse",
+                                                         "adaptive"]
     assert resident["decode_tokens"] == hisparse["decode_tokens"] == lean["decode_tokens"] == 5
-    assert hisparse["generated"] == resident["generated"]  # lossless: the same greedy tokens
-    assert hisparse["recall"] == 1.0 and 0.0 < lean["recall"] <= 1.0
+    for exact in (hisparse, adaptive):  # lossless: the same greedy tokens
+        assert exact["generated"] == resident["generated"] and exact["recall"] == 1.0
+    assert 0.0 < lean["recall"] <= 1.0
+    # 600 tokens = 150 rows: two complete 64-row pages, both lent, so no host copies at all
+    assert adaptive["selection"]["host_rows"] == 0 < hisparse["selection"]["host_rows"]
     assert resident["recall"] is None  # the reference
     # (at this 600-token prompt the fixed-size key cache outweighs the keys it replaces; at the
     # quickstart's 8K tokens leansparse keeps the least on the GPU:)
