@@ -36,7 +36,8 @@ def quickstart(name: str, model=gin.REQUIRED, methods=("resident",), prompt_toke
                optional_pages: int = 64):
     """Runs each method on the same prompt. Methods after ``resident`` are fed resident's
     tokens (teacher forcing), so their selections are compared on identical contexts: recall
-    is the fraction of resident's selected positions they also selected."""
+    is the fraction of resident's selected positions they also selected. optional_pages: the
+    ``adaptive`` method's device pages per CSA layer, shared by slots, lent to prompt history."""
     cfg = fit_max_len(model, prompt_tokens + decode_steps + 1)
     example = niah_example(prompt_tokens, num_needles=num_needles, seed=seed)
     params = init_params(cfg, seed)

@@ -59,7 +59,9 @@ def test_adaptive_bit_identical_to_resident_under_load_changes(optional, refill)
         seen = lent
     assert resident.generated == adaptive.generated
     assert lent_changes >= 4  # residency grew and shrank with the load
-    assert adaptive.metrics()["optional_pages_in_use"] <= optional
+    m = adaptive.metrics()
+    assert m["optional_pages_in_use"] <= optional
+    assert m["optional_pool_bytes"] == 2 * optional * PAGE * 4 * cfg.head_dim  # 2 CSA layers
 
 
 def test_full_residency_serves_imported_history_without_host_copies():

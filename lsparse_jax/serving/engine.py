@@ -240,5 +240,7 @@ class Engine:
             "selection": self.selection.as_dict(row_bytes, key_bytes),
             "host_bytes_per_token": host_bytes / max(self.decode_tokens, 1),
             **({} if self.residency is None else
-               {"optional_pages_in_use": self.residency.in_use()}),
+               {"optional_pages_in_use": self.residency.in_use(),
+                "optional_pool_bytes": sum(p.optional.nbytes for p in self.state.host.pools
+                                           if p is not None)}),
         }
