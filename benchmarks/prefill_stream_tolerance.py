@@ -23,23 +23,21 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import sys
 
 import jax
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from experiments.accuracy import run_engine  # noqa: E402
-from experiments.common import selection_recall  # noqa: E402
-from lsparse_jax.config import CacheConfig, EngineConfig, SamplingConfig  # noqa: E402
-from lsparse_jax.model import preset  # noqa: E402
-from lsparse_jax.model.presets import fit_max_len  # noqa: E402
-from lsparse_jax.serving.engine import Engine  # noqa: E402
-from lsparse_jax.serving.prefill_stream import streamed_prefill  # noqa: E402
-from lsparse_jax.serving.steps import prefill  # noqa: E402
-from lsparse_jax.tasks import score_exact, tokenizer  # noqa: E402
-from lsparse_jax.training import load_params  # noqa: E402
-from lsparse_jax.training.data import task_example  # noqa: E402
+from experiments.accuracy import run_engine
+from experiments.common import selection_recall
+from lsparse_jax.config import CacheConfig, EngineConfig, SamplingConfig
+from lsparse_jax.model import preset
+from lsparse_jax.model.presets import fit_max_len
+from lsparse_jax.serving.engine import Engine
+from lsparse_jax.serving.prefill_stream import streamed_prefill
+from lsparse_jax.serving.steps import prefill
+from lsparse_jax.tasks import score_exact, tokenizer
+from lsparse_jax.training import load_params
+from lsparse_jax.training.data import task_example
 
 CHUNK = 1024
 

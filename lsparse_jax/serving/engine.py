@@ -98,12 +98,9 @@ class Engine:
         idle = jnp.zeros(self.active.shape, bool)
         self.state, _ = decode_step(self.params, self.config, self.state,
                                     jnp.asarray(self.next_token), idle)
-        if self.residency is not None:  # no-op calls: nothing is lent to a free slot
+        if self.residency is not None:  # the step's refill; an all -1 plan changes nothing
             none = jnp.full((self.config.cache.refill_pages,), -1, jnp.int32)
-            free = int(np.flatnonzero(~self.active)[0]) if (~self.active).any() else None
-            if free is not None:
-                self.state = refill(self.config, self.state, free, none, none)
-                self.state = reclaim(self.config, self.state, free)
+            self.state = refill(self.config, self.state, 0, none, none)
         jax.block_until_ready(self.state)
 
     def admit(self, prompt, max_new_tokens: int | None = None, progress=None,

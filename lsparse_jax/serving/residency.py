@@ -63,36 +63,33 @@ class OptionalResidency:
 
     def plan_refill(self) -> list[tuple[int, np.ndarray, np.ndarray]]:
         """At most ``refill_pages`` free pages for slots missing some of their prompt pages,
-        round-robin from where the last refill stopped: [(slot, logical [R], lent [R])], -1
-        padded to R = refill_pages (one compilation)."""
+        one page per slot per round, round-robin from where the last refill stopped:
+        [(slot, logical [R], lent [R])], -1 padded to R = refill_pages (one compilation)."""
         budget = min(self.refill_pages, self.pages.free)
         slots = sorted(self.imported)
-        if not budget or not slots:
-            return []
-        plans: dict[int, list[tuple[int, int]]] = {}
-        start = self._cursor % len(slots)
-        queue = [(slots[(start + i) % len(slots)]) for i in range(len(slots))]
-        progress = True
-        while budget and progress:
-            progress = False
-            for slot in queue:
-                missing = [p for p in range(self.imported[slot]) if p not in self.lent[slot]
-                           and p not in dict(plans.get(slot, []))]
-                if not missing or not budget:
-                    continue
-                page = self.pages.allocate(1, what="optional pages")[0]
-                plans.setdefault(slot, []).append((missing[0], page))
-                budget -= 1
-                progress = True
-                self._cursor = slots.index(slot) + 1
+        new: dict[int, list[int]] = {}  # slot -> logical pages lent now, in order
+        if slots:
+            start = self._cursor % len(slots)
+            queue = slots[start:] + slots[:start]
+            while budget and (needy := [s for s in queue if self._missing(s) is not None]):
+                for slot in needy[:budget]:
+                    logical = self._missing(slot)
+                    self.lent[slot][logical] = self.pages.allocate(1, what="optional pages")[0]
+                    new.setdefault(slot, []).append(logical)
+                    self._cursor = slots.index(slot) + 1
+                budget -= len(needy[:budget])
         out = []
-        for slot, pairs in plans.items():
-            self.lent[slot].update(pairs)
+        for slot, pages in new.items():
             logical = np.full(self.refill_pages, -1, np.int32)
             lent = np.full(self.refill_pages, -1, np.int32)
-            logical[:len(pairs)], lent[:len(pairs)] = zip(*pairs)
+            logical[:len(pages)] = pages
+            lent[:len(pages)] = [self.lent[slot][p] for p in pages]
             out.append((slot, logical, lent))
         return out
+
+    def _missing(self, slot: int) -> int | None:
+        """The first prompt page of ``slot`` that holds no optional page, or None."""
+        return next((p for p in range(self.imported[slot]) if p not in self.lent[slot]), None)
 
     def ready_row(self, slot: int) -> np.ndarray:
         row = np.full(self.pages_per_slot, -1, np.int32)

@@ -202,36 +202,35 @@ def admit_paged(engine: EngineConfig, state: DecodeState, slot, caches, length, 
 def _lend(optional, entries, ready, count, page):
     """Copies rows [j*P, (j+1)*P) of entries into optional page ready[j], for j < count with
     ready[j] >= 0."""
-    def body(j, opt):
-        rows = jax.lax.dynamic_slice_in_dim(entries, j * page, page)
-        keep = jax.lax.dynamic_slice_in_dim(opt, jnp.maximum(ready[j], 0) * page, page)
-        rows = jnp.where(ready[j] >= 0, rows, keep)
-        return jax.lax.dynamic_update_slice_in_dim(opt, rows, jnp.maximum(ready[j], 0) * page, 0)
+    rows = lambda j: jax.lax.dynamic_slice_in_dim(entries, j * page, page)  # noqa: E731
+    return _put_pages(optional, ready, rows, jnp.minimum(count, ready.shape[0]), page)
 
-    return jax.lax.fori_loop(0, jnp.minimum(count, ready.shape[0]), body, optional)
+
+def _put_pages(optional, dest, rows, count, page):
+    """optional [NO * P, D] with page dest[j] = rows(j) [P, D], for j < count with
+    dest[j] >= 0 (other pages unchanged)."""
+    def body(j, opt):
+        at = jnp.maximum(dest[j], 0) * page
+        new = jnp.where(dest[j] >= 0, rows(j), jax.lax.dynamic_slice_in_dim(opt, at, page))
+        return jax.lax.dynamic_update_slice_in_dim(opt, new.astype(opt.dtype), at, 0)
+
+    return jax.lax.fori_loop(0, count, body, optional)
+
+
+def _with_optional(host: HostTier, fn) -> tuple:
+    """The host tier's pools with each CSA layer's optional pool replaced by fn(pools)."""
+    return tuple(None if p is None else p.replace(optional=fn(p)) for p in host.pools)
 
 
 @functools.partial(jax.jit, static_argnames=("engine",), donate_argnames=("state",))
 def reclaim(engine: EngineConfig, state: DecodeState, slot) -> DecodeState:
     """Takes back every optional page of ``slot`` (adaptive): its ready-map row becomes -1 and
     the pages are poisoned with NaN. Nothing is lost: every lent page has its host copy."""
-    row = state.host.ready[slot]
-    page = engine.cache.page_size
-    pools = []
-    for pool in state.host.pools:
-        if pool is None:
-            pools.append(None)
-            continue
-
-        def body(j, opt):
-            nan = jnp.full((page, opt.shape[1]), jnp.nan, opt.dtype)
-            keep = jax.lax.dynamic_slice_in_dim(opt, jnp.maximum(row[j], 0) * page, page)
-            rows = jnp.where(row[j] >= 0, nan, keep)
-            return jax.lax.dynamic_update_slice_in_dim(opt, rows, jnp.maximum(row[j], 0) * page, 0)
-
-        pools.append(pool.replace(optional=jax.lax.fori_loop(0, row.shape[0], body,
-                                                             pool.optional)))
-    host = state.host.replace(pools=tuple(pools), ready=state.host.ready.at[slot].set(-1))
+    row, page = state.host.ready[slot], engine.cache.page_size
+    nan = lambda p: jnp.full((page, p.optional.shape[1]), jnp.nan)  # noqa: E731
+    pools = _with_optional(state.host, lambda p: _put_pages(p.optional, row, lambda j: nan(p),
+                                                            row.shape[0], page))
+    host = state.host.replace(pools=pools, ready=state.host.ready.at[slot].set(-1))
     return state.replace(host=host)
 
 
@@ -243,23 +242,16 @@ def refill(engine: EngineConfig, state: DecodeState, slot, logical, lent) -> Dec
     host_pages = state.host.page_table[slot, jnp.clip(logical, 0, None)]
     ok = (lent >= 0) & (logical >= 0) & (host_pages >= 0)
     ids = jnp.where(ok[:, None], host_pages[:, None] * page + jnp.arange(page), -1)  # [R, P]
-    pools = []
-    for pool in state.host.pools:
-        if pool is None:
-            pools.append(None)
-            continue
-        rows = read_host_rows(pool.kv, ids)  # [R, P, D] on the device
+    dest = jnp.where(ok, lent, -1)
 
-        def body(j, opt, rows=rows):
-            at = jnp.maximum(lent[j], 0) * page
-            keep = jax.lax.dynamic_slice_in_dim(opt, at, page)
-            return jax.lax.dynamic_update_slice_in_dim(opt, jnp.where(ok[j], rows[j], keep), at, 0)
+    def fill(p):
+        rows = read_host_rows(p.kv, ids)  # [R, P, D] on the device
+        return _put_pages(p.optional, dest, lambda j: rows[j], dest.shape[0], page)
 
-        pools.append(pool.replace(optional=jax.lax.fori_loop(0, lent.shape[0], body,
-                                                             pool.optional)))
     where = jnp.where(ok, logical, state.host.ready.shape[1])  # out of bounds -> dropped
     ready = state.host.ready.at[slot, where].set(lent, mode="drop")
-    return state.replace(host=state.host.replace(pools=tuple(pools), ready=ready))
+    return state.replace(host=state.host.replace(pools=_with_optional(state.host, fill),
+                                                 ready=ready))
 
 
 def _page_out(pool, rows, pages, count, page):

@@ -84,13 +84,12 @@ def decode_step(params, engine: EngineConfig, state: DecodeState, tokens, active
     tier = state.host
     page_table = jnp.zeros((state.num_slots, 0), jnp.int32) if tier is None else tier.page_table
 
-    ready = page_table if tier is None or tier.ready is None else tier.ready
+    ready = None if tier is None else tier.ready  # adaptive's [S, max_pages] map, else None
 
     def one(caches, table, ready_row, token, start, live):
         # the host pools and codebooks are shared by every slot: closed over, not mapped
-        row = None if tier is None or tier.ready is None else ready_row
         hosts = None if tier is None else tuple(
-            tier.view(i, table, row) for i in range(cfg.num_layers))
+            tier.view(i, table, ready_row) for i in range(cfg.num_layers))
         logits, caches, sels = Transformer(cfg, lean=engine.lean,
                                            implementation=engine.implementation).apply(
             {"params": params}, token[None], caches, start, live.astype(jnp.int32), hosts)
