@@ -12,13 +12,13 @@ from tqdm.auto import tqdm
 
 from experiments.common import fit_max_len, pyplot, run_dir, selection_recall, write_results
 from lsparse_jax.config import (
-    PAGED_METHODS,
     CacheConfig,
     EngineConfig,
     LeanSparseConfig,
     SamplingConfig,
+    method_storage,
 )
-from lsparse_jax.indexing.calibrate import calibrate_codebooks
+from lsparse_jax.methods.leansparse import calibrate_codebooks
 from lsparse_jax.memory.accounting import request_bytes
 from lsparse_jax.model import init_params
 from lsparse_jax.serving.engine import Engine
@@ -43,15 +43,17 @@ def quickstart(name: str, model=gin.REQUIRED, methods=("resident",), prompt_toke
     params = init_params(cfg, seed)
     lean = leansparse or LeanSparseConfig()
     codebooks = None
-    if "leansparse" in methods:  # trained offline, on text the run never sees
+    if any(method_storage(m).keys_on_host for m in methods):  # PQ codebooks, trained offline
+        #   on text the run never sees
         calib = niah_example(calibration_tokens, num_needles=num_needles, seed=seed + 1000)
         codebooks = calibrate_codebooks(params, cfg, calib.prompt,
                                         subspace_dim=lean.pq_subspace_dim, seed=seed)
     rows, reference = [], None
     for method in methods:
-        paged = method in PAGED_METHODS
-        cache = CacheConfig(1, prefill_chunk, hot_cache_rows if paged else None, page_size,
-                            optional_pages=optional_pages if method == "adaptive" else None)
+        storage = method_storage(method)
+        cache = CacheConfig(1, prefill_chunk, hot_cache_rows if storage.kv_on_host else None,
+                            page_size, optional_pages=optional_pages if storage.lent_pages
+                            else None)
         config = EngineConfig(model=cfg, cache=cache, sampling=SamplingConfig(temperature, seed),
                               method=method, leansparse=lean)
         engine = Engine(config, params, codebooks)

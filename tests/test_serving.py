@@ -54,7 +54,7 @@ def expected_slot_bytes(cfg):
 def test_slot_bytes_match_config(pattern):
     cfg = tiny(max_len=256, layer_pattern=pattern, dsa_share_group=2)
     engine = EngineConfig(model=cfg, cache=CacheConfig(num_slots=3))
-    assert slot_bytes(empty_state(engine)) == expected_slot_bytes(cfg)
+    assert slot_bytes(engine, empty_state(engine)) == expected_slot_bytes(cfg)
 
 
 def test_engine_generates_greedy_continuation_of_forward():
