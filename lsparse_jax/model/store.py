@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Protocol
 
+import jax
 import jax.numpy as jnp
 from flax import struct
 
@@ -100,16 +101,47 @@ def resident_counts(selected) -> jnp.ndarray:
     return counts.at[:, 0].set(jnp.sum(selected >= 0, axis=-1))
 
 
-def exact_selection(query: IndexerQuery, values, scales, eligible, top_k: int) -> Selection:
+SCORE_TILE_BYTES = 1 << 30  # most bytes of f32 head-by-key dot products [t, H, N] at once
+
+
+def query_tile(num_queries: int, bytes_per_query: int, budget: int) -> int:
+    """Queries whose scores are computed at once: all of them if they fit in ``budget`` bytes,
+    else the largest power of two that fits (at least 1)."""
+    if num_queries * bytes_per_query <= budget:
+        return num_queries
+    tile = 1
+    while tile * 2 * bytes_per_query <= budget:
+        tile *= 2
+    return tile
+
+
+def exact_selection(query: IndexerQuery, values, scales, eligible, top_k: int,
+                    tile_bytes: int = SCORE_TILE_BYTES) -> Selection:
     """Exact top-k of eligible stored keys.
 
     Notation: T queries, H heads, D dim, N stored keys.
       query.q [T, H, D], query.weights [T, H]; values [N, D] e4m3, scales [N, D/b] f32;
       eligible [T, N] bool.
     Math: I(t, n) = sum_h w_h ReLU(q_h . k_n) with k_n the dequantized key; top-k by I.
+    Memory: the per-head dot products [t, H, N] f32 are computed for tiles of t queries at a
+    time, t the largest power of two within ``tile_bytes`` (a prefill chunk of 4096 queries
+    over 256K keys with 64 heads would otherwise need 256 GiB). Each query's selection does
+    not depend on the tiling.
     """
-    scores = exact_index_scores(query.q, query.weights, dequantize_index_keys(values, scales))
-    positions, _ = topk_positions(scores, eligible, top_k)
+    keys = dequantize_index_keys(values, scales)  # [N, D] f32
+
+    def select(q, w, ok):
+        return topk_positions(exact_index_scores(q, w, keys), ok, top_k)[0]
+
+    num, heads = query.q.shape[:2]
+    tile = query_tile(num, heads * keys.shape[0] * 4, tile_bytes)
+    if tile >= num:
+        positions = select(query.q, query.weights, eligible)
+    else:  # pad to whole tiles (padding selects nothing), map over them, drop the padding
+        pad = -num % tile
+        tiles = [jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(
+            (-1, tile) + a.shape[1:]) for a in (query.q, query.weights, eligible)]
+        positions = jax.lax.map(lambda a: select(*a), tuple(tiles)).reshape(-1, top_k)[:num]
     counts = jnp.sum(eligible, axis=-1).astype(jnp.int32)
     scored = jnp.zeros((positions.shape[0], NUM_SOURCES), jnp.int32).at[:, 0].set(counts)
     return Selection(positions, counts, resident_counts(positions), scored)
