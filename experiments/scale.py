@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 
 import gin
@@ -65,9 +66,11 @@ def scale(name: str, model=gin.REQUIRED, methods=("resident", "hisparse", "leans
           prefill_chunk: int = 4096, hot_cache_rows: int = 4096, page_size: int = 64,
           leansparse=None, calibration_tokens: int = 4096, lent_fraction: float = 0.5,
           device_budget_gb: float = 120.0, implementation: str | None = "xla",
-          seed: int = 0):
+          profile: tuple = (), seed: int = 0):
     """Runs the grid; returns the records. ``lent_fraction``: adaptive's optional pages as a
-    fraction of the batch's complete prompt pages."""
+    fraction of the batch's complete prompt pages. ``profile``: (method, context, batch) cells
+    whose timed steps are also traced (jax.profiler; a Perfetto trace per cell is copied to
+    runs/<name>/trace_<method>_<context>_<batch>.json.gz)."""
     _check(methods, contexts, batches, steps)
     lean = leansparse or LeanSparseConfig()
     out = run_dir(name)
@@ -92,9 +95,11 @@ def scale(name: str, model=gin.REQUIRED, methods=("resident", "hisparse", "leans
             books = calibrate_codebooks(params, cfg, prompt[:calibration_tokens],
                                         subspace_dim=lean.pq_subspace_dim, iters=8, seed=seed)
         for method, batch in todo:
+            trace = (out / f"trace_{method}_{context}_{batch}"
+                     if (method, context, batch) in set(map(tuple, profile)) else None)
             rec = _cell(cfg, params, books, pre, prompt, method, batch, steps, warm_steps,
                         prefill_chunk, hot_cache_rows, page_size, lean, lent_fraction,
-                        device_budget_gb, implementation)
+                        device_budget_gb, implementation, trace)
             rec.update(method=method, context=context, batch=batch, layers=cfg.num_layers,
                        prefill_s=prefill_s)
             records.append(rec)
@@ -108,7 +113,7 @@ def scale(name: str, model=gin.REQUIRED, methods=("resident", "hisparse", "leans
 
 
 def _cell(cfg, params, books, pre, prompt, method, batch, steps, warm_steps, chunk, hot_rows,
-          page, lean, lent_fraction, budget_gb, implementation) -> dict:
+          page, lean, lent_fraction, budget_gb, implementation, trace=None) -> dict:
     storage = method_storage(method)
     pages = len(prompt) // cfg.csa_ratio // page
     cache = CacheConfig(batch, chunk, hot_rows if storage.kv_on_host else None, page,
@@ -135,6 +140,14 @@ def _cell(cfg, params, books, pre, prompt, method, batch, steps, warm_steps, chu
         eng.step()
     jax.block_until_ready(eng.state)
     step_ms = (time.perf_counter() - t0) / steps * 1e3
+    if trace is not None:  # a few more steps under the profiler (not in step_ms)
+        with jax.profiler.trace(str(trace), create_perfetto_trace=True):
+            for _ in range(3):
+                eng.step()
+            jax.block_until_ready(eng.state)
+        for f in trace.rglob("*.trace.json.gz"):
+            shutil.copy(f, trace.with_suffix(".json.gz"))
+        shutil.rmtree(trace)
     m = eng.metrics()
     sel = m["selection"]
     return {"step_ms": step_ms, "warmup_s": warmup_s,

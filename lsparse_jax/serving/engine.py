@@ -14,40 +14,12 @@ import numpy as np
 
 from lsparse_jax.config import EngineConfig
 from lsparse_jax.methods import policy
-from lsparse_jax.model.store import NUM_SOURCES
 from lsparse_jax.serving.prefill_stream import streamed_prefill
+from lsparse_jax.serving import stats
 from lsparse_jax.serving.request import Request
 from lsparse_jax.serving.sampling import sample
 from lsparse_jax.serving.state import DecodeState, admit, empty_state, slot_bytes
-from lsparse_jax.serving.steps import DecodeOutput, decode_step, prefill
-
-
-@dataclasses.dataclass
-class SelectionStats:
-    """Per sparse layer and active slot, running sums over decode steps."""
-
-    steps: int = 0
-    eligible: float = 0.0  # eligible positions per query
-    selected: float = 0.0  # positions selected per query (<= top-k)
-    reused: float = 0.0  # selected positions that the same slot also selected the step before
-    reuse_base: float = 0.0  # selected positions of steps that have a previous step
-    sources: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(NUM_SOURCES))
-    key_sources: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(NUM_SOURCES))
-
-    def as_dict(self, row_bytes: int, key_bytes: int) -> dict:
-        n = max(self.steps, 1)
-        frac = [float(x) for x in self.sources / max(self.sources.sum(), 1.0)]
-        key_frac = [float(x) for x in self.key_sources / max(self.key_sources.sum(), 1.0)]
-        names = ("tail_or_resident", "hot_cache", "host_copy")
-        return {"eligible": self.eligible / n, "selected": self.selected / n,
-                "reuse_fraction": self.reused / max(self.reuse_base, 1.0),
-                "resolved_fraction": dict(zip(names, frac)),
-                "key_resolved_fraction": dict(zip(("tail_or_resident", "key_cache",
-                                                   "host_copy"), key_frac)),
-                "host_rows": float(self.sources[2]),
-                "host_key_rows": float(self.key_sources[2]),
-                "host_bytes": float(self.sources[2]) * row_bytes
-                + float(self.key_sources[2]) * key_bytes}
+from lsparse_jax.serving.steps import DecodeOutput, decode_step, prefill, sparse_layers
 
 
 class Engine:
@@ -70,9 +42,9 @@ class Engine:
         self.next_token = np.zeros(slots, np.int32)
         self.generated: list[list[int]] = [[] for _ in range(slots)]
         self.requests: dict[int, Request] = {}  # slot -> the request it serves
-        self._prev_sel: np.ndarray | None = None
-        self._has_prev = np.zeros(slots, bool)  # slot has a previous decode step's selection
-        self.selection = SelectionStats()
+        self.lengths = np.zeros(slots, np.int64)  # host mirror of state.lengths (no reads)
+        self.stats = stats.SelectionStats.empty(slots, len(sparse_layers(config.model)),
+                                                config.model.indexer.top_k)
         self.prefill_seconds = 0.0
         self.decode_seconds = 0.0
         self.decode_tokens = 0
@@ -142,7 +114,8 @@ class Engine:
         request.first_token_at = now
         request.token_times[:] = [now]
         self.requests[slot] = request
-        self._has_prev[slot] = False
+        self.lengths[slot] = len(prompt)
+        self.stats = stats.admitted(self.stats, slot)
         return slot
 
     def release(self, slot: int) -> list[int]:
@@ -165,16 +138,16 @@ class Engine:
             self.next_token = np.where(self.active, tokens, self.next_token)
             for s in np.flatnonzero(self.active):
                 self.generated[s][-1] = int(tokens[s])  # the request's token list
-        lengths = np.asarray(self.state.lengths)
-        full = self.active & (lengths >= self.limit)
+        full = self.active & (self.lengths >= self.limit)
         if full.any():
             raise RuntimeError(f"step: slots {np.flatnonzero(full).tolist()} reached their "
                                "reserved length (max_new_tokens or max_len); release them")
         for update in self.control.before_step():  # e.g. adaptive's refill of lent pages
             self.state = update(self.state)
         t0 = time.perf_counter()
+        active = jnp.asarray(self.active)
         self.state, out = decode_step(self.params, self.config, self.state,
-                                      jnp.asarray(self.next_token), jnp.asarray(self.active))
+                                      jnp.asarray(self.next_token), active)
         tokens = np.asarray(out.tokens)
         now = time.perf_counter()
         self.decode_seconds += now - t0
@@ -183,36 +156,15 @@ class Engine:
         for s in np.flatnonzero(self.active):
             self.generated[s].append(int(tokens[s]))
             self.requests[s].token_times.append(now)
-        self._record_selection(np.asarray(out.selected), np.asarray(out.eligible),
-                               np.asarray(out.sources), np.asarray(out.key_sources))
+        self.lengths += self.active
+        self.stats = stats.record(self.stats, out.selected, out.eligible, out.sources,
+                                  out.key_sources, active)
         return out
-
-    def _record_selection(self, selected, eligible, sources, key_sources):
-        act = self.active
-        if selected.shape[1] == 0 or not act.any():
-            return
-        sel = selected[act]  # [A, L, k]
-        self.selection.steps += sel.shape[0] * sel.shape[1]
-        self.selection.eligible += float(eligible[act].sum())
-        self.selection.selected += float((sel >= 0).sum())
-        self.selection.sources += sources[act].sum(axis=(0, 1))
-        self.selection.key_sources += key_sources[act].sum(axis=(0, 1))
-        both = act & self._has_prev
-        if both.any():
-            cur, prev = selected[both], self._prev_sel[both]
-            self.selection.reuse_base += float((cur >= 0).sum())
-            for cur_row, prev_row in zip(cur.reshape(-1, cur.shape[-1]),
-                                         prev.reshape(-1, prev.shape[-1])):
-                cur_set = set(cur_row[cur_row >= 0].tolist())
-                self.selection.reused += len(cur_set & set(prev_row[prev_row >= 0].tolist()))
-        self._prev_sel = selected
-        self._has_prev |= act
 
     def metrics(self) -> dict:
         row_bytes = 4 * self.config.model.head_dim
         key_bytes = self.config.model.indexer.key_bytes
-        host_bytes = float(self.selection.sources[2]) * row_bytes \
-            + float(self.selection.key_sources[2]) * key_bytes
+        selection = stats.as_dict(self.stats.totals(), row_bytes, key_bytes)
         return {
             "method": self.config.method,
             "prefill_seconds": self.prefill_seconds,
@@ -220,7 +172,7 @@ class Engine:
             "decode_seconds": self.decode_seconds,
             "decode_tokens_per_second": self.decode_tokens / max(self.decode_seconds, 1e-9),
             "device_bytes_per_request": self.slot_bytes,
-            "selection": self.selection.as_dict(row_bytes, key_bytes),
-            "host_bytes_per_token": host_bytes / max(self.decode_tokens, 1),
+            "selection": selection,
+            "host_bytes_per_token": selection["host_bytes"] / max(self.decode_tokens, 1),
             **self.control.metrics(self.state),
         }
