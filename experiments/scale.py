@@ -16,7 +16,8 @@ times the batch exceed ``device_budget_gb`` is recorded as skipped, not run.
 
 Record keys: method, context, batch, layers, step_ms, prefill_s, warmup_s,
 device_bytes_per_request, host_bytes_per_request, host_bytes_per_token, reuse,
-resolved_fraction (tail-or-resident / hot / host), or skipped with the reason.
+resolved_fraction (tail-or-resident / hot / host), or skipped with the reason, or error (a
+cell that raised; the grid goes on, and a rerun does not retry it unless it is deleted).
 """
 
 from __future__ import annotations
@@ -97,16 +98,19 @@ def scale(name: str, model=gin.REQUIRED, methods=("resident", "hisparse", "leans
         for method, batch in todo:
             trace = (out / f"trace_{method}_{context}_{batch}"
                      if (method, context, batch) in set(map(tuple, profile)) else None)
-            rec = _cell(cfg, params, books, pre, prompt, method, batch, steps, warm_steps,
-                        prefill_chunk, hot_cache_rows, page_size, lean, lent_fraction,
-                        device_budget_gb, implementation, trace)
+            try:
+                rec = _cell(cfg, params, books, pre, prompt, method, batch, steps, warm_steps,
+                            prefill_chunk, hot_cache_rows, page_size, lean, lent_fraction,
+                            device_budget_gb, implementation, trace)
+            except Exception as err:  # noqa: BLE001  (recorded, the grid goes on)
+                rec = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"}
             rec.update(method=method, context=context, batch=batch, layers=cfg.num_layers,
                        prefill_s=prefill_s)
             records.append(rec)
             _write(out, model, records)
-            print(json.dumps({k: rec[k] for k in ("method", "context", "batch", "step_ms")
-                              if k in rec} | ({"skipped": rec["skipped"]} if "skipped" in rec
-                                              else {})), flush=True)
+            print(json.dumps({k: rec[k] for k in ("method", "context", "batch", "step_ms",
+                                                  "warmup_s", "skipped", "error") if k in rec}),
+                  flush=True)
         del pre
     _write(out, model, records)
     return records
