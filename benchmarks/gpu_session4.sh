@@ -19,7 +19,8 @@ case "${STEP:-check}" in
       tests/test_kernel_hot_resolve.py tests/test_kernel_topk.py tests/test_kernel_pq_topc.py \
       2>&1 | tail -15
     timeout 240 python3 benchmarks/topk_nosync_gpu.py --out "$OUT" 2>&1 | tail -25 ;;
-  scale)
+  scale)  # resumes from the committed results/scale/results.json
+    mkdir -p "$OUT/scale" && cp results/scale/results.json "$OUT/scale/" 2>/dev/null
     timeout 560 python3 -m experiments.cli run configs/experiments/scale.gin \
       "--gin.scale.implementation='triton'" "--gin.scale.contexts=${SCALE_CONTEXTS:-(32768,)}" \
       "--gin.scale.profile=${SCALE_PROFILE:-()}" 2>&1 | tr '\r' '\n' | grep -v "it/s\]\|tok/s\]" \
