@@ -2,7 +2,8 @@
 # The GPU calls of session 4 (issues 12, 13, 16), one device call each:
 #   STEP=check   GPU tests of the refactored engine and the changed kernels (hisparse ==
 #                resident with the Triton kernels, hot_resolve's narrow-leaf copy, topk and
-#                pq_topc without host syncs) + the topk/pq_topc no-sync benchmark
+#                pq_topc without host syncs) + the topk/pq_topc no-sync benchmark + where a
+#                128K prefill chunk's GPU time goes (benchmarks/prefill_profile_gpu.py)
 #   STEP=scale   experiments/scale.py at V4 shapes (4-layer slice), SCALE_CONTEXTS (default
 #                32K), batches 1 and 8, Triton kernels; traces of SCALE_PROFILE cells
 # Use through the device tool: carry [".whl"], command "STEP=check bash benchmarks/gpu_session4.sh".
@@ -18,7 +19,9 @@ case "${STEP:-check}" in
     timeout 260 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_hierarchy.py \
       tests/test_kernel_hot_resolve.py tests/test_kernel_topk.py tests/test_kernel_pq_topc.py \
       2>&1 | tail -15
-    timeout 240 python3 benchmarks/topk_nosync_gpu.py --out "$OUT" 2>&1 | tail -25 ;;
+    timeout 240 python3 benchmarks/topk_nosync_gpu.py --out "$OUT" 2>&1 | tail -25
+    timeout 150 python3 benchmarks/prefill_profile_gpu.py --context 131072 --out "$OUT" \
+      2>&1 | tail -24 ;;
   scale)  # resumes from the committed results/scale/results.json
     mkdir -p "$OUT/scale" && cp results/scale/results.json "$OUT/scale/" 2>/dev/null
     timeout 560 python3 -m experiments.cli run configs/experiments/scale.gin \
