@@ -12,15 +12,20 @@ Notation:
   KP = next power of two >= min(k, N) (output row), CAP = candidate buffer row (>= KP),
   NT = 2**digit_bits thresholds per counting pass, BLOCK positions per grid block.
 
-Stage 1 (the long rows, HBM-bound):
+Stage 1 (the long rows, HBM-bound), a fixed launch sequence (no XLA while loop or cond: the
+host never waits on a device value inside the op):
   1. Thresholds of the first pass come from a strided sample of each row (sorted in XLA): NT
      keys around the sample rank of the m-th largest, spaced so that one bracket holds about
-     CAP / 4 positions. Later passes try lo + 1 (a heavily tied lo ends at once) and split
-     [lo, hi) evenly in key space (NT parts, i.e. digit_bits bits per pass).
+     CAP / 4 positions.
   2. Counting kernel, grid (B, N / BLOCK): per block and threshold the count of eligible keys
-     >= t. XLA sums the blocks, picks the new bracket, keeps its per-block counts. A row stops
-     when c(lo) - c(hi) <= CAP or hi == lo + 1 (a single key, possibly tied many times). Rows
-     with L <= CAP need no pass at all.
+     >= t. XLA sums the blocks, picks the new bracket, keeps its per-block counts. Rows with
+     L <= CAP need no pass at all (their programs return at once).
+  2b. Refine kernel, grid (B,), always launched: a row is active when its bracket still holds
+     c(lo) - c(hi) > CAP keys over more than one key (rare after a sampled first pass). An
+     active row's program runs further counting passes over its whole row in an in-kernel loop
+     (thresholds lo + 1, then [lo, hi) split evenly in key space: digit_bits bits per pass,
+     at most 32 / digit_bits passes), then writes the final bracket's per-block counts; the
+     programs of the other rows return at once (the per-row "done" flag is an input).
   3. Selection kernel, same grid: keys >= hi are winners, written at [0, c(hi)) of the output
      row; keys in [lo, hi) are candidates, the first CAP of them in position order written to a
      candidate row. Offsets: exclusive prefix over blocks (XLA) + in-block prefix sum.
@@ -68,7 +73,6 @@ DEFAULT_SAMPLE = 1024       # strided sample per row for the first thresholds
 DEFAULT_CHUNK = 256         # positions per inner-loop step of the counting loops
 DEFAULT_NUM_WARPS = 4       # counting and stage-2 kernels
 DEFAULT_SELECT_WARPS = 8    # selection kernel (BLOCK / (32 * warps) positions per thread)
-_MAX_PASSES = 64            # a safety stop: 1 + 32 / digit_bits passes always suffice
 
 
 def _next_pow2(n: int) -> int:
@@ -119,6 +123,91 @@ def _count_kernel(row_ref, thr_ref, x_ref, cnt_ref, *, block, chunk):
         acc = lax.fori_loop(0, block // chunk, step,
                             jnp.zeros((chunk, thr.shape[0]), jnp.int32))
         cnt_ref[...] = jnp.sum(acc, axis=0)
+
+
+def even_thresholds(lo, hi, digit_bits):
+    """NT thresholds inside (lo, hi), ascending, for a bracket with hi >= lo + 2: lo + 1 (a
+    bracket often starts at a heavily tied key), then lo + j * ceil((hi - lo) / NT) for j = 1
+    .. NT - 1 (clipped below hi), so the next bracket is at most ceil((hi - lo) / NT) keys
+    wide: 32 / digit_bits passes narrow any bracket to one key. lo, hi: int32 scalars (in a
+    kernel) or [B] arrays (then [B, NT]). int32 only (Triton-friendly): hi - lo may exceed
+    INT32_MAX, so offsets wrap and are compared as unsigned (x ^ INT32_MIN, signed)."""
+    nt = 1 << digit_bits
+    lo, hi = jnp.asarray(lo)[..., None], jnp.asarray(hi)[..., None]
+    d = hi - lo  # unsigned in [2, 2^32)
+    step = lax.shift_right_logical(d, jnp.int32(digit_bits)) + (d & (nt - 1) != 0).astype(
+        jnp.int32)  # ceil(d / NT) <= 2^(32 - digit_bits)
+    j = lax.broadcasted_iota(jnp.int32, (*d.shape[:-1], nt), d.ndim - 1)
+    off = jnp.where(j == 0, 1, j * step)  # unsigned, may wrap past INT32_MAX
+    off = jnp.where((off ^ INT32_MIN) < ((d - 1) ^ INT32_MIN), off, d - 1)
+    return lo + off
+
+
+def _refine_kernel(row_ref, x_ref, br_ref, blk_ref, *, block, chunk, digit_bits, cap,
+                   max_passes):
+    """Fallback narrowing of one row, after the first pass: rows flagged active (bracket
+    [lo, hi) still holds > CAP keys over > 1 key) run counting passes over their whole row
+    until it holds <= CAP keys or one key; all other rows return at once (an early exit, so
+    the launch is always made and the host never waits on a device value).
+
+    Refs: inputs  row_ref [8] int32 (length, m, active, lo, hi, c(lo), c(hi), unused),
+                  x_ref [NP] f32 (the whole row; NP = 2^ceil(log2 N), loads past N masked)
+          outputs br_ref [2] int32 (new lo, hi), blk_ref [2, NBP] int32 (per block of BLOCK
+                  positions: c(lo), c(hi) of the new bracket; NBP = 2^ceil(log2 nblk), blocks
+                  past the row's length count 0). Written for active rows only.
+    Notation as in the module docstring; each pass counts NT = 2^digit_bits thresholds from
+    ``even_thresholds`` and keeps the tightest [t, t') with c(t) >= m > c(t') (thresholds
+    ascend, so c descends: the largest t with c(t) >= m and the smallest t' with c(t') < m).
+    """
+    @pl.when(row_ref[2] != 0)
+    def _():
+        length, m = row_ref[0], row_ref[1]
+        nt = 1 << digit_bits
+        live = (length + chunk - 1) // chunk  # chunks holding eligible positions
+
+        def count_row(thr):  # [NT] -> [NT] counts over the row's eligible positions
+            def step(i, acc):
+                start = pl.multiple_of(i * chunk, chunk)
+                _, key = eligible_keys(x_ref[pl.ds(start, chunk)], start, length)
+                return acc + count_at_least(key, thr)
+
+            acc = lax.fori_loop(0, live, step, jnp.zeros((chunk, nt), jnp.int32))
+            return jnp.sum(acc, axis=0)
+
+        def cond(s):
+            it, lo, hi, c_lo, c_hi = s
+            return (c_lo - c_hi > cap) & (lo + 1 < hi) & (it < max_passes)
+
+        def body(s):
+            it, lo, hi, c_lo, c_hi = s
+            thr = even_thresholds(lo, hi, digit_bits)
+            cnt = count_row(thr)
+            ge = cnt >= m
+            return (it + 1, jnp.max(jnp.where(ge, thr, lo)), jnp.min(jnp.where(ge, hi, thr)),
+                    jnp.min(jnp.where(ge, cnt, c_lo)), jnp.max(jnp.where(ge, c_hi, cnt)))
+
+        s = (jnp.int32(0), row_ref[3], row_ref[4], row_ref[5], row_ref[6])
+        _, lo, hi, _, _ = lax.while_loop(cond, body, s)
+        two = lax.broadcasted_iota(jnp.int32, (2,), 0)
+        bounds = jnp.where(two == 0, lo, hi)
+        br_ref[...] = bounds
+
+        # Per-block c(lo), c(hi) of the final bracket (the selection kernel's offsets).
+        nbp = blk_ref.shape[1]
+        blk_id = lax.broadcasted_iota(jnp.int32, (2, nbp), 1)
+
+        def per_block(jb, acc):
+            def step(i, a):
+                start = pl.multiple_of(jb * block + i * chunk, chunk)
+                _, key = eligible_keys(x_ref[pl.ds(start, chunk)], start, length)
+                return a + count_at_least(key, bounds)
+
+            c = jnp.sum(lax.fori_loop(0, block // chunk, step,
+                                      jnp.zeros((chunk, 2), jnp.int32)), axis=0)  # [2]
+            return jnp.where(blk_id == jb, c[:, None], acc)
+
+        blk_ref[...] = lax.fori_loop(0, (length + block - 1) // block, per_block,
+                                     jnp.zeros((2, nbp), jnp.int32))
 
 
 def _select_kernel(row_ref, off_ref, x_ref, wpos_ref, wval_ref, cpos_ref, cval_ref, *, block):
@@ -266,6 +355,10 @@ class Config:
     def chunk2(self) -> int:  # stage-2 chunk
         return min(self.chunk, self.cap)
 
+    @property
+    def max_passes(self) -> int:  # refine passes: 32 / digit_bits narrow any bracket to a key
+        return 32 // self.digit_bits + 1
+
 
 def config(n: int, k: int, *, block: int = DEFAULT_BLOCK, digit_bits: int = DEFAULT_DIGIT_BITS,
            cap: int = DEFAULT_CAP, sample: int = DEFAULT_SAMPLE, chunk: int = DEFAULT_CHUNK,
@@ -328,18 +421,6 @@ def sample_thresholds(xs, length, m, cfg: Config):
     return jnp.clip(thr + dup.astype(jnp.int32), KEY_NEG_INF, INT32_MAX)
 
 
-def _even_thresholds(lo, hi, nt):
-    """NT thresholds inside (lo, hi), ascending: lo + 1 (a bracket often starts at a heavily
-    tied key), then lo + j * ceil((hi - lo) / NT) for j = 1 .. NT - 1 (clipped below hi), so
-    the next bracket is at most ceil((hi - lo) / NT) keys wide: 32 / digit_bits passes narrow
-    any bracket to one key. Unsigned offsets since hi - lo may exceed INT32_MAX."""
-    d = lax.bitcast_convert_type(hi - lo, jnp.uint32)[:, None]
-    step = (d + jnp.uint32(nt - 1)) // jnp.uint32(nt)  # d <= 0xFF800000: no overflow
-    j = jnp.arange(nt, dtype=jnp.uint32)[None, :]
-    off = jnp.minimum(jnp.maximum(j * step, 1), d - 1)
-    return lo[:, None] + lax.bitcast_convert_type(off, jnp.int32)
-
-
 def _exclusive_cumsum(x):
     return jnp.cumsum(x, axis=-1) - x
 
@@ -386,36 +467,49 @@ def _narrow(state, thr, cnt, m, cap):
 
 
 def _search(scores, length, m, thr0, cnt0, cfg: Config):
-    """Counting passes until every row's bracket holds <= CAP keys (or one key); returns
-    (lo, hi, blk_lo, blk_hi). Pass 0 uses thr0; its counts are cnt0 when a producer counted
-    them already (then the loop starts at pass 1), else the counting kernel's."""
+    """The bracket (lo, hi, blk_lo, blk_hi) of every row, by a fixed launch sequence: pass 0
+    (thresholds thr0; its per-block counts cnt0 when a producer counted them already, else the
+    counting kernel's, rows with L <= CAP skipped), then one refine launch in which only rows
+    whose bracket still holds > CAP keys over > 1 key do work. No loop or branch runs on a
+    device predicate in XLA, so the host never waits inside the op."""
     b, nt = scores.shape[0], cfg.nt
-    count_call = pl.pallas_call(
-        functools.partial(_count_kernel, block=cfg.block, chunk=cfg.chunk),
-        grid=(b, cfg.nblk),
-        in_specs=[pl.BlockSpec((None, 2), lambda i, j: (i, 0)),
-                  pl.BlockSpec((None, nt), lambda i, j: (i, 0)),
-                  pl.BlockSpec((None, cfg.block), lambda i, j: (i, j))],
-        out_specs=pl.BlockSpec((None, None, nt), lambda i, j: (i, j, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, cfg.nblk, nt), jnp.int32),
-        name="topk_count", **_kernel_params(cfg, cfg.num_warps))
-
     state = _start(length, cfg)
-    if cnt0 is not None:
-        state = _narrow(state, thr0, cnt0, m, cfg.cap)
-
-    def cond(state):
-        return jnp.any(_active(state, cfg.cap)) & (state[0] < _MAX_PASSES)
-
-    def body(state):
-        it, lo, hi = state[:3]
-        thr = jnp.where(it == 0, thr0, _even_thresholds(lo, hi, nt))
-        thr = jnp.clip(thr, lo[:, None], hi[:, None])
+    if cnt0 is None:
+        thr0 = jnp.clip(thr0, KEY_NEG_INF, INT32_MAX)  # inside the start bracket
         act = _active(state, cfg.cap).astype(jnp.int32)
-        cnt = count_call(jnp.stack([length, act], axis=1), thr, scores)
-        return _narrow(state, thr, cnt, m, cfg.cap)
+        cnt0 = pl.pallas_call(
+            functools.partial(_count_kernel, block=cfg.block, chunk=cfg.chunk),
+            grid=(b, cfg.nblk),
+            in_specs=[pl.BlockSpec((None, 2), lambda i, j: (i, 0)),
+                      pl.BlockSpec((None, nt), lambda i, j: (i, 0)),
+                      pl.BlockSpec((None, cfg.block), lambda i, j: (i, j))],
+            out_specs=pl.BlockSpec((None, None, nt), lambda i, j: (i, j, 0)),
+            out_shape=jax.ShapeDtypeStruct((b, cfg.nblk, nt), jnp.int32),
+            name="topk_count", **_kernel_params(cfg, cfg.num_warps),
+        )(jnp.stack([length, act], axis=1), thr0, scores)
+    state = _narrow(state, thr0, cnt0, m, cfg.cap)
 
-    return lax.while_loop(cond, body, state)[1:]
+    _, lo, hi, blk_lo, blk_hi = state
+    act = _active(state, cfg.cap)
+    row = jnp.stack([length, m, act.astype(jnp.int32), lo, hi, jnp.sum(blk_lo, axis=1),
+                     jnp.sum(blk_hi, axis=1), jnp.zeros_like(lo)], axis=1)
+    np_, nbp = _next_pow2(cfg.n), _next_pow2(cfg.nblk)
+    br, blk = pl.pallas_call(
+        functools.partial(_refine_kernel, block=cfg.block, chunk=cfg.chunk,
+                          digit_bits=cfg.digit_bits, cap=cfg.cap, max_passes=cfg.max_passes),
+        grid=(b,),
+        in_specs=[pl.BlockSpec((None, 8), lambda i: (i, 0)),
+                  pl.BlockSpec((None, np_), lambda i: (i, 0))],
+        out_specs=[pl.BlockSpec((None, 2), lambda i: (i, 0)),
+                   pl.BlockSpec((None, 2, nbp), lambda i: (i, 0, 0))],
+        out_shape=[jax.ShapeDtypeStruct((b, 2), jnp.int32),
+                   jax.ShapeDtypeStruct((b, 2, nbp), jnp.int32)],
+        name="topk_refine", **_kernel_params(cfg, cfg.num_warps))(row, scores)
+    # Rows the refine kernel skipped keep their pass-0 bracket (its outputs there are unset).
+    keep = jnp.logical_not(act)
+    return (jnp.where(keep, lo, br[:, 0]), jnp.where(keep, hi, br[:, 1]),
+            jnp.where(keep[:, None], blk_lo, blk[:, 0, :cfg.nblk]),
+            jnp.where(keep[:, None], blk_hi, blk[:, 1, :cfg.nblk]))
 
 
 def _select(scores, length, lo, hi, blk_lo, blk_hi, cfg: Config):
