@@ -1,0 +1,350 @@
+"""Issue 16, deliver 1 on the GPU: topk and pq_topc without a host wait inside the op.
+
+Run on the GPU machine (jax 0.11.2, H200), from the repository root:
+    PYTHONPATH=$PWD python3 benchmarks/topk_nosync_gpu.py [--out DIR]
+(DIR defaults to $OUT, else runs/topk_nosync_gpu). About 1-2 minutes; a time budget
+(--budget, 150 s) skips what is left rather than run over.
+
+Shapes as in experiments/kernel_compare.py: topk 64 x 262144 f32, k = 2048; pq_topc B = 64,
+N = 131072, H = 64, D = 128, M = 32, K = 256, C = 2048. Implementations:
+  xla         the XLA reference (``implementation="xla"``),
+  triton_old  the Pallas-Triton kernels as of 78be51b: counting passes in an XLA while loop on
+              a device predicate (frozen copies in benchmarks/baselines/),
+  triton      the fixed launch sequence (count, refine with early exit, select, finish),
+  triton_unfused (pq_topc only) the score kernel, then the whole topk.
+Timing reuses experiments.kernel_compare.time_case: "ms" = one jitted program over R >= 8
+distinct input sets, divided by R (launch overhead amortized). "call_ms" = 8 separately
+dispatched calls of one jitted function on one input set, one sync at the end (what a caller
+pays). "host_ms" = host time to dispatch one call without waiting (a host wait inside the op
+shows up here as about the whole call). Roofline: 3.0 TB/s HBM reading the op's input once
+(topk: the f32 scores; pq_topc: the uint8 codes and q).
+Checks against XLA: "sets" = fraction of rows whose index set equals the reference's on the
+timing inputs ("ovl" = mean overlap; pq_topc's bf16 scores may move the C-th place there);
+"sets*" = the same on check inputs where sets must match exactly (topk: integer scores with
+heavy ties, NaN poison, lengths 0, 1, k - 1, k, k + 1, ...; pq_topc: integer inputs, exact in
+bf16). A jax.profiler trace of 3 calls of each Triton variant goes to DIR/trace (TensorBoard /
+xprof / Perfetto: the old path shows the stream idle while the host reads each pass's
+predicate, the new one a gap-free stream).
+
+Writes DIR/topk_nosync_gpu.json and DIR/topk_nosync_gpu.txt (the printed table). A variant that
+fails prints its error in its row; the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import pathlib
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+HERE = pathlib.Path(__file__).resolve().parent
+HBM_BYTES_PER_S = 3.0e12
+TOPK = dict(b=64, n=262144, k=2048)
+PQ = dict(b=64, n=131072, h=64, d=128, m=32, centroids=256, c=2048)
+# --small: a CPU smoke run of this script (Pallas interpret mode), not a benchmark.
+SMALL_TOPK = dict(b=8, n=4096, k=64)
+SMALL_PQ = dict(b=8, n=1024, h=16, d=32, m=8, centroids=16, c=64)
+INTERPRET = False  # set by run(): True without a GPU
+
+
+def _load(name: str, path: pathlib.Path, replace: dict[str, str] | None = None):
+    """Imports a source file as module ``name`` (imports in it rewritten by ``replace``)."""
+    src = path.read_text()
+    for old, new in (replace or {}).items():
+        if old not in src:
+            raise RuntimeError(f"{path.name}: expected {old!r} to rewrite")
+        src = src.replace(old, new)
+    spec = importlib.util.spec_from_loader(name, loader=None)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    exec(compile(src, str(path), "exec"), module.__dict__)
+    return module
+
+
+def old_modules():
+    """(topk, pq_topc) Triton modules as of 78be51b, or the error that stopped their import."""
+    try:
+        topk_old = _load("topk_triton_78be51b", HERE / "baselines" / "topk_triton_78be51b.py")
+        pq_old = _load("pq_topc_triton_78be51b", HERE / "baselines" / "pq_topc_triton_78be51b.py",
+                       {"from pallas_kernels.topk import triton as topk_impl":
+                        "import topk_triton_78be51b as topk_impl",
+                        "from pallas_kernels.topk.triton import count_at_least, eligible_keys":
+                        "from topk_triton_78be51b import count_at_least, eligible_keys"})
+        return topk_old, pq_old
+    except Exception as err:  # the package moved on: report, time the rest
+        return err, err
+
+
+# ------------------------------------------------------------------------------ cases
+
+
+def topk_call(old):
+    from pallas_kernels.topk import topk
+
+    k = TOPK["k"]
+
+    def call(impl, scores, lengths):
+        if impl == "triton_old":
+            if isinstance(old, Exception):
+                raise old
+            return old.topk_triton(scores, lengths, k, interpret=INTERPRET)
+        return topk(scores, lengths, k, implementation=impl)
+
+    return call
+
+
+def pq_call(old):
+    from pallas_kernels.pq_topc import pq_topc
+    from pallas_kernels.pq_topc import triton as pq_triton
+
+    c = PQ["c"]
+
+    def call(impl, *args):
+        if impl == "triton_old":
+            if isinstance(old, Exception):
+                raise old
+            return old.pq_topc_triton(*args, num_candidates=c, interpret=INTERPRET)
+        if impl == "triton_unfused":
+            return pq_triton.pq_topc_triton(*args, num_candidates=c, fused=False,
+                                            interpret=INTERPRET)
+        return pq_topc(*args, num_candidates=c, implementation=impl)
+
+    return call
+
+
+def topk_tie_inputs():
+    """Integer scores (heavy ties), NaN past the lengths, lengths 0, 1, k - 1, k, k + 1, ..."""
+    b, n, k = TOPK["b"], TOPK["n"], TOPK["k"]
+    rng = np.random.default_rng(16)
+    lengths = np.full((b,), n, np.int32)
+    lengths[:8] = [0, 1, k - 1, k, k + 1, min(5000, n - 2), n // 2, n - 1]
+    scores = rng.integers(0, 50, size=(b, n)).astype(np.float32)
+    scores[np.arange(n)[None, :] >= lengths[:, None]] = np.nan
+    return jnp.asarray(scores), jnp.asarray(lengths)
+
+
+def pq_exact_inputs():
+    """Small-integer q and codebooks, dyadic weights: bf16 scores equal f32 ones exactly."""
+    p = PQ
+    rng = np.random.default_rng(17)
+    q = rng.integers(-1, 2, (p["b"], p["h"], p["d"])).astype(np.float32)
+    w = (rng.integers(-2, 5, (p["b"], p["h"])) / 4).astype(np.float32)
+    books = rng.integers(-1, 2, (p["m"], p["centroids"], p["d"] // p["m"])).astype(np.float32)
+    codes = rng.integers(0, p["centroids"], (p["b"], p["n"], p["m"])).astype(np.uint8)
+    lengths = np.full((p["b"],), p["n"], np.int32)
+    lengths[:6] = [0, 1, p["c"] - 1, p["c"], p["c"] + 1, p["n"] // 2]
+    return tuple(map(jnp.asarray, (q, w, codes, books, lengths)))
+
+
+def _sets(pos):
+    pos = np.asarray(pos)
+    return [frozenset(row[row >= 0].tolist()) for row in pos]
+
+
+def set_agreement(got, want) -> tuple[float, float]:
+    """(fraction of rows with equal sets, mean overlap |got & want| / |want|)."""
+    g, w = _sets(got[0]), _sets(want[0])
+    equal = np.mean([a == b for a, b in zip(g, w)])
+    overlap = np.mean([len(a & b) / max(len(b), 1) for a, b in zip(g, w)])
+    return float(equal), float(overlap)
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def _timer():
+    """experiments.kernel_compare.time_case when importable, else a per-call fallback on
+    benchmarks/timing.median_time (same arguments)."""
+    try:
+        from experiments.kernel_compare import time_case
+
+        return time_case
+    except Exception as err:  # gin / tqdm missing on this machine
+        print(f"kernel_compare timing unavailable ({type(err).__name__}: {err}); "
+              "using benchmarks/timing.median_time per call")
+        from timing import median_time
+
+        def time_case(case, impl, repeats, warmup=2):
+            args = case.make(jax.random.key(0))
+            fn = jax.jit(lambda *a: case.call(impl, *a))
+            return median_time(fn, lambda: args, repeats=repeats, warmup=warmup)
+
+        return time_case
+
+
+def dispatch_seconds(fn, args, calls=8, repeats=3) -> tuple[float, float]:
+    """(host seconds to dispatch one call without waiting, seconds per call of ``calls``
+    back-to-back dispatched calls with one sync at the end), medians over repeats; fn warm."""
+    host, total = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        outs = [fn(*args) for _ in range(calls)]
+        t1 = time.perf_counter()
+        jax.block_until_ready(outs)
+        host.append((t1 - t0) / calls)
+        total.append((time.perf_counter() - t0) / calls)
+    return float(np.median(host)), float(np.median(total))
+
+
+@dataclasses.dataclass
+class Case:
+    """Just what ``time_case`` reads: make (key -> args) and call (impl, *args)."""
+
+    make: callable
+    call: callable
+
+
+def run(out: pathlib.Path, repeats: int, budget: float):
+    global INTERPRET
+    from pallas_kernels import common
+
+    INTERPRET = common.interpret()
+    start = time.perf_counter()
+    time_case = _timer()
+    topk_old, pq_old = old_modules()
+    if isinstance(topk_old, Exception):
+        print(f"triton_old unavailable: {type(topk_old).__name__}: {topk_old}")
+
+    b, n = TOPK["b"], TOPK["n"]
+    p = PQ
+
+    def topk_make(key):
+        return jax.random.normal(key, (b, n), jnp.float32), jnp.full((b,), n, jnp.int32)
+
+    def pq_make(key):
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        return (jax.random.normal(k1, (p["b"], p["h"], p["d"]), jnp.float32),
+                jax.random.normal(k2, (p["b"], p["h"]), jnp.float32),
+                jax.random.randint(k3, (p["b"], p["n"], p["m"]), 0, p["centroids"],
+                                   jnp.int32).astype(jnp.uint8),
+                jax.random.normal(k4, (p["m"], p["centroids"], p["d"] // p["m"]), jnp.float32),
+                jnp.full((p["b"],), p["n"], jnp.int32))
+
+    ops = [
+        dict(op="topk", shape=f"B={b},N={n},k={TOPK['k']}", case=Case(topk_make, topk_call(
+            topk_old)), impls=("xla", "triton_old", "triton"),
+            roof_bytes=4.0 * b * n, check=topk_tie_inputs),
+        dict(op="pq_topc", shape=f"B={p['b']},N={p['n']},C={p['c']}",
+             case=Case(pq_make, pq_call(pq_old)),
+             impls=("xla", "triton_old", "triton", "triton_unfused"),
+             roof_bytes=float(p["b"] * p["n"] * p["m"] + p["b"] * p["h"] * p["d"] * 4),
+             check=pq_exact_inputs),
+    ]
+    rows, compiled = [], []
+    for spec in ops:
+        case, op = spec["case"], spec["op"]
+        args = case.make(jax.random.key(0))
+        check_args = None
+        ref = ref_check = None
+        for impl in spec["impls"]:
+            row = dict(op=op, impl=impl, shape=spec["shape"],
+                       roofline_ms=1e3 * spec["roof_bytes"] / HBM_BYTES_PER_S)
+            rows.append(row)
+            if time.perf_counter() - start > budget:
+                row["error"] = f"skipped: over the {budget:.0f} s budget"
+                continue
+            try:
+                fn = jax.jit(lambda *a, c=case, i=impl: c.call(i, *a))
+                got = jax.block_until_ready(fn(*args))
+                if check_args is None:
+                    check_args = spec["check"]()
+                got_check = jax.block_until_ready(fn(*check_args))
+                if impl == "xla":
+                    ref, ref_check = got, got_check
+                elif ref is not None:
+                    row["sets_equal_timing_inputs"], row["overlap_timing_inputs"] = \
+                        set_agreement(got, ref)
+                    row["sets_equal_check_inputs"], _ = set_agreement(got_check, ref_check)
+                host, per_call = dispatch_seconds(fn, args)
+                row["host_ms"], row["call_ms"] = 1e3 * host, 1e3 * per_call
+                compiled.append((f"{op}/{impl}", fn, args))
+                row["ms"] = 1e3 * time_case(case, impl, repeats)
+            except Exception as err:
+                row["error"] = f"{type(err).__name__}: {err}"[:400]
+                row["trace"] = traceback.format_exc(limit=3)[-1200:]
+                print(f"{op}/{impl} failed:\n{row['trace']}")
+        xla = next((r for r in rows if r["op"] == op and r["impl"] == "xla" and "ms" in r),
+                   None)
+        for r in rows:
+            if r["op"] == op and "ms" in r:
+                r["speedup_vs_xla"] = xla["ms"] / r["ms"] if xla else None
+                r["fraction_of_roofline"] = r["roofline_ms"] / r["ms"]
+        print(f"{op}: done at {time.perf_counter() - start:.0f} s")
+
+    trace_dir = out / "trace"
+    try:
+        profile(trace_dir, [c for c in compiled if not c[0].endswith("/xla")])
+    except Exception as err:
+        print(f"profile failed: {type(err).__name__}: {err}")
+
+    table = format_table(rows)
+    print(table)
+    (out / "topk_nosync_gpu.txt").write_text(table + "\n")
+    result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                  hbm_bytes_per_s=HBM_BYTES_PER_S, repeats=repeats,
+                  seconds_total=time.perf_counter() - start, trace_dir=str(trace_dir),
+                  rows=rows, table=table)
+    (out / "topk_nosync_gpu.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"wrote {out}/topk_nosync_gpu.json, topk_nosync_gpu.txt and {trace_dir}/")
+
+
+def profile(trace_dir: pathlib.Path, compiled):
+    """A jax.profiler trace of 3 back-to-back calls of each (warm) Triton variant."""
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    with jax.profiler.trace(str(trace_dir)):
+        for name, fn, args in compiled:
+            with jax.profiler.TraceAnnotation(name):
+                jax.block_until_ready([fn(*args) for _ in range(3)])
+
+
+def format_table(rows) -> str:
+    head = (f"{'op':8s} {'impl':15s} {'ms':>8s} {'call_ms':>8s} {'host_ms':>8s} "
+            f"{'xXLA':>6s} {'%roof':>6s} {'sets':>5s} {'ovl':>5s} {'sets*':>5s}")
+    lines = [head, "-" * len(head)]
+    fmt = lambda v, spec: format(v, spec) if isinstance(v, (int, float)) else "-"  # noqa: E731
+    for r in rows:
+        if "ms" not in r:
+            lines.append(f"{r['op']:8s} {r['impl']:15s} {'n/a':>8s}  {r.get('error', '')[:70]}")
+            continue
+        lines.append(
+            f"{r['op']:8s} {r['impl']:15s} {r['ms']:8.3f} {r['call_ms']:8.3f} "
+            f"{r['host_ms']:8.3f} {fmt(r.get('speedup_vs_xla'), '6.2f'):>6s} "
+            f"{100 * r['fraction_of_roofline']:6.1f} "
+            f"{fmt(r.get('sets_equal_timing_inputs'), '5.2f'):>5s} "
+            f"{fmt(r.get('overlap_timing_inputs'), '5.3f'):>5s} "
+            f"{fmt(r.get('sets_equal_check_inputs'), '5.2f'):>5s}")
+    lines.append("ms: batched over R input sets; call_ms: 8 dispatched calls / 8; host_ms: "
+                 "host dispatch time of one call; xXLA: XLA ms / ms; %roof: 3.0 TB/s reading the "
+                 "input once / ms; sets / ovl: rows with the XLA set / mean overlap on the timing "
+                 "inputs; sets*: rows with the XLA set on the tie / exact inputs")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT") or "runs/topk_nosync_gpu")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--budget", type=float, default=150.0,
+                        help="seconds after which remaining variants are skipped")
+    parser.add_argument("--small", action="store_true",
+                        help="tiny shapes: a CPU smoke run of the script, not a benchmark")
+    args = parser.parse_args()
+    if args.small:
+        TOPK.update(SMALL_TOPK)
+        PQ.update(SMALL_PQ)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    run(out, args.repeats, args.budget)
+
+
+if __name__ == "__main__":
+    main()
