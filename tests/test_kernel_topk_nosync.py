@@ -111,6 +111,45 @@ def test_k_equal_to_n(n, k):
         _check_against_xla(scores, lengths, k, got)
 
 
+def _one_read_ok(scores, lengths, k, tun):
+    cfg = topk_impl.config(scores.shape[1], k, interpret=True, one_read=True, **tun)
+    length, m = topk_impl.row_lengths(jnp.asarray(lengths), cfg)
+    fn = jax.jit(topk_impl.one_read_select, static_argnames="cfg")
+    return np.asarray(fn(jnp.asarray(scores), length, m, cfg=cfg)[0])
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "extreme", "relu"])
+def test_one_read_matches_xla(kind):
+    """one_read=True: rows finished from the one selection pass (sampled floor, per-block
+    segments) and rows that fall back to the two-read sequence (a floor above the m-th key,
+    or a block with more than SEG candidates: here an ascending row and a row whose
+    candidates all sit in one block) both give the reference's sets."""
+    scores, lengths, k = _case(11 + len(kind), kind, b=6, n=2000, k=24)
+    lengths[1] = 2000  # replace the row shorter than k by two long adversarial ones
+    scores[1] = np.sort(scores[1])  # ascending: every winner in the last blocks
+    scores[2, :lengths[2]] = -1.0
+    scores[2, 640:640 + k] = 5.0  # fewer than k candidates anywhere but one block
+    lengths[2] = 2000
+    tun = dict(block=128, sample=512, chunk=64)
+    got = topk_impl.topk_triton(jnp.asarray(scores), jnp.asarray(lengths), k, one_read=True,
+                                **tun)
+    _check_against_xla(scores, lengths, k, got)
+    ok = _one_read_ok(scores, lengths, k, tun)
+    if kind == "normal":  # both paths ran
+        assert ok[[0, 4, 5]].all() and not ok[1], ok
+
+
+@pytest.mark.parametrize("n,k", [(300, 300), (1000, 999)])
+def test_one_read_k_near_n(n, k):
+    """k == N (or N - 1): the floor is key(-inf), every eligible position a candidate."""
+    rng = np.random.default_rng(n)
+    lengths = np.array([n, 0, n - 7, 1], np.int32)
+    scores = _poison(rng, rng.integers(-3, 4, size=(4, n)).astype(np.float32), lengths)
+    got = topk_impl.topk_triton(jnp.asarray(scores), jnp.asarray(lengths), k, one_read=True,
+                                block=64, sample=128)
+    _check_against_xla(scores, lengths, k, got)
+
+
 def test_even_thresholds_against_big_ints():
     """Inside (lo, hi), ascending, first lo + 1, gaps <= ceil((hi - lo) / NT), for brackets up
     to the whole int32 range (hi - lo overflows int32)."""
@@ -163,6 +202,8 @@ def _ops():
                 jax.ShapeDtypeStruct((b,), jnp.int32))
     return [
         ("topk", functools.partial(topk, k=2048, implementation="triton"), topk_specs),
+        ("topk_one_read", functools.partial(topk_impl.topk_triton, k=2048, one_read=True,
+                                            sample=4096), topk_specs),
         ("pq_topc_fused", functools.partial(pq_triton.pq_topc_triton, num_candidates=2048),
          pq_specs),
         ("pq_topc_unfused", functools.partial(pq_triton.pq_topc_triton, num_candidates=2048,
@@ -184,6 +225,8 @@ def test_no_device_predicate_control_flow(name, fn, specs):
                 if op in body], f"{name}: control flow on device values"
     assert text.count(common.TRITON_CALL_TARGET) >= 4  # ... refine, select, finish
     assert "topk_refine" in text
+    if name == "topk_one_read":
+        assert "topk_select_seg" in text and "topk_finish_seg" in text
 
 
 def test_old_while_loop_would_be_caught():
