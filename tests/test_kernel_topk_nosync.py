@@ -139,6 +139,25 @@ def test_one_read_matches_xla(kind):
         assert ok[[0, 4, 5]].all() and not ok[1], ok
 
 
+@pytest.mark.parametrize("cap", [64, 4096])
+def test_one_read_floor_above_the_kth(cap):
+    """Every sample position holds the row's top score, so the floor t lands on it and c(t)
+    (the sampled positions only) < m: the row falls back from the bracket [key(-inf), t)
+    (refined in-kernel when it holds > CAP keys, cap=64)."""
+    rng = np.random.default_rng(cap)
+    n, k, sample = 2000, 100, 64
+    scores = rng.normal(size=(3, n)).astype(np.float32)
+    stride = n // sample
+    scores[:2, ::stride] = 10.0
+    lengths = np.array([n, n - 5, n], np.int32)
+    scores = _poison(rng, scores, lengths)
+    tun = dict(block=128, sample=sample, chunk=64, cap=cap)
+    got = topk_impl.topk_triton(jnp.asarray(scores), jnp.asarray(lengths), k, one_read=True,
+                                **tun)
+    _check_against_xla(scores, lengths, k, got)
+    assert not _one_read_ok(scores, lengths, k, tun)[:2].any()
+
+
 @pytest.mark.parametrize("n,k", [(300, 300), (1000, 999)])
 def test_one_read_k_near_n(n, k):
     """k == N (or N - 1): the floor is key(-inf), every eligible position a candidate."""

@@ -46,10 +46,11 @@ once in the common case.
   3. Per-row finish, grid (B,): a row is ok when c(t) >= m and no block overflowed its
      segment; stage 2 above then runs on the segments (r = m, no stage-1 winners; slots with
      position -1 are skipped), and the tie rule holds because segments keep position order.
-  4. Fallback, same launches always made: the two-read sequence above (count, refine, select,
-     finish) with every program of an ok row returning at once; XLA keeps each row's result
-     from its path. A floor above the m-th key or a crowded block (e.g. ascending scores)
-     only costs time.
+  4. Fallback, same launches always made: the two-read sequence above from the bracket the
+     floor gives ([t, INT32_MAX) when c(t) >= m, else [key(-inf), t); the segment kernel
+     counted c(t) per block, so no counting pass): refine, select, finish, with every program
+     of an ok row returning at once; XLA keeps each row's result from its path. A floor above
+     the m-th key or a crowded block (e.g. ascending scores) only costs time.
 
 Entry points: ``topk_triton`` runs all of the above. ``topk_after_first_pass`` enters after
 the first counting pass, for a producer of the score rows that counted pass 1 itself while
@@ -564,16 +565,12 @@ def _narrow(state, thr, cnt, m, cap):
             jnp.where(act[:, None], new_blk_hi, blk_hi))
 
 
-def _search(scores, length, m, thr0, cnt0, cfg: Config, skip=None):
-    """The bracket (lo, hi, blk_lo, blk_hi) of every row, by a fixed launch sequence: pass 0
-    (thresholds thr0; its per-block counts cnt0 when a producer counted them already, else the
-    counting kernel's, rows with L <= CAP skipped), then one refine launch in which only rows
-    whose bracket still holds > CAP keys over > 1 key do work. No loop or branch runs on a
-    device predicate in XLA, so the host never waits inside the op. skip [B] bool (optional):
-    rows another path finished; their programs return at once (their results are unset)."""
+def _pass0(scores, length, m, thr0, cnt0, cfg: Config, todo):
+    """Bracket state after pass 0: thresholds thr0; their per-block counts cnt0 when a
+    producer counted them already, else the counting kernel's (rows with L <= CAP or not in
+    todo [B] bool return at once)."""
     b, nt = scores.shape[0], cfg.nt
     state = _start(length, cfg)
-    todo = jnp.ones(length.shape, bool) if skip is None else jnp.logical_not(skip)
     if cnt0 is None:
         thr0 = jnp.clip(thr0, KEY_NEG_INF, INT32_MAX)  # inside the start bracket
         act = (_active(state, cfg.cap) & todo).astype(jnp.int32)
@@ -587,8 +584,29 @@ def _search(scores, length, m, thr0, cnt0, cfg: Config, skip=None):
             out_shape=jax.ShapeDtypeStruct((b, cfg.nblk, nt), jnp.int32),
             name="topk_count", **_kernel_params(cfg, cfg.num_warps),
         )(jnp.stack([length, act], axis=1), thr0, scores)
-    state = _narrow(state, thr0, cnt0, m, cfg.cap)
+    return _narrow(state, thr0, cnt0, m, cfg.cap)
 
+
+def _floor_state(length, m, t, cnt, cfg: Config):
+    """Bracket state from the one-read pass, which counted c(t) per block (cnt [B, nblk], true
+    counts even where a segment overflowed): [t, INT32_MAX) when c(t) >= m, else
+    [key(-inf), t)."""
+    it, lo, hi, blk_lo, blk_hi = _start(length, cfg)
+    above = jnp.sum(cnt, axis=1) >= m
+    return (it, jnp.where(above, t, lo), jnp.where(above, hi, t),
+            jnp.where(above[:, None], cnt, blk_lo), jnp.where(above[:, None], blk_hi, cnt))
+
+
+def _search(scores, length, m, thr0, cnt0, cfg: Config, skip=None, state=None):
+    """The bracket (lo, hi, blk_lo, blk_hi) of every row, by a fixed launch sequence: pass 0
+    (``_pass0``; or a given bracket ``state``), then one refine launch in which only rows
+    whose bracket still holds > CAP keys over > 1 key do work. No loop or branch runs on a
+    device predicate in XLA, so the host never waits inside the op. skip [B] bool (optional):
+    rows another path finished; their programs return at once (their results are unset)."""
+    b = scores.shape[0]
+    todo = jnp.ones(length.shape, bool) if skip is None else jnp.logical_not(skip)
+    if state is None:
+        state = _pass0(scores, length, m, thr0, cnt0, cfg, todo)
     _, lo, hi, blk_lo, blk_hi = state
     act = _active(state, cfg.cap) & todo
     row = jnp.stack([length, m, act.astype(jnp.int32), lo, hi, jnp.sum(blk_lo, axis=1),
@@ -689,9 +707,10 @@ def _pad_to_k(pos, val, cfg: Config):
     return pos, val
 
 
-def _two_reads(scores, length, m, thr0, cnt0, cfg: Config, skip=None):
-    """Everything after the first thresholds: refine, selection, stage 2 -> [B, KP]."""
-    lo, hi, blk_lo, blk_hi = _search(scores, length, m, thr0, cnt0, cfg, skip)
+def _two_reads(scores, length, m, thr0, cnt0, cfg: Config, skip=None, state=None):
+    """Everything after the first thresholds (or from a given bracket state): refine,
+    selection, stage 2 -> [B, KP]."""
+    lo, hi, blk_lo, blk_hi = _search(scores, length, m, thr0, cnt0, cfg, skip, state)
     selected = _select(scores, length, lo, hi, blk_lo, blk_hi, cfg, skip)
     wins, cands = jnp.sum(blk_hi, axis=1), jnp.sum(blk_lo - blk_hi, axis=1)
     return _finish(lo, hi, wins, cands, m, selected, cfg, skip)
@@ -704,9 +723,10 @@ def _from_first_pass(scores, length, m, thr0, cnt0, cfg: Config):
 
 def one_read_select(scores, length, m, cfg: Config):
     """The one-read pass and its finish: (ok [B] bool: rows finished here, positions and
-    values [B, KP], valid where ok). A row is ok when its floor t (``sample_floor``) has
-    c(t) >= m and no block holds more than SEG candidates; its m winners are then among the
-    candidates, which the segments hold in position order (tie rule kept)."""
+    values [B, KP], valid where ok, the bracket state the pass leaves for the other rows).
+    A row is ok when its floor t (``sample_floor``) has c(t) >= m and no block holds more
+    than SEG candidates; its m winners are then among the candidates, which the segments hold
+    in position order (tie rule kept)."""
     b, seg, nblk = scores.shape[0], cfg.seg, cfg.nblk
     t = sample_floor(scores[:, ::sample_stride(cfg)], length, m, cfg)
     cpos, cval, cnt = pl.pallas_call(
@@ -731,7 +751,7 @@ def one_read_select(scores, length, m, cfg: Config):
     wpos = jnp.full((b, cfg.kp), -1, jnp.int32)
     wval = jnp.full((b, cfg.kp), -jnp.inf, jnp.float32)
     pos, val = _finish_call(row2, cpos, cval, wpos, wval, cfg, by_pos=True)
-    return ok, pos, val
+    return ok, pos, val, _floor_state(length, m, t, cnt, cfg)
 
 
 def topk_after_first_pass(scores, lengths, thr, counts, cfg: Config):
@@ -768,10 +788,12 @@ def topk_triton(scores: jnp.ndarray, lengths: jnp.ndarray, k: int, *,
 def _topk_triton(scores, lengths, *, cfg: Config):
     scores = scores.astype(jnp.float32)
     length, m = row_lengths(lengths, cfg)
-    thr0 = sample_thresholds(scores[:, ::sample_stride(cfg)], length, m, cfg)
     if not cfg.one_read:
+        thr0 = sample_thresholds(scores[:, ::sample_stride(cfg)], length, m, cfg)
         return _from_first_pass(scores, length, m, thr0, None, cfg)
-    ok, pos1, val1 = one_read_select(scores, length, m, cfg)
-    pos2, val2 = _two_reads(scores, length, m, thr0, None, cfg, skip=ok)  # the fallback
+    ok, pos1, val1, state = one_read_select(scores, length, m, cfg)
+    # The fallback: refine from the floor's bracket (the one-read pass counted c(t)), select,
+    # finish; every program of an ok row returns at once.
+    pos2, val2 = _two_reads(scores, length, m, None, None, cfg, skip=ok, state=state)
     return _pad_to_k(jnp.where(ok[:, None], pos1, pos2), jnp.where(ok[:, None], val1, val2),
                      cfg)
