@@ -11,6 +11,10 @@ N = 131072, H = 64, D = 128, M = 32, K = 256, C = 2048. Implementations:
   triton_old  the Pallas-Triton kernels as of 78be51b: counting passes in an XLA while loop on
               a device predicate (frozen copies in benchmarks/baselines/),
   triton      the fixed launch sequence (count, refine with early exit, select, finish),
+  triton_oneread (topk only) one_read=True, sample 4096: a sampled floor, one segment-selection
+              pass, a per-row finish, the two-read sequence as an early-exit fallback;
+              "1read" = fraction of rows the one-read pass finished (the rest fell back),
+  triton_oneread_s1024 (with --extra) the same with the default 1024-position sample,
   triton_unfused (pq_topc only) the score kernel, then the whole topk.
 Timing reuses experiments.kernel_compare.time_case: "ms" = one jitted program over R >= 8
 distinct input sets, divided by R (launch overhead amortized). "call_ms" = 8 separately
@@ -54,6 +58,8 @@ PQ = dict(b=64, n=131072, h=64, d=128, m=32, centroids=256, c=2048)
 SMALL_TOPK = dict(b=8, n=4096, k=64)
 SMALL_PQ = dict(b=8, n=1024, h=16, d=32, m=8, centroids=16, c=64)
 INTERPRET = False  # set by run(): True without a GPU
+ONE_READ_SAMPLE = {"triton_oneread": 4096, "triton_oneread_s1024": 1024}
+TOPK_EXTRA: tuple[str, ...] = ()  # --extra: ("triton_oneread_s1024",)
 
 
 def _load(name: str, path: pathlib.Path, replace: dict[str, str] | None = None):
@@ -89,6 +95,7 @@ def old_modules():
 
 def topk_call(old):
     from pallas_kernels.topk import topk
+    from pallas_kernels.topk.triton import topk_triton
 
     k = TOPK["k"]
 
@@ -97,6 +104,9 @@ def topk_call(old):
             if isinstance(old, Exception):
                 raise old
             return old.topk_triton(scores, lengths, k, interpret=INTERPRET)
+        if impl.startswith("triton_oneread"):
+            return topk_triton(scores, lengths, k, interpret=INTERPRET, one_read=True,
+                               sample=ONE_READ_SAMPLE[impl])
         return topk(scores, lengths, k, implementation=impl)
 
     return call
@@ -148,6 +158,17 @@ def pq_exact_inputs():
 def _sets(pos):
     pos = np.asarray(pos)
     return [frozenset(row[row >= 0].tolist()) for row in pos]
+
+
+def one_read_fraction(impl, scores, lengths) -> float:
+    """Fraction of rows the one-read pass finished (the others take the fallback)."""
+    from pallas_kernels.topk import triton as topk_impl
+
+    cfg = topk_impl.config(scores.shape[1], TOPK["k"], interpret=INTERPRET, one_read=True,
+                           sample=ONE_READ_SAMPLE[impl])
+    length, m = topk_impl.row_lengths(lengths, cfg)
+    fn = jax.jit(topk_impl.one_read_select, static_argnames="cfg")
+    return float(np.mean(np.asarray(fn(scores, length, m, cfg=cfg)[0])))
 
 
 def set_agreement(got, want) -> tuple[float, float]:
@@ -230,9 +251,10 @@ def run(out: pathlib.Path, repeats: int, budget: float):
                 jnp.full((p["b"],), p["n"], jnp.int32))
 
     ops = [
-        dict(op="topk", shape=f"B={b},N={n},k={TOPK['k']}", case=Case(topk_make, topk_call(
-            topk_old)), impls=("xla", "triton_old", "triton"),
-            roof_bytes=4.0 * b * n, check=topk_tie_inputs),
+        dict(op="topk", shape=f"B={b},N={n},k={TOPK['k']}",
+             case=Case(topk_make, topk_call(topk_old)),
+             impls=("xla", "triton_old", "triton", "triton_oneread") + TOPK_EXTRA,
+             roof_bytes=4.0 * b * n, check=topk_tie_inputs),
         dict(op="pq_topc", shape=f"B={p['b']},N={p['n']},C={p['c']}",
              case=Case(pq_make, pq_call(pq_old)),
              impls=("xla", "triton_old", "triton", "triton_unfused"),
@@ -264,6 +286,9 @@ def run(out: pathlib.Path, repeats: int, budget: float):
                     row["sets_equal_timing_inputs"], row["overlap_timing_inputs"] = \
                         set_agreement(got, ref)
                     row["sets_equal_check_inputs"], _ = set_agreement(got_check, ref_check)
+                if impl.startswith("triton_oneread"):
+                    row["one_read_rows"] = one_read_fraction(impl, *args)
+                    row["one_read_rows_check"] = one_read_fraction(impl, *check_args)
                 host, per_call = dispatch_seconds(fn, args)
                 row["host_ms"], row["call_ms"] = 1e3 * host, 1e3 * per_call
                 compiled.append((f"{op}/{impl}", fn, args))
@@ -279,6 +304,7 @@ def run(out: pathlib.Path, repeats: int, budget: float):
                 r["speedup_vs_xla"] = xla["ms"] / r["ms"] if xla else None
                 r["fraction_of_roofline"] = r["roofline_ms"] / r["ms"]
         print(f"{op}: done at {time.perf_counter() - start:.0f} s")
+        write(out, rows, repeats, start, partial=True)  # kept if a later step is killed
 
     trace_dir = out / "trace"
     try:
@@ -286,15 +312,20 @@ def run(out: pathlib.Path, repeats: int, budget: float):
     except Exception as err:
         print(f"profile failed: {type(err).__name__}: {err}")
 
+    print(write(out, rows, repeats, start, partial=False))
+    print(f"wrote {out}/topk_nosync_gpu.json, topk_nosync_gpu.txt and {trace_dir}/")
+
+
+def write(out: pathlib.Path, rows, repeats: int, start: float, partial: bool) -> str:
+    """Writes the table and the JSON (rows so far when partial); returns the table."""
     table = format_table(rows)
-    print(table)
     (out / "topk_nosync_gpu.txt").write_text(table + "\n")
     result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                  hbm_bytes_per_s=HBM_BYTES_PER_S, repeats=repeats,
-                  seconds_total=time.perf_counter() - start, trace_dir=str(trace_dir),
+                  hbm_bytes_per_s=HBM_BYTES_PER_S, repeats=repeats, partial=partial,
+                  seconds_total=time.perf_counter() - start, trace_dir=str(out / "trace"),
                   rows=rows, table=table)
     (out / "topk_nosync_gpu.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print(f"wrote {out}/topk_nosync_gpu.json, topk_nosync_gpu.txt and {trace_dir}/")
+    return table
 
 
 def profile(trace_dir: pathlib.Path, compiled):
@@ -307,37 +338,44 @@ def profile(trace_dir: pathlib.Path, compiled):
 
 
 def format_table(rows) -> str:
-    head = (f"{'op':8s} {'impl':15s} {'ms':>8s} {'call_ms':>8s} {'host_ms':>8s} "
-            f"{'xXLA':>6s} {'%roof':>6s} {'sets':>5s} {'ovl':>5s} {'sets*':>5s}")
+    head = (f"{'op':8s} {'impl':20s} {'ms':>8s} {'call_ms':>8s} {'host_ms':>8s} "
+            f"{'xXLA':>6s} {'%roof':>6s} {'sets':>5s} {'ovl':>5s} {'sets*':>5s} {'1read':>5s}")
     lines = [head, "-" * len(head)]
     fmt = lambda v, spec: format(v, spec) if isinstance(v, (int, float)) else "-"  # noqa: E731
     for r in rows:
         if "ms" not in r:
-            lines.append(f"{r['op']:8s} {r['impl']:15s} {'n/a':>8s}  {r.get('error', '')[:70]}")
+            lines.append(f"{r['op']:8s} {r['impl']:20s} {'n/a':>8s}  {r.get('error', '')[:70]}")
             continue
         lines.append(
-            f"{r['op']:8s} {r['impl']:15s} {r['ms']:8.3f} {r['call_ms']:8.3f} "
+            f"{r['op']:8s} {r['impl']:20s} {r['ms']:8.3f} {r['call_ms']:8.3f} "
             f"{r['host_ms']:8.3f} {fmt(r.get('speedup_vs_xla'), '6.2f'):>6s} "
             f"{100 * r['fraction_of_roofline']:6.1f} "
             f"{fmt(r.get('sets_equal_timing_inputs'), '5.2f'):>5s} "
             f"{fmt(r.get('overlap_timing_inputs'), '5.3f'):>5s} "
-            f"{fmt(r.get('sets_equal_check_inputs'), '5.2f'):>5s}")
+            f"{fmt(r.get('sets_equal_check_inputs'), '5.2f'):>5s} "
+            f"{fmt(r.get('one_read_rows'), '5.2f'):>5s}")
     lines.append("ms: batched over R input sets; call_ms: 8 dispatched calls / 8; host_ms: "
                  "host dispatch time of one call; xXLA: XLA ms / ms; %roof: 3.0 TB/s reading the "
                  "input once / ms; sets / ovl: rows with the XLA set / mean overlap on the timing "
-                 "inputs; sets*: rows with the XLA set on the tie / exact inputs")
+                 "inputs; sets*: rows with the XLA set on the tie / exact inputs; 1read: rows the "
+                 "one-read pass finished")
     return "\n".join(lines)
 
 
 def main():
+    global TOPK_EXTRA
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT") or "runs/topk_nosync_gpu")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--budget", type=float, default=150.0,
                         help="seconds after which remaining variants are skipped")
+    parser.add_argument("--extra", action="store_true",
+                        help="also time topk one_read with the default 1024-position sample")
     parser.add_argument("--small", action="store_true",
                         help="tiny shapes: a CPU smoke run of the script, not a benchmark")
     args = parser.parse_args()
+    if args.extra:
+        TOPK_EXTRA = ("triton_oneread_s1024",)
     if args.small:
         TOPK.update(SMALL_TOPK)
         PQ.update(SMALL_PQ)

@@ -256,3 +256,35 @@ def test_old_while_loop_would_be_caught():
     spec = jax.ShapeDtypeStruct((4,), jnp.float32)
     assert _control_flow_prims(jax.make_jaxpr(looping)(spec).jaxpr, []) == ["while"]
     assert "stablehlo.while" in common.lower_for_cuda(looping, spec)
+
+
+# ------------------------------------------------------------------------------------- GPU
+
+
+def _gpu_rows(seed, b, n, k, kind):
+    rng = np.random.default_rng(seed)
+    lengths = np.full((b,), n, np.int32)
+    lengths[:8] = [0, 1, k - 1, k, k + 1, 5000, n // 2, n - 1]
+    if kind == "ties":
+        scores = rng.integers(0, 50, size=(b, n)).astype(np.float32)
+    elif kind == "relu":
+        scores = np.maximum(rng.normal(size=(b, n)) - 1.5, 0).astype(np.float32)
+    else:
+        scores = rng.normal(size=(b, n)).astype(np.float32)
+    scores[9] = np.sort(scores[9])  # ascending: the one-read path falls back
+    return _poison(rng, scores, lengths), lengths
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["normal", "ties", "relu"])
+@pytest.mark.parametrize("variant", ["refine", "one_read", "one_read_s4096"])
+def test_fixed_sequence_on_gpu(variant, kind):
+    """The compiled kernels at the benchmark shape: refine forced by a small CAP and sample,
+    and the one-read path (with its fallback rows), against XLA."""
+    b, n, k = 64, 262144, 2048
+    scores, lengths = _gpu_rows(7, b, n, k, kind)
+    tun = {"refine": dict(cap=2048, sample=64, digit_bits=4),
+           "one_read": dict(one_read=True),
+           "one_read_s4096": dict(one_read=True, sample=4096)}[variant]
+    got = topk_impl.topk_triton(jnp.asarray(scores), jnp.asarray(lengths), k, **tun)
+    assert_topk_equal(got, topk_xla(jnp.asarray(scores), jnp.asarray(lengths), k))
