@@ -43,6 +43,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import sys
 import time
 import traceback
@@ -203,6 +204,24 @@ def _timer():
         return time_case
 
 
+def launch_sequence(fn, args) -> list[str]:
+    """The Pallas-Triton kernels of one call in program order, as "name[grid]" (empty in
+    interpret mode, where kernels become plain HLO)."""
+    from pallas_kernels import common
+
+    try:
+        text = fn.lower(*args).as_text()
+    except Exception as err:
+        return [f"unavailable: {type(err).__name__}"]
+    out = []
+    for line in text.splitlines():
+        if common.TRITON_CALL_TARGET in line:
+            name = re.findall(r'name = "([^"]+)"', line)
+            grid = [re.findall(rf"grid_{a} = (\d+)", line) for a in "xyz"]
+            out.append(f"{name[0] if name else '?'}[{','.join(g[0] for g in grid if g)}]")
+    return out
+
+
 def dispatch_seconds(fn, args, calls=8, repeats=3) -> tuple[float, float]:
     """(host seconds to dispatch one call without waiting, seconds per call of ``calls``
     back-to-back dispatched calls with one sync at the end), medians over repeats; fn warm."""
@@ -296,6 +315,8 @@ def run(out: pathlib.Path, repeats: int, budget: float):
             if impl.startswith("triton_oneread"):
                 row["one_read_rows"] = one_read_fraction(impl, *args)
                 row["one_read_rows_check"] = one_read_fraction(impl, *check_args)
+            if impl != "xla":
+                row["kernels"] = launch_sequence(fn, args)
             host, per_call = dispatch_seconds(fn, args)
             row["host_ms"], row["call_ms"] = 1e3 * host, 1e3 * per_call
             compiled.append((f"{op}/{impl}", fn, args))
@@ -361,6 +382,9 @@ def format_table(rows) -> str:
             f"{fmt(r.get('overlap_timing_inputs'), '5.3f'):>5s} "
             f"{fmt(r.get('sets_equal_check_inputs'), '5.2f'):>5s} "
             f"{fmt(r.get('one_read_rows'), '5.2f'):>5s}")
+    for r in rows:
+        if r.get("kernels"):
+            lines.append(f"{r['op']}/{r['impl']} launches: {' '.join(r['kernels'])}")
     lines.append("ms: batched over R input sets; call_ms: 8 dispatched calls / 8; host_ms: "
                  "host dispatch time of one call; xXLA: XLA ms / ms; %roof: 3.0 TB/s reading the "
                  "input once / ms; sets / ovl: rows with the XLA set / mean overlap on the timing "
