@@ -29,5 +29,12 @@ case "${STEP:-check}" in
       "--gin.scale.implementation='triton'" "--gin.scale.contexts=${SCALE_CONTEXTS:-(32768,)}" \
       "--gin.scale.profile=${SCALE_PROFILE:-()}" 2>&1 | tr '\r' '\n' | grep -v "it/s\]\|tok/s\]" \
       | tail -30 ;;
+  scale2)  # a fresh scale run (SCALE_NAME) after the writeback change + the prefill profile
+    timeout 400 python3 -m experiments.cli run configs/experiments/scale.gin \
+      "--gin.scale.implementation='triton'" "--gin.scale.contexts=${SCALE_CONTEXTS:-(32768,)}" \
+      "--gin.scale.batches=${SCALE_BATCHES:-(8,)}" "--gin.run.name='${SCALE_NAME:-scale_v2}'" \
+      2>&1 | tr '\r' '\n' | grep -v "it/s\]\|tok/s\]" | tail -12
+    timeout 120 python3 benchmarks/prefill_profile_gpu.py --context 131072 --out "$OUT" \
+      2>&1 | tail -16 ;;
 esac
 ls -la "$OUT" "$OUT"/* 2>/dev/null | head -30

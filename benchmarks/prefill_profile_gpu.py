@@ -46,7 +46,7 @@ def main():
                                      chunk)
     jax.block_until_ready(caches)
     print(f"prefill of {starts[-2]} tokens: {time.perf_counter() - t0:.1f} s (incl. compile)")
-    trace = out / "trace"
+    trace = out / "prefill_trace_dir"  # its own folder: rglob must find only this trace
     with jax.profiler.trace(str(trace), create_perfetto_trace=True):
         for start in starts[-2:]:
             _, caches, _ = forward_chunk(params, cfg, caches, tokens[start:start + chunk],
