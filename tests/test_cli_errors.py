@@ -191,3 +191,25 @@ def test_npz_loader_rejects_text_directly(tmp_path):
     np.savez(tmp_path / "ok.npz", keys=np.ones((4, 2), np.float32))
     with pytest.raises(ValueError, match="missing array 'queries'"):
         load_npz(tmp_path / "ok.npz")
+
+
+def test_max_len_bound_in_gin_is_kept_else_fitted_and_recorded():
+    import gin
+
+    from lsparse_jax.model import preset
+
+    gin.clear_config()
+    validate.reset_derived()
+    cfg = validate.fit_model(preset("tiny"), 600, "test")  # unbound: fitted, recorded
+    assert cfg.max_len == 640 and validate.derived() == {"model_preset.max_len": 640}
+    import experiments.common  # noqa: F401  (registers model_preset)
+
+    validate.reset_derived()
+    gin.parse_config("model_preset.max_len = 4096")
+    try:  # bound and large enough: the run uses it as given, nothing derived
+        assert validate.fit_model(preset("tiny", max_len=4096), 600, "test").max_len == 4096
+        assert validate.derived() == {}
+        with pytest.raises(validate.ConfigError, match="model_preset.max_len=4096 is too small"):
+            validate.fit_model(preset("tiny", max_len=4096), 5000, "test")
+    finally:
+        gin.clear_config()
