@@ -1,4 +1,4 @@
-"""Recall study (issue 4): how much of the exact indexer top-k PQ selection recovers.
+"""Recall study: how much of the exact indexer top-k PQ selection recovers.
 
 Gin header -- must be set: run.experiment = @recall_study, run.name; recall_model.model (a
 ModelConfig, e.g. @model_preset()) when 'model' is in recall_study.sources; recall_npz.path when
