@@ -111,6 +111,13 @@ def test_recall_unknown_source(capfd, tmp_path):
           "recall_study.sources", "'npy'", "'npz'")
 
 
+def test_bad_value_inside_a_config_file_names_the_file(capfd, tmp_path):
+    bad = tmp_path / "bad.gin"
+    bad.write_text("include 'quickstart.gin'\nquickstart.decode_steps = four\n")
+    fails(capfd, tmp_path, [str(bad)], f"config file {bad}", "'four'",
+          "strings in gin are quoted")
+
+
 def test_missing_config_file(capfd, tmp_path):
     fails(capfd, tmp_path, ["configs/nope.gin"], "configs/nope.gin", "configs/quickstart.gin")
 
