@@ -38,17 +38,18 @@ def quickstart(name: str, model=gin.REQUIRED, methods=("resident",), prompt_toke
                seed: int = 0, temperature: float = 0.0, hot_cache_rows: int = 64,
                page_size: int = 64, leansparse=None, calibration_tokens: int = 4096,
                optional_pages: int = 64, refill_pages: int = 4, host_pages: int | None = None,
-               implementation: str | None = "xla"):
+               implementation: str | None = "xla", streamed_prefill: bool = False):
     """Runs each method on the same prompt. ``resident`` runs first; the other methods are fed
     its tokens (teacher forcing), so their selections are compared on identical contexts:
     recall is the fraction of resident's selected positions they also selected (n/a without
     resident). optional_pages, refill_pages: the ``adaptive`` method's device pages per CSA
     layer (shared by slots, lent to prompt history) and pages refilled per step. host_pages:
-    CacheConfig.host_pages (None = enough). implementation: the decode step's kernels."""
+    CacheConfig.host_pages (None = enough). implementation: the decode step's kernels.
+    streamed_prefill: CacheConfig.streamed_prefill (layer-streamed prefill, LeanSparse's)."""
     cfg = check_settings(model, methods, prompt_tokens, decode_steps, prefill_chunk, num_needles,
                          seed, temperature, hot_cache_rows, page_size, leansparse,
                          calibration_tokens, optional_pages, refill_pages, host_pages,
-                         implementation)
+                         implementation, streamed_prefill)
     example = niah_example(prompt_tokens, num_needles=num_needles, seed=seed)
     params = init_params(cfg, seed)
     lean = leansparse or LeanSparseConfig()
@@ -63,7 +64,7 @@ def quickstart(name: str, model=gin.REQUIRED, methods=("resident",), prompt_toke
         cache = CacheConfig(1, prefill_chunk, hot_cache_rows if paged else None, page_size,
                             host_pages=host_pages if paged else None,
                             optional_pages=optional_pages if method == "adaptive" else None,
-                            refill_pages=refill_pages)
+                            refill_pages=refill_pages, streamed_prefill=streamed_prefill)
         config = EngineConfig(model=cfg, cache=cache, sampling=SamplingConfig(temperature, seed),
                               method=method, leansparse=lean, implementation=implementation)
         engine = Engine(config, params, codebooks)
@@ -105,7 +106,7 @@ def quickstart(name: str, model=gin.REQUIRED, methods=("resident",), prompt_toke
 
 def check_settings(model, methods, prompt_tokens, decode_steps, prefill_chunk, num_needles,
                    seed, temperature, hot_cache_rows, page_size, leansparse, calibration_tokens,
-                   optional_pages, refill_pages, host_pages, implementation):
+                   optional_pages, refill_pages, host_pages, implementation, streamed_prefill):
     """Validates every setting before any work; returns the model with its max_len fitted
     (or the bound model_preset.max_len when it is large enough)."""
     methods = v.names("quickstart.methods", methods, METHODS)
@@ -117,6 +118,7 @@ def check_settings(model, methods, prompt_tokens, decode_steps, prefill_chunk, n
     v.integer("quickstart.seed", seed, lo=0)
     v.number("quickstart.temperature", temperature, lo=0.0)
     v.choice("quickstart.implementation", implementation, IMPLEMENTATIONS)
+    v.flag("quickstart.streamed_prefill", streamed_prefill)
     cfg = v.fit_model(model, prompt_tokens + decode_steps + 1,
                       "quickstart.prompt_tokens + decode_steps + 1")
     top_k = cfg.indexer.top_k
