@@ -34,8 +34,14 @@ from tqdm.auto import tqdm
 
 from experiments import validate as v
 from experiments.common import pyplot, run_dir, selection_recall, write_results
-from lsparse_jax.config import CacheConfig, EngineConfig, LeanSparseConfig, SamplingConfig
-from lsparse_jax.indexing.calibrate import calibrate_codebooks
+from lsparse_jax.config import (
+    CacheConfig,
+    EngineConfig,
+    LeanSparseConfig,
+    SamplingConfig,
+    method_storage,
+)
+from lsparse_jax.methods.leansparse import calibrate_codebooks
 from lsparse_jax.serving.engine import Engine
 from lsparse_jax.serving.steps import forward_chunk, prefill
 from lsparse_jax.tasks import score_exact, score_similarity, tokenizer
@@ -62,7 +68,7 @@ def parse_method(name: str, top_k: int, miss_filter_offset: float | None) -> Met
     if name in ("resident", "hisparse"):
         return Method(name, name)
     if name == "direct_pq":
-        return Method(name, "leansparse", LeanSparseConfig(top_k, None, top_k))
+        return Method(name, "direct_pq", LeanSparseConfig(top_k, None, top_k))
     match = _LEAN.match(name)
     if match:
         c = int(match.group(1))
@@ -95,7 +101,7 @@ def check_settings(model, checkpoint, tasks, lengths, examples, methods, num_slo
         specs = [parse_method(m, top_k, miss_filter_offset) for m in methods]
     except ValueError as err:
         raise v.ConfigError(f"accuracy.methods: {str(err).removeprefix('accuracy: ')}") from err
-    if any(s.engine_method not in (None, "resident") for s in specs):
+    if any(s.engine_method and method_storage(s.engine_method).kv_on_host for s in specs):
         v.integer("accuracy.hot_cache_rows", hot_cache_rows, lo=top_k)
         v.host_pages("accuracy.host_pages", host_pages, cfg, max(lengths) + 16, page_size,
                      min(num_slots, examples))
@@ -178,14 +184,14 @@ def accuracy(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
                                       host_pages)
     params = v.load_checkpoint("accuracy.checkpoint", path, cfg)
     codebooks = None
-    if any(s.engine_method == "leansparse" for s in specs):
+    if any(s.engine_method and method_storage(s.engine_method).keys_on_host for s in specs):
         calib = task_example("niah", calibration_tokens, CALIBRATION_SEED)
         codebooks = calibrate_codebooks(params, cfg, calib.prompt, seed=0)
     engines = {}
     for s in specs:
         if s.engine_method is None:
             continue
-        paged = s.engine_method != "resident"
+        paged = method_storage(s.engine_method).kv_on_host
         cache = CacheConfig(num_slots, prefill_chunk, hot_cache_rows if paged else None,
                             page_size, host_pages=host_pages if paged else None)
         engines[s.name] = Engine(EngineConfig(

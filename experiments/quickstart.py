@@ -13,14 +13,14 @@ from tqdm.auto import tqdm
 from experiments import validate as v
 from experiments.common import pyplot, run_dir, selection_recall, write_results
 from lsparse_jax.config import (
-    METHODS,
-    PAGED_METHODS,
     CacheConfig,
     EngineConfig,
     LeanSparseConfig,
     SamplingConfig,
+    method_names,
+    method_storage,
 )
-from lsparse_jax.indexing.calibrate import calibrate_codebooks
+from lsparse_jax.methods.leansparse import calibrate_codebooks
 from lsparse_jax.memory.accounting import request_bytes
 from lsparse_jax.model import init_params
 from lsparse_jax.serving.engine import Engine
@@ -54,16 +54,17 @@ def quickstart(name: str, model=gin.REQUIRED, methods=("resident",), prompt_toke
     params = init_params(cfg, seed)
     lean = leansparse or LeanSparseConfig()
     codebooks = None
-    if "leansparse" in methods:  # trained offline, on text the run never sees
+    if any(method_storage(m).keys_on_host for m in methods):  # PQ codebooks, trained offline
+        #   on text the run never sees
         calib = niah_example(calibration_tokens, num_needles=num_needles, seed=seed + 1000)
         codebooks = calibrate_codebooks(params, cfg, calib.prompt,
                                         subspace_dim=lean.pq_subspace_dim, seed=seed)
     rows, reference = [], None
     for method in sorted(methods, key=lambda m: m != "resident"):  # the reference first
-        paged = method in PAGED_METHODS
-        cache = CacheConfig(1, prefill_chunk, hot_cache_rows if paged else None, page_size,
-                            host_pages=host_pages if paged else None,
-                            optional_pages=optional_pages if method == "adaptive" else None,
+        storage = method_storage(method)
+        cache = CacheConfig(1, prefill_chunk, hot_cache_rows if storage.kv_on_host else None,
+                            page_size, host_pages=host_pages if storage.kv_on_host else None,
+                            optional_pages=optional_pages if storage.lent_pages else None,
                             refill_pages=refill_pages, streamed_prefill=streamed_prefill)
         config = EngineConfig(model=cfg, cache=cache, sampling=SamplingConfig(temperature, seed),
                               method=method, leansparse=lean, implementation=implementation)
@@ -109,7 +110,7 @@ def check_settings(model, methods, prompt_tokens, decode_steps, prefill_chunk, n
                    optional_pages, refill_pages, host_pages, implementation, streamed_prefill):
     """Validates every setting before any work; returns the model with its max_len fitted
     (or the bound model_preset.max_len when it is large enough)."""
-    methods = v.names("quickstart.methods", methods, METHODS)
+    methods = v.names("quickstart.methods", methods, method_names())
     for setting, value in (("prompt_tokens", prompt_tokens), ("decode_steps", decode_steps),
                            ("prefill_chunk", prefill_chunk), ("num_needles", num_needles),
                            ("page_size", page_size), ("calibration_tokens", calibration_tokens),
@@ -122,11 +123,11 @@ def check_settings(model, methods, prompt_tokens, decode_steps, prefill_chunk, n
     cfg = v.fit_model(model, prompt_tokens + decode_steps + 1,
                       "quickstart.prompt_tokens + decode_steps + 1")
     top_k = cfg.indexer.top_k
-    if any(m in PAGED_METHODS for m in methods):
+    if any(method_storage(m).kv_on_host for m in methods):
         v.integer("quickstart.hot_cache_rows", hot_cache_rows, lo=top_k)
         v.host_pages("quickstart.host_pages", host_pages, cfg, prompt_tokens + decode_steps,
                      page_size)
-    if "leansparse" in methods:
+    if any(method_storage(m).keys_on_host for m in methods):
         lean = leansparse or LeanSparseConfig()
         v.instance("quickstart.leansparse", lean, LeanSparseConfig, "@LeanSparseConfig()")
         if lean.num_candidates < top_k:

@@ -49,7 +49,7 @@ from experiments.common import pyplot, run_dir, write_results
 from lsparse_jax.config import ModelConfig
 from lsparse_jax.indexing import coarse_to_fine as c2f
 from lsparse_jax.indexing import index_scores, topk_positions
-from lsparse_jax.indexing.traces import indexer_traces
+from lsparse_jax.model.traces import indexer_traces
 from lsparse_jax.model import init_params
 from lsparse_jax.quant import pq
 from lsparse_jax.tasks import niah_example
@@ -94,12 +94,19 @@ def _evaluate_chunk(q, w, keys, codes, codebooks, *, top_k, candidates, offsets)
     def one(qi, wi):
         exact = topk_positions(index_scores(qi, wi, keys), eligible, top_k)[0]
         coarse = pq.coarse_scores(qi, wi, codes, codebooks)  # codes are unbatched: decoded once
-        direct = c2f.recall(c2f.direct_topk(coarse, eligible, top_k), exact)
+        direct = c2f.recall(topk_positions(coarse, eligible, top_k)[0], exact)
+
+        def exact_scores(retained):  # every exact key is in memory here
+            return index_scores(qi, wi, keys[jnp.maximum(retained, 0)]), None
+
         rec, kept, fetched = [], [], []
         for c in candidates:
+            # step 1, top-C of the coarse scores: what the pq_topc op computes in serving
+            cand, cand_scores = topk_positions(coarse, eligible, c)
             for off in offsets:
-                sel, st = c2f.coarse_to_fine(qi, wi, coarse, eligible, cached, keys, tail,
-                                             num_candidates=c, top_k=top_k, filter_offset=off)
+                sel, st, _ = c2f.coarse_to_fine(cand, cand_scores, cached[jnp.maximum(cand, 0)],
+                                                tail, exact_scores, top_k=top_k,
+                                                filter_offset=off)
                 rec.append(c2f.recall(sel, exact))
                 kept.append(st["kept"])
                 fetched.append(st["fetched"])

@@ -7,5 +7,6 @@ from experiments import (  # noqa: F401
     quickstart,
     recall_study,
     residency,
+    scale,
     train,
 )

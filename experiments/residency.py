@@ -23,20 +23,20 @@ from tqdm.auto import tqdm
 
 from experiments import validate as v
 from experiments.common import pyplot, run_dir, write_results
-from lsparse_jax.config import CacheConfig, EngineConfig, SamplingConfig
+from lsparse_jax.config import CacheConfig, EngineConfig, SamplingConfig, method_storage
 from lsparse_jax.serving.engine import Engine
 from lsparse_jax.training.data import task_example
 
 
 def _engine(method, cfg, params, slots, chunk, hot_rows, page, optional, refill,
             host_pages=None, implementation="xla"):
-    paged = method != "resident"
+    storage = method_storage(method)
     return Engine(EngineConfig(
         model=cfg, method=method, sampling=SamplingConfig(0.0, 0),
         implementation=implementation,
-        cache=CacheConfig(slots, chunk, hot_rows if paged else None, page,
-                          host_pages=host_pages if paged else None,
-                          optional_pages=optional if method == "adaptive" else None,
+        cache=CacheConfig(slots, chunk, hot_rows if storage.kv_on_host else None, page,
+                          host_pages=host_pages if storage.kv_on_host else None,
+                          optional_pages=optional if storage.lent_pages else None,
                           refill_pages=refill)), params)
 
 
@@ -102,7 +102,7 @@ def residency(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
                 series[m]["active"].append(int(e.active.sum()))
                 series[m]["host_fraction"].append(float(src[2] / max(src.sum(), 1)))
                 series[m]["optional_pages"].append(
-                    0 if e.residency is None else e.residency.in_use())
+                    e.metrics().get("optional_pages_in_use", 0))
             for r in list(left):
                 left[r] -= 1
                 if left[r] == 0:

@@ -8,22 +8,62 @@ field, the value and what is allowed. Configs are hashable, so they can be stati
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Literal
 
 LayerKind = Literal["swa", "csa", "hca", "dsa"]
 LAYER_KINDS: tuple[str, ...] = ("swa", "csa", "hca", "dsa")
-METHODS: tuple[str, ...] = ("resident", "hisparse", "leansparse", "adaptive")
-PAGED_METHODS: tuple[str, ...] = ("hisparse", "leansparse", "adaptive")  # CSA KV on the host
 
 
-def _fail(cls: str, field: str, value, allowed: str):
+
+@dataclasses.dataclass(frozen=True)
+class Storage:
+    """Where a serving method keeps a CSA layer's history (data for memory accounting).
+
+    kv_on_host: compressed KV rows in host pages behind a per-request GPU hot cache.
+    keys_on_host: FP8 indexer keys in host pages behind a GPU key cache, PQ codes on the GPU.
+    lent_pages: complete prompt pages may also be lent device pages (``cache.optional_pages``),
+      with a per-slot ready map beside the page table.
+    """
+
+    kv_on_host: bool = False
+    keys_on_host: bool = False
+    lent_pages: bool = False
+
+
+# Serving methods by name -> (settings check, storage). ``lsparse_jax.methods`` registers each
+# policy module when it is imported; ``import lsparse_jax`` imports them all.
+_METHOD_CHECKS: dict[str, Callable[[EngineConfig], None]] = {}
+_METHOD_STORAGE: dict[str, Storage] = {}
+
+
+def register_method(name: str, check: Callable[[EngineConfig], None], storage: Storage) -> None:
+    """Makes ``name`` a valid ``EngineConfig.method``; ``check(engine)`` raises ValueError on
+    settings the method cannot serve."""
+    _METHOD_CHECKS[name] = check
+    _METHOD_STORAGE[name] = storage
+
+
+def method_names() -> tuple[str, ...]:
+    return tuple(_METHOD_CHECKS)
+
+
+def method_storage(name: str) -> Storage:
+    """Where method ``name`` keeps KV rows and indexer keys (what settings it needs)."""
+    if name not in _METHOD_STORAGE:
+        raise ValueError(f"unknown method {name!r}; allowed methods are {method_names()}")
+    return _METHOD_STORAGE[name]
+
+
+def invalid(cls: str, field: str, value, allowed: str):
+    """Raises the project's config error: the field, its value and what is allowed."""
     raise ValueError(f"{cls}.{field}={value!r} is invalid: {allowed}")
 
 
 def _positive(cls: str, **fields):
     for name, value in fields.items():
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            _fail(cls, name, value, "must be a positive int")
+            invalid(cls, name, value, "must be a positive int")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +86,7 @@ class IndexerConfig:
         _positive("IndexerConfig", num_heads=self.num_heads, head_dim=self.head_dim,
                   top_k=self.top_k, fp8_block=self.fp8_block)
         if self.head_dim % self.fp8_block:
-            _fail("IndexerConfig", "fp8_block", self.fp8_block,
+            invalid("IndexerConfig", "fp8_block", self.fp8_block,
                   f"must divide head_dim={self.head_dim}")
 
     @property
@@ -101,22 +141,22 @@ class ModelConfig:
                   hca_ratio=self.hca_ratio, dsa_share_group=self.dsa_share_group,
                   max_len=self.max_len)
         if not self.layer_pattern:
-            _fail("ModelConfig", "layer_pattern", self.layer_pattern, "needs at least one layer")
+            invalid("ModelConfig", "layer_pattern", self.layer_pattern, "needs at least one layer")
         for kind in self.layer_pattern:
             if kind not in LAYER_KINDS:
-                _fail("ModelConfig", "layer_pattern", self.layer_pattern,
+                invalid("ModelConfig", "layer_pattern", self.layer_pattern,
                       f"unknown layer kind {kind!r}; allowed kinds are {LAYER_KINDS}")
         if not isinstance(self.rope_dim, int) or self.rope_dim < 0 or self.rope_dim % 2 \
                 or self.rope_dim > self.head_dim:
-            _fail("ModelConfig", "rope_dim", self.rope_dim,
+            invalid("ModelConfig", "rope_dim", self.rope_dim,
                   f"must be an even int in [0, head_dim={self.head_dim}]")
         for name in ("csa_ratio", "hca_ratio"):
             if self.max_len % getattr(self, name):
-                _fail("ModelConfig", "max_len", self.max_len, f"must be a multiple of {name}")
+                invalid("ModelConfig", "max_len", self.max_len, f"must be a multiple of {name}")
         if not isinstance(self.indexer, IndexerConfig):
-            _fail("ModelConfig", "indexer", self.indexer, "must be an IndexerConfig")
+            invalid("ModelConfig", "indexer", self.indexer, "must be an IndexerConfig")
         if self.rope_theta <= 0:
-            _fail("ModelConfig", "rope_theta", self.rope_theta, "must be > 0")
+            invalid("ModelConfig", "rope_theta", self.rope_theta, "must be > 0")
 
     @property
     def num_layers(self) -> int:
@@ -180,7 +220,7 @@ class SamplingConfig:
 
     def __post_init__(self):
         if not self.temperature >= 0.0:
-            _fail("SamplingConfig", "temperature", self.temperature, "must be >= 0")
+            invalid("SamplingConfig", "temperature", self.temperature, "must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,10 +244,10 @@ class LeanSparseConfig:
         _positive("LeanSparseConfig", num_candidates=self.num_candidates,
                   key_cache_rows=self.key_cache_rows, pq_subspace_dim=self.pq_subspace_dim)
         if self.miss_filter_offset is not None and not self.miss_filter_offset >= 0:
-            _fail("LeanSparseConfig", "miss_filter_offset", self.miss_filter_offset,
+            invalid("LeanSparseConfig", "miss_filter_offset", self.miss_filter_offset,
                   "must be >= 0 or None (no filter)")
         if self.key_cache_rows < self.num_candidates:
-            _fail("LeanSparseConfig", "key_cache_rows", self.key_cache_rows,
+            invalid("LeanSparseConfig", "key_cache_rows", self.key_cache_rows,
                   f"must be >= num_candidates={self.num_candidates}: one step's candidates "
                   "must fit in the key cache")
 
@@ -226,44 +266,26 @@ class EngineConfig:
 
     def __post_init__(self):
         if self.implementation not in (None, "xla", "triton", "jax_triton", "mosaic"):
-            _fail("EngineConfig", "implementation", self.implementation,
+            invalid("EngineConfig", "implementation", self.implementation,
                   "allowed: 'xla', 'triton', 'jax_triton', 'mosaic' or None")
-        if self.method not in METHODS:
-            _fail("EngineConfig", "method", self.method, f"allowed methods are {METHODS}")
+        if self.method not in _METHOD_CHECKS:
+            invalid("EngineConfig", "method", self.method,
+                    f"allowed methods are {method_names()}")
         rows = self.cache.hot_cache_rows
-        if self.method in PAGED_METHODS and rows is None:
-            _fail("EngineConfig", "cache.hot_cache_rows", rows,
-                  f"method {self.method!r} needs a hot cache size B >= indexer.top_k")
-        if self.method == "leansparse":
-            lean, ic = self.leansparse, self.model.indexer
-            if lean.num_candidates < ic.top_k:
-                _fail("EngineConfig", "leansparse.num_candidates", lean.num_candidates,
-                      f"must be >= indexer.top_k={ic.top_k}")
-            if ic.head_dim % lean.pq_subspace_dim:
-                _fail("EngineConfig", "leansparse.pq_subspace_dim", lean.pq_subspace_dim,
-                      f"must divide indexer.head_dim={ic.head_dim}")
-        if (self.method == "adaptive") != (self.cache.optional_pages is not None):
-            _fail("EngineConfig", "cache.optional_pages", self.cache.optional_pages,
-                  "the adaptive method needs it (device pages lent to imported history); "
-                  "other methods must leave it None")
         if rows is not None and rows < self.model.indexer.top_k:
-            _fail("EngineConfig", "cache.hot_cache_rows", rows,
+            invalid("EngineConfig", "cache.hot_cache_rows", rows,
                   f"must be >= indexer.top_k={self.model.indexer.top_k}: a step's selection "
                   "must fit in the hot cache")
+        _METHOD_CHECKS[self.method](self)
 
     @property
-    def paged(self) -> bool:
-        """CSA KV lives in host pages behind a per-request hot cache."""
-        return self.method in PAGED_METHODS
-
-    @property
-    def adaptive(self) -> bool:
-        """Complete pages of imported history may also sit in lent device pages."""
-        return self.method == "adaptive"
+    def storage(self) -> Storage:
+        """Where this engine's method keeps KV rows and indexer keys."""
+        return method_storage(self.method)
 
     @property
     def pages_per_slot(self) -> int:
-        """Host pages one slot needs to hold max_len tokens' CSA rows."""
+        """Host pages one slot needs to hold max_len tokens' CSA rows (paged methods)."""
         return -(-self.model.num_compressed("csa") // self.cache.page_size)
 
     @property
@@ -271,11 +293,6 @@ class EngineConfig:
         if self.cache.host_pages is not None:
             return self.cache.host_pages
         return self.cache.num_slots * self.pages_per_slot
-
-    @property
-    def lean(self) -> LeanSparseConfig | None:
-        """The coarse-to-fine settings when the method is leansparse, else None."""
-        return self.leansparse if self.method == "leansparse" else None
 
     @property
     def pq_subspaces(self) -> int:

@@ -31,8 +31,9 @@ def test_gpu_and_host_bytes_equal_allocated_state(pattern, method, rows):
     books = {i: np.zeros((engine.pq_subspaces, 16, 4), np.float32) for i in csa}
     state = empty_state(engine, books if method == "leansparse" else None)
     acc = request_bytes(engine, cfg.max_len)
-    assert acc.gpu_total == slot_bytes(state)
-    pools = [] if state.host is None else jax.tree.leaves(state.host.pools)
+    assert acc.gpu_total == slot_bytes(engine, state)
+    tier = state.tier  # the host pools of the paged methods' tiers
+    pools = jax.tree.leaves((getattr(tier, "kv_pools", ()), getattr(tier, "key_pools", ())))
     assert acc.host_total == sum(p.nbytes for p in pools) // 3
     assert all(p.sharding.memory_kind == "pinned_host" for p in pools)
 

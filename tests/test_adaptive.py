@@ -10,7 +10,7 @@ from lsparse_jax.memory import HotCache, empty_pool, resolve
 from lsparse_jax.memory.host_pool import write_host_page
 from lsparse_jax.memory.invariant import hierarchy_violations
 from lsparse_jax.serving.engine import Engine
-from lsparse_jax.serving.residency import OptionalResidency
+from lsparse_jax.methods.adaptive import OptionalResidency
 from tests.helpers import assert_resolved_rows, model_and_tokens, tiny
 
 PAGE = 8
@@ -54,7 +54,7 @@ def test_adaptive_bit_identical_to_resident_under_load_changes(optional, refill)
                 else:
                     e.release(i)
         check_step(resident, adaptive)
-        lent = {s: dict(v) for s, v in adaptive.residency.lent.items()}
+        lent = {s: dict(v) for s, v in adaptive.control.residency.lent.items()}
         lent_changes += lent != seen
         seen = lent
     assert resident.generated == adaptive.generated

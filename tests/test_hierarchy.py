@@ -92,14 +92,14 @@ def test_host_capacity_error_at_admission_changes_nothing():
     # each request of 60 + 100 tokens needs ceil(40 rows / 8) = 5 pages; the pool has 8
     _, engine = engines(cfg, params, 16, slots=2, host_pages=8)
     engine.admit(prompt, max_new_tokens=100)
-    before = engine.pages.free
+    before = engine.control.pages.free
     with pytest.raises(HostCapacityError, match="needs 5 pages, 3 of 8 are free"):
         engine.admit(prompt, max_new_tokens=100)
-    assert engine.pages.free == before and engine.active.sum() == 1
+    assert engine.control.pages.free == before and engine.active.sum() == 1
     for _ in range(5):
         engine.step()  # the admitted request goes on
     engine.release(0)
-    assert engine.pages.free == 8
+    assert engine.control.pages.free == 8
     engine.admit(prompt, max_new_tokens=100)  # and its pages serve the next one
 
 

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from lsparse_jax.config import CacheConfig, EngineConfig, LeanSparseConfig
-from lsparse_jax.indexing.calibrate import calibrate_codebooks
+from lsparse_jax.methods.leansparse import calibrate_codebooks
 from lsparse_jax.indexing.coarse_to_fine import miss_filter
 from lsparse_jax.memory.invariant import hierarchy_violations
 from lsparse_jax.quant import dequantize_index_keys
 from lsparse_jax.quant.pq import encode
 from lsparse_jax.serving.engine import Engine
-from lsparse_jax.serving.state import writeback
+from lsparse_jax.methods import policy
 from tests.helpers import model_and_tokens, tiny
 
 
@@ -119,20 +119,20 @@ def test_page_writeback_keeps_cache_contents_and_encodes_codes():
     page, m = engine.config.cache.page_size, engine.config.model.csa_ratio
     before = jax.tree.map(np.asarray, state.replace(rng=None))
     # pretend this step completed logical page 0 of slot 0 (its physical page is table[0, 0])
-    after = writeback(engine.config, state,
-                      jnp.asarray([page * m - 1]), jnp.asarray([True]))
-    phys = int(before.host.page_table[0, 0])
+    after = policy(engine.config).after_step(state, jnp.asarray([page * m - 1]),
+                                             jnp.asarray([True]))
+    phys = int(before.tier.page_table[0, 0])
     for layer, (b, a) in enumerate(zip(before.caches, after.caches)):
         if not hasattr(b, "keys"):
             continue
         for old, new in ((b.kv.hot, a.kv.hot), (b.keys.cache, a.keys.cache)):
             for x, y in zip(jax.tree.leaves(old), jax.tree.leaves(new)):
                 assert np.asarray(x).tobytes() == np.asarray(y).tobytes()  # caches survive
-        pools = after.host.pools[layer]
+        kv_pool, key_pool = after.tier.kv_pools[layer], after.tier.key_pools[layer]
         rows = slice(phys * page, (phys + 1) * page)
-        np.testing.assert_array_equal(np.asarray(pools.kv)[rows], b.kv.tail[0])
+        np.testing.assert_array_equal(np.asarray(kv_pool)[rows], b.kv.tail[0])
         tail_v, tail_s = b.keys.tail
-        assert np.asarray(pools.keys[0])[rows].tobytes() == tail_v[0].tobytes()
+        assert np.asarray(key_pool[0])[rows].tobytes() == tail_v[0].tobytes()
         want = encoder(engine)(tail_v[0], tail_s[0], layer)
         np.testing.assert_array_equal(np.asarray(a.keys.codes)[0, :page], np.asarray(want))
         assert np.isnan(np.asarray(a.kv.tail)).all()  # the tail is poisoned for reuse

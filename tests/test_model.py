@@ -97,3 +97,22 @@ def test_prefill_rejects_bad_prompts():
         prefill(params, cfg, tokens, chunk=16)
     with pytest.raises(ValueError, match="empty"):
         prefill(params, cfg, tokens[:0], chunk=16)
+
+
+@pytest.mark.parametrize("budget", [1, 3 * 4 * 64 * 4])  # tiles of 1 query; of 2 (T = 7: padded)
+def test_exact_selection_in_query_tiles_equals_untiled(budget):
+    """Prefill's indexer scores [T, H, N] are computed in query tiles when they exceed the
+    budget; every query's selection is the same as untiled."""
+    from lsparse_jax.model.store import IndexerQuery, exact_selection
+    from lsparse_jax.quant import quantize_index_keys
+
+    rng = np.random.default_rng(0)
+    t, h, d, n = 7, 4, 32, 64
+    query = IndexerQuery(jnp.asarray(rng.normal(size=(t, h, d)), jnp.float32),
+                         jnp.asarray(rng.normal(size=(t, h)), jnp.float32))
+    values, scales = quantize_index_keys(jnp.asarray(rng.normal(size=(n, d)), jnp.float32), 32)
+    eligible = jnp.arange(n)[None, :] < jnp.asarray([1, 5, 9, 20, 33, 50, 64])[:, None]
+    want = exact_selection(query, values, scales, eligible, 8)
+    got = exact_selection(query, values, scales, eligible, 8, tile_bytes=budget)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -54,7 +54,7 @@ def expected_slot_bytes(cfg):
 def test_slot_bytes_match_config(pattern):
     cfg = tiny(max_len=256, layer_pattern=pattern, dsa_share_group=2)
     engine = EngineConfig(model=cfg, cache=CacheConfig(num_slots=3))
-    assert slot_bytes(empty_state(engine)) == expected_slot_bytes(cfg)
+    assert slot_bytes(engine, empty_state(engine)) == expected_slot_bytes(cfg)
 
 
 def test_engine_generates_greedy_continuation_of_forward():
@@ -89,3 +89,49 @@ def test_engine_refuses_when_full():
     engine.admit(prompt)
     with pytest.raises(RuntimeError, match="all 1 slots are busy"):
         engine.admit(prompt)
+
+
+def test_device_statistics_equal_a_host_recount():
+    """The engine's device-side selection statistics (serving/stats.py) equal the counts
+    recomputed on the host from every step's outputs, reuse by per-row set intersection."""
+    from lsparse_jax.serving.stats import SelectionStats, as_dict, record
+
+    rng = np.random.default_rng(0)
+    s, layers, k, steps = 3, 2, 5, 6
+    stats = SelectionStats.empty(s, layers, k)
+    prev, has_prev = None, np.zeros(s, bool)
+    want = dict.fromkeys(("steps", "eligible", "selected", "reused", "reuse_base"), 0)
+    rows = np.zeros(3)
+    for step in range(steps):
+        active = rng.random(s) < 0.7
+        sel = np.stack([[np.where(rng.random(k) < 0.8, rng.permutation(12)[:k], -1)
+                         for _ in range(layers)] for _ in range(s)]).astype(np.int32)
+        elig = rng.integers(0, 50, (s, layers)).astype(np.int32)
+        src = rng.integers(0, 4, (s, layers, 3)).astype(np.int32)
+        stats = record(stats, jnp.asarray(sel), jnp.asarray(elig), jnp.asarray(src),
+                       jnp.asarray(src), jnp.asarray(active))
+        want["steps"] += active.sum() * layers
+        want["eligible"] += elig[active].sum()
+        want["selected"] += (sel[active] >= 0).sum()
+        rows += src[active].sum(axis=(0, 1))
+        for i in np.flatnonzero(active & has_prev):
+            for a, b in zip(sel[i], prev[i]):
+                want["reuse_base"] += (a >= 0).sum()
+                want["reused"] += len(set(a[a >= 0]) & set(b[b >= 0]))
+        prev, has_prev = sel, has_prev | active
+    got = stats.totals()
+    assert {f: got[f] for f in want} == {f: int(v) for f, v in want.items()}
+    m = as_dict(got, 4, 1)
+    assert m["host_rows"] == rows[2] and m["host_bytes"] == rows[2] * 4 + rows[2]
+
+
+def test_device_sums_are_exact_past_32_bits():
+    from lsparse_jax.serving.stats import SelectionStats, record
+
+    stats = SelectionStats.empty(1, 1, 1)
+    big = jnp.full((1, 1), 2**31 - 1, jnp.int32)  # eligible per step near the int32 limit
+    for _ in range(5):
+        stats = record(stats, jnp.zeros((1, 1, 1), jnp.int32), big,
+                       jnp.zeros((1, 1, 3), jnp.int32), jnp.zeros((1, 1, 3), jnp.int32),
+                       jnp.ones((1,), bool))
+    assert stats.totals()["eligible"] == 5 * (2**31 - 1)

@@ -1,14 +1,20 @@
-"""LeanSparse coarse-to-fine selection (Section 5): PQ coarse top-C, miss filter, exact rerank.
+"""LeanSparse coarse-to-fine selection (Section 5), for one query: the one implementation that
+serving (``methods.leansparse``) and the recall study both run.
 
-These are the XLA reference functions for one query; ``jax.vmap`` them over queries/slots.
+Step 1, top-C of coarse PQ scores, is the ``pq_topc`` op (its XLA reference is
+``quant.coarse_scores`` + ``topk_positions``); steps 2-4 are ``coarse_to_fine``. The caller
+supplies how exact keys are scored (serving: FP8 keys resolved through the key cache and the
+``index_scores`` op; the study: keys held in memory).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
-from lsparse_jax.indexing.scores import index_scores
 from lsparse_jax.indexing.topk import topk_positions
 
 
@@ -48,47 +54,30 @@ def rerank(positions, scores, top_k: int):
     return jnp.where(picked >= 0, positions[jnp.maximum(picked, 0)], -1), values
 
 
-def select_candidates(coarse, eligible, cached, *, num_candidates: int, top_k: int,
-                      filter_offset: float | None):
-    """Steps 1-2 of coarse-to-fine: top-C by coarse score over eligible, then the miss filter.
+def coarse_to_fine(candidates, candidate_scores, cached, tail,
+                   exact_scores: Callable[[jnp.ndarray], tuple[jnp.ndarray, Any]], *,
+                   top_k: int, filter_offset: float | None):
+    """Steps 2-4 of LeanSparse's selection for one query.
 
-    coarse [N], eligible [N], cached [N] bool. Returns (retained [C] int32 positions with -1 for
-    dropped or missing candidates, stats dict of int32: candidates, kept, fetched (kept and
-    not cached)).
+    Notation: C candidates (the coarse top-C, best first, -1 padded), T tail positions.
+      candidates [C] int32, candidate_scores [C] their coarse scores; cached [C] bool (the
+      candidate's exact key is in the GPU key cache); tail [T] int32 recent positions scored
+      exactly without a coarse pass (-1 none); exact_scores(retained [C+T] int32, -1 = none)
+      -> (scores [C+T] f32, aux): the exact scores of the retained positions.
+    Steps: (2) the miss filter drops weak uncached candidates; (3) exact scores of the kept
+      candidates and the tail; (4) exact top-k.
+    Returns (positions [top_k], stats dict of int32 scalars: candidates, kept, fetched (kept and
+      not cached), aux from ``exact_scores``).
     """
-    cand, cand_scores = topk_positions(coarse, eligible, num_candidates)
-    valid = cand >= 0
-    hit = valid & cached[jnp.maximum(cand, 0)]
-    keep = miss_filter(cand_scores, valid, hit, top_k, filter_offset)
+    valid = candidates >= 0
+    hit = valid & cached
+    keep = miss_filter(candidate_scores, valid, hit, top_k, filter_offset)
+    retained = jnp.concatenate([jnp.where(keep, candidates, -1), tail])
+    scores, aux = exact_scores(retained)
+    selected, _ = rerank(retained, scores, top_k)
     stats = {"candidates": jnp.sum(valid), "kept": jnp.sum(keep),
              "fetched": jnp.sum(keep & ~hit)}
-    return jnp.where(keep, cand, -1), jax.tree.map(lambda x: x.astype(jnp.int32), stats)
-
-
-def coarse_to_fine(q, weights, coarse, eligible, cached, exact_keys, tail_positions, *,
-                   num_candidates: int, top_k: int, filter_offset: float | None):
-    """LeanSparse selection for one query over a history of N positions.
-
-    Notation: H heads, D dim, N history positions, C = num_candidates, T tail positions.
-      q [H, D], weights [H]; coarse [N] approximate (PQ) scores; eligible [N] bool (paged and
-      causally eligible: the coarse pass covers these); cached [N] bool (exact key in the GPU
-      key cache); exact_keys [N, D] the exact keys (only retained rows are read);
-      tail_positions [T] int32 recent positions scored exactly without a coarse pass (-1 none).
-    Steps: (1) top-C of coarse scores over eligible; (2) miss filter; (3) exact scores of the
-      kept candidates and the tail; (4) exact top-k.
-    Returns (positions [top_k], stats dict of int32 scalars: candidates, kept, fetched).
-    """
-    kept, stats = select_candidates(coarse, eligible, cached, num_candidates=num_candidates,
-                                    top_k=top_k, filter_offset=filter_offset)
-    retained = jnp.concatenate([kept, tail_positions])
-    scores = index_scores(q, weights, exact_keys[jnp.maximum(retained, 0)])
-    selected, _ = rerank(retained, scores, top_k)
-    return selected, stats
-
-
-def direct_topk(coarse, eligible, top_k: int):
-    """The direct-PQ baseline: top-k straight from coarse scores."""
-    return topk_positions(coarse, eligible, top_k)[0]
+    return selected, jax.tree.map(lambda x: x.astype(jnp.int32), stats), aux
 
 
 def recall(selected, exact):

@@ -82,7 +82,8 @@ def request_bytes(engine: EngineConfig, context: int, layout: Layout | None = No
     leading DSA layers); paged CSA layers: tail P*row + hot B*(row+meta) + clock instead of
     N_c*row, and N_c rows in host pages (a whole number of pages); leansparse also moves the
     keys: PQ codes N_c*M bytes + key cache Bk*(k_b+meta) + clock + key tail P*k_b on the GPU,
-    the keys in host pages. The page table is one int32 per page, once per request.
+    the keys in host pages. The page table is one int32 per page, once per request (adaptive:
+    twice, with its ready map of lent pages).
     """
     engine = sized_for(engine, context)
     cfg, cache = engine.model, engine.cache
@@ -99,7 +100,7 @@ def request_bytes(engine: EngineConfig, context: int, layout: Layout | None = No
         if kind == "csa":
             layer["compressor_state"] = 2 * cfg.csa_ratio * 4 * (d + di) * val
             layer["indexer_keys"] = n * lay.index_key
-            if engine.paged:
+            if engine.storage.kv_on_host:
                 paged_rows = -(-n // cache.page_size) * cache.page_size
                 layer["tail"] = cache.page_size * lay.kv_row
                 layer["hot_cache"] = (cache.hot_cache_rows * (lay.kv_row + lay.hot_row_meta)
@@ -107,7 +108,7 @@ def request_bytes(engine: EngineConfig, context: int, layout: Layout | None = No
                 host["attention_kv"] += paged_rows * lay.kv_row
             else:
                 layer["attention_kv"] = n * lay.kv_row
-            if engine.lean is not None:
+            if engine.storage.keys_on_host:
                 layer["indexer_keys"] = 0
                 layer["pq_codes"] = n * engine.pq_subspaces
                 layer["key_cache"] = (engine.leansparse.key_cache_rows
@@ -124,8 +125,8 @@ def request_bytes(engine: EngineConfig, context: int, layout: Layout | None = No
         per_layer.append(layer)
         for key, value in layer.items():
             gpu[key] += value
-    if engine.paged:
-        gpu["page_table"] = 4 * engine.pages_per_slot
+    if engine.storage.kv_on_host:  # one int32 per page; a ready map of lent pages beside it
+        gpu["page_table"] = 4 * engine.pages_per_slot * (2 if engine.storage.lent_pages else 1)
     gpu["weights_share"] = weights_share
     return RequestBytes(gpu=gpu, host=host, per_layer=tuple(per_layer))
 

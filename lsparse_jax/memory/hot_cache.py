@@ -16,9 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from lsparse_jax.model.store import NUM_SOURCES  # noqa: F401  (0 tail/lent map, 1 hit, 2 host)
 from pallas_kernels.hot_resolve import hot_resolve
-
-NUM_SOURCES = 3  # resolved from: 0 tail / resident (or optional) map, 1 hot hit, 2 host copy
 
 
 @struct.dataclass

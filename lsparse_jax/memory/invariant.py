@@ -58,7 +58,8 @@ def hierarchy_violations(engine: EngineConfig, state, truth_caches, active,
                          encode_keys=None, layers=None) -> list[str]:
     """Lists every row that is lost or wrong (empty list = invariant holds).
 
-    state: a paged DecodeState; truth_caches: the caches of a resident DecodeState holding the
+    state: a paged DecodeState (its tier has ``kv_pools`` and ``page_table``, and where the
+    method has them ``key_pools``, ``optional_pools`` and ``ready``); truth_caches: the caches of a resident DecodeState holding the
     same requests in the same slots; active [S] bool: slots to check. Covers compressed KV
     (tail, host pages, hot cache, adaptive's lent optional pages) and, for leansparse, FP8
     indexer keys (tail, host pages, key cache) and the PQ codes of paged keys
@@ -68,27 +69,28 @@ def hierarchy_violations(engine: EngineConfig, state, truth_caches, active,
     """
     page, m = engine.cache.page_size, engine.model.csa_ratio
     lengths = np.asarray(state.lengths)
-    table = np.asarray(state.host.page_table)
+    tier = state.tier
+    table = np.asarray(tier.page_table)
     np_tree = lambda t: tuple(np.asarray(x) for x in t)  # noqa: E731
     bad = []
     for layer, (cache, truth) in enumerate(zip(state.caches, truth_caches)):
         if not isinstance(cache, CSACache) or (layers is not None and layer not in layers):
             continue
-        pools = state.host.pools[layer]
         want_kv = np.asarray(truth.kv.entries)
         want_keys = (np.asarray(truth.keys.values), np.asarray(truth.keys.scales))
         for s in np.flatnonzero(active):
             done = int(lengths[s]) // m
             paged = done // page * page
-            _check_store(f"layer {layer} kv", np.asarray(cache.kv.tail), np.asarray(pools.kv),
-                         cache.kv.hot, table, want_kv, done, paged, page, s, bad)
-            if pools.optional is not None:
-                _check_lent(layer, np.asarray(pools.optional),
-                            np.asarray(state.host.ready)[s], want_kv[s], paged, page, s, bad)
+            _check_store(f"layer {layer} kv", np.asarray(cache.kv.tail),
+                         np.asarray(tier.kv_pools[layer]), cache.kv.hot, table, want_kv, done,
+                         paged, page, s, bad)
+            if hasattr(tier, "optional_pools"):
+                _check_lent(layer, np.asarray(tier.optional_pools[layer]),
+                            np.asarray(tier.ready)[s], want_kv[s], paged, page, s, bad)
             if isinstance(cache.keys, PagedKeys):
                 _check_store(f"layer {layer} keys", np_tree(cache.keys.tail),
-                             np_tree(pools.keys), cache.keys.cache, table, want_keys, done,
-                             paged, page, s, bad)
+                             np_tree(tier.key_pools[layer]), cache.keys.cache, table, want_keys,
+                             done, paged, page, s, bad)
                 if encode_keys is not None and paged:
                     want = np.asarray(encode_keys(want_keys[0][s, :paged],
                                                   want_keys[1][s, :paged], layer))

@@ -10,30 +10,25 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax import struct
 
-from lsparse_jax.config import LeanSparseConfig, ModelConfig
-from lsparse_jax.indexing import index_scores, topk_positions
-from lsparse_jax.indexing.leansparse import leansparse_select
-from lsparse_jax.memory import key_store, kv_store
-from lsparse_jax.memory.hot_cache import NUM_SOURCES
-from lsparse_jax.memory.kv_store import write_rows
+from lsparse_jax.config import ModelConfig
+from lsparse_jax.indexing import index_scores
 from lsparse_jax.model.attention import sink_attention
 from lsparse_jax.model.cache import CSACache, DSACache, HCACache, SWACache
 from lsparse_jax.model.compressor import Compressor
 from lsparse_jax.model.layers import MLP, RMSNorm, dense, extend_window, rope
+from lsparse_jax.model.store import (
+    RESIDENT_KV,
+    IndexerQuery,
+    KeyIndex,
+    KVStore,
+    Selection,
+    ExactIndex,
+    exact_selection,
+    write_rows,
+)
 from lsparse_jax.quant import dequantize_index_keys, quantize_index_keys
 from pallas_kernels.sparse_attention.api import sparse_attention
-
-
-@struct.dataclass
-class Selection:
-    """What a sparse layer's indexer chose for each query of a chunk."""
-
-    positions: jnp.ndarray  # [T, k] int32, best first, -1 padded
-    eligible: jnp.ndarray  # [T] int32 eligible positions per query
-    sources: jnp.ndarray  # [T, 3] int32 selected KV rows found in (tail/resident, hot, host)
-    key_sources: jnp.ndarray  # [T, 3] int32 exact keys scored from (tail/resident, cache, host)
 
 
 class Indexer(nn.Module):
@@ -55,26 +50,22 @@ class Indexer(nn.Module):
         w = dense(ic.num_heads, "ww")(x) * (ic.num_heads * ic.head_dim) ** -0.5
         return q, w
 
-    def select(self, q, w, keys, scales, eligible):
-        """Top-k of eligible stored keys: q [T,H,D], w [T,H], keys [N,D] e4m3, eligible [T,N]."""
-        scores = index_scores(q, w, dequantize_index_keys(keys, scales))
-        positions, _ = topk_positions(scores, eligible, self.cfg.indexer.top_k)
-        sources = jnp.zeros((positions.shape[0], NUM_SOURCES), jnp.int32)
-        scored = sources.at[:, 0].set(jnp.sum(eligible, axis=-1))
-        sources = sources.at[:, 0].set(jnp.sum(positions >= 0, axis=-1))
-        return Selection(positions, jnp.sum(eligible, axis=-1).astype(jnp.int32), sources,
-                         scored)
-
 
 class AttentionLayer(nn.Module):
-    """One attention layer of kind cfg.layer_pattern[layer]."""
+    """One attention layer of kind cfg.layer_pattern[layer].
+
+    A CSA layer keeps its compressed KV in ``kv_store`` and its indexer keys in ``key_index``
+    (``model.store``: the resident layout by default; a serving method passes its own, and a
+    per-slot ``context`` of shared state to both); the layer itself is only the math.
+    """
 
     cfg: ModelConfig
     layer: int
     dense_selection: bool = False  # attend to every eligible entry (the no-sparsity reference)
-    lean: LeanSparseConfig | None = None  # coarse-to-fine settings (leansparse decode)
     implementation: str | None = "xla"  # kernels: "xla", "triton", ... (pallas_kernels api)
     indexer_loss: bool = False  # training: sow the indexer's KL to the attention (CSA layers)
+    kv_store: KVStore = RESIDENT_KV
+    key_index: KeyIndex | None = None  # None: model.store.ExactIndex (every key resident)
 
     @property
     def kind(self) -> str:
@@ -82,7 +73,7 @@ class AttentionLayer(nn.Module):
 
     @nn.compact
     def __call__(self, x, cache, start, num_valid, shared: Selection | None = None,
-                 host: kv_store.HostView | None = None):
+                 context=None):
         cfg = self.cfg
         h, d, w = cfg.num_heads, cfg.head_dim, cfg.swa_window
         t_len = x.shape[0]
@@ -111,8 +102,9 @@ class AttentionLayer(nn.Module):
             cache = cache.replace(kv_ring=kv_ring)
             eligible = jnp.arange(num)[None, :] < ((positions + 1) // m)[:, None]
         if self.kind == "csa":
-            paged = kv_store.paged_rows(cache.kv, start // m)
-            cache = cache.replace(kv=kv_store.write(cache.kv, ids, rows, ok, paged))
+            completed = start // m  # compressed rows the slot held before this chunk
+            kv_ctx, key_ctx = (None, None) if context is None else context
+            cache = cache.replace(kv=self.kv_store.write(cache.kv, completed, ids, rows, ok))
         elif self.kind == "hca":
             cache = cache.replace(entries=write_rows(cache.entries, ids, rows, ok))
         elif self.kind == "dsa":
@@ -126,7 +118,7 @@ class AttentionLayer(nn.Module):
             indexer = Indexer(cfg, name="indexer")
             xi = jax.lax.stop_gradient(x)  # the indexer learns from its own loss only
             iq, iw = indexer(xi, positions)
-            self.sow("intermediates", "indexer_q", iq)  # read by indexing.traces
+            self.sow("intermediates", "indexer_q", iq)  # read by model.traces
             self.sow("intermediates", "indexer_w", iw)
             ic = cfg.indexer
             if self.kind == "csa":
@@ -139,49 +131,31 @@ class AttentionLayer(nn.Module):
                 krows = rope(dense(ic.head_dim, "index_wk")(xi), positions,
                              min(cfg.rope_dim, ic.head_dim), cfg.rope_theta)
             kval, kscale = quantize_index_keys(krows, ic.fp8_block)
+            query = IndexerQuery(iq, iw)
             if self.kind == "dsa":
                 cache = cache.replace(
                     index_keys=write_rows(cache.index_keys, kids, kval, kok),
                     index_scales=write_rows(cache.index_scales, kids, kscale, kok))
-                selection = indexer.select(iq, iw, cache.index_keys, cache.index_scales,
-                                           eligible)
-            elif isinstance(cache.keys, key_store.ResidentKeys):
-                keys = key_store.write(cache.keys, kids, kval, kscale, kok, 0)
+                selection = exact_selection(query, cache.index_keys, cache.index_scales,
+                                            eligible, ic.top_k)
+            else:
+                index = self.key_index or ExactIndex(ic.top_k)
+                keys = index.write(cache.keys, completed, kids, kval, kscale, kok)
+                keys, selection = index.select(keys, completed, query, eligible, key_ctx)
                 cache = cache.replace(keys=keys)
-                selection = indexer.select(iq, iw, keys.values, keys.scales, eligible)
-            else:  # leansparse: coarse-to-fine over offloaded keys
-                if t_len != 1 or self.lean is None:
-                    raise ValueError("paged indexer keys serve leansparse decode (one token)")
-                keys = key_store.write(cache.keys, kids, kval, kscale, kok, paged)
-                picked, keys, key_sources, _ = leansparse_select(
-                    iq[0], iw[0], keys, eligible[0], paged, host, self.lean, ic.top_k,
-                    self.implementation)
-                cache = cache.replace(keys=keys)
-                selection = Selection(picked[None], jnp.sum(eligible, -1).astype(jnp.int32),
-                                      jnp.zeros((1, NUM_SOURCES), jnp.int32),
-                                      key_sources[None])
         elif self.kind == "dsa":
             selection = shared  # GLM-5 index sharing: reuse the group leader's positions
 
         if self.kind == "hca" or (self.dense_selection and self.kind == "dsa"):
             groups.append((cache.entries[None], eligible))
         elif self.dense_selection and self.kind == "csa":
-            if not isinstance(cache.kv, kv_store.ResidentKV):
-                raise ValueError("dense_selection needs the resident KV store")
-            groups.append((cache.kv.entries[None], eligible))
+            groups.append((self.kv_store.all_rows(cache.kv)[None], eligible))
         elif self.kind == "csa":
-            sel = selection.positions
-            if kernel_decode and isinstance(cache.kv, kv_store.ResidentKV):
-                # the kernel gathers the selected rows from the resident store in place
-                table, slots, sources = cache.kv.entries[None], sel, kv_store.resident_counts(sel)
-            else:
-                rows, sources, kv = kv_store.gather(cache.kv, sel, paged, host,
-                                                    self.implementation)
-                cache = cache.replace(kv=kv)
-                table, slots = rows, jnp.where(sel >= 0, jnp.arange(sel.shape[-1]), -1)
-            if not kernel_decode:
-                groups.append((rows, sel >= 0))
-            selection = selection.replace(sources=sources)
+            kv, view = self.kv_store.gather(cache.kv, completed, selection.positions, kv_ctx)
+            cache = cache.replace(kv=kv)
+            if not kernel_decode:  # XLA path: the selected rows, query by query
+                groups.append((view.table[0][jnp.maximum(view.slots, 0)], view.slots >= 0))
+            selection = selection.replace(sources=view.sources)
         elif self.kind == "dsa":
             sel = selection.positions
             groups.append((cache.entries[jnp.maximum(sel, 0)], sel >= 0))
@@ -196,7 +170,7 @@ class AttentionLayer(nn.Module):
                 iq, iw, krows, kval, kscale, kids, kok, num, eligible, attended, probs[-1]))
         elif kernel_decode:
             ((window_rows, window_mask),) = groups
-            out = sparse_attention(q, table, slots, window_rows, window_mask, sink,
+            out = sparse_attention(q, view.table, view.slots, window_rows, window_mask, sink,
                                    implementation=self.implementation)
         else:
             out = sink_attention(q, groups, sink)
@@ -243,16 +217,17 @@ class Block(nn.Module):
     cfg: ModelConfig
     layer: int
     dense_selection: bool = False
-    lean: LeanSparseConfig | None = None
     implementation: str | None = "xla"
     indexer_loss: bool = False
+    kv_store: KVStore = RESIDENT_KV
+    key_index: KeyIndex | None = None
 
     @nn.compact
-    def __call__(self, x, cache, start, num_valid, shared=None, host=None):
-        attn = AttentionLayer(self.cfg, self.layer, self.dense_selection, self.lean,
-                              self.implementation, self.indexer_loss, name="attn")
+    def __call__(self, x, cache, start, num_valid, shared=None, context=None):
+        attn = AttentionLayer(self.cfg, self.layer, self.dense_selection, self.implementation,
+                              self.indexer_loss, self.kv_store, self.key_index, name="attn")
         y, cache, selection = attn(RMSNorm(name="attn_norm")(x), cache, start, num_valid, shared,
-                                   host)
+                                   context)
         x = x + y
         x = x + MLP(self.cfg.mlp_hidden, name="mlp")(RMSNorm(name="mlp_norm")(x))
         return x, cache, selection

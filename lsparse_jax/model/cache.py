@@ -5,12 +5,13 @@ Rows that must never be read are NaN; nothing here is read without a position ma
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax.numpy as jnp
 from flax import struct
 
 from lsparse_jax.config import ModelConfig
-from lsparse_jax.memory.key_store import PagedKeys, ResidentKeys
-from lsparse_jax.memory.kv_store import PagedKV, ResidentKV
+from lsparse_jax.model.store import RESIDENT_KV, ExactIndex, KeyIndex, KVStore
 
 
 @struct.dataclass
@@ -22,9 +23,10 @@ class SWACache:
 class CSACache:
     window: jnp.ndarray  # [W, D] f32 ring of raw KV rows (the SWA part)
     kv_ring: jnp.ndarray  # [2m, 4D] f32 compressor inputs of the last 2m tokens
-    kv: ResidentKV | PagedKV  # compressed KV; entry i pools tokens (i-1)m .. im+m-1
+    kv: Any  # the KVStore's state of the compressed KV; entry i pools tokens (i-1)m .. im+m-1
+    #   (model.store.ResidentKV, or a serving method's paged store)
     index_ring: jnp.ndarray  # [2m, 4 D_I] f32 indexer-compressor inputs of the last 2m tokens
-    keys: ResidentKeys | PagedKeys  # FP8 indexer keys of the compressed entries
+    keys: Any  # the KeyIndex's state of the FP8 indexer keys of the compressed entries
 
 
 @struct.dataclass
@@ -44,8 +46,10 @@ class DSACache:
 LayerCache = SWACache | CSACache | HCACache | DSACache
 
 
-def empty_layer_cache(cfg: ModelConfig, layer: int) -> LayerCache:
-    """A NaN-poisoned cache for one layer of one slot."""
+def empty_layer_cache(cfg: ModelConfig, layer: int, kv_store: KVStore = RESIDENT_KV,
+                      key_index: KeyIndex | None = None) -> LayerCache:
+    """A NaN-poisoned cache for one layer of one slot; CSA layers keep their compressed KV and
+    indexer keys in ``kv_store`` / ``key_index`` (default: the resident layout)."""
     kind = cfg.layer_pattern[layer]
     d, di, w = cfg.head_dim, cfg.indexer.head_dim, cfg.swa_window
     nb = di // cfg.indexer.fp8_block
@@ -56,9 +60,9 @@ def empty_layer_cache(cfg: ModelConfig, layer: int) -> LayerCache:
         return SWACache(window=nan(w, d))
     if kind == "csa":
         m = cfg.csa_ratio
-        return CSACache(window=nan(w, d), kv_ring=nan(2 * m, 4 * d), kv=ResidentKV(nan(n, d)),
-                        index_ring=nan(2 * m, 4 * di),
-                        keys=ResidentKeys(values=fp8(n, di), scales=nan(n, nb)))
+        key_index = key_index or ExactIndex(cfg.indexer.top_k)
+        return CSACache(window=nan(w, d), kv_ring=nan(2 * m, 4 * d), kv=kv_store.empty(n, d),
+                        index_ring=nan(2 * m, 4 * di), keys=key_index.empty(n, di, nb))
     if kind == "hca":
         m = cfg.hca_ratio
         return HCACache(window=nan(w, d), kv_ring=nan(m, 2 * d), entries=nan(n, d))
@@ -67,5 +71,6 @@ def empty_layer_cache(cfg: ModelConfig, layer: int) -> LayerCache:
     return DSACache(entries=nan(n, d), index_keys=fp8(rows, di), index_scales=nan(rows, nb))
 
 
-def empty_cache(cfg: ModelConfig) -> tuple[LayerCache, ...]:
-    return tuple(empty_layer_cache(cfg, i) for i in range(cfg.num_layers))
+def empty_cache(cfg: ModelConfig, kv_store: KVStore = RESIDENT_KV,
+                key_index: KeyIndex | None = None) -> tuple[LayerCache, ...]:
+    return tuple(empty_layer_cache(cfg, i, kv_store, key_index) for i in range(cfg.num_layers))

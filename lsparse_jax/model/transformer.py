@@ -6,29 +6,33 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lsparse_jax.config import LeanSparseConfig, ModelConfig
+from lsparse_jax.config import ModelConfig
 from lsparse_jax.model.blocks import Block
 from lsparse_jax.model.cache import empty_cache
 from lsparse_jax.model.layers import RMSNorm, dense
+from lsparse_jax.model.store import RESIDENT_KV, KeyIndex, KVStore
 
 
 class Transformer(nn.Module):
     """Maps a chunk of tokens and one slot's caches to logits and updated caches.
 
-    ``__call__(tokens [T] int32, caches, start, num_valid, hosts)`` ->
+    ``__call__(tokens [T] int32, caches, start, num_valid, contexts)`` ->
       (logits [T, V] f32, caches, selections: tuple of Selection | None per layer).
     Tokens past ``num_valid`` are padding: they write nothing and their logits are junk.
-    ``hosts`` (decode over paged KV): per layer a ``HostView`` or None.
+    CSA layers keep their compressed history in ``kv_store`` / ``key_index`` (``model.store``;
+    default: resident); ``contexts`` gives each layer what its stores read from shared state
+    (a serving method's per-slot view; None per layer, or None for all).
     """
 
     cfg: ModelConfig
     dense_selection: bool = False
-    lean: LeanSparseConfig | None = None  # leansparse decode: coarse-to-fine settings
     implementation: str | None = "xla"  # kernel implementation (pallas_kernels api switch)
     indexer_loss: bool = False  # training: CSA layers sow "losses"/"indexer_kl"
+    kv_store: KVStore = RESIDENT_KV
+    key_index: KeyIndex | None = None  # None: every key resident, exact top-k
 
     @nn.compact
-    def __call__(self, tokens, caches, start, num_valid, hosts=None):
+    def __call__(self, tokens, caches, start, num_valid, contexts=None):
         cfg = self.cfg
         x = nn.Embed(cfg.vocab_size, cfg.hidden, name="embed",
                      embedding_init=nn.initializers.normal(1.0))(tokens)
@@ -38,9 +42,10 @@ class Transformer(nn.Module):
             if cfg.layer_pattern[i] == "dsa" and cfg.dsa_leader(i) != i:
                 shared = selections[cfg.dsa_leader(i)]
             indexer_loss = self.indexer_loss and cfg.layer_pattern[i] == "csa"
-            x, c, sel = Block(cfg, i, self.dense_selection, self.lean, self.implementation,
-                              indexer_loss, name=f"block_{i}")(
-                x, caches[i], start, num_valid, shared, None if hosts is None else hosts[i])
+            x, c, sel = Block(cfg, i, self.dense_selection, self.implementation, indexer_loss,
+                              self.kv_store, self.key_index, name=f"block_{i}")(
+                x, caches[i], start, num_valid, shared,
+                None if contexts is None else contexts[i])
             new_caches.append(c)
             selections.append(sel)
         x = RMSNorm(name="final_norm")(x)

@@ -6,6 +6,8 @@ D = 128 with one block (DeepSeek-V3.2/V4 indexer cache layout).
 
 import jax.numpy as jnp
 
+from pallas_kernels.index_scores.reference import dequantize_index_keys
+
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn value
 
 
@@ -27,10 +29,4 @@ def quantize_index_keys(keys: jnp.ndarray, block: int | None = None):
     return values.reshape(keys.shape), scales
 
 
-def dequantize_index_keys(values: jnp.ndarray, scales: jnp.ndarray) -> jnp.ndarray:
-    """Inverse of ``quantize_index_keys``: (values [..., D], scales [..., D/b]) -> f32 [..., D]."""
-    d, nb = values.shape[-1], scales.shape[-1]
-    if d % nb:
-        raise ValueError(f"dequantize_index_keys: {nb} scales do not divide key dim {d}")
-    x = values.astype(jnp.float32).reshape(*values.shape[:-1], nb, d // nb)
-    return (x * scales[..., None]).reshape(values.shape)
+__all__ = ["E4M3_MAX", "dequantize_index_keys", "quantize_index_keys"]

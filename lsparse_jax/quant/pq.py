@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lsparse_jax.indexing.scores import index_scores
+from pallas_kernels.pq_topc.reference import coarse_scores as _coarse_scores
+from pallas_kernels.pq_topc.reference import decode_codes
 
 MAX_CENTROIDS = 256  # codes are uint8
 _ENCODE_BATCH = 2048  # keys per vectorised encode step: bounds the [batch, M, K] distance buffer
@@ -220,12 +221,7 @@ def decode(codes, codebooks) -> jnp.ndarray:
     codes = jnp.asarray(codes)
     codebooks = _check_codebooks("decode", jnp.asarray(codebooks), None, "")
     _check_codes("decode", codes, codebooks.shape[0])
-    m, k, dsub = codebooks.shape
-    ids = codes.astype(jnp.int32)
-    ids = jnp.where(ids < 0, k, ids)  # negative ids would wrap around; send them out of range
-    # [..., N, M, d]; out-of-range ids fill with NaN instead of clamping
-    parts = codebooks.at[jnp.arange(m), ids].get(mode="fill", fill_value=jnp.nan)
-    return parts.reshape(*codes.shape[:-1], m * dsub)
+    return decode_codes(codes, codebooks)
 
 
 def coarse_scores(q, weights, codes, codebooks) -> jnp.ndarray:
@@ -246,7 +242,7 @@ def coarse_scores(q, weights, codes, codebooks) -> jnp.ndarray:
                          f"q [..., H, D] has H={q.shape[-2]} heads")
     codebooks = _check_codebooks("coarse_scores", jnp.asarray(codebooks), q.shape[-1], "queries")
     _check_codes("coarse_scores", codes, codebooks.shape[0])
-    return index_scores(q, weights, decode(codes, codebooks))
+    return _coarse_scores(q, weights, codes, codebooks)
 
 
 # ------------------------------------------------------------------------------------ checkpoints

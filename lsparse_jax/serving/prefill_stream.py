@@ -57,9 +57,10 @@ import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
 from lsparse_jax.config import ModelConfig
-from lsparse_jax.model.blocks import Block, Selection
+from lsparse_jax.model.blocks import Block
 from lsparse_jax.model.cache import LayerCache, empty_layer_cache
 from lsparse_jax.model.layers import RMSNorm, dense
+from lsparse_jax.model.store import Selection
 from lsparse_jax.model.transformer import Transformer
 
 HOST, DEVICE = "pinned_host", "device"
@@ -123,7 +124,7 @@ def _embed(embed_params, cfg: ModelConfig, tokens):
 def _block(block_params, cfg: ModelConfig, layer: int, x, cache, start, num_valid,
            shared: Selection | None):
     ref = Transformer(cfg)  # the settings steps.forward_chunk's Transformer gives its Blocks
-    block = Block(cfg, layer, ref.dense_selection, ref.lean, ref.implementation)
+    block = Block(cfg, layer, ref.dense_selection, ref.implementation)
     return block.apply({"params": block_params}, x, cache, start, num_valid, shared)
 
 

@@ -9,11 +9,12 @@ import jax.numpy as jnp
 from flax import struct
 
 from lsparse_jax.config import EngineConfig, ModelConfig
-from lsparse_jax.memory.hot_cache import NUM_SOURCES
+from lsparse_jax.methods import policy
 from lsparse_jax.model.cache import empty_cache
+from lsparse_jax.model.store import NUM_SOURCES
 from lsparse_jax.model.transformer import Transformer
 from lsparse_jax.serving.sampling import sample
-from lsparse_jax.serving.state import DecodeState, writeback
+from lsparse_jax.serving.state import DecodeState
 
 
 @struct.dataclass
@@ -80,19 +81,16 @@ def decode_step(params, engine: EngineConfig, state: DecodeState, tokens, active
     tokens [S] int32 (each slot's newest token, at position lengths[s]); active [S] bool.
     Inactive slots write nothing and keep their length. Returns (state, DecodeOutput).
     """
-    cfg = engine.model
-    tier = state.host
-    page_table = jnp.zeros((state.num_slots, 0), jnp.int32) if tier is None else tier.page_table
+    cfg, method = engine.model, policy(engine)
+    model = Transformer(cfg, implementation=engine.implementation, kv_store=method.kv_store(),
+                        key_index=method.key_index())
 
-    ready = None if tier is None else tier.ready  # adaptive's [S, max_pages] map, else None
-
-    def one(caches, table, ready_row, token, start, live):
-        # the host pools and codebooks are shared by every slot: closed over, not mapped
-        hosts = None if tier is None else tuple(
-            tier.view(i, table, ready_row) for i in range(cfg.num_layers))
-        logits, caches, sels = Transformer(cfg, lean=engine.lean,
-                                           implementation=engine.implementation).apply(
-            {"params": params}, token[None], caches, start, live.astype(jnp.int32), hosts)
+    def one(caches, rows, token, start, live):
+        # the method's shared state (host pools, codebooks) is closed over, not mapped; its
+        # per-slot rows (page table, ready map) are
+        logits, caches, sels = model.apply({"params": params}, token[None], caches, start,
+                                           live.astype(jnp.int32),
+                                           method.contexts(state.tier, rows))
         picked = [sels[i] for i in sparse_layers(cfg)]
         k = cfg.indexer.top_k
 
@@ -105,12 +103,11 @@ def decode_step(params, engine: EngineConfig, state: DecodeState, tokens, active
                 stack("sources", (0, NUM_SOURCES)), stack("key_sources", (0, NUM_SOURCES)))
 
     logits, caches, positions, eligible, sources, key_sources = jax.vmap(one)(
-        state.caches, page_table, ready, tokens, state.lengths, active)
+        state.caches, method.slot_rows(state.tier), tokens, state.lengths, active)
     rng, key = jax.random.split(state.rng)
     next_tokens = sample(logits, key, engine.sampling.temperature)
     new = state.replace(caches=caches, lengths=state.lengths + active.astype(jnp.int32), rng=rng)
-    if engine.paged:
-        new = writeback(engine, new, state.lengths, active)
+    new = method.after_step(new, state.lengths, active)
     return new, DecodeOutput(logits, next_tokens, positions, eligible, sources, key_sources)
 
 

@@ -1,17 +1,34 @@
 """XLA reference of ``pq_topc``: coarse PQ scores (Eq. 6) in f32, then the top-C positions.
 
-Plain and obviously right: it decodes the PQ codes into keys with
-``lsparse_jax.quant.pq.coarse_scores`` (f32, HIGHEST precision) and selects with
-``lsparse_jax.indexing.topk_positions`` (higher score first, ties to the lower position, -1
-padding). Inputs are assumed validated by ``api.pq_topc``.
+Plain and obviously right: it decodes the PQ codes into keys (``decode_codes``), scores them
+exactly (``exact_index_scores``: f32, HIGHEST precision) and selects with ``topk_positions``
+(higher score first, ties to the lower position, -1 padding). Inputs are assumed validated by
+``api.pq_topc``; ``lsparse_jax.quant.pq`` validates and re-exports ``decode``/``coarse_scores``.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-from lsparse_jax.indexing.topk import topk_positions
-from lsparse_jax.quant.pq import coarse_scores
+from pallas_kernels.index_scores.reference import exact_index_scores
+from pallas_kernels.topk.reference import topk_positions
+
+
+def decode_codes(codes, codebooks) -> jnp.ndarray:
+    """Keys [..., N, D] f32 from PQ codes [..., N, M] uint8 and codebooks [M, K, d]:
+    concat_j C_j[c_ij]. A code outside [0, K) decodes to NaN, not a clamped centroid."""
+    codebooks = jnp.asarray(codebooks, jnp.float32)
+    m, k, dsub = codebooks.shape
+    ids = jnp.asarray(codes).astype(jnp.int32)
+    ids = jnp.where(ids < 0, k, ids)  # negative ids would wrap around; send them out of range
+    parts = codebooks.at[jnp.arange(m), ids].get(mode="fill", fill_value=jnp.nan)
+    return parts.reshape(*codes.shape[:-1], m * dsub)
+
+
+def coarse_scores(q, weights, codes, codebooks) -> jnp.ndarray:
+    """Eq. 6: s_i = sum_h w_h ReLU(sum_j q_{h,j} . C_j[c_ij]) for q [..., H, D], weights
+    [..., H], codes [..., N, M], codebooks [M, K, D/M] -> [..., N] f32."""
+    return exact_index_scores(q, weights, decode_codes(codes, codebooks))
 
 
 def eligible_mask(lengths: jnp.ndarray, n: int) -> jnp.ndarray:

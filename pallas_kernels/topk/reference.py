@@ -1,4 +1,5 @@
-"""XLA implementation of ``topk``: the project's ``topk_positions`` over a length mask.
+"""XLA implementation of ``topk``: ``topk_positions`` (the project's selection rule, used by
+every layer above) over a length mask.
 
 Scores are canonicalised first, the same way the Triton implementation does it, so that both
 follow one rule: NaN inside a row's length counts as -inf (NaN there is not supported input;
@@ -13,7 +14,28 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from lsparse_jax.indexing import topk_positions
+
+def topk_positions(scores: jnp.ndarray, eligible: jnp.ndarray, k: int):
+    """Top-k eligible positions of each score row.
+
+    scores [..., N] f32, eligible [..., N] bool -> (positions [..., k] int32, values [..., k]).
+    Rule: higher score first; equal scores go to the lower position; when fewer than k positions
+    are eligible the rest of the row is -1 (value -inf). Positions are returned best-first.
+    If k > N the row is padded to k.
+    """
+    n = scores.shape[-1]
+    masked = jnp.where(eligible, scores.astype(jnp.float32), -jnp.inf)
+    kk = min(k, n)
+    # lax.top_k is stable (lower index first among equal values), which is our tie rule.
+    values, positions = jax.lax.top_k(masked, kk)
+    taken = jnp.take_along_axis(eligible, positions, axis=-1)
+    positions = jnp.where(taken, positions, -1).astype(jnp.int32)
+    values = jnp.where(taken, values, -jnp.inf)
+    if kk < k:
+        pad = [(0, 0)] * (scores.ndim - 1) + [(0, k - kk)]
+        positions = jnp.pad(positions, pad, constant_values=-1)
+        values = jnp.pad(values, pad, constant_values=-jnp.inf)
+    return positions, values
 
 
 def canonical_scores(scores: jnp.ndarray) -> jnp.ndarray:

@@ -1,0 +1,178 @@
+"""Scale study: every method at V4-Flash attention shapes, by context and batch.
+
+Gin header -- must be set: run.experiment = @scale, run.name, scale.model (e.g. the v4_flash
+preset with a 4-layer slice: configs/experiments/scale.gin). Everything else has a default.
+Writes runs/<name>/{config.gin, results.json, scale.png}; results.json is rewritten after every
+cell and a rerun skips the cells it already holds (resume across device calls).
+
+For each context the model is sized to it (max_len = context + decode steps, so a slot holds
+exactly that context) and one random-token prompt is prefilled once (timed after a one-chunk
+warm-up compile); every (method, batch) cell then admits ``batch`` copies of that prefill,
+warms the decode step up (compile, timed separately) and times ``steps`` decode steps.
+Random weights select nearly independently from step to step, which is the worst case for
+every cache (hot cache, key cache); each record states the measured reuse.
+A cell whose per-request device bytes (``memory.accounting``, exact for this implementation)
+times the batch exceed ``device_budget_gb`` is recorded as skipped, not run.
+
+Record keys: method, context, batch, layers, step_ms, prefill_s, warmup_s,
+device_bytes_per_request, host_bytes_per_request, host_bytes_per_token, reuse,
+resolved_fraction (tail-or-resident / hot / host), or skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+
+import gin
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from experiments.common import fit_max_len, pyplot, run_dir, write_results
+from lsparse_jax.config import (
+    CacheConfig,
+    EngineConfig,
+    LeanSparseConfig,
+    SamplingConfig,
+    method_names,
+    method_storage,
+)
+from lsparse_jax.memory.accounting import request_bytes
+from lsparse_jax.methods.leansparse import calibrate_codebooks
+from lsparse_jax.model import init_params
+from lsparse_jax.serving.engine import Engine
+from lsparse_jax.serving.request import Request
+from lsparse_jax.serving.steps import prefill
+
+
+def _check(methods, contexts, batches, steps):
+    for m in methods:
+        if m not in method_names():
+            raise ValueError(f"scale.methods: unknown method {m!r}; allowed: {method_names()}")
+    for name, values in (("contexts", contexts), ("batches", batches)):
+        if not values or any(not isinstance(v, int) or v < 1 for v in values):
+            raise ValueError(f"scale.{name}={values!r}: a non-empty tuple of positive ints")
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"scale.steps={steps!r}: a positive int")
+
+
+@gin.configurable
+def scale(name: str, model=gin.REQUIRED, methods=("resident", "hisparse", "leansparse",
+                                                   "adaptive"),
+          contexts=(32768, 131072), batches=(1, 8), steps: int = 16, warm_steps: int = 4,
+          prefill_chunk: int = 4096, hot_cache_rows: int = 4096, page_size: int = 64,
+          leansparse=None, calibration_tokens: int = 4096, lent_fraction: float = 0.5,
+          device_budget_gb: float = 120.0, implementation: str | None = "xla",
+          profile: tuple = (), seed: int = 0):
+    """Runs the grid; returns the records. ``lent_fraction``: adaptive's optional pages as a
+    fraction of the batch's complete prompt pages. ``profile``: (method, context, batch) cells
+    whose timed steps are also traced (jax.profiler; a Perfetto trace per cell is copied to
+    runs/<name>/trace_<method>_<context>_<batch>.json.gz)."""
+    _check(methods, contexts, batches, steps)
+    lean = leansparse or LeanSparseConfig()
+    out = run_dir(name)
+    path = out / "results.json"
+    records = json.loads(path.read_text())["records"] if path.exists() else []
+    done = {(r["method"], r["context"], r["batch"]) for r in records}
+    for context in contexts:
+        todo = [(m, b) for m in methods for b in batches if (m, context, b) not in done]
+        if not todo:
+            continue
+        cfg = fit_max_len(model, context + steps + warm_steps + 2)
+        params = init_params(cfg, seed)
+        prompt = np.random.default_rng(seed + context).integers(
+            0, min(cfg.vocab_size, 256), context).astype(np.int32)
+        jax.block_until_ready(prefill(params, cfg, prompt[:prefill_chunk], prefill_chunk))
+        t0 = time.perf_counter()
+        with tqdm(total=context, desc=f"prefill {context}", unit="tok") as bar:
+            pre = jax.block_until_ready(prefill(params, cfg, prompt, prefill_chunk, bar))
+        prefill_s = time.perf_counter() - t0
+        books = None
+        if any(method_storage(m).keys_on_host for m, _ in todo):
+            books = calibrate_codebooks(params, cfg, prompt[:calibration_tokens],
+                                        subspace_dim=lean.pq_subspace_dim, iters=8, seed=seed)
+        for method, batch in todo:
+            trace = (out / f"trace_{method}_{context}_{batch}"
+                     if (method, context, batch) in set(map(tuple, profile)) else None)
+            rec = _cell(cfg, params, books, pre, prompt, method, batch, steps, warm_steps,
+                        prefill_chunk, hot_cache_rows, page_size, lean, lent_fraction,
+                        device_budget_gb, implementation, trace)
+            rec.update(method=method, context=context, batch=batch, layers=cfg.num_layers,
+                       prefill_s=prefill_s)
+            records.append(rec)
+            _write(out, model, records)
+            print(json.dumps({k: rec[k] for k in ("method", "context", "batch", "step_ms")
+                              if k in rec} | ({"skipped": rec["skipped"]} if "skipped" in rec
+                                              else {})), flush=True)
+        del pre
+    _write(out, model, records)
+    return records
+
+
+def _cell(cfg, params, books, pre, prompt, method, batch, steps, warm_steps, chunk, hot_rows,
+          page, lean, lent_fraction, budget_gb, implementation, trace=None) -> dict:
+    storage = method_storage(method)
+    pages = len(prompt) // cfg.csa_ratio // page
+    cache = CacheConfig(batch, chunk, hot_rows if storage.kv_on_host else None, page,
+                        optional_pages=max(1, int(batch * pages * lent_fraction))
+                        if storage.lent_pages else None)
+    engine = EngineConfig(model=cfg, cache=cache, sampling=SamplingConfig(0.0, 0),
+                          method=method, leansparse=lean, implementation=implementation)
+    per = request_bytes(engine, cfg.max_len)
+    need = per.gpu_total * batch
+    if need > budget_gb * 2**30:
+        return {"skipped": f"needs {need / 2**30:.1f} GiB of request state > budget "
+                           f"{budget_gb} GiB", "device_bytes_per_request": per.gpu_total}
+    eng = Engine(engine, params, books)
+    t0 = time.perf_counter()
+    eng.warmup()
+    warmup_s = time.perf_counter() - t0
+    for _ in range(batch):
+        eng.admit(Request(prompt, max_new_tokens=steps + warm_steps + 1), prefilled=pre)
+    for _ in range(warm_steps):
+        eng.step()
+    jax.block_until_ready(eng.state)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    jax.block_until_ready(eng.state)
+    step_ms = (time.perf_counter() - t0) / steps * 1e3
+    if trace is not None:  # a few more steps under the profiler (not in step_ms)
+        with jax.profiler.trace(str(trace), create_perfetto_trace=True):
+            for _ in range(3):
+                eng.step()
+            jax.block_until_ready(eng.state)
+        for f in trace.rglob("*.trace.json.gz"):
+            shutil.copy(f, trace.with_suffix(".json.gz"))
+        shutil.rmtree(trace)
+    m = eng.metrics()
+    sel = m["selection"]
+    return {"step_ms": step_ms, "warmup_s": warmup_s,
+            "device_bytes_per_request": m["device_bytes_per_request"],
+            "host_bytes_per_request": per.host_total,
+            "host_bytes_per_token": m["host_bytes_per_token"],
+            "reuse": sel["reuse_fraction"], "resolved_fraction": sel["resolved_fraction"]}
+
+
+def _write(out, model, records):
+    results = {"model": dataclasses.asdict(model), "device": jax.devices()[0].device_kind,
+               "jax": jax.__version__, "records": records}
+    write_results(out, results)
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for method in sorted({r["method"] for r in records}):
+        for batch in sorted({r["batch"] for r in records}):
+            pts = sorted((r["context"], r["step_ms"]) for r in records
+                         if r["method"] == method and r["batch"] == batch and "step_ms" in r)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"{method} B={batch}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("decode step (ms)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "scale.png", dpi=120)
+    plt.close(fig)

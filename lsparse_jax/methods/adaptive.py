@@ -1,0 +1,278 @@
+"""``adaptive``: Adaptive DHiSparse's load-adaptive residency on top of ``hisparse``.
+
+Complete pages of a request's imported (prompt) history may sit in optional device pages that
+all slots share (``CacheConfig.optional_pages`` per CSA layer), on top of the fixed hot cache:
+  - resident-first admission: a new request is lent a device page for every complete prompt
+    page; when too few are free, whole requests' optional pages are reclaimed in reclaim order
+    (the longest-held first, i.e. admission order) until the deficit is covered or no lent page
+    is left; it then gets as many as are free, its first pages first;
+  - reclamation is a ready-map reset (the host copy of every lent page was written at
+    admission, so nothing is lost);
+  - refill: after pages come free (a request leaves), at most ``refill_pages`` pages per decode
+    step go back to requests missing some, round-robin over slots.
+The resolver reads the ready map before the hot-cache scan (the paper's step 1), so outputs
+equal ``resident``'s bit for bit (identity 3). Pages generated during decoding always follow
+hot-cache rules. Control plane: ``OptionalResidency`` (which pages each slot holds);
+data plane: ``Adaptive.admit_layer`` (lend), ``reclaim`` and ``refill``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from lsparse_jax.config import Storage
+from lsparse_jax.memory.host_pool import PageAllocator, read_host_rows
+from lsparse_jax.memory.paged_kv import PagedKVStore
+from lsparse_jax.memory.paging import put_pages
+from lsparse_jax.methods.base import Grant, register
+from lsparse_jax.methods.hisparse import HiSparse, PagedController
+
+
+@struct.dataclass
+class LentPageView:
+    """One slot's layer view of its host pages and of the optional pages lent to it."""
+
+    pool: jax.Array  # [NP * P, D] pinned_host pages of this layer
+    page_table: jnp.ndarray  # [max_pages] int32 physical host page of each logical page
+    optional: jax.Array  # [NO * P, D] f32 device pages lent to imported history
+    ready: jnp.ndarray  # [max_pages] int32 optional page holding each logical page, -1 none
+
+
+@dataclasses.dataclass(frozen=True)
+class LentPagedKVStore(PagedKVStore):
+    """``PagedKVStore`` whose resolver first reads rows from lent optional pages."""
+
+    def lent(self, context: LentPageView) -> tuple:
+        return context.optional, context.ready
+
+
+@struct.dataclass
+class AdaptiveTier:
+    """What adaptive shares across slots."""
+
+    kv_pools: tuple[jax.Array | None, ...]  # per layer [NP * P, D] f32 pinned_host KV pages
+    optional_pools: tuple[jax.Array | None, ...]  # per layer [NO * P, D] f32 device pages lent
+    #   to complete pages of imported history (copies of host pages; NaN when not lent)
+    page_table: jnp.ndarray  # [S, max_pages] int32 physical page of each logical page, -1 none
+    ready: jnp.ndarray  # [S, max_pages] int32 optional page holding each logical page (the same
+    #   page in every CSA layer's optional pool), -1 = not lent
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class Adaptive(HiSparse):
+    name: ClassVar[str] = "adaptive"
+    storage: ClassVar[Storage] = Storage(kv_on_host=True, lent_pages=True)
+
+    def kv_store(self) -> LentPagedKVStore:
+        cache = self.engine.cache
+        return LentPagedKVStore(cache.page_size, cache.hot_cache_rows,
+                                self.engine.implementation)
+
+    def empty_tier(self, codebooks=None) -> AdaptiveTier:
+        base = super().empty_tier(codebooks)
+        rows = self.engine.cache.optional_pages * self.engine.cache.page_size
+        optional = tuple(None if p is None else
+                         jnp.full((rows, self.engine.model.head_dim), jnp.nan, jnp.float32)
+                         for p in base.kv_pools)
+        return AdaptiveTier(base.kv_pools, optional, base.page_table, self._page_table())
+
+    def slot_rows(self, tier: AdaptiveTier):
+        return tier.page_table, tier.ready
+
+    def contexts(self, tier: AdaptiveTier, rows) -> tuple:
+        table, ready = rows
+        return tuple(None if pool is None else (LentPageView(pool, table, opt, ready), None)
+                     for pool, opt in zip(tier.kv_pools, tier.optional_pools))
+
+    def admit(self, state, slot, caches, length, grant: Grant):
+        state = super().admit(state, slot, caches, length, grant)
+        return state.replace(tier=state.tier.replace(ready=state.tier.ready.at[slot].set(
+            grant.lent)))
+
+    def admit_layer(self, layer, cache, empty, tier, grant, full_pages):
+        """As hisparse, and the complete prompt pages lent an optional page are copied there
+        (resident-first admission; the host copy is written too, so reclaiming a page never
+        loses a row)."""
+        out, tier = super().admit_layer(layer, cache, empty, tier, grant, full_pages)
+        page, entries = self.engine.cache.page_size, cache.kv.entries
+        rows = lambda j: jax.lax.dynamic_slice_in_dim(entries, j * page, page)  # noqa: E731
+        pools = list(tier.optional_pools)
+        pools[layer] = put_pages(pools[layer], grant.lent, rows,
+                                 jnp.minimum(full_pages, grant.lent.shape[0]), page)
+        return out, tier.replace(optional_pools=tuple(pools))
+
+    def controller(self) -> AdaptiveController:
+        return AdaptiveController(self)
+
+
+def _with_optional(tier: AdaptiveTier, fn) -> tuple:
+    """The tier's optional pools, each CSA layer's replaced by fn(optional, host pool)."""
+    return tuple(None if o is None else fn(o, p)
+                 for o, p in zip(tier.optional_pools, tier.kv_pools))
+
+
+@functools.partial(jax.jit, static_argnames=("method",), donate_argnames=("state",))
+def reclaim(method: Adaptive, state, slot):
+    """Takes back every optional page of ``slot``: its ready-map row becomes -1 and the pages
+    are poisoned with NaN. Nothing is lost: every lent page has its host copy."""
+    tier, page = state.tier, method.engine.cache.page_size
+    row = tier.ready[slot]
+    nan = lambda o: jnp.full((page, o.shape[1]), jnp.nan)  # noqa: E731
+    pools = _with_optional(tier, lambda o, p: put_pages(o, row, lambda j: nan(o), row.shape[0],
+                                                        page))
+    return state.replace(tier=tier.replace(optional_pools=pools,
+                                           ready=tier.ready.at[slot].set(-1)))
+
+
+@functools.partial(jax.jit, static_argnames=("method",), donate_argnames=("state",))
+def refill(method: Adaptive, state, slot, logical, lent):
+    """Lends optional page lent[j] to logical page logical[j] of ``slot``, for j with
+    lent[j] >= 0: copies the page from its host copy and marks it ready."""
+    tier, page = state.tier, method.engine.cache.page_size
+    host_pages = tier.page_table[slot, jnp.clip(logical, 0, None)]
+    ok = (lent >= 0) & (logical >= 0) & (host_pages >= 0)
+    ids = jnp.where(ok[:, None], host_pages[:, None] * page + jnp.arange(page), -1)  # [R, P]
+    dest = jnp.where(ok, lent, -1)
+
+    def fill(optional, pool):
+        rows = read_host_rows(pool, ids)  # [R, P, D] on the device
+        return put_pages(optional, dest, lambda j: rows[j], dest.shape[0], page)
+
+    where = jnp.where(ok, logical, tier.ready.shape[1])  # out of bounds -> dropped
+    ready = tier.ready.at[slot, where].set(lent, mode="drop")
+    return state.replace(tier=tier.replace(optional_pools=_with_optional(tier, fill),
+                                           ready=ready))
+
+
+class AdaptiveController(PagedController):
+    """Host pages as hisparse, plus which optional pages each slot holds."""
+
+    def __init__(self, method: Adaptive):
+        super().__init__(method)
+        cache = method.engine.cache
+        self.residency = OptionalResidency(cache.optional_pages, method.engine.pages_per_slot,
+                                           cache.refill_pages)
+
+    def reserve(self, slot: int, total_tokens: int, prompt_tokens: int):
+        grant, before = super().reserve(slot, total_tokens, prompt_tokens)
+        engine = self.method.engine
+        full = prompt_tokens // engine.model.csa_ratio // engine.cache.page_size
+        victims, ready = self.residency.admit(slot, full)
+        before += [functools.partial(reclaim, self.method, slot=victim) for victim in victims]
+        return grant.replace(lent=jnp.asarray(ready)), before
+
+    def release(self, slot: int) -> list:
+        updates = []
+        if self.residency.release(slot):
+            updates.append(functools.partial(reclaim, self.method, slot=slot))
+        return updates + super().release(slot)
+
+    def before_step(self) -> list:
+        """The bounded round-robin refill of lent pages."""
+        return [functools.partial(refill, self.method, slot=slot, logical=jnp.asarray(logical),
+                                  lent=jnp.asarray(lent))
+                for slot, logical, lent in self.residency.plan_refill()]
+
+    def warmup(self, state):
+        none = jnp.full((self.residency.refill_pages,), -1, jnp.int32)  # an all -1 plan
+        return refill(self.method, state, 0, none, none)
+
+    def metrics(self, state) -> dict:
+        return {"optional_pages_in_use": self.residency.in_use(),
+                "optional_pool_bytes": sum(o.nbytes for o in state.tier.optional_pools
+                                           if o is not None)}
+
+
+class OptionalResidency:
+    """Which optional device pages each slot holds, and the next reclaim/refill decisions."""
+
+    def __init__(self, num_pages: int, pages_per_slot: int, refill_pages: int):
+        self.pages = PageAllocator(num_pages)
+        self.pages_per_slot = pages_per_slot
+        self.refill_pages = refill_pages
+        self.lent: dict[int, dict[int, int]] = {}  # slot -> {logical page: optional page}
+        self.imported: dict[int, int] = {}  # slot -> complete prompt pages (refill targets)
+        self.order: list[int] = []  # slots in admission order (reclaim order)
+        self._cursor = 0  # round-robin position of the refill
+
+    def in_use(self) -> int:
+        return self.pages.num_pages - self.pages.free
+
+    def admit(self, slot: int, full_pages: int) -> tuple[list[int], np.ndarray]:
+        """A request with ``full_pages`` complete prompt pages enters ``slot``: returns (slots
+        whose optional pages must be reclaimed first, in order; its ready row [max_pages])."""
+        victims = []
+        for other in self.order:
+            if self.pages.free >= full_pages:
+                break
+            if self.lent.get(other):
+                victims.append(other)
+                self._take_back(other)
+        grant = self.pages.allocate(min(full_pages, self.pages.free), what="optional pages")
+        self.lent[slot] = dict(enumerate(grant))
+        self.imported[slot] = full_pages
+        self.order.append(slot)
+        return victims, self.ready_row(slot)
+
+    def release(self, slot: int) -> bool:
+        """The request in ``slot`` ends; returns whether it held optional pages to reclaim."""
+        held = bool(self.lent.get(slot))
+        self._take_back(slot)
+        self.lent.pop(slot, None)
+        self.imported.pop(slot, None)
+        self.order.remove(slot)
+        return held
+
+    def plan_refill(self) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """At most ``refill_pages`` free pages for slots missing some of their prompt pages,
+        one page per slot per round, round-robin from where the last refill stopped:
+        [(slot, logical [R], lent [R])], -1 padded to R = refill_pages (one compilation)."""
+        budget = min(self.refill_pages, self.pages.free)
+        slots = sorted(self.imported)
+        new: dict[int, list[int]] = {}  # slot -> logical pages lent now, in order
+        if slots:
+            start = self._cursor % len(slots)
+            queue = slots[start:] + slots[:start]
+            while budget and (needy := [s for s in queue if self._missing(s) is not None]):
+                for slot in needy[:budget]:
+                    logical = self._missing(slot)
+                    self.lent[slot][logical] = self.pages.allocate(1, what="optional pages")[0]
+                    new.setdefault(slot, []).append(logical)
+                    self._cursor = slots.index(slot) + 1
+                budget -= len(needy[:budget])
+        out = []
+        for slot, pages in new.items():
+            logical = np.full(self.refill_pages, -1, np.int32)
+            lent = np.full(self.refill_pages, -1, np.int32)
+            logical[:len(pages)] = pages
+            lent[:len(pages)] = [self.lent[slot][p] for p in pages]
+            out.append((slot, logical, lent))
+        return out
+
+    def _missing(self, slot: int) -> int | None:
+        """The first prompt page of ``slot`` that holds no optional page, or None."""
+        return next((p for p in range(self.imported[slot]) if p not in self.lent[slot]), None)
+
+    def ready_row(self, slot: int) -> np.ndarray:
+        row = np.full(self.pages_per_slot, -1, np.int32)
+        for logical, page in self.lent.get(slot, {}).items():
+            row[logical] = page
+        return row
+
+    def _take_back(self, slot: int) -> None:
+        pages = list(self.lent.get(slot, {}).values())
+        if pages:
+            self.pages.release(pages)
+        self.lent[slot] = {}
+
+
+__all__ = ["Adaptive", "AdaptiveController", "AdaptiveTier", "LentPageView",
+           "LentPagedKVStore", "OptionalResidency", "reclaim", "refill"]

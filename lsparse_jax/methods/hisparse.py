@@ -1,0 +1,149 @@
+"""``hisparse``: compressed KV in host pages behind a per-request GPU hot cache of B rows
+(HiSparse); indexer keys stay on the device and the selection is exact, so every output equals
+``resident``'s bit for bit (identity 3).
+
+Data plane: at admission every complete page of the prefilled prefix goes to the host pool and
+the partial page stays on the device as the tail; each decode step resolves the selected rows
+(tail, hot cache, or a copy from the host into LRU victims: ``memory.hot_cache.resolve``) and
+writes each page it completes to the host. Control plane: a free list of host pages, reserved
+per request for prompt + max_new_tokens before anything changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from lsparse_jax.config import EngineConfig, Storage, invalid
+from lsparse_jax.memory.host_pool import PageAllocator, empty_pool
+from lsparse_jax.memory.paged_kv import PagedKVStore, PageView
+from lsparse_jax.memory.paging import CompletedPages, page_out
+from lsparse_jax.methods.base import Controller, Grant, Method, insert, register
+from lsparse_jax.model.cache import CSACache
+
+
+@struct.dataclass
+class HostTier:
+    """What hisparse shares across slots."""
+
+    kv_pools: tuple[jax.Array | None, ...]  # per layer [NP * P, D] f32 pinned_host pages of
+    #   compressed KV (page p: rows p*P ..); None for layers that are not CSA
+    page_table: jnp.ndarray  # [S, max_pages] int32 physical page of each logical page, -1 none
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class HiSparse(Method):
+    name: ClassVar[str] = "hisparse"
+    storage: ClassVar[Storage] = Storage(kv_on_host=True)
+
+    @classmethod
+    def validate(cls, engine: EngineConfig) -> None:
+        super().validate(engine)
+        if engine.cache.hot_cache_rows is None:
+            invalid("EngineConfig", "cache.hot_cache_rows", None,
+                    f"method {cls.name!r} needs a hot cache size B >= indexer.top_k")
+
+    @property
+    def csa_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.engine.model.layer_pattern) if k == "csa")
+
+    def kv_store(self) -> PagedKVStore:
+        cache = self.engine.cache
+        return PagedKVStore(cache.page_size, cache.hot_cache_rows, self.engine.implementation)
+
+    def _pools(self, dim: int, dtype=jnp.float32) -> tuple:
+        """A NaN host pool per CSA layer (None elsewhere) of rows [dim] ``dtype``."""
+        n, size = self.engine.host_pages, self.engine.cache.page_size
+        return tuple(empty_pool(n, size, dim, dtype) if i in self.csa_layers else None
+                     for i in range(self.engine.model.num_layers))
+
+    def _page_table(self) -> jnp.ndarray:
+        shape = (self.engine.cache.num_slots, self.engine.pages_per_slot)
+        return jnp.full(shape, -1, jnp.int32)
+
+    def empty_tier(self, codebooks=None) -> HostTier:
+        return HostTier(self._pools(self.engine.model.head_dim), self._page_table())
+
+    def slot_rows(self, tier: HostTier):
+        return tier.page_table
+
+    def contexts(self, tier: HostTier, rows) -> tuple:
+        return tuple(None if pool is None else (PageView(pool, rows), None)
+                     for pool in tier.kv_pools)
+
+    # ------------------------------------------------------------------------------ admission
+    def admit(self, state, slot, caches, length, grant: Grant):
+        """Each CSA layer's complete prefix pages go to the host pages ``grant.pages``; the
+        partial page stays as the tail; the GPU caches start empty."""
+        full_pages = (length // self.engine.model.csa_ratio) // self.engine.cache.page_size
+        tier, out, empty = state.tier, list(caches), self.empty_slot()
+        for i in self.csa_layers:
+            out[i], tier = self.admit_layer(i, caches[i], empty[i], tier, grant, full_pages)
+        tier = tier.replace(page_table=tier.page_table.at[slot].set(grant.pages))
+        return insert(state.replace(tier=tier), slot, tuple(out), length)
+
+    def admit_layer(self, layer: int, cache: CSACache, empty: CSACache, tier, grant: Grant,
+                    full_pages):
+        """One CSA layer's admission: (its slot cache, the tier)."""
+        pools = list(tier.kv_pools)
+        pools[layer], tail = page_out(pools[layer], cache.kv.entries, grant.pages, full_pages,
+                                      self.engine.cache.page_size)
+        return (cache.replace(kv=empty.kv.replace(tail=tail)),
+                tier.replace(kv_pools=tuple(pools)))
+
+    # ------------------------------------------------------------------------------ writeback
+    def after_step(self, state, lengths_before, active):
+        """Writes each tail page this decode step completed to the slot's host page."""
+        done = CompletedPages.of(state.tier.page_table, lengths_before, active,
+                                 self.engine.model.csa_ratio, self.engine.cache.page_size)
+        tier, caches = state.tier, list(state.caches)
+        for i in self.csa_layers:
+            caches[i], tier = self.write_pages(i, caches[i], tier, done)
+        return state.replace(caches=tuple(caches), tier=tier)
+
+    def write_pages(self, layer: int, cache: CSACache, tier, done: CompletedPages):
+        pools = list(tier.kv_pools)
+        pools[layer] = done.write_tails(pools[layer], cache.kv.tail)
+        cache = cache.replace(kv=cache.kv.replace(tail=done.poison(cache.kv.tail)))
+        return cache, tier.replace(kv_pools=tuple(pools))
+
+    def controller(self) -> PagedController:
+        return PagedController(self)
+
+
+@jax.jit
+def _clear_pages(tier, slot):
+    return tier.replace(page_table=tier.page_table.at[slot].set(-1))
+
+
+class PagedController(Controller):
+    """Host pages per request: reserved at admission (prompt + max_new_tokens), freed at
+    release."""
+
+    def __init__(self, method: HiSparse):
+        self.method = method
+        self.pages = PageAllocator(method.engine.host_pages)
+        self.slot_pages: dict[int, list[int]] = {}
+
+    def reserve(self, slot: int, total_tokens: int, prompt_tokens: int):
+        engine = self.method.engine
+        rows = total_tokens // engine.model.csa_ratio
+        pages = self.pages.allocate(-(-rows // engine.cache.page_size),
+                                    what=f"a request of {total_tokens} tokens")
+        self.slot_pages[slot] = pages
+        table = np.full(engine.pages_per_slot, -1, np.int32)
+        table[:len(pages)] = pages
+        return Grant(pages=jnp.asarray(table)), []
+
+    def release(self, slot: int) -> list:
+        self.pages.release(self.slot_pages.pop(slot))
+        return [lambda state: state.replace(tier=_clear_pages(state.tier, slot))]
+
+
+__all__ = ["HiSparse", "HostTier", "PagedController"]

@@ -1,0 +1,217 @@
+"""``leansparse``: LeanSparse's placement and selection. Compressed KV as in ``hisparse`` (host
+pages behind a hot cache); the FP8 indexer keys also move to host pages behind a GPU key
+cache, and the GPU keeps their PQ codes. Decode selection is coarse-to-fine (Section 5): PQ
+coarse scores and top-C (``pallas_kernels.pq_topc``), the miss filter, exact FP8 rescoring of
+the kept candidates and the tail (keys resolved through the key cache, scored by
+``pallas_kernels.index_scores``), exact top-k. Approximate: recall is measured, and with
+C >= the eligible length it equals ``resident`` (identity 6).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from lsparse_jax.config import EngineConfig, LeanSparseConfig, ModelConfig, Storage, invalid
+from lsparse_jax.indexing.coarse_to_fine import coarse_to_fine
+from lsparse_jax.memory.hot_cache import resolve
+from lsparse_jax.memory.key_store import KeyPageView, PagedKeys
+from lsparse_jax.memory.paged_kv import PageView, paged_rows
+from lsparse_jax.memory.paging import CompletedPages, page_out
+from lsparse_jax.methods.base import register
+from lsparse_jax.methods.hisparse import HiSparse
+from lsparse_jax.model.store import NUM_SOURCES, IndexerQuery, Selection
+from lsparse_jax.model.traces import indexer_traces
+from lsparse_jax.quant import dequantize_index_keys
+from lsparse_jax.quant.pq import encode, train_codebooks
+from pallas_kernels.index_scores.api import index_scores
+from pallas_kernels.pq_topc.api import pq_topc
+
+
+@dataclasses.dataclass(frozen=True)
+class CoarseToFineIndex:
+    """``model.store.KeyIndex`` over paged FP8 keys: LeanSparse's coarse-to-fine top-k."""
+
+    settings: LeanSparseConfig
+    top_k: int
+    page_size: int
+    num_subspaces: int  # M PQ subspaces
+    implementation: str | None = "xla"
+
+    def empty(self, num_rows: int, dim: int, num_scales: int) -> PagedKeys:
+        return PagedKeys.empty(self.page_size, self.settings.key_cache_rows, num_rows, dim,
+                               num_scales, self.num_subspaces)
+
+    def write(self, state: PagedKeys, completed, ids, values, scales, ok) -> PagedKeys:
+        return state.write(completed, ids, values, scales, ok)
+
+    def select(self, state: PagedKeys, completed, query: IndexerQuery, eligible,
+               context: KeyPageView):
+        """Top-k positions for one decode query.
+
+        Notation: N history rows, P page rows, C candidates, Bk key-cache rows.
+          query [1, H, D]; eligible [1, N] bool (causal); the tail holds rows paged ..
+          paged+P-1, every earlier row is in host pages with its PQ code on the GPU.
+        Steps: (1) coarse scores of the paged rows from PQ codes and their top-C; (2) the miss
+          filter (a candidate is cached if the key cache holds it); (3) the kept candidates
+          and the eligible tail rows go through the key cache (tail, hit, or host copy into
+          LRU victims); (4) exact scores of their FP8 keys and top-k.
+        """
+        if query.q.shape[0] != 1:
+            raise ValueError("CoarseToFineIndex serves decode (one query per slot); prefill "
+                             "selects on the resident layout")
+        q, w, n = query.q[0], query.weights[0], state.codes.shape[0]
+        paged = paged_rows(self.page_size, completed)
+        cand, cand_scores = pq_topc(q[None], w[None], state.codes[None], context.codebooks,
+                                    jnp.reshape(paged, (1,)).astype(jnp.int32),
+                                    num_candidates=self.settings.num_candidates,
+                                    implementation=self.implementation)
+        held = state.cache.positions
+        cached = jnp.zeros((n,), bool).at[jnp.where(held >= 0, held, n)].set(True, mode="drop")
+        tail = paged + jnp.arange(self.page_size)
+        tail = jnp.where(eligible[0][jnp.clip(tail, 0, n - 1)] & (tail < n), tail, -1)
+
+        def exact_scores(retained):
+            (values, scales), cache, sources = resolve(
+                state.cache, retained, state.tail, paged, context.page_table, context.pool,
+                self.implementation)
+            scores = index_scores(q[None], w[None], values[None], scales[None],
+                                  (retained >= 0)[None], implementation=self.implementation)
+            return scores[0], (cache, sources)
+
+        selected, _, (cache, key_sources) = coarse_to_fine(
+            cand[0], cand_scores[0], cached[jnp.maximum(cand[0], 0)], tail, exact_scores,
+            top_k=self.top_k, filter_offset=self.settings.miss_filter_offset)
+        selection = Selection(selected[None], jnp.sum(eligible, -1).astype(jnp.int32),
+                              jnp.zeros((1, NUM_SOURCES), jnp.int32), key_sources[None])
+        return state.replace(cache=cache), selection
+
+
+@struct.dataclass
+class LeanTier:
+    """What leansparse shares across slots."""
+
+    kv_pools: tuple[jax.Array | None, ...]  # per layer [NP * P, D] f32 pinned_host KV pages
+    key_pools: tuple[tuple[jax.Array, jax.Array] | None, ...]  # per layer ([NP * P, D_I] e4m3,
+    #   [NP * P, D_I / fp8_block] f32) pinned_host pages of FP8 indexer keys
+    page_table: jnp.ndarray  # [S, max_pages] int32 physical page of each logical page, -1 none
+    codebooks: tuple[jnp.ndarray | None, ...]  # per layer [M, K, D_I / M] f32 PQ codebooks
+
+
+def encode_keys(values, scales, codebooks):
+    """PQ codes of FP8 keys: codes of their dequantized values (what exact scoring sees)."""
+    return encode(dequantize_index_keys(values, scales), codebooks)
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class LeanSparse(HiSparse):
+    name: ClassVar[str] = "leansparse"
+    exact: ClassVar[bool] = False
+    storage: ClassVar[Storage] = Storage(kv_on_host=True, keys_on_host=True)
+
+    @classmethod
+    def validate(cls, engine: EngineConfig) -> None:
+        super().validate(engine)
+        lean, ic = engine.leansparse, engine.model.indexer
+        if lean.num_candidates < ic.top_k:
+            invalid("EngineConfig", "leansparse.num_candidates", lean.num_candidates,
+                    f"must be >= indexer.top_k={ic.top_k}")
+        if ic.head_dim % lean.pq_subspace_dim:
+            invalid("EngineConfig", "leansparse.pq_subspace_dim", lean.pq_subspace_dim,
+                    f"must divide indexer.head_dim={ic.head_dim}")
+
+    @property
+    def settings(self) -> LeanSparseConfig:
+        return self.engine.leansparse
+
+    def key_index(self) -> CoarseToFineIndex:
+        return CoarseToFineIndex(self.settings, self.engine.model.indexer.top_k,
+                                 self.engine.cache.page_size, self.engine.pq_subspaces,
+                                 self.engine.implementation)
+
+    def empty_tier(self, codebooks=None) -> LeanTier:
+        ic = self.engine.model.indexer
+        values = self._pools(ic.head_dim, jnp.float8_e4m3fn)
+        scales = self._pools(ic.head_dim // ic.fp8_block)
+        keys = tuple(None if v is None else (v, s) for v, s in zip(values, scales))
+        return LeanTier(self._pools(self.engine.model.head_dim), keys, self._page_table(),
+                        self._check_codebooks(codebooks))
+
+    def _check_codebooks(self, codebooks) -> tuple:
+        """Per-layer codebooks (None for layers that are not CSA), shape-checked."""
+        csa = list(self.csa_layers)
+        if codebooks is None or sorted(codebooks) != csa:
+            got = None if codebooks is None else sorted(codebooks)
+            raise ValueError(f"leansparse needs PQ codebooks for CSA layers {csa}, got {got} "
+                             "(train them with lsparse_jax.methods.leansparse."
+                             "calibrate_codebooks)")
+        m, ds = self.engine.pq_subspaces, self.settings.pq_subspace_dim
+        out = []
+        for i in range(self.engine.model.num_layers):
+            if i not in csa:
+                out.append(None)
+                continue
+            book = jnp.array(codebooks[i], jnp.float32, copy=True)  # the state is donated
+            if book.ndim != 3 or book.shape[0] != m or book.shape[2] != ds \
+                    or book.shape[1] > 256:
+                raise ValueError(f"codebooks[{i}] has shape {tuple(book.shape)}; leansparse "
+                                 f"needs [{m}, K <= 256, {ds}] (M = indexer head_dim / "
+                                 "pq_subspace_dim)")
+            out.append(book)
+        return tuple(out)
+
+    def contexts(self, tier: LeanTier, rows) -> tuple:
+        return tuple(None if pool is None else
+                     (PageView(pool, rows), KeyPageView(keys, rows, book))
+                     for pool, keys, book in zip(tier.kv_pools, tier.key_pools, tier.codebooks))
+
+    def admit_layer(self, layer, cache, empty, tier, grant, full_pages):
+        """As hisparse, and the complete prefix pages of FP8 keys go to the host too, their PQ
+        codes to the device."""
+        out, tier = super().admit_layer(layer, cache, empty, tier, grant, full_pages)
+        page = self.engine.cache.page_size
+        rows = (cache.keys.values, cache.keys.scales)
+        pools = list(tier.key_pools)
+        pools[layer], key_tail = page_out(pools[layer], rows, grant.pages, full_pages, page)
+        codes = encode_keys(*rows, tier.codebooks[layer])
+        paged = jnp.arange(codes.shape[0]) < full_pages * page
+        keys = empty.keys.replace(tail=key_tail, codes=jnp.where(paged[:, None], codes, 0))
+        return out.replace(keys=keys), tier.replace(key_pools=tuple(pools))
+
+    def write_pages(self, layer, cache, tier, done: CompletedPages):
+        """As hisparse, and each completed key page goes to the host with its PQ codes."""
+        cache, tier = super().write_pages(layer, cache, tier, done)
+        keys, book = cache.keys, tier.codebooks[layer]
+        pools = list(tier.key_pools)
+        pools[layer] = done.write_tails(pools[layer], keys.tail)
+
+        def encode_page(s, codes):
+            new = encode_keys(keys.tail[0][s], keys.tail[1][s], book)
+            return jax.lax.dynamic_update_slice(codes, new[None], (s, done.first[s], 0))
+
+        codes = done.for_each(encode_page, keys.codes)
+        keys = keys.replace(tail=done.poison(keys.tail), codes=codes)
+        return cache.replace(keys=keys), tier.replace(key_pools=tuple(pools))
+
+
+def calibrate_codebooks(params, cfg: ModelConfig, tokens, *, subspace_dim: int = 4,
+                        num_centroids: int = 256, iters: int = 20, seed: int = 0) -> dict:
+    """LeanSparse's offline step: runs the model over calibration ``tokens`` (use text the
+    evaluation never sees) and trains one codebook per CSA layer on the dequantized FP8 keys
+    its indexer stored. Returns {layer: [M, K, subspace_dim]} with M = indexer head_dim /
+    subspace_dim and K = min(num_centroids, keys available)."""
+    books = {}
+    for trace in indexer_traces(params, cfg, tokens):
+        k = min(num_centroids, trace.keys.shape[0])
+        books[trace.layer] = train_codebooks(trace.keys, cfg.indexer.head_dim // subspace_dim,
+                                             k, iters=iters, seed=seed + trace.layer)
+    return books
+
+
+__all__ = ["CoarseToFineIndex", "LeanSparse", "LeanTier", "calibrate_codebooks",
+           "encode_keys"]

@@ -1,0 +1,200 @@
+"""How a CSA layer keeps its compressed history: the two interfaces the model calls, and the
+model's own resident implementation of each.
+
+A CSA layer adds compressed KV rows and FP8 indexer keys as tokens arrive, selects top-k
+positions with its indexer, and attends to the selected rows. Where rows and keys live (the
+device, host pages behind a cache, PQ codes) and how the selection is computed from them are a
+serving method's choice, so the model only calls:
+
+  ``KVStore``   write(state, completed, ids, rows, ok) -> state
+                gather(state, completed, selected, context) -> (state, RowView)
+                all_rows(state) -> [N, D] (the dense reference; resident layouts only)
+  ``KeyIndex``  write(state, completed, ids, values, scales, ok) -> state
+                select(state, completed, query, eligible, context) -> (state, Selection)
+
+``completed`` is the number of compressed rows the slot held before this chunk; ``context`` is
+what the method lends one slot's layer from shared state (its host pages, page-table row, PQ
+codebooks; None for resident). Implementations are frozen dataclasses: hashable, static under
+jit. ``RESIDENT_KV`` and ``EXACT_INDEX`` are the model's native layout (training, prefill, the
+``resident`` method); ``lsparse_jax.methods`` supplies the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from lsparse_jax.indexing import topk_positions
+from lsparse_jax.quant import dequantize_index_keys
+from pallas_kernels.index_scores.reference import exact_index_scores
+
+NUM_SOURCES = 3  # a selected row was found in: 0 tail / resident (or lent) map, 1 cache, 2 host
+
+
+@struct.dataclass
+class Selection:
+    """What a sparse layer's indexer chose for each query of a chunk."""
+
+    positions: jnp.ndarray  # [T, k] int32, best first, -1 padded
+    eligible: jnp.ndarray  # [T] int32 eligible positions per query
+    sources: jnp.ndarray  # [T, 3] int32 selected KV rows found in (tail/resident, hot, host)
+    key_sources: jnp.ndarray  # [T, 3] int32 exact keys scored from (tail/resident, cache, host)
+
+
+@struct.dataclass
+class IndexerQuery:
+    """The indexer's queries of a chunk (Notation: T queries, H indexer heads, D indexer dim)."""
+
+    q: jnp.ndarray  # [T, H, D] f32 RoPE'd indexer queries
+    weights: jnp.ndarray  # [T, H] f32 head weights (already scaled by (H * D)^-1/2)
+
+
+@struct.dataclass
+class RowView:
+    """Selected rows as the attention reads them: query t's j-th row is table[0, slots[t, j]].
+
+    The resident store lends its whole table (the kernel gathers in place); a paged store
+    returns the k resolved rows and slots 0..k-1.
+    """
+
+    table: jnp.ndarray  # [1, R, D] rows (NaN where never written)
+    slots: jnp.ndarray  # [T, k] int32 row of each selected position in table[0], -1 none
+    sources: jnp.ndarray  # [T, 3] int32 where the selected rows were found (NUM_SOURCES)
+
+
+class KVStore(Protocol):
+    """Where a CSA layer's compressed KV rows live and how selected rows are read."""
+
+    def empty(self, num_rows: int, dim: int) -> Any: ...
+
+    def write(self, state, completed, ids, rows, ok) -> Any: ...
+
+    def gather(self, state, completed, selected, context) -> tuple[Any, RowView]: ...
+
+    def all_rows(self, state) -> jnp.ndarray: ...
+
+
+class KeyIndex(Protocol):
+    """Where a CSA layer's FP8 indexer keys live and how the top-k positions are selected."""
+
+    def empty(self, num_rows: int, dim: int, num_scales: int) -> Any: ...
+
+    def write(self, state, completed, ids, values, scales, ok) -> Any: ...
+
+    def select(self, state, completed, query: IndexerQuery, eligible,
+               context) -> tuple[Any, Selection]: ...
+
+
+def write_rows(table: jnp.ndarray, ids: jnp.ndarray, rows: jnp.ndarray, ok: jnp.ndarray):
+    """table[ids[j]] = rows[j] where ok[j]; other rows are dropped (never written)."""
+    ids = jnp.where(ok, ids, table.shape[0])  # out of bounds -> dropped
+    return table.at[ids].set(rows.astype(table.dtype), mode="drop")
+
+
+def resident_counts(selected) -> jnp.ndarray:
+    """Counts [T, 3] of selected rows [T, k] that a resident store holds: all valid ones."""
+    counts = jnp.zeros(selected.shape[:1] + (NUM_SOURCES,), jnp.int32)
+    return counts.at[:, 0].set(jnp.sum(selected >= 0, axis=-1))
+
+
+SCORE_TILE_BYTES = 1 << 30  # most bytes of f32 head-by-key dot products [t, H, N] at once
+
+
+def query_tile(num_queries: int, bytes_per_query: int, budget: int) -> int:
+    """Queries whose scores are computed at once: all of them if they fit in ``budget`` bytes,
+    else the largest power of two that fits (at least 1)."""
+    if num_queries * bytes_per_query <= budget:
+        return num_queries
+    tile = 1
+    while tile * 2 * bytes_per_query <= budget:
+        tile *= 2
+    return tile
+
+
+def exact_selection(query: IndexerQuery, values, scales, eligible, top_k: int,
+                    tile_bytes: int = SCORE_TILE_BYTES) -> Selection:
+    """Exact top-k of eligible stored keys.
+
+    Notation: T queries, H heads, D dim, N stored keys.
+      query.q [T, H, D], query.weights [T, H]; values [N, D] e4m3, scales [N, D/b] f32;
+      eligible [T, N] bool.
+    Math: I(t, n) = sum_h w_h ReLU(q_h . k_n) with k_n the dequantized key; top-k by I.
+    Memory: the per-head dot products [t, H, N] f32 are computed for tiles of t queries at a
+    time, t the largest power of two within ``tile_bytes`` (a prefill chunk of 4096 queries
+    over 256K keys with 64 heads would otherwise need 256 GiB). Each query's selection does
+    not depend on the tiling.
+    """
+    keys = dequantize_index_keys(values, scales)  # [N, D] f32
+
+    def select(q, w, ok):
+        return topk_positions(exact_index_scores(q, w, keys), ok, top_k)[0]
+
+    num, heads = query.q.shape[:2]
+    tile = query_tile(num, heads * keys.shape[0] * 4, tile_bytes)
+    if tile >= num:
+        positions = select(query.q, query.weights, eligible)
+    else:  # pad to whole tiles (padding selects nothing), map over them, drop the padding
+        pad = -num % tile
+        tiles = [jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(
+            (-1, tile) + a.shape[1:]) for a in (query.q, query.weights, eligible)]
+        positions = jax.lax.map(lambda a: select(*a), tuple(tiles)).reshape(-1, top_k)[:num]
+    counts = jnp.sum(eligible, axis=-1).astype(jnp.int32)
+    scored = jnp.zeros((positions.shape[0], NUM_SOURCES), jnp.int32).at[:, 0].set(counts)
+    return Selection(positions, counts, resident_counts(positions), scored)
+
+
+@struct.dataclass
+class ResidentKV:
+    entries: jnp.ndarray  # [N, D] f32 every compressed row of the slot; NaN past its length
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidentKVStore:
+    """Every compressed row on the device; the attention reads the table in place."""
+
+    def empty(self, num_rows: int, dim: int) -> ResidentKV:
+        return ResidentKV(jnp.full((num_rows, dim), jnp.nan, jnp.float32))
+
+    def write(self, state: ResidentKV, completed, ids, rows, ok) -> ResidentKV:
+        return state.replace(entries=write_rows(state.entries, ids, rows, ok))
+
+    def gather(self, state: ResidentKV, completed, selected, context):
+        return state, RowView(state.entries[None], selected, resident_counts(selected))
+
+    def all_rows(self, state: ResidentKV) -> jnp.ndarray:
+        return state.entries
+
+
+@struct.dataclass
+class ResidentKeys:
+    values: jnp.ndarray  # [N, D_I] float8_e4m3fn every key of the slot; NaN past its length
+    scales: jnp.ndarray  # [N, D_I / fp8_block] f32
+
+
+@dataclasses.dataclass(frozen=True)
+class ExactIndex:
+    """Every FP8 indexer key on the device; exact top-k over all eligible keys."""
+
+    top_k: int
+
+    def empty(self, num_rows: int, dim: int, num_scales: int) -> ResidentKeys:
+        return ResidentKeys(values=jnp.full((num_rows, dim), jnp.nan, jnp.float8_e4m3fn),
+                            scales=jnp.full((num_rows, num_scales), jnp.nan, jnp.float32))
+
+    def write(self, state: ResidentKeys, completed, ids, values, scales, ok) -> ResidentKeys:
+        return state.replace(values=write_rows(state.values, ids, values, ok),
+                             scales=write_rows(state.scales, ids, scales, ok))
+
+    def select(self, state: ResidentKeys, completed, query, eligible, context):
+        return state, exact_selection(query, state.values, state.scales, eligible, self.top_k)
+
+
+RESIDENT_KV = ResidentKVStore()
+
+__all__ = ["ExactIndex", "IndexerQuery", "KVStore", "KeyIndex",
+           "NUM_SOURCES", "RESIDENT_KV", "ResidentKV", "ResidentKVStore", "ResidentKeys",
+           "RowView", "Selection", "exact_selection", "resident_counts", "write_rows"]

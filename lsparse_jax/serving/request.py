@@ -1,0 +1,61 @@
+"""A request to the engine: its prompt, how to decode it, when to stop, and the timestamps the
+engine (and a scheduler) fill in."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+
+_IDS = itertools.count()
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation request.
+
+    Attributes:
+      prompt: token ids [n] (n >= 1).
+      max_new_tokens: tokens to generate at most (the first sampled token counts); None = up to
+        the model's max_len. The engine reserves prompt + max_new_tokens for it at admission.
+      stop_tokens: generation ends after any of these token ids (e.g. EOS), which is kept.
+      arrival_time: when the request arrived (seconds, the caller's clock; a scheduler's
+        queue orders by it).
+      id: a caller-chosen identifier (default: a process-wide counter).
+    Filled by the engine (``time.perf_counter`` seconds): admitted_at, first_token_at,
+    finished_at; ``tokens`` the generated ids; ``token_times`` the time each was produced.
+    """
+
+    prompt: Sequence[int]
+    max_new_tokens: int | None = None
+    stop_tokens: tuple[int, ...] = ()
+    arrival_time: float = 0.0
+    id: int | str = dataclasses.field(default_factory=lambda: next(_IDS))
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    token_times: list[float] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        self.prompt = np.asarray(self.prompt, np.int32).reshape(-1)
+        if self.prompt.size == 0:
+            raise ValueError(f"Request {self.id!r}: the prompt is empty")
+        if self.max_new_tokens is not None and (
+                not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool)
+                or self.max_new_tokens < 1):
+            raise ValueError(f"Request {self.id!r}: max_new_tokens={self.max_new_tokens!r} must "
+                             "be a positive int or None")
+        self.stop_tokens = tuple(int(t) for t in self.stop_tokens)
+
+    @property
+    def done(self) -> bool:
+        """Generation reached max_new_tokens or a stop token."""
+        if self.max_new_tokens is not None and len(self.tokens) >= self.max_new_tokens:
+            return True
+        return bool(self.tokens) and self.tokens[-1] in self.stop_tokens
+
+
+__all__ = ["Request"]
