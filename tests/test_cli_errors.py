@@ -179,8 +179,8 @@ def test_help_lists_experiments_configs_and_override_syntax(capsys):
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     for name in ("quickstart", "accuracy", "residency", "recall_study", "kernel_compare",
-                 "train_model", "scale", "configs/quickstart.gin", "configs/experiments/accuracy.gin",
-                 "configs/experiments/train.gin"):
+                 "train_model", "scale", "configs/quickstart.gin",
+                 "configs/experiments/accuracy.gin", "configs/experiments/train.gin"):
         assert name in out
     with pytest.raises(SystemExit):
         main(["run", "--help"])
