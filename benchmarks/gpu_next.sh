@@ -5,6 +5,9 @@
 #                 + streamed-vs-monolithic prefill on the trained model (issue 4 tolerance)
 #   STEP=pq_sweep launch-parameter sweep of the pq_topc score kernel (data for TUNED)
 #   STEP=pq_fused GPU tests + fused vs unfused pq_topc (kernel_compare, launch parameters)
+#   STEP=nosync   issue 16 deliver 1: benchmarks/topk_nosync_gpu.py (topk / pq_topc: XLA vs
+#                 the old while-loop kernels vs the fixed launch sequence vs one-read topk,
+#                 profiler trace in $OUT/trace), then the GPU tests of topk and pq_topc
 #   STEP=accuracy the accuracy study's GPU table (1K-8K, 64 examples, both tasks, every
 #                 method; results written after every cell; ACC_LENGTHS/ACC_TASKS/ACC_NAME
 #                 restrict a rerun, ACC_EXTRA adds gin flags, e.g. an ablation)
@@ -32,6 +35,10 @@ case "${STEP:-kernels}" in
       "--gin.kernel_compare.implementations=('xla','triton','triton_unfused')" 2>&1 \
       | tr '\r' '\n' | grep -v "case/s" | tail -12
     timeout 150 python3 benchmarks/pq_topc_fused_gpu.py 2>&1 | tail -8 ;;
+  nosync)  # issue 16 deliver 1 (benchmark first: it is the result; ~2 min, then ~2-4 min)
+    timeout 200 python3 benchmarks/topk_nosync_gpu.py --out "$OUT" 2>&1 | grep -v Deprecat | tail -30
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernel_topk.py \
+      tests/test_kernel_topk_nosync.py tests/test_kernel_pq_topc.py 2>&1 | tail -8 ;;
   accuracy)
     # One process, every method, both tasks; engines compile concurrently, and the XLA
     # compilation cache goes back in $OUT/jaxcache.tar (carry it as runs/jaxcache next time).
@@ -42,5 +49,5 @@ case "${STEP:-kernels}" in
       "--gin.accuracy.num_slots=32" "--gin.accuracy.tasks=${ACC_TASKS:-('niah','mrcr')}" \
       "--gin.run.name='${ACC_NAME:-accuracy_gpu}'" ${ACC_EXTRA:-} 2>&1 | tr '\r' '\n' | grep -v "example/s\]" | tail -40
     tar -C runs -cf "$OUT/jaxcache.tar" jaxcache; ls -la "$OUT" ;;
-  *) echo "STEP must be kernels, pq_sweep, pq_fused or accuracy" >&2; exit 2 ;;
+  *) echo "STEP must be kernels, pq_sweep, pq_fused, nosync or accuracy" >&2; exit 2 ;;
 esac

@@ -16,7 +16,8 @@ times the batch exceed ``device_budget_gb`` is recorded as skipped, not run.
 
 Record keys: method, context, batch, layers, step_ms, prefill_s, warmup_s,
 device_bytes_per_request, host_bytes_per_request, host_bytes_per_token, reuse,
-resolved_fraction (tail-or-resident / hot / host), or skipped with the reason.
+resolved_fraction (tail-or-resident / hot / host), or skipped with the reason, or error (a
+cell that raised; the grid goes on, and a rerun retries it).
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ from lsparse_jax.serving.request import Request
 from lsparse_jax.serving.steps import prefill
 
 
+PROFILED_STEPS = 3  # extra steps traced in profiled cells (not timed)
+
+
 def _check(methods, contexts, batches, steps):
     for m in methods:
         if m not in method_names():
@@ -76,12 +80,13 @@ def scale(name: str, model=gin.REQUIRED, methods=("resident", "hisparse", "leans
     out = run_dir(name)
     path = out / "results.json"
     records = json.loads(path.read_text())["records"] if path.exists() else []
+    records = [r for r in records if "error" not in r]  # failed cells are retried
     done = {(r["method"], r["context"], r["batch"]) for r in records}
     for context in contexts:
         todo = [(m, b) for m in methods for b in batches if (m, context, b) not in done]
         if not todo:
             continue
-        cfg = fit_max_len(model, context + steps + warm_steps + 2)
+        cfg = fit_max_len(model, context + steps + warm_steps + PROFILED_STEPS + 2)
         params = init_params(cfg, seed)
         prompt = np.random.default_rng(seed + context).integers(
             0, min(cfg.vocab_size, 256), context).astype(np.int32)
@@ -97,16 +102,19 @@ def scale(name: str, model=gin.REQUIRED, methods=("resident", "hisparse", "leans
         for method, batch in todo:
             trace = (out / f"trace_{method}_{context}_{batch}"
                      if (method, context, batch) in set(map(tuple, profile)) else None)
-            rec = _cell(cfg, params, books, pre, prompt, method, batch, steps, warm_steps,
-                        prefill_chunk, hot_cache_rows, page_size, lean, lent_fraction,
-                        device_budget_gb, implementation, trace)
+            try:
+                rec = _cell(cfg, params, books, pre, prompt, method, batch, steps, warm_steps,
+                            prefill_chunk, hot_cache_rows, page_size, lean, lent_fraction,
+                            device_budget_gb, implementation, trace)
+            except Exception as err:  # noqa: BLE001  (recorded, the grid goes on)
+                rec = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"}
             rec.update(method=method, context=context, batch=batch, layers=cfg.num_layers,
                        prefill_s=prefill_s)
             records.append(rec)
             _write(out, model, records)
-            print(json.dumps({k: rec[k] for k in ("method", "context", "batch", "step_ms")
-                              if k in rec} | ({"skipped": rec["skipped"]} if "skipped" in rec
-                                              else {})), flush=True)
+            print(json.dumps({k: rec[k] for k in ("method", "context", "batch", "step_ms",
+                                                  "warmup_s", "skipped", "error") if k in rec}),
+                  flush=True)
         del pre
     _write(out, model, records)
     return records
@@ -131,7 +139,8 @@ def _cell(cfg, params, books, pre, prompt, method, batch, steps, warm_steps, chu
     eng.warmup()
     warmup_s = time.perf_counter() - t0
     for _ in range(batch):
-        eng.admit(Request(prompt, max_new_tokens=steps + warm_steps + 1), prefilled=pre)
+        eng.admit(Request(prompt, max_new_tokens=steps + warm_steps + PROFILED_STEPS + 1),
+                  prefilled=pre)
     for _ in range(warm_steps):
         eng.step()
     jax.block_until_ready(eng.state)
@@ -142,7 +151,7 @@ def _cell(cfg, params, books, pre, prompt, method, batch, steps, warm_steps, chu
     step_ms = (time.perf_counter() - t0) / steps * 1e3
     if trace is not None:  # a few more steps under the profiler (not in step_ms)
         with jax.profiler.trace(str(trace), create_perfetto_trace=True):
-            for _ in range(3):
+            for _ in range(PROFILED_STEPS):
                 eng.step()
             jax.block_until_ready(eng.state)
         for f in trace.rglob("*.trace.json.gz"):

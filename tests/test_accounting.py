@@ -21,11 +21,12 @@ PATTERNS = [("swa", "csa", "hca", "csa"), ("dsa", "dsa", "dsa", "csa")]
 
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("method,rows", [("resident", None), ("hisparse", 24),
-                                         ("leansparse", 24)])
+                                         ("leansparse", 24), ("adaptive", 24)])
 def test_gpu_and_host_bytes_equal_allocated_state(pattern, method, rows):
     cfg = tiny(max_len=256, layer_pattern=pattern, dsa_share_group=2)
     engine = EngineConfig(model=cfg, method=method,
-                          cache=CacheConfig(num_slots=3, hot_cache_rows=rows, page_size=8),
+                          cache=CacheConfig(num_slots=3, hot_cache_rows=rows, page_size=8,
+                                            optional_pages=4 if method == "adaptive" else None),
                           leansparse=LeanSparseConfig(32, 1.0, 40))
     csa = [i for i, k in enumerate(pattern) if k == "csa"]
     books = {i: np.zeros((engine.pq_subspaces, 16, 4), np.float32) for i in csa}

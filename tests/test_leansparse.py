@@ -118,9 +118,10 @@ def test_page_writeback_keeps_cache_contents_and_encodes_codes():
     state = engine.state
     page, m = engine.config.cache.page_size, engine.config.model.csa_ratio
     before = jax.tree.map(np.asarray, state.replace(rng=None))
-    # pretend this step completed logical page 0 of slot 0 (its physical page is table[0, 0])
-    after = policy(engine.config).after_step(state, jnp.asarray([page * m - 1]),
-                                             jnp.asarray([True]))
+    # pretend the last step completed logical page 0 of slot 0 (its physical page is
+    # table[0, 0]): that step wrote row page - 1, so the slot now holds page * m tokens
+    after = policy(engine.config).write_completed(
+        state.replace(lengths=jnp.asarray([page * m], jnp.int32)), jnp.asarray([0], jnp.int32))
     phys = int(before.tier.page_table[0, 0])
     for layer, (b, a) in enumerate(zip(before.caches, after.caches)):
         if not hasattr(b, "keys"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from lsparse_jax.memory.host_pool import write_host_page
@@ -38,39 +39,51 @@ def put_pages(pool, dest, rows, count, page: int):
 
 @struct.dataclass
 class CompletedPages:
-    """Which slots completed a tail page in a decode step (Notation: S slots, P page rows).
+    """The slots whose last decode step completed a tail page (Notation: c such slots).
 
-    A slot at position t wrote compressed row t // m if t % m == m - 1; when that row ends a
+    A slot at position t writes compressed row t // m if t % m == m - 1; when that row ends a
     page, the tail goes to the slot's physical host page ``dest`` and is poisoned for reuse.
+    The control plane knows which slots these are (it mirrors the lengths), so c is static:
+    the writes are c unrolled page copies, with no loop whose trip count is on the device (a
+    GPU while loop copies its predicate to the host on every trip).
     """
 
-    full: jnp.ndarray  # [S] bool the slot completed a page this step
-    dest: jnp.ndarray  # [S] int32 its physical host page
-    first: jnp.ndarray  # [S] int32 first compressed row of that page
-    order: jnp.ndarray  # [S] int32 slots with a completed page first
-    count: jnp.ndarray  # [] int32 how many did
+    slots: jnp.ndarray  # [c] int32 the slots
+    dest: jnp.ndarray  # [c] int32 their physical host pages
+    first: jnp.ndarray  # [c] int32 first compressed row of each completed page
+    num_slots: int = struct.field(pytree_node=False)  # S
 
     @classmethod
-    def of(cls, page_table, lengths_before, active, stride: int, page: int) -> CompletedPages:
+    def of(cls, page_table, lengths, slots, stride: int, page: int) -> CompletedPages:
+        """page_table [S, max_pages]; lengths [S] after the step; slots [c] int32."""
+        row = (lengths[slots] - 1) // stride  # the row the step wrote
+        logical = row // page
+        return cls(slots, page_table[slots, logical], logical * page, page_table.shape[0])
+
+    @staticmethod
+    def completing(lengths_before: np.ndarray, active: np.ndarray, stride: int,
+                   page: int) -> np.ndarray:
+        """Host side: the slots whose step from ``lengths_before`` completes a page."""
         row = lengths_before // stride
         full = active & (lengths_before % stride == stride - 1) & ((row + 1) % page == 0)
-        dest = jnp.take_along_axis(page_table, (row // page)[:, None], axis=1)[:, 0]
-        return cls(full, dest, (row // page) * page, jnp.argsort(~full, stable=True),
-                   jnp.sum(full))
+        return np.flatnonzero(full).astype(np.int32)
 
     def for_each(self, fn, carry):
-        """carry = fn(slot, carry) for each completing slot."""
-        return jax.lax.fori_loop(0, self.count, lambda j, c: fn(self.order[j], c), carry)
+        """carry = fn(j, slot, carry) for each completing slot (unrolled: c is static)."""
+        for j in range(self.slots.shape[0]):
+            carry = fn(j, self.slots[j], carry)
+        return carry
 
     def write_tails(self, pool, tails):
         """Each completing slot's tail (tails [S, P, ...], a pytree like ``pool``) to its page."""
-        return self.for_each(lambda s, p: jax.tree.map(
-            lambda leaf, t: write_host_page(leaf, self.dest[s], t[s]), p, tails), pool)
+        return self.for_each(lambda j, s, p: jax.tree.map(
+            lambda leaf, t: write_host_page(leaf, self.dest[j], t[s]), p, tails), pool)
 
     def poison(self, tail):
         """The tails of completing slots NaN (they start a new page)."""
+        full = jnp.zeros((self.num_slots,), bool).at[self.slots].set(True)
         return jax.tree.map(lambda t: jnp.where(
-            self.full.reshape((-1,) + (1,) * (t.ndim - 1)), jnp.nan, t), tail)
+            full.reshape((-1,) + (1,) * (t.ndim - 1)), jnp.nan, t), tail)
 
 
 __all__ = ["CompletedPages", "page_out", "put_pages"]

@@ -3,7 +3,8 @@
 A method decides where a CSA layer's compressed KV and indexer keys live and how the top-k is
 selected from them (its ``kv_store`` and ``key_index``, which the model calls), what state it
 shares across slots (its ``tier``: host pools, page tables, codebooks), how a prefilled request
-enters a slot (``admit``) and what follows each decode step (``after_step``). Those are the data
+enters a slot (``admit``) and what runs inside each decode step after the model
+(``after_step``). Those are the data
 plane: pure functions of the decode state, traced under jit with the method as a static
 argument. Its ``controller`` is the control plane: host-side bookkeeping (free pages, lent
 pages) that says what an admission needs and what a release or the next step must run.
@@ -72,6 +73,10 @@ class Controller:
 
     def before_step(self) -> list[Update]:
         """State updates to run before the next decode step."""
+        return []
+
+    def after_step(self, lengths_before, active) -> list[Update]:
+        """State updates to run after a decode step (numpy [S] lengths before it, active)."""
         return []
 
     def warmup(self, state):

@@ -4,14 +4,16 @@
 
 Data plane: at admission every complete page of the prefilled prefix goes to the host pool and
 the partial page stays on the device as the tail; each decode step resolves the selected rows
-(tail, hot cache, or a copy from the host into LRU victims: ``memory.hot_cache.resolve``) and
-writes each page it completes to the host. Control plane: a free list of host pages, reserved
-per request for prompt + max_new_tokens before anything changes.
+(tail, hot cache, or a copy from the host into LRU victims: ``memory.hot_cache.resolve``).
+Control plane: a free list of host pages, reserved per request for prompt + max_new_tokens
+before anything changes; after a step, the writeback of the pages it completed (the host
+mirrors the lengths, so it knows which slots those are without reading the device).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import jax
@@ -98,9 +100,10 @@ class HiSparse(Method):
                 tier.replace(kv_pools=tuple(pools)))
 
     # ------------------------------------------------------------------------------ writeback
-    def after_step(self, state, lengths_before, active):
-        """Writes each tail page this decode step completed to the slot's host page."""
-        done = CompletedPages.of(state.tier.page_table, lengths_before, active,
+    def write_completed(self, state, slots):
+        """Writes the tail page that the last decode step completed in each of ``slots`` ([c]
+        int32, from ``CompletedPages.completing``) to the slot's host page."""
+        done = CompletedPages.of(state.tier.page_table, state.lengths, slots,
                                  self.engine.model.csa_ratio, self.engine.cache.page_size)
         tier, caches = state.tier, list(state.caches)
         for i in self.csa_layers:
@@ -120,6 +123,12 @@ class HiSparse(Method):
 @jax.jit
 def _clear_pages(tier, slot):
     return tier.replace(page_table=tier.page_table.at[slot].set(-1))
+
+
+@functools.partial(jax.jit, static_argnames=("method",), donate_argnames=("state",))
+def write_completed(method: HiSparse, state, slots):
+    """``method.write_completed`` under jit (one compilation per number of slots)."""
+    return method.write_completed(state, slots)
 
 
 class PagedController(Controller):
@@ -144,6 +153,15 @@ class PagedController(Controller):
     def release(self, slot: int) -> list:
         self.pages.release(self.slot_pages.pop(slot))
         return [lambda state: state.replace(tier=_clear_pages(state.tier, slot))]
+
+    def after_step(self, lengths_before: np.ndarray, active: np.ndarray) -> list:
+        """The page writeback of the slots whose step completed a tail page."""
+        engine = self.method.engine
+        slots = CompletedPages.completing(lengths_before, active, engine.model.csa_ratio,
+                                          engine.cache.page_size)
+        if slots.size == 0:
+            return []
+        return [functools.partial(write_completed, self.method, slots=jnp.asarray(slots))]
 
 
 __all__ = ["HiSparse", "HostTier", "PagedController"]

@@ -190,9 +190,9 @@ class LeanSparse(HiSparse):
         pools = list(tier.key_pools)
         pools[layer] = done.write_tails(pools[layer], keys.tail)
 
-        def encode_page(s, codes):
+        def encode_page(j, s, codes):
             new = encode_keys(keys.tail[0][s], keys.tail[1][s], book)
-            return jax.lax.dynamic_update_slice(codes, new[None], (s, done.first[s], 0))
+            return jax.lax.dynamic_update_slice(codes, new[None], (s, done.first[j], 0))
 
         codes = done.for_each(encode_page, keys.codes)
         keys = keys.replace(tail=done.poison(keys.tail), codes=codes)

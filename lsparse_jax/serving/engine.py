@@ -156,6 +156,8 @@ class Engine:
         for s in np.flatnonzero(self.active):
             self.generated[s].append(int(tokens[s]))
             self.requests[s].token_times.append(now)
+        for update in self.control.after_step(self.lengths, self.active):  # page writeback
+            self.state = update(self.state)
         self.lengths += self.active
         self.stats = stats.record(self.stats, out.selected, out.eligible, out.sources,
                                   out.key_sources, active)

@@ -80,6 +80,8 @@ def decode_step(params, engine: EngineConfig, state: DecodeState, tokens, active
 
     tokens [S] int32 (each slot's newest token, at position lengths[s]); active [S] bool.
     Inactive slots write nothing and keep their length. Returns (state, DecodeOutput).
+    What the method's controller runs between steps (paged methods: the writeback of completed
+    pages, ``Controller.after_step``) is the caller's: ``Engine.step`` runs it.
     """
     cfg, method = engine.model, policy(engine)
     model = Transformer(cfg, implementation=engine.implementation, kv_store=method.kv_store(),

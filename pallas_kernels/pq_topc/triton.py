@@ -23,7 +23,8 @@ default:
      XLA sums them into topk blocks (BLOCK = max(SPAN, topk's block), a whole number of spans).
      This replaces topk's first counting pass, one full read of the [B, N] score row.
   3. ``topk.triton.topk_after_first_pass`` continues from that bracket with topk's own code:
-     more counting passes only for rows whose bracket still holds > CAP positions (rare),
+     the refine launch (further counting passes, in-kernel, only for rows whose bracket still
+     holds > CAP positions, rare; the other rows' programs exit at once: no host wait),
      the selection kernel (one more read of the score row) and stage 2, on the padded
      [B, N_pad] score row (padded positions are never eligible).
 Not fused: the score row is still written to HBM and read back by the selection kernel (the

@@ -12,15 +12,20 @@ Notation:
   KP = next power of two >= min(k, N) (output row), CAP = candidate buffer row (>= KP),
   NT = 2**digit_bits thresholds per counting pass, BLOCK positions per grid block.
 
-Stage 1 (the long rows, HBM-bound):
+Stage 1 (the long rows, HBM-bound), a fixed launch sequence (no XLA while loop or cond: the
+host never waits on a device value inside the op):
   1. Thresholds of the first pass come from a strided sample of each row (sorted in XLA): NT
      keys around the sample rank of the m-th largest, spaced so that one bracket holds about
-     CAP / 4 positions. Later passes try lo + 1 (a heavily tied lo ends at once) and split
-     [lo, hi) evenly in key space (NT parts, i.e. digit_bits bits per pass).
+     CAP / 4 positions.
   2. Counting kernel, grid (B, N / BLOCK): per block and threshold the count of eligible keys
-     >= t. XLA sums the blocks, picks the new bracket, keeps its per-block counts. A row stops
-     when c(lo) - c(hi) <= CAP or hi == lo + 1 (a single key, possibly tied many times). Rows
-     with L <= CAP need no pass at all.
+     >= t. XLA sums the blocks, picks the new bracket, keeps its per-block counts. Rows with
+     L <= CAP need no pass at all (their programs return at once).
+  2b. Refine kernel, grid (B,), always launched: a row is active when its bracket still holds
+     c(lo) - c(hi) > CAP keys over more than one key (rare after a sampled first pass). An
+     active row's program runs further counting passes over its whole row in an in-kernel loop
+     (thresholds lo + 1, then [lo, hi) split evenly in key space: digit_bits bits per pass,
+     at most 32 / digit_bits passes), then writes the final bracket's per-block counts; the
+     programs of the other rows return at once (the per-row "done" flag is an input).
   3. Selection kernel, same grid: keys >= hi are winners, written at [0, c(hi)) of the output
      row; keys in [lo, hi) are candidates, the first CAP of them in position order written to a
      candidate row. Offsets: exclusive prefix over blocks (XLA) + in-block prefix sum.
@@ -29,6 +34,23 @@ Stage 2 (rows of CAP candidates, one program per row): radix search of the r-th 
   bracket's keys do not all share; then the candidates > T and the first (in position order)
   candidates == T until r are taken, written after the stage-1 winners; slots >= m get -1 /
   -inf.
+
+One read (``topk_triton(..., one_read=True)``, opt-in until timed on the GPU): the row is read
+once in the common case.
+  1. A floor key t per row from the strided sample (``sample_floor``): the sample key Z = 4
+     standard deviations of the sample count below the expected rank of the m-th largest, so
+     that c(t) >= m almost always while about (rank + 1) * stride positions are >= t.
+  2. Segment selection kernel, grid (B, N / BLOCK) (>= 2 programs per row for N > BLOCK):
+     each block writes its keys >= t, in position order, into its own segment of SEG slots
+     (unused slots: position -1) and its count; no offsets from other blocks are needed.
+  3. Per-row finish, grid (B,): a row is ok when c(t) >= m and no block overflowed its
+     segment; stage 2 above then runs on the segments (r = m, no stage-1 winners; slots with
+     position -1 are skipped), and the tie rule holds because segments keep position order.
+  4. Fallback, same launches always made: the two-read sequence above from the bracket the
+     floor gives ([t, INT32_MAX) when c(t) >= m, else [key(-inf), t); the segment kernel
+     counted c(t) per block, so no counting pass): refine, select, finish, with every program
+     of an ok row returning at once; XLA keeps each row's result from its path. A floor above
+     the m-th key or a crowded block (e.g. ascending scores) only costs time.
 
 Entry points: ``topk_triton`` runs all of the above. ``topk_after_first_pass`` enters after
 the first counting pass, for a producer of the score rows that counted pass 1 itself while
@@ -46,6 +68,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -68,7 +91,7 @@ DEFAULT_SAMPLE = 1024       # strided sample per row for the first thresholds
 DEFAULT_CHUNK = 256         # positions per inner-loop step of the counting loops
 DEFAULT_NUM_WARPS = 4       # counting and stage-2 kernels
 DEFAULT_SELECT_WARPS = 8    # selection kernel (BLOCK / (32 * warps) positions per thread)
-_MAX_PASSES = 64            # a safety stop: 1 + 32 / digit_bits passes always suffice
+ONE_READ_Z = 4.0            # one-read floor: sample rank q + Z sqrt(q + 1) + 1 (see sample_floor)
 
 
 def _next_pow2(n: int) -> int:
@@ -121,10 +144,95 @@ def _count_kernel(row_ref, thr_ref, x_ref, cnt_ref, *, block, chunk):
         cnt_ref[...] = jnp.sum(acc, axis=0)
 
 
+def even_thresholds(lo, hi, digit_bits):
+    """NT thresholds inside (lo, hi), ascending, for a bracket with hi >= lo + 2: lo + 1 (a
+    bracket often starts at a heavily tied key), then lo + j * ceil((hi - lo) / NT) for j = 1
+    .. NT - 1 (clipped below hi), so the next bracket is at most ceil((hi - lo) / NT) keys
+    wide: 32 / digit_bits passes narrow any bracket to one key. lo, hi: int32 scalars (in a
+    kernel) or [B] arrays (then [B, NT]). int32 only (Triton-friendly): hi - lo may exceed
+    INT32_MAX, so offsets wrap and are compared as unsigned (x ^ INT32_MIN, signed)."""
+    nt = 1 << digit_bits
+    lo, hi = jnp.asarray(lo)[..., None], jnp.asarray(hi)[..., None]
+    d = hi - lo  # unsigned in [2, 2^32)
+    step = lax.shift_right_logical(d, jnp.int32(digit_bits)) + (d & (nt - 1) != 0).astype(
+        jnp.int32)  # ceil(d / NT) <= 2^(32 - digit_bits)
+    j = lax.broadcasted_iota(jnp.int32, (*d.shape[:-1], nt), d.ndim - 1)
+    off = jnp.where(j == 0, 1, j * step)  # unsigned, may wrap past INT32_MAX
+    off = jnp.where((off ^ INT32_MIN) < ((d - 1) ^ INT32_MIN), off, d - 1)
+    return lo + off
+
+
+def _refine_kernel(row_ref, x_ref, br_ref, blk_ref, *, block, chunk, digit_bits, cap,
+                   max_passes):
+    """Fallback narrowing of one row, after the first pass: rows flagged active (bracket
+    [lo, hi) still holds > CAP keys over > 1 key) run counting passes over their whole row
+    until it holds <= CAP keys or one key; all other rows return at once (an early exit, so
+    the launch is always made and the host never waits on a device value).
+
+    Refs: inputs  row_ref [8] int32 (length, m, active, lo, hi, c(lo), c(hi), unused),
+                  x_ref [NP] f32 (the whole row; NP = 2^ceil(log2 N), loads past N masked)
+          outputs br_ref [2] int32 (new lo, hi), blk_ref [2, NBP] int32 (per block of BLOCK
+                  positions: c(lo), c(hi) of the new bracket; NBP = 2^ceil(log2 nblk), blocks
+                  past the row's length count 0). Written for active rows only.
+    Notation as in the module docstring; each pass counts NT = 2^digit_bits thresholds from
+    ``even_thresholds`` and keeps the tightest [t, t') with c(t) >= m > c(t') (thresholds
+    ascend, so c descends: the largest t with c(t) >= m and the smallest t' with c(t') < m).
+    """
+    @pl.when(row_ref[2] != 0)
+    def _():
+        length, m = row_ref[0], row_ref[1]
+        nt = 1 << digit_bits
+        live = (length + chunk - 1) // chunk  # chunks holding eligible positions
+
+        def count_row(thr):  # [NT] -> [NT] counts over the row's eligible positions
+            def step(i, acc):
+                start = pl.multiple_of(i * chunk, chunk)
+                _, key = eligible_keys(x_ref[pl.ds(start, chunk)], start, length)
+                return acc + count_at_least(key, thr)
+
+            acc = lax.fori_loop(0, live, step, jnp.zeros((chunk, nt), jnp.int32))
+            return jnp.sum(acc, axis=0)
+
+        def cond(s):
+            it, lo, hi, c_lo, c_hi = s
+            return (c_lo - c_hi > cap) & (lo + 1 < hi) & (it < max_passes)
+
+        def body(s):
+            it, lo, hi, c_lo, c_hi = s
+            thr = even_thresholds(lo, hi, digit_bits)
+            cnt = count_row(thr)
+            ge = cnt >= m
+            return (it + 1, jnp.max(jnp.where(ge, thr, lo)), jnp.min(jnp.where(ge, hi, thr)),
+                    jnp.min(jnp.where(ge, cnt, c_lo)), jnp.max(jnp.where(ge, c_hi, cnt)))
+
+        s = (jnp.int32(0), row_ref[3], row_ref[4], row_ref[5], row_ref[6])
+        _, lo, hi, _, _ = lax.while_loop(cond, body, s)
+        two = lax.broadcasted_iota(jnp.int32, (2,), 0)
+        bounds = jnp.where(two == 0, lo, hi)
+        br_ref[...] = bounds
+
+        # Per-block c(lo), c(hi) of the final bracket (the selection kernel's offsets).
+        nbp = blk_ref.shape[1]
+        blk_id = lax.broadcasted_iota(jnp.int32, (2, nbp), 1)
+
+        def per_block(jb, acc):
+            def step(i, a):
+                start = pl.multiple_of(jb * block + i * chunk, chunk)
+                _, key = eligible_keys(x_ref[pl.ds(start, chunk)], start, length)
+                return a + count_at_least(key, bounds)
+
+            c = jnp.sum(lax.fori_loop(0, block // chunk, step,
+                                      jnp.zeros((chunk, 2), jnp.int32)), axis=0)  # [2]
+            return jnp.where(blk_id == jb, c[:, None], acc)
+
+        blk_ref[...] = lax.fori_loop(0, (length + block - 1) // block, per_block,
+                                     jnp.zeros((2, nbp), jnp.int32))
+
+
 def _select_kernel(row_ref, off_ref, x_ref, wpos_ref, wval_ref, cpos_ref, cval_ref, *, block):
     """Compaction of one block: winners (key >= hi) and candidates (lo <= key < hi).
 
-    Refs: inputs  row_ref [4] int32 (length, lo, hi, unused),
+    Refs: inputs  row_ref [4] int32 (length, lo, hi, skip: 1 = return at once),
                   off_ref [2] int32 (winners, candidates) of the row before this block,
                   x_ref [BLOCK] f32
           outputs wpos_ref / wval_ref [KP] (whole row; this block writes its winners),
@@ -132,35 +240,67 @@ def _select_kernel(row_ref, off_ref, x_ref, wpos_ref, wval_ref, cpos_ref, cval_r
     Stores are scatters at computed slots; lanes that store nothing point past the row (masked
     on the GPU, dropped in interpret mode) so that no two lanes share a slot.
     """
+    j = pl.program_id(1)  # outside pl.when: interpret mode needs it at the kernel's top level
+
+    @pl.when(row_ref[3] == 0)
+    def _():
+        x = x_ref[...]
+        pos, key = eligible_keys(x, j * block, row_ref[0])
+        is_win = key >= row_ref[2]
+        is_cand = (key >= row_ref[1]) & jnp.logical_not(is_win)  # INT32_MIN < lo: never eligible
+        # One scan for both ranks: winners in the low 16 bits, candidates in the high bits.
+        packed = is_win.astype(jnp.int32) + (is_cand.astype(jnp.int32) << 16)
+        before = jnp.cumsum(packed) - packed
+        lane = lax.broadcasted_iota(jnp.int32, x.shape, 0)
+        value = canonical_scores(x)
+
+        kp, cap = wpos_ref.shape[0], cpos_ref.shape[0]
+        w_slot = jnp.where(is_win, off_ref[0] + (before & 0xFFFF), kp + lane)
+        plgpu.store(wpos_ref.at[w_slot], pos, mask=is_win)
+        plgpu.store(wval_ref.at[w_slot], value, mask=is_win)
+        c_slot = off_ref[1] + (before >> 16)
+        c_ok = is_cand & (c_slot < cap)
+        c_slot = jnp.where(c_ok, c_slot, cap + lane)
+        plgpu.store(cpos_ref.at[c_slot], pos, mask=c_ok)
+        plgpu.store(cval_ref.at[c_slot], value, mask=c_ok)
+
+
+def _select_seg_kernel(row_ref, x_ref, pos_ref, val_ref, cnt_ref, *, block):
+    """One-read selection of one block: every eligible key >= t (the row's sampled floor) is a
+    candidate, written in position order into this block's own segment of SEG slots, so no
+    offsets from other blocks are needed; unused slots get position -1.
+
+    Refs: inputs  row_ref [2] int32 (length, t), x_ref [BLOCK] f32
+          outputs pos_ref / val_ref [SEG] (this block's segment; candidates past SEG dropped),
+                  cnt_ref [2] int32 (the block's candidate count, > SEG on overflow; 0)
+    """
     j = pl.program_id(1)
     x = x_ref[...]
     pos, key = eligible_keys(x, j * block, row_ref[0])
-    is_win = key >= row_ref[2]
-    is_cand = (key >= row_ref[1]) & jnp.logical_not(is_win)  # INT32_MIN < lo: never eligible
-    # One scan for both ranks: winners in the low 16 bits, candidates in the high bits.
-    packed = is_win.astype(jnp.int32) + (is_cand.astype(jnp.int32) << 16)
-    before = jnp.cumsum(packed) - packed
+    is_c = key >= row_ref[1]  # t >= key(-inf) > INT32_MIN: ineligible never counts
+    ci = is_c.astype(jnp.int32)
+    rank = jnp.cumsum(ci) - ci
+    seg = pos_ref.shape[0]
     lane = lax.broadcasted_iota(jnp.int32, x.shape, 0)
-    value = canonical_scores(x)
-
-    kp, cap = wpos_ref.shape[0], cpos_ref.shape[0]
-    w_slot = jnp.where(is_win, off_ref[0] + (before & 0xFFFF), kp + lane)
-    plgpu.store(wpos_ref.at[w_slot], pos, mask=is_win)
-    plgpu.store(wval_ref.at[w_slot], value, mask=is_win)
-    c_slot = off_ref[1] + (before >> 16)
-    c_ok = is_cand & (c_slot < cap)
-    c_slot = jnp.where(c_ok, c_slot, cap + lane)
-    plgpu.store(cpos_ref.at[c_slot], pos, mask=c_ok)
-    plgpu.store(cval_ref.at[c_slot], value, mask=c_ok)
+    ok = is_c & (rank < seg)
+    slot = jnp.where(ok, rank, seg + lane)
+    plgpu.store(pos_ref.at[slot], pos, mask=ok)
+    plgpu.store(val_ref.at[slot], canonical_scores(x), mask=ok)
+    count = jnp.sum(ci)
+    unused = lax.broadcasted_iota(jnp.int32, (seg,), 0) >= count
+    plgpu.store(pos_ref, jnp.full((seg,), -1, jnp.int32), mask=unused)
+    cnt_ref[...] = jnp.where(lax.broadcasted_iota(jnp.int32, (2,), 0) == 0, count, 0)
 
 
 def _finish_kernel(row_ref, cpos_ref, cval_ref, wpos_in_ref, wval_in_ref, wpos_ref, wval_ref, *,
-                   digit_bits, chunk):
+                   digit_bits, chunk, by_pos=False):
     """Stage 2 of one row: the r best candidates appended after the stage-1 winners.
 
     Refs: inputs  row_ref [8] int32 (n candidates, r wanted, c = stage-1 winners, m, p0,
-                  u0 = the digits above step p0 shared by the whole stage-1 bracket, 0, 0),
-                  cpos_ref / cval_ref [CAP] candidates in position order (first n valid),
+                  u0 = the digits above step p0 shared by the whole stage-1 bracket,
+                  skip (1: return at once, the outputs are not this launch's), 0),
+                  cpos_ref / cval_ref [CAP] candidates in position order (first n valid;
+                  by_pos: of those, only slots with cpos >= 0),
                   wpos_in_ref / wval_in_ref [KP] aliased to the outputs (not read)
           outputs wpos_ref / wval_ref [KP]: slots [0, c) hold the stage-1 winners already;
                   this writes [c, m) and fills [m, KP) with -1 / -inf.
@@ -171,6 +311,13 @@ def _finish_kernel(row_ref, cpos_ref, cval_ref, wpos_in_ref, wval_in_ref, wpos_r
     #{candidates, u >= T_u | (d << s)} >= r.
     """
     del wpos_in_ref, wval_in_ref
+    pl.when(row_ref[6] == 0)(functools.partial(
+        _finish_row, row_ref, cpos_ref, cval_ref, wpos_ref, wval_ref, digit_bits=digit_bits,
+        chunk=chunk, by_pos=by_pos))
+
+
+def _finish_row(row_ref, cpos_ref, cval_ref, wpos_ref, wval_ref, *, digit_bits, chunk, by_pos):
+    """The body of ``_finish_kernel`` (same refs, less the aliased inputs)."""
     n, r, c, m = row_ref[0], row_ref[1], row_ref[2], row_ref[3]
     kp = wpos_ref.shape[0]
     steps = (n + chunk - 1) // chunk  # only the chunks that hold candidates
@@ -184,6 +331,8 @@ def _finish_kernel(row_ref, cpos_ref, cval_ref, wpos_in_ref, wval_in_ref, wpos_r
     def keys_at(i):
         start = pl.multiple_of(i * chunk, chunk)
         _, key = eligible_keys(cval_ref[pl.ds(start, chunk)], start, n)
+        if by_pos:  # unused slots between segments hold position -1
+            key = jnp.where(cpos_ref[pl.ds(start, chunk)] >= 0, key, INT32_MIN)
         return start, key
 
     digits = lax.broadcasted_iota(jnp.int32, (nt,), 0)
@@ -245,6 +394,7 @@ class Config:
     num_warps: int
     select_warps: int
     interpret: bool
+    one_read: bool = False
 
     @property
     def nt(self) -> int:
@@ -266,11 +416,30 @@ class Config:
     def chunk2(self) -> int:  # stage-2 chunk
         return min(self.chunk, self.cap)
 
+    @property
+    def max_passes(self) -> int:  # refine passes: 32 / digit_bits narrow any bracket to a key
+        return 32 // self.digit_bits + 1
+
+    @property
+    def floor_ranks(self) -> int:
+        """One read: sample keys kept (``lax.top_k``) to pick the floor rank from: the rank
+        q + Z sqrt(q + 1) + 1 at q = k / st (a full row), plus slack, at most the sample."""
+        q = self.k / max(1, self.n // self.sample)
+        return int(min(-(-self.n // max(1, self.n // self.sample)),
+                       math.ceil(q + ONE_READ_Z * math.sqrt(q + 1) + 3)))
+
+    @property
+    def seg(self) -> int:
+        """One read: slots per block segment, twice the expected candidates of a block of a
+        full row (floor_ranks * st positions over nblk blocks), a power of two in [32, BLOCK]."""
+        per_block = self.floor_ranks * max(1, self.n // self.sample) / self.nblk
+        return int(min(self.block, max(32, _next_pow2(math.ceil(2 * per_block)))))
+
 
 def config(n: int, k: int, *, block: int = DEFAULT_BLOCK, digit_bits: int = DEFAULT_DIGIT_BITS,
            cap: int = DEFAULT_CAP, sample: int = DEFAULT_SAMPLE, chunk: int = DEFAULT_CHUNK,
            num_warps: int = DEFAULT_NUM_WARPS, select_warps: int = DEFAULT_SELECT_WARPS,
-           interpret: bool | None = None) -> Config:
+           interpret: bool | None = None, one_read: bool = False) -> Config:
     """Validated tunables (see ``topk_triton``) fitted to N: BLOCK <= min(2^ceil(log2 N),
     32768), the [chunk, NT] counters at most 4096 entries, CAP in [KP, 2^ceil(log2 N)] (at
     least KP). interpret=None asks ``common.interpret()`` (call this outside jit)."""
@@ -287,7 +456,7 @@ def config(n: int, k: int, *, block: int = DEFAULT_BLOCK, digit_bits: int = DEFA
     cap = max(_next_pow2(min(k, n)), min(cap, _next_pow2(n)))
     return Config(k=k, n=n, digit_bits=digit_bits, block=block, cap=cap, chunk=chunk,
                   sample=sample, num_warps=num_warps, select_warps=select_warps,
-                  interpret=bool(interpret))
+                  interpret=bool(interpret), one_read=bool(one_read))
 
 
 def row_lengths(lengths, cfg: Config):
@@ -328,16 +497,27 @@ def sample_thresholds(xs, length, m, cfg: Config):
     return jnp.clip(thr + dup.astype(jnp.int32), KEY_NEG_INF, INT32_MAX)
 
 
-def _even_thresholds(lo, hi, nt):
-    """NT thresholds inside (lo, hi), ascending: lo + 1 (a bracket often starts at a heavily
-    tied key), then lo + j * ceil((hi - lo) / NT) for j = 1 .. NT - 1 (clipped below hi), so
-    the next bracket is at most ceil((hi - lo) / NT) keys wide: 32 / digit_bits passes narrow
-    any bracket to one key. Unsigned offsets since hi - lo may exceed INT32_MAX."""
-    d = lax.bitcast_convert_type(hi - lo, jnp.uint32)[:, None]
-    step = (d + jnp.uint32(nt - 1)) // jnp.uint32(nt)  # d <= 0xFF800000: no overflow
-    j = jnp.arange(nt, dtype=jnp.uint32)[None, :]
-    off = jnp.minimum(jnp.maximum(j * step, 1), d - 1)
-    return lo[:, None] + lax.bitcast_convert_type(off, jnp.int32)
+def sample_floor(xs, length, m, cfg: Config):
+    """One read: a floor key t [B] per row with c(t) >= m with high probability and about
+    (r + 1) st positions >= t: the sample key of descending rank r. xs [B, S]: scores at the
+    sample positions (``sample_stride``). Rows with fewer than r + 1 eligible samples get
+    key(-inf) (every eligible position is a candidate).
+
+    Notation: st = sample stride, ns = eligible samples, q = m ns / L - 1 the expected
+    0-based descending sample rank of the m-th largest key, r = ceil(q + Z sqrt(q + 1)) + 1
+    (Z = ONE_READ_Z standard deviations of the sample count above it), at most
+    cfg.floor_ranks - 1 (a higher floor only makes the fallback likelier).
+    """
+    st = sample_stride(cfg)
+    spos = jnp.arange(xs.shape[1], dtype=jnp.int32)[None, :] * st
+    keys = jnp.where(spos < length[:, None], order_keys(canonical_scores(xs)), INT32_MIN)
+    top = lax.top_k(keys, cfg.floor_ranks)[0]  # [B, R] descending
+    ns = (length + st - 1) // st
+    q = m.astype(jnp.float32) * ns.astype(jnp.float32) / jnp.maximum(length, 1) - 1.0
+    r = jnp.ceil(q + ONE_READ_Z * jnp.sqrt(jnp.maximum(q, 0.0) + 1.0)).astype(jnp.int32) + 1
+    r = jnp.clip(r, 0, cfg.floor_ranks - 1)
+    t = jnp.take_along_axis(top, r[:, None], axis=1)[:, 0]
+    return jnp.where(r >= ns, KEY_NEG_INF, jnp.maximum(t, KEY_NEG_INF))
 
 
 def _exclusive_cumsum(x):
@@ -385,44 +565,78 @@ def _narrow(state, thr, cnt, m, cap):
             jnp.where(act[:, None], new_blk_hi, blk_hi))
 
 
-def _search(scores, length, m, thr0, cnt0, cfg: Config):
-    """Counting passes until every row's bracket holds <= CAP keys (or one key); returns
-    (lo, hi, blk_lo, blk_hi). Pass 0 uses thr0; its counts are cnt0 when a producer counted
-    them already (then the loop starts at pass 1), else the counting kernel's."""
+def _pass0(scores, length, m, thr0, cnt0, cfg: Config, todo):
+    """Bracket state after pass 0: thresholds thr0; their per-block counts cnt0 when a
+    producer counted them already, else the counting kernel's (rows with L <= CAP or not in
+    todo [B] bool return at once)."""
     b, nt = scores.shape[0], cfg.nt
-    count_call = pl.pallas_call(
-        functools.partial(_count_kernel, block=cfg.block, chunk=cfg.chunk),
-        grid=(b, cfg.nblk),
-        in_specs=[pl.BlockSpec((None, 2), lambda i, j: (i, 0)),
-                  pl.BlockSpec((None, nt), lambda i, j: (i, 0)),
-                  pl.BlockSpec((None, cfg.block), lambda i, j: (i, j))],
-        out_specs=pl.BlockSpec((None, None, nt), lambda i, j: (i, j, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, cfg.nblk, nt), jnp.int32),
-        name="topk_count", **_kernel_params(cfg, cfg.num_warps))
-
     state = _start(length, cfg)
-    if cnt0 is not None:
-        state = _narrow(state, thr0, cnt0, m, cfg.cap)
+    if cnt0 is None:
+        thr0 = jnp.clip(thr0, KEY_NEG_INF, INT32_MAX)  # inside the start bracket
+        act = (_active(state, cfg.cap) & todo).astype(jnp.int32)
+        cnt0 = pl.pallas_call(
+            functools.partial(_count_kernel, block=cfg.block, chunk=cfg.chunk),
+            grid=(b, cfg.nblk),
+            in_specs=[pl.BlockSpec((None, 2), lambda i, j: (i, 0)),
+                      pl.BlockSpec((None, nt), lambda i, j: (i, 0)),
+                      pl.BlockSpec((None, cfg.block), lambda i, j: (i, j))],
+            out_specs=pl.BlockSpec((None, None, nt), lambda i, j: (i, j, 0)),
+            out_shape=jax.ShapeDtypeStruct((b, cfg.nblk, nt), jnp.int32),
+            name="topk_count", **_kernel_params(cfg, cfg.num_warps),
+        )(jnp.stack([length, act], axis=1), thr0, scores)
+    return _narrow(state, thr0, cnt0, m, cfg.cap)
 
-    def cond(state):
-        return jnp.any(_active(state, cfg.cap)) & (state[0] < _MAX_PASSES)
 
-    def body(state):
-        it, lo, hi = state[:3]
-        thr = jnp.where(it == 0, thr0, _even_thresholds(lo, hi, nt))
-        thr = jnp.clip(thr, lo[:, None], hi[:, None])
-        act = _active(state, cfg.cap).astype(jnp.int32)
-        cnt = count_call(jnp.stack([length, act], axis=1), thr, scores)
-        return _narrow(state, thr, cnt, m, cfg.cap)
-
-    return lax.while_loop(cond, body, state)[1:]
+def _floor_state(length, m, t, cnt, cfg: Config):
+    """Bracket state from the one-read pass, which counted c(t) per block (cnt [B, nblk], true
+    counts even where a segment overflowed): [t, INT32_MAX) when c(t) >= m, else
+    [key(-inf), t)."""
+    it, lo, hi, blk_lo, blk_hi = _start(length, cfg)
+    above = jnp.sum(cnt, axis=1) >= m
+    return (it, jnp.where(above, t, lo), jnp.where(above, hi, t),
+            jnp.where(above[:, None], cnt, blk_lo), jnp.where(above[:, None], blk_hi, cnt))
 
 
-def _select(scores, length, lo, hi, blk_lo, blk_hi, cfg: Config):
-    """Selection kernel: (winner pos / val [B, KP], candidate pos / val [B, CAP])."""
+def _search(scores, length, m, thr0, cnt0, cfg: Config, skip=None, state=None):
+    """The bracket (lo, hi, blk_lo, blk_hi) of every row, by a fixed launch sequence: pass 0
+    (``_pass0``; or a given bracket ``state``), then one refine launch in which only rows
+    whose bracket still holds > CAP keys over > 1 key do work. No loop or branch runs on a
+    device predicate in XLA, so the host never waits inside the op. skip [B] bool (optional):
+    rows another path finished; their programs return at once (their results are unset)."""
+    b = scores.shape[0]
+    todo = jnp.ones(length.shape, bool) if skip is None else jnp.logical_not(skip)
+    if state is None:
+        state = _pass0(scores, length, m, thr0, cnt0, cfg, todo)
+    _, lo, hi, blk_lo, blk_hi = state
+    act = _active(state, cfg.cap) & todo
+    row = jnp.stack([length, m, act.astype(jnp.int32), lo, hi, jnp.sum(blk_lo, axis=1),
+                     jnp.sum(blk_hi, axis=1), jnp.zeros_like(lo)], axis=1)
+    np_, nbp = _next_pow2(cfg.n), _next_pow2(cfg.nblk)
+    br, blk = pl.pallas_call(
+        functools.partial(_refine_kernel, block=cfg.block, chunk=cfg.chunk,
+                          digit_bits=cfg.digit_bits, cap=cfg.cap, max_passes=cfg.max_passes),
+        grid=(b,),
+        in_specs=[pl.BlockSpec((None, 8), lambda i: (i, 0)),
+                  pl.BlockSpec((None, np_), lambda i: (i, 0))],
+        out_specs=[pl.BlockSpec((None, 2), lambda i: (i, 0)),
+                   pl.BlockSpec((None, 2, nbp), lambda i: (i, 0, 0))],
+        out_shape=[jax.ShapeDtypeStruct((b, 2), jnp.int32),
+                   jax.ShapeDtypeStruct((b, 2, nbp), jnp.int32)],
+        name="topk_refine", **_kernel_params(cfg, cfg.num_warps))(row, scores)
+    # Rows the refine kernel skipped keep their pass-0 bracket (its outputs there are unset).
+    keep = jnp.logical_not(act)
+    return (jnp.where(keep, lo, br[:, 0]), jnp.where(keep, hi, br[:, 1]),
+            jnp.where(keep[:, None], blk_lo, blk[:, 0, :cfg.nblk]),
+            jnp.where(keep[:, None], blk_hi, blk[:, 1, :cfg.nblk]))
+
+
+def _select(scores, length, lo, hi, blk_lo, blk_hi, cfg: Config, skip=None):
+    """Selection kernel: (winner pos / val [B, KP], candidate pos / val [B, CAP]); rows with
+    skip [B] (optional) return at once."""
     b, kp, cap = scores.shape[0], cfg.kp, cfg.cap
     offsets = jnp.stack([_exclusive_cumsum(blk_hi), _exclusive_cumsum(blk_lo - blk_hi)], axis=2)
-    row = jnp.stack([length, lo, hi, jnp.zeros_like(lo)], axis=1)
+    skip = jnp.zeros_like(lo) if skip is None else skip.astype(jnp.int32)
+    row = jnp.stack([length, lo, hi, skip], axis=1)
     return pl.pallas_call(
         functools.partial(_select_kernel, block=cfg.block),
         grid=(b, cfg.nblk),
@@ -440,43 +654,104 @@ def _select(scores, length, lo, hi, blk_lo, blk_hi, cfg: Config):
         name="topk_select", **_kernel_params(cfg, cfg.select_warps))(row, offsets, scores)
 
 
-def _finish(lo, hi, wins, cands, m, selected, cfg: Config):
-    """Stage 2: (positions [B, KP], values [B, KP]) from the selection kernel's outputs."""
-    wpos, wval, cpos, cval = selected
-    b, kp, cap, digit_bits = lo.shape[0], cfg.kp, cfg.cap, cfg.digit_bits
-    # Candidates lie in [lo, hi): the digits where lo and hi - 1 agree are known already.
+def _shared_digits(lo, hi, digit_bits):
+    """(p0, u0): keys in [lo, hi) agree on their digits above step p0 (radix steps of
+    digit_bits bits from the top), and u0 holds those digits in unsigned order (see
+    ``_finish_kernel``)."""
     lo_u, top_u = lo ^ INT32_MIN, (hi - 1) ^ INT32_MIN
     p0 = lax.clz(lo_u ^ top_u) // digit_bits
     low_bits = 32 - p0 * digit_bits
     low_mask = jnp.where(low_bits >= 32, -1, (jnp.int32(1) << jnp.minimum(low_bits, 31)) - 1)
-    u0 = lo_u & ~low_mask
-    zero = jnp.zeros_like(lo)
-    row2 = jnp.stack([jnp.minimum(cands, cap), m - wins, wins, m, p0, u0, zero, zero], axis=1)
+    return p0, lo_u & ~low_mask
+
+
+def _finish_call(row2, cpos, cval, wpos, wval, cfg: Config, by_pos=False):
+    """The stage-2 pallas_call, grid (B,): row2 [B, 8] as in ``_finish_kernel``, candidates
+    [B, n] (position order), winners [B, KP] aliased to the outputs."""
+    b, n, kp = cpos.shape[0], cpos.shape[1], cfg.kp
     one_row = lambda i: (i, 0)  # noqa: E731
     return pl.pallas_call(
-        functools.partial(_finish_kernel, digit_bits=digit_bits, chunk=cfg.chunk2),
+        functools.partial(_finish_kernel, digit_bits=cfg.digit_bits, by_pos=by_pos,
+                          chunk=min(cfg.chunk, cfg.seg if by_pos else n)),  # divides n
         grid=(b,),
         in_specs=[pl.BlockSpec((None, 8), one_row),
-                  pl.BlockSpec((None, cap), one_row), pl.BlockSpec((None, cap), one_row),
+                  pl.BlockSpec((None, n), one_row), pl.BlockSpec((None, n), one_row),
                   pl.BlockSpec((None, kp), one_row), pl.BlockSpec((None, kp), one_row)],
         out_specs=[pl.BlockSpec((None, kp), one_row), pl.BlockSpec((None, kp), one_row)],
         out_shape=[jax.ShapeDtypeStruct((b, kp), jnp.int32),
                    jax.ShapeDtypeStruct((b, kp), jnp.float32)],
         input_output_aliases={3: 0, 4: 1},
-        name="topk_finish", **_kernel_params(cfg, cfg.num_warps))(row2, cpos, cval, wpos, wval)
+        name="topk_finish_seg" if by_pos else "topk_finish",
+        **_kernel_params(cfg, cfg.num_warps))(row2, cpos, cval, wpos, wval)
 
 
-def _from_first_pass(scores, length, m, thr0, cnt0, cfg: Config):
-    """Everything after the first thresholds: counting passes, selection, stage 2, padding."""
-    lo, hi, blk_lo, blk_hi = _search(scores, length, m, thr0, cnt0, cfg)
-    selected = _select(scores, length, lo, hi, blk_lo, blk_hi, cfg)
-    wins, cands = jnp.sum(blk_hi, axis=1), jnp.sum(blk_lo - blk_hi, axis=1)
-    pos, val = _finish(lo, hi, wins, cands, m, selected, cfg)
+def _finish(lo, hi, wins, cands, m, selected, cfg: Config, skip=None):
+    """Stage 2: (positions [B, KP], values [B, KP]) from the selection kernel's outputs; rows
+    with skip [B] (optional) return at once."""
+    wpos, wval, cpos, cval = selected
+    # Candidates lie in [lo, hi): the digits where lo and hi - 1 agree are known already.
+    p0, u0 = _shared_digits(lo, hi, cfg.digit_bits)
+    zero = jnp.zeros_like(lo)
+    skip = zero if skip is None else skip.astype(jnp.int32)
+    row2 = jnp.stack([jnp.minimum(cands, cfg.cap), m - wins, wins, m, p0, u0, skip, zero],
+                     axis=1)
+    return _finish_call(row2, cpos, cval, wpos, wval, cfg)
+
+
+def _pad_to_k(pos, val, cfg: Config):
+    """[B, KP] -> [B, k]: the first min(k, N) slots, then -1 / -inf."""
     pos, val = pos[:, :cfg.kn], val[:, :cfg.kn]
     if cfg.kn < cfg.k:
         pos = jnp.pad(pos, ((0, 0), (0, cfg.k - cfg.kn)), constant_values=-1)
         val = jnp.pad(val, ((0, 0), (0, cfg.k - cfg.kn)), constant_values=-jnp.inf)
     return pos, val
+
+
+def _two_reads(scores, length, m, thr0, cnt0, cfg: Config, skip=None, state=None):
+    """Everything after the first thresholds (or from a given bracket state): refine,
+    selection, stage 2 -> [B, KP]."""
+    lo, hi, blk_lo, blk_hi = _search(scores, length, m, thr0, cnt0, cfg, skip, state)
+    selected = _select(scores, length, lo, hi, blk_lo, blk_hi, cfg, skip)
+    wins, cands = jnp.sum(blk_hi, axis=1), jnp.sum(blk_lo - blk_hi, axis=1)
+    return _finish(lo, hi, wins, cands, m, selected, cfg, skip)
+
+
+def _from_first_pass(scores, length, m, thr0, cnt0, cfg: Config):
+    """Everything after the first thresholds, padded to k."""
+    return _pad_to_k(*_two_reads(scores, length, m, thr0, cnt0, cfg), cfg)
+
+
+def one_read_select(scores, length, m, cfg: Config):
+    """The one-read pass and its finish: (ok [B] bool: rows finished here, positions and
+    values [B, KP], valid where ok, the bracket state the pass leaves for the other rows).
+    A row is ok when its floor t (``sample_floor``) has c(t) >= m and no block holds more
+    than SEG candidates; its m winners are then among the candidates, which the segments hold
+    in position order (tie rule kept)."""
+    b, seg, nblk = scores.shape[0], cfg.seg, cfg.nblk
+    t = sample_floor(scores[:, ::sample_stride(cfg)], length, m, cfg)
+    cpos, cval, cnt = pl.pallas_call(
+        functools.partial(_select_seg_kernel, block=cfg.block),
+        grid=(b, nblk),
+        in_specs=[pl.BlockSpec((None, 2), lambda i, j: (i, 0)),
+                  pl.BlockSpec((None, cfg.block), lambda i, j: (i, j))],
+        out_specs=[pl.BlockSpec((None, seg), lambda i, j: (i, j)),
+                   pl.BlockSpec((None, seg), lambda i, j: (i, j)),
+                   pl.BlockSpec((None, None, 2), lambda i, j: (i, j, 0))],
+        out_shape=[jax.ShapeDtypeStruct((b, nblk * seg), jnp.int32),
+                   jax.ShapeDtypeStruct((b, nblk * seg), jnp.float32),
+                   jax.ShapeDtypeStruct((b, nblk, 2), jnp.int32)],
+        name="topk_select_seg", **_kernel_params(cfg, cfg.select_warps),
+    )(jnp.stack([length, t], axis=1), scores)
+    cnt = cnt[..., 0]
+    ok = (jnp.sum(cnt, axis=1) >= m) & jnp.all(cnt <= seg, axis=1)
+    p0, u0 = _shared_digits(t, jnp.full_like(t, INT32_MAX), cfg.digit_bits)
+    zero = jnp.zeros_like(t)
+    row2 = jnp.stack([jnp.full_like(t, nblk * seg), m, zero, m, p0, u0,
+                      jnp.logical_not(ok).astype(jnp.int32), zero], axis=1)
+    wpos = jnp.full((b, cfg.kp), -1, jnp.int32)
+    wval = jnp.full((b, cfg.kp), -jnp.inf, jnp.float32)
+    pos, val = _finish_call(row2, cpos, cval, wpos, wval, cfg, by_pos=True)
+    return ok, pos, val, _floor_state(length, m, t, cnt, cfg)
 
 
 def topk_after_first_pass(scores, lengths, thr, counts, cfg: Config):
@@ -493,17 +768,19 @@ def topk_triton(scores: jnp.ndarray, lengths: jnp.ndarray, k: int, *,
                 block: int = DEFAULT_BLOCK, digit_bits: int = DEFAULT_DIGIT_BITS,
                 cap: int = DEFAULT_CAP, sample: int = DEFAULT_SAMPLE,
                 chunk: int = DEFAULT_CHUNK, num_warps: int = DEFAULT_NUM_WARPS,
-                select_warps: int = DEFAULT_SELECT_WARPS, interpret: bool | None = None):
+                select_warps: int = DEFAULT_SELECT_WARPS, interpret: bool | None = None,
+                one_read: bool = False):
     """Exact top-k: scores [B, N] f32, lengths [B] int, k >= 1 -> (positions [B, k] int32,
     values [B, k] f32): the set of the m = min(k, length) best eligible positions (ties to the
     lower position), in no particular order, then -1 / -inf. Inputs are assumed validated
     (see api.topk). Tunables: block, chunk, cap (powers of two), digit_bits in (1, 2, 4, 8),
     sample (first-pass sample size per row), num_warps / select_warps (Triton warps of the
     counting and stage-2 kernels / of the selection kernel). interpret=None asks
-    ``common.interpret()`` here, outside the jitted body."""
+    ``common.interpret()`` here, outside the jitted body. one_read=True: the one-read path
+    (module docstring; a larger sample, e.g. 4096, makes its floor tighter)."""
     cfg = config(scores.shape[1], k, block=block, digit_bits=digit_bits, cap=cap,
                  sample=sample, chunk=chunk, num_warps=num_warps, select_warps=select_warps,
-                 interpret=interpret)
+                 interpret=interpret, one_read=one_read)
     return _topk_triton(scores, lengths, cfg=cfg)
 
 
@@ -511,5 +788,12 @@ def topk_triton(scores: jnp.ndarray, lengths: jnp.ndarray, k: int, *,
 def _topk_triton(scores, lengths, *, cfg: Config):
     scores = scores.astype(jnp.float32)
     length, m = row_lengths(lengths, cfg)
-    thr0 = sample_thresholds(scores[:, ::sample_stride(cfg)], length, m, cfg)
-    return _from_first_pass(scores, length, m, thr0, None, cfg)
+    if not cfg.one_read:
+        thr0 = sample_thresholds(scores[:, ::sample_stride(cfg)], length, m, cfg)
+        return _from_first_pass(scores, length, m, thr0, None, cfg)
+    ok, pos1, val1, state = one_read_select(scores, length, m, cfg)
+    # The fallback: refine from the floor's bracket (the one-read pass counted c(t)), select,
+    # finish; every program of an ok row returns at once.
+    pos2, val2 = _two_reads(scores, length, m, None, None, cfg, skip=ok, state=state)
+    return _pad_to_k(jnp.where(ok[:, None], pos1, pos2), jnp.where(ok[:, None], val1, val2),
+                     cfg)
