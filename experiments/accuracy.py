@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from experiments.common import fit_max_len, pyplot, run_dir, selection_recall, write_results
+from experiments import validate as v
+from experiments.common import pyplot, run_dir, selection_recall, write_results
 from lsparse_jax.config import (
     CacheConfig,
     EngineConfig,
@@ -44,11 +45,13 @@ from lsparse_jax.methods.leansparse import calibrate_codebooks
 from lsparse_jax.serving.engine import Engine
 from lsparse_jax.serving.steps import forward_chunk, prefill
 from lsparse_jax.tasks import score_exact, score_similarity, tokenizer
-from lsparse_jax.training import load_params
 from lsparse_jax.training.data import TRAIN_SEED_BASE, task_example
 
 CALIBRATION_SEED = TRAIN_SEED_BASE - 1
 _LEAN = re.compile(r"leansparse_C(\d+)$")
+FIXED_METHODS = ("dense", "resident", "hisparse", "direct_pq")
+TASKS = ("niah", "mrcr")
+IMPLEMENTATIONS = ("xla", "triton", "jax_triton", "mosaic", None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +77,39 @@ def parse_method(name: str, top_k: int, miss_filter_offset: float | None) -> Met
         return Method(name, "leansparse", LeanSparseConfig(c, miss_filter_offset, c))
     raise ValueError(f"accuracy: unknown method {name!r}; methods: dense, resident, hisparse, "
                      "direct_pq, leansparse_C<candidates>")
+
+
+def check_settings(model, checkpoint, tasks, lengths, examples, methods, num_slots,
+                   prefill_chunk, hot_cache_rows, page_size, miss_filter_offset,
+                   calibration_tokens, implementation, host_pages):
+    """Validates every setting and the checkpoint path before any work; returns (the model with
+    max_len fitted, the parsed methods, the checkpoint directory)."""
+    v.names("accuracy.tasks", tasks, TASKS)
+    lengths = v.integers("accuracy.lengths", lengths, lo=64)
+    for setting, value in (("examples", examples), ("num_slots", num_slots),
+                           ("prefill_chunk", prefill_chunk), ("page_size", page_size),
+                           ("calibration_tokens", calibration_tokens)):
+        v.integer(f"accuracy.{setting}", value)
+    v.number("accuracy.miss_filter_offset", miss_filter_offset, lo=0.0, none_ok=True)
+    v.choice("accuracy.implementation", implementation, IMPLEMENTATIONS)
+    cfg = v.fit_model(model, max(lengths) + 16, "max(accuracy.lengths) + 16 answer tokens")
+    top_k = cfg.indexer.top_k
+    methods = v.sequence("accuracy.methods", methods, "('resident', 'leansparse_C64')")
+    v.names("accuracy.methods", methods, lambda m: bool(_LEAN.match(m)) or m in FIXED_METHODS,
+            extra=", ".join(repr(m) for m in FIXED_METHODS) + ", 'leansparse_C<candidates>'")
+    try:
+        specs = [parse_method(m, top_k, miss_filter_offset) for m in methods]
+    except ValueError as err:
+        raise v.ConfigError(f"accuracy.methods: {str(err).removeprefix('accuracy: ')}") from err
+    if any(s.engine_method and method_storage(s.engine_method).kv_on_host for s in specs):
+        v.integer("accuracy.hot_cache_rows", hot_cache_rows, lo=top_k)
+        v.host_pages("accuracy.host_pages", host_pages, cfg, max(lengths) + 16, page_size,
+                     min(num_slots, examples))
+    for s in specs:
+        if s.lean is not None and cfg.indexer.head_dim % s.lean.pq_subspace_dim:
+            v.fail("LeanSparseConfig.pq_subspace_dim", s.lean.pq_subspace_dim,
+                   f"must divide the indexer head_dim={cfg.indexer.head_dim}")
+    return cfg, specs, v.checkpoint_path("accuracy.checkpoint", checkpoint)
 
 
 def mcnemar(a: np.ndarray, b: np.ndarray) -> dict:
@@ -138,11 +174,15 @@ def accuracy(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
                       "leansparse_C2048", "leansparse_C4096", "direct_pq"),
              num_slots: int = 8, prefill_chunk: int = 1024, hot_cache_rows: int = 64,
              page_size: int = 64, miss_filter_offset: float | None = 1.0,
-             calibration_tokens: int = 4096, implementation: str | None = "xla"):
-    """Runs every method on the same held-out examples of every (task, length) cell."""
-    cfg = fit_max_len(model, max(lengths) + 16)
-    params = load_params(checkpoint, cfg)
-    specs = [parse_method(m, cfg.indexer.top_k, miss_filter_offset) for m in methods]
+             calibration_tokens: int = 4096, implementation: str | None = "xla",
+             host_pages: int | None = None):
+    """Runs every method on the same held-out examples of every (task, length) cell.
+    host_pages: CacheConfig.host_pages of the paged methods (None = enough for every slot)."""
+    cfg, specs, path = check_settings(model, checkpoint, tasks, lengths, examples, methods,
+                                      num_slots, prefill_chunk, hot_cache_rows, page_size,
+                                      miss_filter_offset, calibration_tokens, implementation,
+                                      host_pages)
+    params = v.load_checkpoint("accuracy.checkpoint", path, cfg)
     codebooks = None
     if any(s.engine_method and method_storage(s.engine_method).keys_on_host for s in specs):
         calib = task_example("niah", calibration_tokens, CALIBRATION_SEED)
@@ -153,7 +193,7 @@ def accuracy(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
             continue
         paged = method_storage(s.engine_method).kv_on_host
         cache = CacheConfig(num_slots, prefill_chunk, hot_cache_rows if paged else None,
-                            page_size)
+                            page_size, host_pages=host_pages if paged else None)
         engines[s.name] = Engine(EngineConfig(
             model=cfg, cache=cache, sampling=SamplingConfig(0.0, 0), method=s.engine_method,
             leansparse=s.lean or LeanSparseConfig(), implementation=implementation),

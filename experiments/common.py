@@ -9,6 +9,7 @@ import pathlib
 import gin
 import numpy as np
 
+from experiments import validate
 from lsparse_jax.config import LeanSparseConfig, ModelConfig
 from lsparse_jax.model import preset
 from lsparse_jax.model.presets import fit_max_len  # noqa: F401  (experiments import it here)
@@ -52,10 +53,19 @@ def run_dir(name: str, root: str | None = None) -> pathlib.Path:
 
 
 def write_results(path: pathlib.Path, results: dict) -> pathlib.Path:
-    """Writes results.json and the operative gin config next to it."""
+    """Writes results.json and the operative gin config next to it: what gin bound (defaults
+    included) plus the values the experiment derived (e.g. the fitted model_preset.max_len),
+    so rerunning config.gin reproduces the run."""
+    derived = validate.derived()
+    if derived:
+        results = {**results, "derived_bindings": derived}
     out = path / "results.json"
     out.write_text(json.dumps(results, indent=2, default=_jsonable) + "\n")
-    (path / "config.gin").write_text(gin.operative_config_str())
+    text = gin.operative_config_str()
+    if derived:
+        text += ("\n# Derived by the experiment (the values that ran):\n"
+                 + "".join(f"{k} = {v!r}\n" for k, v in derived.items()))
+    (path / "config.gin").write_text(text)
     return out
 
 

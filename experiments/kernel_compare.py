@@ -1,6 +1,6 @@
 """XLA vs Triton (Pallas) vs jax-triton: times every implementation of every kernel op.
 
-Gin header -- must be set: nothing (defaults are the V4-Flash shapes of issue 5).
+Gin header -- must be set: nothing (defaults are DeepSeek-V4-Flash decode shapes).
 Run on the GPU machine: lsparse run configs/experiments/kernel_compare.gin
 Writes runs/<name>/{config.gin, results.json, kernel_compare.png}.
 
@@ -25,9 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from experiments import validate as v
 from experiments.common import pyplot, run_dir, write_results
 
-PEAK_FLOPS = 790e12  # measured dense bf16 on the H200 (../shared/gpu_facts)
+PEAK_FLOPS = 790e12  # measured dense bf16 on the H200 (benchmarks/RESULTS.md)
 PEAK_BYTES = 3.0e12  # measured HBM read+write bandwidth
 L2_BYTES = 50 * 2**20
 
@@ -101,6 +102,28 @@ def index_scores_case(batch, c=2048, heads=64, dim=128):
                 make=make, call=lambda impl, *a: index_scores(*a, implementation=impl))
 
 
+OPS = ("pq_topc", "topk", "index_scores", "sparse_attention", "hot_resolve")
+IMPLEMENTATIONS = ("xla", "triton", "jax_triton", "mosaic", "triton_unfused")
+
+
+def check_settings(batches, histories, implementations, repeats, topk_shapes, ops, per_call):
+    """Validates every setting before any case is built or timed."""
+    v.names("kernel_compare.ops", ops, OPS)
+    v.names("kernel_compare.implementations", implementations, IMPLEMENTATIONS)
+    v.integers("kernel_compare.batches", batches)
+    v.integers("kernel_compare.histories", histories)
+    v.integer("kernel_compare.repeats", repeats)
+    v.flag("kernel_compare.per_call", per_call)
+    shapes = v.sequence("kernel_compare.topk_shapes", topk_shapes, "((64, 262144, 2048),)")
+    for shape in shapes:
+        if not isinstance(shape, (tuple, list)) or len(shape) != 3:
+            v.fail("kernel_compare.topk_shapes", topk_shapes,
+                   "every entry must be (batch, n, k), e.g. ((64, 262144, 2048),)")
+        b, n, k = v.integers("kernel_compare.topk_shapes", shape)
+        if k > n:
+            v.fail("kernel_compare.topk_shapes", shape, "k must be <= n in (batch, n, k)")
+
+
 def time_case(case: Case, impl: str, repeats: int, warmup: int = 2,
               per_call: bool = False) -> float:
     one = case.make(jax.random.key(0))
@@ -128,6 +151,7 @@ def kernel_compare(name: str, batches=(1, 8, 32, 64), histories=(51200, 131072, 
                    topk_shapes=((64, 262144, 2048), (64, 131072, 2048), (64, 262144, 512)),
                    ops=("pq_topc", "topk", "index_scores", "sparse_attention", "hot_resolve"),
                    per_call: bool = False):
+    check_settings(batches, histories, implementations, repeats, topk_shapes, ops, per_call)
     cases = []
     if "pq_topc" in ops:
         cases += [pq_topc_case(b, n) for n in histories for b in batches]

@@ -1,4 +1,4 @@
-"""Recall study (issue 4): how much of the exact indexer top-k PQ selection recovers.
+"""Recall study: how much of the exact indexer top-k PQ selection recovers.
 
 Gin header -- must be set: run.experiment = @recall_study, run.name; recall_model.model (a
 ModelConfig, e.g. @model_preset()) when 'model' is in recall_study.sources; recall_npz.path when
@@ -44,7 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from experiments.common import fit_max_len, pyplot, run_dir, write_results
+from experiments import validate as v
+from experiments.common import pyplot, run_dir, write_results
 from lsparse_jax.config import ModelConfig
 from lsparse_jax.indexing import coarse_to_fine as c2f
 from lsparse_jax.indexing import index_scores, topk_positions
@@ -170,17 +171,26 @@ def recall_model(model: ModelConfig = gin.REQUIRED, prompt_tokens: int = 9216,
     random init from ``seed`` when None. top_k None = the model's indexer top-k.
     Both prompts use seeds below TRAIN_SEED_BASE, so a trained model never saw them.
     """
+    for setting, value in (("prompt_tokens", prompt_tokens), ("num_needles", num_needles),
+                           ("prefill_chunk", prefill_chunk), ("max_queries", max_queries),
+                           ("train_prompts", train_prompts)):
+        v.integer(f"recall_model.{setting}", value)
+    v.integer("recall_model.seed", seed, lo=0)
+    v.integer("recall_model.train_seed", train_seed, lo=0)
+    v.optional_integer("recall_model.top_k", top_k)
+    v.integers("recall_model.candidates", candidates)
+    v.integers("recall_model.histories", histories)
+    if checkpoint is not None:
+        checkpoint = v.checkpoint_path("recall_model.checkpoint", checkpoint)
     if train_seed <= seed < train_seed + train_prompts:
         raise ValueError("recall_model: the seeds train_seed .. train_seed + train_prompts - 1 "
                          "must not include seed (codebooks are trained on other prompts than "
                          "the evaluated one)")
-    cfg = fit_max_len(model, prompt_tokens)
+    cfg = v.fit_model(model, prompt_tokens, "recall_model.prompt_tokens")
     if checkpoint is None:
         params = _init_params(cfg, seed)
     else:
-        from lsparse_jax.training import load_params
-
-        params = load_params(checkpoint, cfg)
+        params = v.load_checkpoint("recall_model.checkpoint", checkpoint, cfg)
     evaluated = indexer_traces(params, cfg, niah_example(prompt_tokens, num_needles=num_needles,
                                                        seed=seed).prompt, prefill_chunk)
     training = [indexer_traces(params, cfg, niah_example(
@@ -246,6 +256,14 @@ def recall_synthetic(num_keys: int = 16384, num_train_keys: int = 8192, num_quer
                      candidates=(128, 256, 512, 1024, 2048), histories=(4096, 16384),
                      max_queries: int = 256) -> Source:
     """Synthetic keys and queries; every query may see all ``num_keys`` keys."""
+    for setting, value in (("num_keys", num_keys), ("num_train_keys", num_train_keys),
+                           ("num_queries", num_queries), ("dim", dim), ("heads", heads),
+                           ("clusters", clusters), ("top_k", top_k),
+                           ("max_queries", max_queries)):
+        v.integer(f"recall_synthetic.{setting}", value)
+    v.number("recall_synthetic.df", df, lo=1e-6)
+    v.integers("recall_synthetic.candidates", candidates)
+    v.integers("recall_synthetic.histories", histories)
     common = dict(dim=dim, heads=heads, clusters=clusters, df=df, seed=seed)
     # Draws are seeded by (seed, 1) and (train_seed, 2): the two never coincide.
     keys, queries, weights = synthetic_data(num_keys, num_queries, **common,
@@ -273,6 +291,9 @@ def load_npz(path) -> dict:
     """
     path = pathlib.Path(path)
     where = f"recall npz {path}"
+    if path.is_file() and not zipfile.is_zipfile(path):  # np.load would try pickle on a text file
+        raise ValueError(f"{where}: cannot read the file: not an .npz archive (a zip of named "
+                         f"arrays: {_NPZ_LAYOUT}; write one with numpy.savez)")
     try:
         archive = np.load(path, allow_pickle=False)
     except (OSError, ValueError, zipfile.BadZipFile) as err:
@@ -343,8 +364,18 @@ def load_npz(path) -> dict:
 @gin.configurable
 def recall_npz(path=gin.REQUIRED, top_k: int = 512, candidates=(512, 1024, 2048, 4096),
                histories=None, max_queries: int = 256, seed: int = 0) -> Source:
-    """A user's file (see ``load_npz``). histories None = the longest, N."""
-    data = load_npz(path)
+    """A user's file (see ``load_npz``); a relative path resolves against the repository root.
+    histories None = the longest, N."""
+    v.integer("recall_npz.top_k", top_k)
+    v.integer("recall_npz.max_queries", max_queries)
+    v.integers("recall_npz.candidates", candidates)
+    if histories is not None:
+        v.integers("recall_npz.histories", histories)
+    path = v.resolve_path("recall_npz.path", path, "file")
+    try:
+        data = load_npz(path)
+    except ValueError as err:
+        raise v.ConfigError(f"recall_npz.path: {err}") from err
     n = data["keys"].shape[0]
     info = {"path": str(path), "num_keys": n, "num_queries": int(data["queries"].shape[0])}
     train = data["train_keys"]
@@ -372,16 +403,15 @@ def recall_study(name: str, sources=("model", "synthetic"), filter_offsets=(None
                  query_chunk: int = 32, seed: int = 0):
     """Recall of the exact indexer top-k by direct PQ top-k and by coarse-to-fine selection."""
     began = time.perf_counter()
-    unknown = [s for s in sources if s not in SOURCES]
-    if unknown or not sources:
-        raise ValueError(f"recall_study: unknown sources {unknown}; choose from {list(SOURCES)}")
-    offsets = tuple(None if o is None else float(o) for o in filter_offsets)
-    loaded = []
-    for src_name in sources:
+    offsets = check_settings(sources, filter_offsets, pq_subdim, num_centroids, pq_iters,
+                             query_chunk, seed)
+    loaded = {}
+    for src_name in sorted(sources, key=lambda s: s == "model"):  # cheap sources fail first
         tqdm.write(f"recall: loading source {src_name!r}")
         src = SOURCES[src_name]()
         _check_source(src)
-        loaded.append(src)
+        loaded[src_name] = src
+    loaded = [loaded[s] for s in sources]
 
     # Codebooks per problem (model: per layer), trained on keys that are never evaluated.
     coded = []
@@ -448,6 +478,26 @@ def recall_study(name: str, sources=("model", "synthetic"), filter_offsets=(None
     plot(cells, [s.name for s in loaded], out / "recall.png")
     print(f"wrote {path} and {out / 'recall.png'} ({results['runtime_s']} s)")
     return results
+
+
+def check_settings(sources, filter_offsets, pq_subdim, num_centroids, pq_iters, query_chunk,
+                   seed) -> tuple:
+    """Validates recall_study's settings (and that an npz source names a readable file) before
+    any source is loaded; returns the filter offsets."""
+    v.names("recall_study.sources", sources, tuple(SOURCES))
+    offsets = v.sequence("recall_study.filter_offsets", filter_offsets, "(None, 1.0)")
+    offsets = tuple(v.number("recall_study.filter_offsets", o, lo=0.0, none_ok=True)
+                    for o in offsets)
+    for setting, value in (("pq_subdim", pq_subdim), ("num_centroids", num_centroids),
+                           ("pq_iters", pq_iters), ("query_chunk", query_chunk)):
+        v.integer(f"recall_study.{setting}", value)
+    v.integer("recall_study.seed", seed, lo=0)
+    if "npz" in sources:
+        if v.bound("recall_npz.path") is None:
+            raise v.ConfigError("recall_npz.path is not set: the 'npz' source needs it, e.g. "
+                                "--gin.recall_npz.path=\"'/path/to/traces.npz'\"")
+        v.resolve_path("recall_npz.path", v.bound("recall_npz.path"), "file")
+    return offsets
 
 
 def _check_source(src: Source) -> None:

@@ -21,20 +21,46 @@ import gin
 import numpy as np
 from tqdm.auto import tqdm
 
-from experiments.common import fit_max_len, pyplot, run_dir, write_results
+from experiments import validate as v
+from experiments.common import pyplot, run_dir, write_results
 from lsparse_jax.config import CacheConfig, EngineConfig, SamplingConfig, method_storage
 from lsparse_jax.serving.engine import Engine
-from lsparse_jax.training import load_params
 from lsparse_jax.training.data import task_example
 
 
-def _engine(method, cfg, params, slots, chunk, hot_rows, page, optional, refill):
+def _engine(method, cfg, params, slots, chunk, hot_rows, page, optional, refill,
+            host_pages=None, implementation="xla"):
     storage = method_storage(method)
     return Engine(EngineConfig(
         model=cfg, method=method, sampling=SamplingConfig(0.0, 0),
+        implementation=implementation,
         cache=CacheConfig(slots, chunk, hot_rows if storage.kv_on_host else None, page,
+                          host_pages=host_pages if storage.kv_on_host else None,
                           optional_pages=optional if storage.lent_pages else None,
                           refill_pages=refill)), params)
+
+
+IMPLEMENTATIONS = ("xla", "triton", "jax_triton", "mosaic", None)
+
+
+def check_settings(model, checkpoint, prompt_tokens, requests, arrival_steps, decode_tokens,
+                   num_slots, prefill_chunk, hot_cache_rows, page_size, optional_pages,
+                   refill_pages, host_pages, implementation):
+    """Validates every setting and the checkpoint path before any work; returns (the model with
+    max_len fitted, the checkpoint directory)."""
+    for setting, value in (("prompt_tokens", prompt_tokens), ("requests", requests),
+                           ("arrival_steps", arrival_steps), ("decode_tokens", decode_tokens),
+                           ("num_slots", num_slots), ("prefill_chunk", prefill_chunk),
+                           ("page_size", page_size), ("optional_pages", optional_pages),
+                           ("refill_pages", refill_pages)):
+        v.integer(f"residency.{setting}", value)
+    v.choice("residency.implementation", implementation, IMPLEMENTATIONS)
+    tokens = prompt_tokens + decode_tokens + 1
+    cfg = v.fit_model(model, tokens, "residency.prompt_tokens + decode_tokens + 1")
+    v.integer("residency.hot_cache_rows", hot_cache_rows, lo=cfg.indexer.top_k)
+    v.host_pages("residency.host_pages", host_pages, cfg, tokens, page_size,
+                 min(num_slots, requests))
+    return cfg, v.checkpoint_path("residency.checkpoint", checkpoint)
 
 
 @gin.configurable
@@ -42,14 +68,20 @@ def residency(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
               prompt_tokens: int = 2048, requests: int = 12, arrival_steps: int = 4,
               decode_tokens: int = 40, num_slots: int = 8, prefill_chunk: int = 1024,
               hot_cache_rows: int = 64, page_size: int = 16, optional_pages: int = 64,
-              refill_pages: int = 4):
-    """Runs the schedule on resident, hisparse and adaptive; returns the per-step series."""
-    cfg = fit_max_len(model, prompt_tokens + decode_tokens + 1)
-    params = load_params(checkpoint, cfg)
+              refill_pages: int = 4, host_pages: int | None = None,
+              implementation: str | None = "xla"):
+    """Runs the schedule on resident, hisparse and adaptive; returns the per-step series.
+    host_pages: CacheConfig.host_pages (None = enough for every slot)."""
+    cfg, path = check_settings(model, checkpoint, prompt_tokens, requests, arrival_steps,
+                               decode_tokens, num_slots, prefill_chunk, hot_cache_rows,
+                               page_size, optional_pages, refill_pages, host_pages,
+                               implementation)
+    params = v.load_checkpoint("residency.checkpoint", path, cfg)
     prompts = [task_example("niah", prompt_tokens, seed).prompt for seed in range(requests)]
     methods = ("resident", "hisparse", "adaptive")
     engines = {m: _engine(m, cfg, params, num_slots, prefill_chunk, hot_cache_rows, page_size,
-                          optional_pages, refill_pages) for m in methods}
+                          optional_pages, refill_pages, host_pages, implementation)
+               for m in methods}
     for e in engines.values():
         e.warmup()
     series = {m: {"active": [], "host_fraction": [], "optional_pages": []} for m in methods}

@@ -16,7 +16,11 @@ import shutil
 import gin
 import jax
 
+from experiments import validate as v
 from experiments.common import pyplot, run_dir, write_results
+from lsparse_jax.config import ModelConfig
+from lsparse_jax.model.presets import fit_max_len
+from lsparse_jax.tasks import TASKS
 from lsparse_jax.training import TrainConfig, save_params, train
 
 gin.external_configurable(TrainConfig)
@@ -25,7 +29,9 @@ gin.external_configurable(TrainConfig)
 @gin.configurable
 def train_model(name: str, model=gin.REQUIRED, config: TrainConfig = gin.REQUIRED,
                 export: str | None = None, eval_every: int = 100):
-    """export: also copy the final params to this directory (e.g. checkpoints/small)."""
+    """export: also copy the final params to this directory (e.g. checkpoints/small; a relative
+    path resolves against the repository root)."""
+    export = check_settings(model, config, export, eval_every)
     out = run_dir(name)
     params, history = train(model, config, out, eval_every=eval_every)
     meta = {"preset_fields": dataclasses.asdict(model), "train_config": dataclasses.asdict(config),
@@ -38,6 +44,26 @@ def train_model(name: str, model=gin.REQUIRED, config: TrainConfig = gin.REQUIRE
     write_results(out, {"meta": meta, "history": history})
     plot(history, out / "loss.png", config.dense_steps)
     print(f"wrote {out}/results.json, loss.png and checkpoint/")
+
+
+def check_settings(model, config, export, eval_every):
+    """Validates every setting before training starts; returns the export path (or None)."""
+    v.instance("train_model.model", model, ModelConfig, "@model_preset()")
+    v.instance("train_model.config", config, TrainConfig, "@TrainConfig()")
+    v.integer("train_model.eval_every", eval_every)
+    for field in ("seq_len", "batch", "warmup", "checkpoint_every"):
+        v.integer(f"TrainConfig.{field}", getattr(config, field))
+    for field in ("dense_steps", "sparse_steps", "seed", "extra_queries"):
+        v.integer(f"TrainConfig.{field}", getattr(config, field), lo=0)
+    mix = v.sequence("TrainConfig.mix", config.mix, "(('niah', 0.8), ('mrcr', 0.2))")
+    for entry in mix:
+        if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and entry[0] in TASKS
+                and isinstance(entry[1], (int, float)) and entry[1] > 0):
+            v.fail("TrainConfig.mix", config.mix, f"entries are (task, weight > 0) with task in "
+                                                  f"{TASKS}, e.g. (('niah', 0.8), ('mrcr', 0.2))")
+    # the trainer fits max_len to seq_len: record what runs
+    v.derive("model_preset.max_len", fit_max_len(model, config.seq_len).max_len)
+    return None if export is None else v.resolve_path("train_model.export", export, None)
 
 
 def plot(history, path, dense_steps: int):

@@ -15,13 +15,17 @@ def test_quickstart_cli_writes_results(tmp_path, monkeypatch):
     monkeypatch.setenv("LSPARSE_RUNS", str(tmp_path))
     rc = main(["run", "configs/quickstart.gin", "--gin.quickstart.prompt_tokens=600",
                "--gin.quickstart.decode_steps=5", "--gin.quickstart.prefill_chunk=128",
+               "--gin.quickstart.methods=('hisparse', 'resident', 'leansparse', 'adaptive')",
                "--gin.run.name='qs'"])
     assert rc == 0
     out = tmp_path / "qs"
     results = json.loads((out / "results.json").read_text())
-    resident, hisparse, lean, adaptive = results["methods"]
-    assert [r["method"] for r in results["methods"]] == ["resident", "hisparse", "leansparse",
+    hisparse, resident, lean, adaptive = results["methods"]  # rows in the order asked for
+    assert [r["method"] for r in results["methods"]] == ["hisparse", "resident", "leansparse",
                                                          "adaptive"]
+    # resident ran first: a method listed before it still gets a recall, not 'ref'
+    assert [line.split()[5] for line in results["table"].splitlines()[2:]] == [
+        "1.000", "ref", f"{lean['recall']:.3f}", "1.000"]
     assert resident["decode_tokens"] == hisparse["decode_tokens"] == lean["decode_tokens"] == 5
     for exact in (hisparse, adaptive):  # lossless: the same greedy tokens
         assert exact["generated"] == resident["generated"] and exact["recall"] == 1.0
@@ -46,7 +50,11 @@ def test_quickstart_cli_writes_results(tmp_path, monkeypatch):
     frac = hisparse["selection"]["resolved_fraction"]
     assert sum(frac.values()) == pytest.approx(1.0)
     assert resident["selection"]["resolved_fraction"]["tail_or_resident"] == 1.0
-    assert "quickstart.decode_steps = 5" in (out / "config.gin").read_text()
+    saved = (out / "config.gin").read_text()
+    assert "quickstart.decode_steps = 5" in saved
+    # the saved config is the one that ran: the fitted max_len, not the preset's 2048
+    assert saved.rstrip().endswith("model_preset.max_len = 640")
+    assert results["derived_bindings"] == {"model_preset.max_len": 640}
     assert (out / "quickstart.png").stat().st_size > 0
 
 
