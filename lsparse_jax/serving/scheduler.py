@@ -1,0 +1,188 @@
+"""Iteration-level scheduler over the engine (continuous batching, Orca-style).
+
+Each iteration: (1) admit waiting requests in arrival order while a slot is free, the device
+byte budget holds them and the method's controller can reserve their host pages; the first
+one that does not fit waits (first come, first served: nobody overtakes it), and its wait is
+counted; (2) one decode step of the active set; (3) every request that hit max_new_tokens, a
+stop token or a stop string is released at once, freeing its slot, bytes and host pages.
+
+Device bytes of a request are ``memory.accounting.request_bytes`` at prompt + max_new_tokens
+(the paged device pools of a byte budget: each method's footprint decides how many fit).
+
+Prefill is whole-prompt: ``Engine.admit`` runs it blocking, so decode stalls while a prompt
+prefills (no Sarathi-style mixed prefill/decode iterations yet).
+
+Time is the scheduler's ``Clock``, starting at 0: arrivals are read on it and every timestamp
+of a ``Request`` is restamped on it. It advances by each admission's and step's measured wall
+time, or by fixed costs (deterministic metrics), and jumps to the next arrival when idle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable
+
+from lsparse_jax.memory.accounting import request_bytes
+from lsparse_jax.memory.host_pool import HostCapacityError
+from lsparse_jax.serving.engine import Engine
+from lsparse_jax.serving.metrics import request_metrics, summarize
+from lsparse_jax.serving.request import Request
+
+WAIT_REASONS = ("slots", "device_budget", "host_pool")
+
+
+@dataclasses.dataclass
+class Clock:
+    """Scheduler time (seconds). ``step_s`` None: measured wall time; otherwise fixed costs,
+    ``step_s`` per decode step and ``prefill_token_s`` per prompt token of an admission."""
+
+    step_s: float | None = None
+    prefill_token_s: float = 0.0
+    now: float = 0.0
+
+    def charge(self, wall: float, fixed: float) -> float:
+        self.now += wall if self.step_s is None else fixed
+        return self.now
+
+
+class Scheduler:
+    """Serves submitted ``Request``s on ``engine``.
+
+    device_budget_bytes: the device bytes all admitted requests may hold together (None: only
+    slots bound admission). After ``run``: ``finished`` (requests in finishing order),
+    ``admission_waits`` (iterations the head of the queue had arrived but did not fit) and
+    ``waits_by`` (the same by reason), ``trace`` (per iteration: time, active, waiting,
+    device bytes in use), ``records()`` and ``summary()``.
+    """
+
+    def __init__(self, engine: Engine, device_budget_bytes: int | None = None,
+                 clock: Clock | None = None):
+        self.engine, self.budget = engine, device_budget_bytes
+        self.clock = clock or Clock()
+        self.waiting: list[Request] = []  # by arrival time
+        self.running: dict[int, Request] = {}  # slot -> request
+        self.finished: list[Request] = []
+        self.device_bytes_in_use = 0
+        self.admission_waits = 0
+        self.waits_by = dict.fromkeys(WAIT_REASONS, 0)
+        self.trace: list[dict] = []
+        self._bytes: dict[int, int] = {}  # context tokens -> device bytes of one request
+
+    def device_bytes(self, request: Request) -> int:
+        """Device bytes ``request`` holds: its slot sized to prompt + max_new_tokens."""
+        cfg = self.engine.config
+        new = request.max_new_tokens
+        context = cfg.model.max_len if new is None else len(request.prompt) + new
+        if context not in self._bytes:
+            self._bytes[context] = request_bytes(cfg, context).gpu_total
+        return self._bytes[context]
+
+    def submit(self, requests: Iterable[Request]) -> None:
+        """Queues requests (served in arrival order; ties keep submission order)."""
+        for r in requests:
+            if self.budget is not None and self.device_bytes(r) > self.budget:
+                raise ValueError(f"Scheduler: request {r.id!r} needs {self.device_bytes(r)} "
+                                 f"device bytes, more than the whole budget {self.budget}")
+            self.waiting.append(r)
+        self.waiting.sort(key=lambda r: r.arrival_time)
+
+    # ------------------------------------------------------------------------------ iteration
+    def _blocked(self, r: Request) -> str | None:
+        """Why ``r`` cannot be admitted now, short of the host pool (the controller says)."""
+        if self.engine.active.all():
+            return "slots"
+        if self.budget is not None and \
+                self.device_bytes_in_use + self.device_bytes(r) > self.budget:
+            return "device_budget"
+        return None
+
+    def _admit(self) -> None:
+        """Admits arrived requests in order until one does not fit; that one waits."""
+        while self.waiting and self.waiting[0].arrival_time <= self.clock.now:
+            r = self.waiting[0]
+            reason = self._blocked(r)
+            if reason is None:
+                start, t0 = self.clock.now, time.perf_counter()
+                try:  # the controller reserves before the engine changes anything
+                    slot = self.engine.admit(r)
+                except HostCapacityError:
+                    reason = "host_pool"
+                    if not self.running:
+                        raise RuntimeError(f"Scheduler: request {r.id!r} does not fit in the "
+                                           "empty host pool; it would wait forever") from None
+            if reason is not None:
+                r.admission_waits += 1
+                self.admission_waits += 1
+                self.waits_by[reason] += 1
+                return
+            self.waiting.pop(0)
+            now = self.clock.charge(time.perf_counter() - t0,
+                                    self.clock.prefill_token_s * len(r.prompt))
+            r.admitted_at, r.first_token_at, r.token_times[:] = start, now, [now]
+            self.running[slot] = r
+            self.device_bytes_in_use += self.device_bytes(r)
+            if r.done:  # its first token already ends it
+                self._finish(slot)
+
+    def _finish(self, slot: int) -> None:
+        r = self.running.pop(slot)
+        r.finish_reason = r.stop_reason
+        self.engine.release(slot)
+        r.finished_at = self.clock.now
+        self.device_bytes_in_use -= self.device_bytes(r)
+        self.finished.append(r)
+
+    def iterate(self) -> None:
+        """One scheduler iteration: admissions, one decode step, releases."""
+        self._admit()
+        in_use = self.device_bytes_in_use  # the peak of this iteration (before releases)
+        if self.running:
+            t0 = time.perf_counter()
+            self.engine.step()
+            now = self.clock.charge(time.perf_counter() - t0, self.clock.step_s or 0.0)
+            for slot, r in list(self.running.items()):
+                r.token_times[-1] = now
+                if r.done:
+                    self._finish(slot)
+        elif self.waiting:  # idle: nothing runs until the next arrival
+            self.clock.now = max(self.clock.now, self.waiting[0].arrival_time)
+        self.trace.append({"time_s": self.clock.now, "active": len(self.running),
+                           "waiting": sum(r.arrival_time <= self.clock.now
+                                          for r in self.waiting),
+                           "device_bytes": in_use})
+
+    def run(self, progress=None) -> list[Request]:
+        """Iterates until every submitted request finished; returns them in finishing order.
+        progress: a tqdm-like bar (total = requests), updated with live aggregates."""
+        while self.waiting or self.running:
+            done = len(self.finished)
+            self.iterate()
+            if progress is not None:
+                progress.update(len(self.finished) - done)
+                progress.set_postfix(self._live(), refresh=False)
+        return self.finished
+
+    # -------------------------------------------------------------------------------- metrics
+    def records(self) -> list[dict]:
+        """Per finished request: lengths, timestamps, TTFT, TPOT, end-to-end (seconds)."""
+        return [request_metrics(r) | {"device_bytes": self.device_bytes(r)}
+                for r in self.finished]
+
+    def summary(self) -> dict:
+        """Aggregates (``metrics.summarize``) plus admission waits, iterations and the peak of
+        the device bytes in use."""
+        return summarize(self.records()) | {
+            "admission_waits": self.admission_waits, "waits_by": dict(self.waits_by),
+            "iterations": len(self.trace), "device_budget_bytes": self.budget,
+            "peak_device_bytes": max((t["device_bytes"] for t in self.trace), default=0)}
+
+    def _live(self) -> dict:
+        s = summarize([request_metrics(r) for r in self.finished])
+        fmt = lambda v, scale=1.0: "-" if v is None else f"{v * scale:.3g}"  # noqa: E731
+        return {"ttft_p50_s": fmt(s["ttft_p50_s"]), "tpot_p50_ms": fmt(s["tpot_p50_s"], 1e3),
+                "tok/s": fmt(s["throughput_tok_s"]), "active": len(self.running),
+                "waits": self.admission_waits}
+
+
+__all__ = ["Clock", "Scheduler", "WAIT_REASONS"]
