@@ -164,3 +164,17 @@ def test_metrics_exact_on_a_fixed_clock(resident):
         assert s[f"e2e_p{q}_s"] == pytest.approx(np.percentile([1.0, 1.125, 0.5], q))
     assert s["tpot_p50_s"] == 0.25
 
+
+
+def test_serve_experiment_smoke(tmp_path, monkeypatch):
+    from experiments.cli import main
+
+    monkeypatch.setenv("LSPARSE_RUNS", str(tmp_path))
+    assert main(["run", "configs/experiments/serve_smoke.gin", "--gin.run.name='smoke'",
+                 "--gin.serve.requests=6", "--gin.serve.max_new_tokens=(2, 6)"]) == 0
+    out = json.loads((tmp_path / "smoke" / "results.json").read_text())
+    assert out["completed"] == 6 and len(out["requests"]) == 6
+    for key in ("ttft_p50_s", "tpot_p50_s", "throughput_tok_s", "admission_waits"):
+        assert key in out
+    assert out["peak_device_bytes"] <= out["device_budget_bytes"]
+    assert (tmp_path / "smoke" / "latency_cdf.png").is_file()
