@@ -8,8 +8,9 @@ Requests with uniformly drawn prompt and output lengths (random token ids: with 
 the text means nothing, the lengths and timings do) arrive as a Poisson process of
 ``arrival_rate`` per second from a seeded generator. The scheduler (lsparse_jax.serving.
 scheduler) admits them first come, first served under ``num_slots`` and
-``device_budget_bytes``, prefills each whole prompt, decodes the active set one step per
-iteration and releases finished requests at once. results.json: the aggregates
+``device_budget_bytes``, prefills each prompt (whole, or in chunks of a per-iteration token
+budget beside the decode step), decodes the active set one step per iteration and releases
+finished requests at once. results.json: the aggregates
 (``completed``, ``ttft_p50_s``, ``tpot_p50_s``, ``throughput_tok_s``, ``admission_waits``, ...),
 per-request records, the per-iteration trace and the configuration.
 """
@@ -56,12 +57,15 @@ def serve(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
           method: str = "resident", requests: int = 24, arrival_rate: float = 10.0,
           prompt_tokens=(64, 256), max_new_tokens=(8, 32), num_slots: int = 4,
           device_budget_bytes: int | None = None, prefill_chunk: int = 64,
+          prefill_token_budget: int | None = None,
           hot_cache_rows: int = 32, page_size: int = 16, host_pages: int | None = None,
           optional_pages: int = 32, step_s: float | None = None, prefill_token_s: float = 0.0,
           stop_strings=(), leansparse=None, seed: int = 0):
     """Serves ``requests`` Poisson arrivals with ``method``; returns the summary.
 
-    checkpoint: None serves random weights (seeded). step_s: None advances the scheduler's
+    checkpoint: None serves random weights (seeded). prefill_token_budget: None prefills
+    each prompt whole at admission (decode stalls); a value prefills that many prompt tokens
+    per iteration (whole chunks) beside the decode step (Sarathi-style). step_s: None advances the scheduler's
     clock by measured wall time; a value makes it fixed (step_s per decode step,
     prefill_token_s per prompt token). hot_cache_rows, page_size, host_pages: the paged
     methods'; optional_pages: adaptive's; leansparse: a LeanSparseConfig."""
@@ -90,7 +94,8 @@ def serve(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
     engine.warmup()
     work = poisson_requests(requests, arrival_rate, prompt_tokens, max_new_tokens,
                             cfg.vocab_size, seed, stop_strings)
-    sched = Scheduler(engine, device_budget_bytes, Clock(step_s, prefill_token_s))
+    sched = Scheduler(engine, device_budget_bytes, Clock(step_s, prefill_token_s),
+                      prefill_token_budget)
     sched.submit(work)
     with tqdm(total=requests, desc=f"serve {method}", unit="req") as bar:
         sched.run(bar)
@@ -103,10 +108,14 @@ def serve(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
                    "cache": dataclasses.asdict(cache), "requests": requests,
                    "arrival_rate": arrival_rate, "prompt_tokens": list(prompt_tokens),
                    "max_new_tokens": list(max_new_tokens), "stop_strings": list(stop_strings),
+                   "device_budget_bytes": device_budget_bytes,
+                   "prefill_token_budget": prefill_token_budget,
                    "clock": "measured wall time" if step_s is None else
                    {"step_s": step_s, "prefill_token_s": prefill_token_s}, "seed": seed},
-        "note": "whole-prompt prefill (an admission stalls decoding); random weights unless "
-                "a checkpoint is given"})
+        "note": ("whole-prompt prefill (an admission stalls decoding)"
+                 if prefill_token_budget is None else "chunked prefill beside decode steps "
+                 "(separate calls in one iteration, not one fused batch)")
+                + "; random weights unless a checkpoint is given"})
     plot(sched.records(), method, out / "latency_cdf.png")
     print(f"{method}: {summary['completed']} requests, TTFT p50 {summary['ttft_p50_s']:.3f} s "
           f"p95 {summary['ttft_p95_s']:.3f} s, TPOT p50 {1e3 * summary['tpot_p50_s']:.1f} ms, "

@@ -166,6 +166,40 @@ def test_metrics_exact_on_a_fixed_clock(resident):
 
 
 
+def test_chunked_prefill_interleaves_and_tokens_equal_alone(resident):
+    requests = workload(6, seed=7, arrivals=[0.0, 0.0, 0.01, 0.02, 0.03, 0.5])
+    per = [request_bytes(resident.config, len(r.prompt) + r.max_new_tokens).gpu_total
+           for r in requests]
+    budget = sorted(per)[-1] + sorted(per)[-2]
+    sched = serve(resident, requests, device_budget_bytes=budget, prefill_token_budget=32,
+                  clock=Clock(step_s=0.01, prefill_token_s=1e-4))
+    assert max(t["device_bytes"] for t in sched.trace) <= budget
+    assert max(t["active"] + t["prefilling"] for t in sched.trace) == 2
+    assert any(t["active"] and t["prefilling"] for t in sched.trace)  # decode beside prefill
+    assert sched.waits_by["device_budget"] > 0
+    for r in requests:
+        assert r.tokens == alone(resident, r), r.id
+
+
+def test_chunked_prefill_metrics_exact(resident):
+    """Chunks of 32 tokens, one per iteration (2^-7 s per token), decode steps of 0.25 s.
+    a (t=0, 40 tokens, 3 new): chunks end at 0.25 and 0.3125 (first token), decode 0.5625;
+    b (t=0.5, 32, 2) prefills at 0.5625 -> 0.8125 (first token) before the step both decode
+    in, which ends at 1.0625: a's last gap holds b's chunk."""
+    rng = np.random.default_rng(8)
+    a, b = [Request(rng.integers(0, 256, n).astype(np.int32), new, arrival_time=t, id=i)
+            for i, (n, new, t) in enumerate([(40, 3, 0.0), (32, 2, 0.5)])]
+    sched = serve(resident, [a, b], prefill_token_budget=32,
+                  clock=Clock(step_s=0.25, prefill_token_s=2 ** -7))
+    assert a.admitted_at == 0.0 and a.token_times == [0.3125, 0.5625, 1.0625]
+    assert b.admitted_at == 0.5625 and b.token_times == [0.8125, 1.0625]
+    rec = {r["id"]: r for r in sched.records()}
+    assert (rec[0]["ttft_s"], rec[0]["tpot_s"], rec[0]["e2e_s"]) == (0.3125, 0.375, 1.0625)
+    assert (rec[1]["ttft_s"], rec[1]["tpot_s"], rec[1]["queue_s"]) == (0.3125, 0.25, 0.0625)
+    for r in (a, b):
+        assert r.tokens == alone(resident, r)
+
+
 def test_serve_experiment_smoke(tmp_path, monkeypatch):
     from experiments.cli import main
 
