@@ -65,9 +65,9 @@ def serve(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
 
     checkpoint: None serves random weights (seeded). prefill_token_budget: None prefills
     each prompt whole at admission (decode stalls); a value prefills that many prompt tokens
-    per iteration (whole chunks) beside the decode step (Sarathi-style). step_s: None advances the scheduler's
-    clock by measured wall time; a value makes it fixed (step_s per decode step,
-    prefill_token_s per prompt token). hot_cache_rows, page_size, host_pages: the paged
+    per iteration (whole chunks) beside the decode step (Sarathi-style). step_s: None
+    advances the scheduler's clock by measured wall time; a value makes it fixed (step_s per
+    decode step, prefill_token_s per prompt token). hot_cache_rows, page_size, host_pages: the paged
     methods'; optional_pages: adaptive's; leansparse: a LeanSparseConfig."""
     cfg = fit_max_len(model, prompt_tokens[1] + max_new_tokens[1])
     params = load_params(checkpoint, cfg) if checkpoint else init_params(cfg, seed)

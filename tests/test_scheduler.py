@@ -7,8 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from lsparse_jax.config import CacheConfig, EngineConfig, SamplingConfig
+from lsparse_jax.config import CacheConfig, EngineConfig, LeanSparseConfig, SamplingConfig
 from lsparse_jax.memory.accounting import request_bytes
+from lsparse_jax.methods.leansparse import calibrate_codebooks
 from lsparse_jax.serving.engine import Engine
 from lsparse_jax.serving.request import Request
 from lsparse_jax.serving.scheduler import Clock, Scheduler
@@ -18,14 +19,19 @@ from tests.helpers import model_and_tokens, tiny
 CFG = tiny(max_len=128)
 
 
-def make_engine(method="resident", slots=3, **cache):
+def make_engine(method="resident", slots=3, lean=None, **cache):
     params, _ = model_and_tokens(CFG, 1, seed=3)
+    books = None
+    if lean is not None:
+        calib = np.random.default_rng(9).integers(0, 256, 128).astype(np.int32)
+        books = calibrate_codebooks(params, CFG, calib, iters=4)
     if method != "resident":
         cache.setdefault("hot_cache_rows", 16)
     cache.setdefault("page_size", 8)
     engine = Engine(EngineConfig(model=CFG, method=method, sampling=SamplingConfig(0.0),
+                                 leansparse=lean or LeanSparseConfig(),
                                  cache=CacheConfig(num_slots=slots, prefill_chunk=32,
-                                                   **cache)), params)
+                                                   **cache)), params, books)
     engine.warmup()
     return engine
 
@@ -111,6 +117,23 @@ def test_host_pool_admission_waits_and_frees_pages():
     with pytest.raises(RuntimeError, match="would wait forever"):
         too_big.run()
     assert engine.control.pages.free == 7 and not engine.active.any()
+
+
+@pytest.mark.parametrize("method", ["leansparse", "adaptive"])
+def test_every_method_under_load_equals_alone(method):
+    """Identity 9 for an approximate method (leansparse, 32 candidates, miss filter) and for
+    adaptive with 4 optional pages of 4 rows for prompts of 1-3 complete pages (reclaimed as
+    requests join, refilled as they leave), under chunked prefill."""
+    if method == "leansparse":
+        engine = make_engine(method, lean=LeanSparseConfig(
+            num_candidates=32, miss_filter_offset=1.0, key_cache_rows=48))
+    else:
+        engine = make_engine(method, page_size=4, optional_pages=4, refill_pages=2)
+    requests = workload(5, seed=10, arrivals=[0.0, 0.0, 0.01, 0.02, 0.2])
+    sched = serve(engine, requests, prefill_token_budget=32, clock=Clock(step_s=0.01))
+    assert max(t["active"] for t in sched.trace) == 3
+    for r in requests:
+        assert r.tokens == alone(engine, r), r.id
 
 
 def test_stop_tokens_and_strings_end_requests(resident):

@@ -231,12 +231,16 @@ class Scheduler:
     def run(self, progress=None) -> list[Request]:
         """Iterates until every submitted request finished; returns them in finishing order.
         progress: a tqdm-like bar (total = requests), updated with live aggregates."""
+        live = {}
         while self.waiting or self.prefilling or self.running:
             done = len(self.finished)
             self.iterate()
             if progress is not None:
-                progress.update(len(self.finished) - done)
-                progress.set_postfix(self._live(), refresh=False)
+                if len(self.finished) > done:  # aggregates change only when one finishes
+                    progress.update(len(self.finished) - done)
+                    live = self._live()
+                progress.set_postfix(live | {"active": len(self.running),
+                                             "waits": self.admission_waits}, refresh=False)
         return self.finished
 
     # -------------------------------------------------------------------------------- metrics
@@ -257,8 +261,7 @@ class Scheduler:
         s = summarize([request_metrics(r) for r in self.finished])
         fmt = lambda v, scale=1.0: "-" if v is None else f"{v * scale:.3g}"  # noqa: E731
         return {"ttft_p50_s": fmt(s["ttft_p50_s"]), "tpot_p50_ms": fmt(s["tpot_p50_s"], 1e3),
-                "tok/s": fmt(s["throughput_tok_s"]), "active": len(self.running),
-                "waits": self.admission_waits}
+                "tok/s": fmt(s["throughput_tok_s"])}
 
 
 __all__ = ["Clock", "Scheduler", "WAIT_REASONS"]

@@ -76,10 +76,11 @@ def prefill_chunks(params, cfg: ModelConfig, tokens, chunk: int):
 def prefill(params, cfg: ModelConfig, tokens, chunk: int, progress=None):
     """Chunked prefill of one prompt from empty caches (``prefill_chunks`` run to the end).
     Returns (caches, logits of the last prompt token [V])."""
-    for caches, last, valid in prefill_chunks(params, cfg, tokens, chunk):
+    out = None
+    for out in prefill_chunks(params, cfg, tokens, chunk):
         if progress is not None:
-            progress.update(valid)
-    return caches, last
+            progress.update(out[2])
+    return out[:2]
 
 
 @functools.partial(jax.jit, static_argnames=("engine",), donate_argnames=("state",))
