@@ -147,9 +147,12 @@ def test_stop_tokens_and_strings_end_requests(resident):
     want_s = next(n for n in range(1, 13) if s in tokenizer.decode(full[:n]))
     requests = [Request(base.prompt, 12, stop_tokens=(stop,), id="tok"),
                 Request(base.prompt, 12, stop_strings=(s,), id="str"),
-                Request(base.prompt, 1, id="one"), Request(base.prompt, 12, id="len")]
+                Request(base.prompt, 1, id="one"), Request(base.prompt, 12, id="len"),
+                Request(np.resize(base.prompt, 120), None, id="max_len")]  # 8 to max_len
     serve(resident, requests, clock=Clock(step_s=0.01))
     got = {r.id: r for r in requests}
+    assert got["max_len"].tokens == alone(resident, Request(np.resize(base.prompt, 120), 8))
+    assert got["max_len"].finish_reason == "length"
     assert got["tok"].tokens == full[:cut] and got["tok"].finish_reason == "stop_token"
     assert got["str"].tokens == full[:want_s] and got["str"].finish_reason == "stop_string"
     assert s in tokenizer.decode(got["str"].tokens) and s in text

@@ -3,8 +3,9 @@
 Each iteration: (1) admit waiting requests in arrival order while a slot is free, the device
 byte budget holds them and the method's controller can reserve their host pages; the first
 one that does not fit waits (first come, first served: nobody overtakes it), and its wait is
-counted; (2) one decode step of the active set; (3) every request that hit max_new_tokens, a
-stop token or a stop string is released at once, freeing its slot, bytes and host pages.
+counted; (2) one decode step of the active set; (3) every request that hit max_new_tokens
+(or max_len), a stop token or a stop string is released at once, freeing its slot, bytes and
+host pages.
 
 Device bytes of a request are ``memory.accounting.request_bytes`` at prompt + max_new_tokens
 (the paged device pools of a byte budget: each method's footprint decides how many fit).
@@ -139,12 +140,18 @@ class Scheduler:
             self._wait(r, "host_pool")
             return None
 
+    def _stop_reason(self, r: Request) -> str | None:
+        """``r.stop_reason``, or "length" once prompt + tokens fill max_len (max_new_tokens
+        None)."""
+        full = len(r.prompt) + len(r.tokens) >= self.engine.config.model.max_len
+        return r.stop_reason or ("length" if full else None)
+
     def _started(self, slot: int, r: Request, admitted: float, now: float) -> None:
         """``r``, admitted at ``admitted``, entered the engine in ``slot``; its first token is
         out at ``now``."""
         r.admitted_at, r.first_token_at, r.token_times[:] = admitted, now, [now]
         self.running[slot] = r
-        if r.done:  # its first token already ends it
+        if self._stop_reason(r):  # its first token already ends it
             self._finish(slot)
 
     def _admit(self) -> None:
@@ -198,7 +205,7 @@ class Scheduler:
 
     def _finish(self, slot: int) -> None:
         r = self.running.pop(slot)
-        r.finish_reason = r.stop_reason
+        r.finish_reason = self._stop_reason(r)
         self.engine.release(slot)
         r.finished_at = self.clock.now
         self.device_bytes_in_use -= self.device_bytes(r)
@@ -218,7 +225,7 @@ class Scheduler:
             now = self.clock.charge(time.perf_counter() - t0, self.clock.step_s or 0.0)
             for slot, r in list(self.running.items()):
                 r.token_times[-1] = now
-                if r.done:
+                if self._stop_reason(r):
                     self._finish(slot)
         elif self.waiting and not self.prefilling:  # idle until the next arrival
             self.clock.now = max(self.clock.now, self.waiting[0].arrival_time)
