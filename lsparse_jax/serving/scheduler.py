@@ -28,6 +28,7 @@ time, or by fixed costs (deterministic metrics), and jumps to the next arrival w
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Iterable, Iterator
 
@@ -44,7 +45,7 @@ WAIT_REASONS = ("slots", "device_budget", "host_pool")
 @dataclasses.dataclass
 class Clock:
     """Scheduler time (seconds). ``step_s`` None: measured wall time; otherwise fixed costs,
-    ``step_s`` per decode step and ``prefill_token_s`` per prompt token of an admission."""
+    ``step_s`` per decode step and ``prefill_token_s`` per prompt token prefilled."""
 
     step_s: float | None = None
     prefill_token_s: float = 0.0
@@ -231,8 +232,8 @@ class Scheduler:
             self.clock.now = max(self.clock.now, self.waiting[0].arrival_time)
         self.trace.append({"time_s": self.clock.now, "active": len(self.running),
                            "prefilling": len(self.prefilling),
-                           "waiting": sum(r.arrival_time <= self.clock.now
-                                          for r in self.waiting),
+                           "waiting": sum(1 for _ in itertools.takewhile(  # arrived ones
+                               lambda r: r.arrival_time <= self.clock.now, self.waiting)),
                            "device_bytes": in_use})
 
     def run(self, progress=None) -> list[Request]:
