@@ -8,5 +8,6 @@ from experiments import (  # noqa: F401
     recall_study,
     residency,
     scale,
+    serve,
     train,
 )

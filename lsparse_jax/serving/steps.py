@@ -50,11 +50,13 @@ def forward(params, cfg: ModelConfig, tokens, dense_selection: bool = False):
     return logits
 
 
-def prefill(params, cfg: ModelConfig, tokens, chunk: int, progress=None):
-    """Chunked prefill of one prompt from empty caches.
+def prefill_chunks(params, cfg: ModelConfig, tokens, chunk: int):
+    """Chunked prefill of one prompt from empty caches, one chunk per ``next``: yields
+    (caches, logits of the chunk's last valid token [V], valid tokens of the chunk).
 
     Every chunk has ``chunk`` tokens (the last is padded), so one compilation serves any prompt.
-    Returns (caches, logits of the last prompt token [V]).
+    The last yield holds the prompt's caches and last logits (a scheduler interleaves the
+    chunks with decode steps; ``prefill`` runs them all).
     """
     tokens = jnp.asarray(tokens, jnp.int32)
     n = tokens.shape[0]
@@ -62,16 +64,23 @@ def prefill(params, cfg: ModelConfig, tokens, chunk: int, progress=None):
         raise ValueError("prefill: the prompt is empty")
     if n > cfg.max_len:
         raise ValueError(f"prefill: prompt of {n} tokens exceeds ModelConfig.max_len={cfg.max_len}")
-    caches, last = empty_cache(cfg), None
+    caches = empty_cache(cfg)
     padded = jnp.pad(tokens, (0, -n % chunk))
     for start in range(0, n, chunk):
         valid = min(chunk, n - start)
         logits, caches, _ = forward_chunk(params, cfg, caches, padded[start:start + chunk],
                                           start, valid)
-        last = logits[valid - 1]
+        yield caches, logits[valid - 1], valid
+
+
+def prefill(params, cfg: ModelConfig, tokens, chunk: int, progress=None):
+    """Chunked prefill of one prompt from empty caches (``prefill_chunks`` run to the end).
+    Returns (caches, logits of the last prompt token [V])."""
+    out = None
+    for out in prefill_chunks(params, cfg, tokens, chunk):
         if progress is not None:
-            progress.update(valid)
-    return caches, last
+            progress.update(out[2])
+    return out[:2]
 
 
 @functools.partial(jax.jit, static_argnames=("engine",), donate_argnames=("state",))
@@ -114,4 +123,4 @@ def decode_step(params, engine: EngineConfig, state: DecodeState, tokens, active
 
 
 __all__ = ["DecodeOutput", "decode_step", "forward", "forward_chunk", "prefill",
-           "sparse_layers"]
+           "prefill_chunks", "sparse_layers"]

@@ -1,0 +1,144 @@
+"""Serving under load: Poisson arrivals through the scheduler, latency CDFs and throughput.
+
+Gin header -- must be set: run.experiment, run.name, serve.model.
+Run: lsparse run configs/experiments/serve_smoke.gin
+Writes runs/<name>/{config.gin, results.json, latency_cdf.png}.
+
+Requests with uniformly drawn prompt and output lengths (random token ids: with random weights
+the text means nothing, the lengths and timings do) arrive as a Poisson process of
+``arrival_rate`` per second from a seeded generator. The scheduler (lsparse_jax.serving.
+scheduler) admits them first come, first served under ``num_slots`` and
+``device_budget_bytes``, prefills each prompt (whole, or in chunks of a per-iteration token
+budget beside the decode step), decodes the active set one step per iteration and releases
+finished requests at once. results.json: the aggregates
+(``completed``, ``ttft_p50_s``, ``tpot_p50_s``, ``throughput_tok_s``, ``admission_waits``, ...),
+per-request records, the per-iteration trace and the configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gin
+import numpy as np
+from tqdm.auto import tqdm
+
+from experiments.common import fit_max_len, pyplot, run_dir, write_results
+from lsparse_jax.config import (
+    CacheConfig,
+    EngineConfig,
+    LeanSparseConfig,
+    SamplingConfig,
+    method_storage,
+)
+from lsparse_jax.methods.leansparse import calibrate_codebooks
+from lsparse_jax.model import init_params
+from lsparse_jax.serving.engine import Engine
+from lsparse_jax.serving.request import Request
+from lsparse_jax.serving.scheduler import Clock, Scheduler
+from lsparse_jax.training import load_params
+
+
+def poisson_requests(n: int, rate: float, prompt_tokens, max_new_tokens, vocab: int,
+                     seed: int, stop_strings=()) -> list[Request]:
+    """n requests, arrivals a Poisson process of ``rate``/s (exponential gaps from 0), prompt
+    and output lengths uniform on the inclusive ranges (lo, hi)."""
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
+    lengths = rng.integers(prompt_tokens[0], prompt_tokens[1] + 1, n)
+    outputs = rng.integers(max_new_tokens[0], max_new_tokens[1] + 1, n)
+    return [Request(rng.integers(0, vocab, int(lengths[i])).astype(np.int32), int(outputs[i]),
+                    stop_strings=tuple(stop_strings), arrival_time=float(arrivals[i]), id=i)
+            for i in range(n)]
+
+
+@gin.configurable
+def serve(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
+          method: str = "resident", requests: int = 24, arrival_rate: float = 10.0,
+          prompt_tokens=(64, 256), max_new_tokens=(8, 32), num_slots: int = 4,
+          device_budget_bytes: int | None = None, prefill_chunk: int = 64,
+          prefill_token_budget: int | None = None,
+          hot_cache_rows: int = 32, page_size: int = 16, host_pages: int | None = None,
+          optional_pages: int = 32, step_s: float | None = None, prefill_token_s: float = 0.0,
+          stop_strings=(), leansparse=None, seed: int = 0):
+    """Serves ``requests`` Poisson arrivals with ``method``; returns the summary.
+
+    checkpoint: None serves random weights (seeded). prefill_token_budget: None prefills
+    each prompt whole at admission (decode stalls); a value prefills that many prompt tokens
+    per iteration (whole chunks) beside the decode step (Sarathi-style). step_s: None
+    advances the scheduler's clock by measured wall time; a value makes it fixed (step_s per
+    decode step, prefill_token_s per prompt token). hot_cache_rows, page_size, host_pages: the paged
+    methods'; optional_pages: adaptive's; leansparse: a LeanSparseConfig."""
+    cfg = fit_max_len(model, prompt_tokens[1] + max_new_tokens[1])
+    params = load_params(checkpoint, cfg) if checkpoint else init_params(cfg, seed)
+    storage = method_storage(method)
+    cache = CacheConfig(num_slots, prefill_chunk, hot_cache_rows if storage.kv_on_host else None,
+                        page_size, host_pages,
+                        optional_pages=optional_pages if storage.lent_pages else None)
+    config = EngineConfig(model=cfg, method=method, cache=cache,
+                          sampling=SamplingConfig(0.0, seed),
+                          leansparse=leansparse or LeanSparseConfig())
+    codebooks = None
+    if storage.keys_on_host:  # PQ codebooks from tokens the run never serves
+        calib = np.random.default_rng(seed + 1000).integers(0, cfg.vocab_size, 1024)
+        codebooks = calibrate_codebooks(params, cfg, calib,
+                                        subspace_dim=config.leansparse.pq_subspace_dim,
+                                        seed=seed)
+    warm = Engine(config, params, codebooks)  # compiles every step of a request's life
+    warm.warmup()  # (jit caches outlive the engine), so the clock never counts compilation
+    warm.admit(Request(np.zeros(prompt_tokens[0], np.int32), 2))
+    warm.step()
+    warm.release(0)
+    del warm
+    engine = Engine(config, params, codebooks)
+    engine.warmup()
+    work = poisson_requests(requests, arrival_rate, prompt_tokens, max_new_tokens,
+                            cfg.vocab_size, seed, stop_strings)
+    sched = Scheduler(engine, device_budget_bytes, Clock(step_s, prefill_token_s),
+                      prefill_token_budget)
+    sched.submit(work)
+    with tqdm(total=requests, desc=f"serve {method}", unit="req") as bar:
+        sched.run(bar)
+    summary = sched.summary()
+    out = run_dir(name)
+    write_results(out, summary | {
+        "method": method, "requests": sched.records(), "trace": sched.trace,
+        "engine": engine.metrics(),
+        "config": {"model": dataclasses.asdict(cfg), "checkpoint": checkpoint,
+                   "cache": dataclasses.asdict(cache), "requests": requests,
+                   "arrival_rate": arrival_rate, "prompt_tokens": list(prompt_tokens),
+                   "max_new_tokens": list(max_new_tokens), "stop_strings": list(stop_strings),
+                   "device_budget_bytes": device_budget_bytes,
+                   "prefill_token_budget": prefill_token_budget,
+                   "clock": "measured wall time" if step_s is None else
+                   {"step_s": step_s, "prefill_token_s": prefill_token_s}, "seed": seed},
+        "note": ("whole-prompt prefill (an admission stalls decoding)"
+                 if prefill_token_budget is None else "chunked prefill beside decode steps "
+                 "(separate calls in one iteration, not one fused batch)")
+                + "; random weights unless a checkpoint is given"})
+    plot(sched.records(), method, out / "latency_cdf.png")
+    print(f"{method}: {summary['completed']} requests, TTFT p50 {summary['ttft_p50_s']:.3f} s "
+          f"p95 {summary['ttft_p95_s']:.3f} s, TPOT p50 {1e3 * summary['tpot_p50_s']:.1f} ms, "
+          f"{summary['throughput_tok_s']:.1f} tok/s, {summary['admission_waits']} admission "
+          f"waits {summary['waits_by']}")
+    print(f"wrote {out}/results.json and latency_cdf.png")
+    return summary
+
+
+def plot(records: list[dict], label: str, path):
+    """Empirical CDFs of TTFT, TPOT and end-to-end latency (one panel each)."""
+    plt = pyplot()
+    panels = (("ttft_s", "TTFT (s)", 1.0), ("tpot_s", "TPOT (ms)", 1e3),
+              ("e2e_s", "end-to-end (s)", 1.0))
+    fig, axes = plt.subplots(1, 3, figsize=(10, 3))
+    for ax, (key, xlabel, scale) in zip(axes, panels):
+        xs = np.sort([r[key] * scale for r in records if r[key] is not None])
+        ax.step(xs, np.arange(1, xs.size + 1) / max(xs.size, 1), where="post", label=label)
+        ax.set_xlabel(xlabel)
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("CDF")
+    axes[0].legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,58 @@
+"""Serving latency metrics from a request's timestamps (the papers' definitions).
+
+TTFT = first token time - arrival time; TPOT = (last token time - first token time) /
+(tokens - 1), the mean inter-token gap (undefined for a single token); end-to-end = finish time
+- arrival time; queueing = admission time - arrival time. Throughput = output tokens over the
+run, from the first arrival to the last finish.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from lsparse_jax.serving.request import Request
+
+PERCENTILES = (50, 95, 99)
+
+
+def request_metrics(r: Request) -> dict:
+    """One finished request's record: its id, lengths, timestamps and latencies (seconds)."""
+    if r.first_token_at is None or r.finished_at is None or not r.tokens:
+        raise ValueError(f"request_metrics: request {r.id!r} has not finished")
+    n = len(r.tokens)
+    return {
+        "id": r.id, "prompt_tokens": int(len(r.prompt)), "output_tokens": n,
+        "finish_reason": r.finish_reason, "admission_waits": r.admission_waits,
+        "arrival_s": r.arrival_time, "admitted_s": r.admitted_at,
+        "first_token_s": r.first_token_at, "finished_s": r.finished_at,
+        "queue_s": r.admitted_at - r.arrival_time,
+        "ttft_s": r.first_token_at - r.arrival_time,
+        "tpot_s": (r.token_times[-1] - r.token_times[0]) / (n - 1) if n > 1 else None,
+        "e2e_s": r.finished_at - r.arrival_time,
+    }
+
+
+def percentiles(values: Sequence[float | None], name: str) -> dict:
+    """{name_p50_s, name_p95_s, name_p99_s} over the defined values (None where none are)."""
+    xs = np.asarray([v for v in values if v is not None], np.float64)
+    return {f"{name}_p{q}_s": float(np.percentile(xs, q)) if xs.size else None
+            for q in PERCENTILES}
+
+
+def summarize(records: Sequence[dict]) -> dict:
+    """Aggregates of request records: completed, p50/p95/p99 of TTFT, TPOT, end-to-end and
+    queueing, output tokens, run time and throughput."""
+    out = {"completed": len(records)}
+    for name in ("ttft", "tpot", "e2e", "queue"):
+        out |= percentiles([r[f"{name}_s"] for r in records], name)
+    tokens = sum(r["output_tokens"] for r in records)
+    span = (max(r["finished_s"] for r in records) - min(r["arrival_s"] for r in records)
+            if records else 0.0)
+    out |= {"output_tokens": tokens, "run_time_s": span,
+            "throughput_tok_s": tokens / span if span > 0 else None}
+    return out
+
+
+__all__ = ["PERCENTILES", "percentiles", "request_metrics", "summarize"]

@@ -1,0 +1,275 @@
+"""Iteration-level scheduler over the engine (continuous batching, Orca-style).
+
+Each iteration: (1) admit waiting requests in arrival order while a slot is free, the device
+byte budget holds them and the method's controller can reserve their host pages; the first
+one that does not fit waits (first come, first served: nobody overtakes it), and its wait is
+counted; (2) one decode step of the active set; (3) every request that hit max_new_tokens
+(or max_len), a stop token or a stop string is released at once, freeing its slot, bytes and
+host pages.
+
+Device bytes of a request are ``memory.accounting.request_bytes`` at prompt + max_new_tokens
+(the paged device pools of a byte budget: each method's footprint decides how many fit).
+
+Prefill, two modes. Whole-prompt (``prefill_token_budget`` None): ``Engine.admit`` prefills
+the prompt blocking, so every decoding request stalls meanwhile. Chunked (Sarathi-style
+stall-free batching at iteration level): an admitted request first holds a slot and its bytes
+while its prompt is prefilled ``prefill_token_budget`` tokens (whole chunks) per iteration
+beside the decode step, and enters the engine (``Engine.admit(prefilled=...)``, which then
+reserves its host pages) when its prompt is done. The chunks run as separate calls before the
+decode step, not fused into one mixed batch, and the same chunking as ``steps.prefill``, so
+the tokens equal those of whole-prompt admission. Host pages are reserved only then: a
+prefilled request the host pool cannot hold yet waits, holding its slot and bytes.
+
+Time is the scheduler's ``Clock``, starting at 0: arrivals are read on it and every timestamp
+of a ``Request`` is restamped on it. It advances by each admission's and step's measured wall
+time, or by fixed costs (deterministic metrics), and jumps to the next arrival when idle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Iterable, Iterator
+
+from lsparse_jax.memory.accounting import request_bytes
+from lsparse_jax.memory.host_pool import HostCapacityError
+from lsparse_jax.serving.engine import Engine
+from lsparse_jax.serving.metrics import request_metrics, summarize
+from lsparse_jax.serving.request import Request
+from lsparse_jax.serving.steps import prefill_chunks
+
+WAIT_REASONS = ("slots", "device_budget", "host_pool")
+
+
+@dataclasses.dataclass
+class Clock:
+    """Scheduler time (seconds). ``step_s`` None: measured wall time; otherwise fixed costs,
+    ``step_s`` per decode step and ``prefill_token_s`` per prompt token prefilled."""
+
+    step_s: float | None = None
+    prefill_token_s: float = 0.0
+    now: float = 0.0
+
+    def charge(self, wall: float, fixed: float) -> float:
+        self.now += wall if self.step_s is None else fixed
+        return self.now
+
+
+@dataclasses.dataclass
+class Prefill:
+    """A request whose prompt is being prefilled in chunks."""
+
+    request: Request
+    chunks: Iterator  # steps.prefill_chunks
+    started: float  # when it was admitted (scheduler clock)
+    done: int = 0  # prompt tokens prefilled
+    result: tuple | None = None  # (caches, last logits) once every chunk ran
+
+
+class Scheduler:
+    """Serves submitted ``Request``s on ``engine``.
+
+    device_budget_bytes: the device bytes all admitted requests may hold together (None: only
+    slots bound admission). prefill_token_budget: prompt tokens prefilled per iteration in
+    chunked mode (rounded down to whole ``prefill_chunk``s, at least one); None prefills each
+    prompt whole at admission. After ``run``: ``finished`` (requests in finishing order),
+    ``admission_waits`` (iterations the head of the queue had arrived but did not fit) and
+    ``waits_by`` (the same by reason), ``trace`` (per iteration: time, active, prefilling,
+    waiting, device bytes in use), ``records()`` and ``summary()``.
+    """
+
+    def __init__(self, engine: Engine, device_budget_bytes: int | None = None,
+                 clock: Clock | None = None, prefill_token_budget: int | None = None):
+        if prefill_token_budget is not None and engine.config.cache.streamed_prefill:
+            raise ValueError("Scheduler: chunked prefill (prefill_token_budget) does not "
+                             "stream layers; use streamed_prefill with whole-prompt prefill")
+        self.engine, self.budget = engine, device_budget_bytes
+        self.clock = clock or Clock()
+        self.prefill_token_budget = prefill_token_budget
+        self.waiting: list[Request] = []  # by arrival time
+        self.prefilling: list[Prefill] = []  # chunked mode: admitted, prompt not yet done
+        self.running: dict[int, Request] = {}  # slot -> request
+        self.finished: list[Request] = []
+        self.device_bytes_in_use = 0
+        self.admission_waits = 0
+        self.waits_by = dict.fromkeys(WAIT_REASONS, 0)
+        self.trace: list[dict] = []
+        self._bytes: dict[int, int] = {}  # context tokens -> device bytes of one request
+
+    def device_bytes(self, request: Request) -> int:
+        """Device bytes ``request`` holds: its slot sized to prompt + max_new_tokens."""
+        cfg = self.engine.config
+        new = request.max_new_tokens
+        context = cfg.model.max_len if new is None else len(request.prompt) + new
+        if context not in self._bytes:
+            self._bytes[context] = request_bytes(cfg, context).gpu_total
+        return self._bytes[context]
+
+    def submit(self, requests: Iterable[Request]) -> None:
+        """Queues requests (served in arrival order; ties keep submission order)."""
+        for r in requests:
+            if self.budget is not None and self.device_bytes(r) > self.budget:
+                raise ValueError(f"Scheduler: request {r.id!r} needs {self.device_bytes(r)} "
+                                 f"device bytes, more than the whole budget {self.budget}")
+            self.waiting.append(r)
+        self.waiting.sort(key=lambda r: r.arrival_time)
+
+    # ------------------------------------------------------------------------------ iteration
+    def _blocked(self, r: Request) -> str | None:
+        """Why ``r`` cannot be admitted now, short of the host pool (the controller says)."""
+        if self.engine.active.sum() + len(self.prefilling) >= self.engine.active.size:
+            return "slots"
+        if self.budget is not None and \
+                self.device_bytes_in_use + self.device_bytes(r) > self.budget:
+            return "device_budget"
+        return None
+
+    def _wait(self, r: Request, reason: str) -> None:
+        r.admission_waits += 1
+        self.admission_waits += 1
+        self.waits_by[reason] += 1
+
+    def _engine_admit(self, r: Request, prefilled=None) -> int | None:
+        """``engine.admit``, or None when the host pool cannot hold ``r`` now (it waits)."""
+        try:  # the controller reserves before the engine changes anything
+            return self.engine.admit(r, prefilled=prefilled)
+        except HostCapacityError:
+            if not self.running:
+                raise RuntimeError(f"Scheduler: request {r.id!r} does not fit in the empty "
+                                   "host pool; it would wait forever") from None
+            self._wait(r, "host_pool")
+            return None
+
+    def _stop_reason(self, r: Request) -> str | None:
+        """``r.stop_reason``, or "length" once prompt + tokens fill max_len (max_new_tokens
+        None)."""
+        full = len(r.prompt) + len(r.tokens) >= self.engine.config.model.max_len
+        return r.stop_reason or ("length" if full else None)
+
+    def _started(self, slot: int, r: Request, admitted: float, now: float) -> None:
+        """``r``, admitted at ``admitted``, entered the engine in ``slot``; its first token is
+        out at ``now``."""
+        r.admitted_at, r.first_token_at, r.token_times[:] = admitted, now, [now]
+        self.running[slot] = r
+        if self._stop_reason(r):  # its first token already ends it
+            self._finish(slot)
+
+    def _admit(self) -> None:
+        """Whole-prompt mode: admits arrived requests in order until one does not fit; that
+        one waits."""
+        while self.waiting and self.waiting[0].arrival_time <= self.clock.now:
+            r = self.waiting[0]
+            if reason := self._blocked(r):
+                return self._wait(r, reason)
+            start, t0 = self.clock.now, time.perf_counter()
+            if (slot := self._engine_admit(r)) is None:
+                return
+            self.waiting.pop(0)
+            now = self.clock.charge(time.perf_counter() - t0,
+                                    self.clock.prefill_token_s * len(r.prompt))
+            self.device_bytes_in_use += self.device_bytes(r)
+            self._started(slot, r, start, now)
+
+    def _admit_chunked(self) -> None:
+        """Chunked mode: arrived requests start prefilling in order while a slot and the
+        budget allow; then up to the token budget of chunks run, oldest prefill first; then
+        finished prefills enter the engine in order (one the host pool cannot hold waits)."""
+        cfg = self.engine.config
+        while self.waiting and self.waiting[0].arrival_time <= self.clock.now:
+            r = self.waiting[0]
+            if reason := self._blocked(r):
+                self._wait(r, reason)
+                break
+            self.waiting.pop(0)
+            self.device_bytes_in_use += self.device_bytes(r)
+            self.prefilling.append(Prefill(r, prefill_chunks(
+                self.engine.params, cfg.model, r.prompt, cfg.cache.prefill_chunk),
+                self.clock.now))
+        t0, tokens, entered = time.perf_counter(), 0, []
+        calls = max(1, self.prefill_token_budget // cfg.cache.prefill_chunk)
+        for job in self.prefilling:
+            while calls and job.result is None:
+                caches, last, valid = next(job.chunks)
+                calls, tokens, job.done = calls - 1, tokens + valid, job.done + valid
+                if job.done == len(job.request.prompt):
+                    job.result = (caches, last)
+        while self.prefilling and self.prefilling[0].result is not None:
+            job = self.prefilling[0]
+            if (slot := self._engine_admit(job.request, job.result)) is None:
+                break
+            self.prefilling.pop(0)
+            entered.append((slot, job))
+        now = self.clock.charge(time.perf_counter() - t0, self.clock.prefill_token_s * tokens)
+        for slot, job in entered:
+            self._started(slot, job.request, job.started, now)
+
+    def _finish(self, slot: int) -> None:
+        r = self.running.pop(slot)
+        r.finish_reason = self._stop_reason(r)
+        self.engine.release(slot)
+        r.finished_at = self.clock.now
+        self.device_bytes_in_use -= self.device_bytes(r)
+        self.finished.append(r)
+
+    def iterate(self) -> None:
+        """One scheduler iteration: admissions (and prefill chunks), one decode step,
+        releases."""
+        if self.prefill_token_budget is None:
+            self._admit()
+        else:
+            self._admit_chunked()
+        in_use = self.device_bytes_in_use  # the peak of this iteration (before releases)
+        if self.running:
+            t0 = time.perf_counter()
+            self.engine.step()
+            now = self.clock.charge(time.perf_counter() - t0, self.clock.step_s or 0.0)
+            for slot, r in list(self.running.items()):
+                r.token_times[-1] = now
+                if self._stop_reason(r):
+                    self._finish(slot)
+        elif self.waiting and not self.prefilling:  # idle until the next arrival
+            self.clock.now = max(self.clock.now, self.waiting[0].arrival_time)
+        self.trace.append({"time_s": self.clock.now, "active": len(self.running),
+                           "prefilling": len(self.prefilling),
+                           "waiting": sum(1 for _ in itertools.takewhile(  # arrived ones
+                               lambda r: r.arrival_time <= self.clock.now, self.waiting)),
+                           "device_bytes": in_use})
+
+    def run(self, progress=None) -> list[Request]:
+        """Iterates until every submitted request finished; returns them in finishing order.
+        progress: a tqdm-like bar (total = requests), updated with live aggregates."""
+        live = {}
+        while self.waiting or self.prefilling or self.running:
+            done = len(self.finished)
+            self.iterate()
+            if progress is not None:
+                if len(self.finished) > done:  # aggregates change only when one finishes
+                    progress.update(len(self.finished) - done)
+                    live = self._live()
+                progress.set_postfix(live | {"active": len(self.running),
+                                             "waits": self.admission_waits}, refresh=False)
+        return self.finished
+
+    # -------------------------------------------------------------------------------- metrics
+    def records(self) -> list[dict]:
+        """Per finished request: lengths, timestamps, TTFT, TPOT, end-to-end (seconds)."""
+        return [request_metrics(r) | {"device_bytes": self.device_bytes(r)}
+                for r in self.finished]
+
+    def summary(self) -> dict:
+        """Aggregates (``metrics.summarize``) plus admission waits, iterations and the peak of
+        the device bytes in use."""
+        return summarize(self.records()) | {
+            "admission_waits": self.admission_waits, "waits_by": dict(self.waits_by),
+            "iterations": len(self.trace), "device_budget_bytes": self.budget,
+            "peak_device_bytes": max((t["device_bytes"] for t in self.trace), default=0)}
+
+    def _live(self) -> dict:
+        s = summarize([request_metrics(r) for r in self.finished])
+        fmt = lambda v, scale=1.0: "-" if v is None else f"{v * scale:.3g}"  # noqa: E731
+        return {"ttft_p50_s": fmt(s["ttft_p50_s"]), "tpot_p50_ms": fmt(s["tpot_p50_s"], 1e3),
+                "tok/s": fmt(s["throughput_tok_s"])}
+
+
+__all__ = ["Clock", "Scheduler", "WAIT_REASONS"]

@@ -1,0 +1,240 @@
+"""The scheduler: waiting admission under slots, a device byte budget and the host pool; every
+request's greedy tokens equal those it gets served alone (identity 9); stop conditions; exact
+metrics on a fixed clock; the serve experiment end to end."""
+
+import json
+
+import numpy as np
+import pytest
+
+from lsparse_jax.config import CacheConfig, EngineConfig, LeanSparseConfig, SamplingConfig
+from lsparse_jax.memory.accounting import request_bytes
+from lsparse_jax.methods.leansparse import calibrate_codebooks
+from lsparse_jax.serving.engine import Engine
+from lsparse_jax.serving.request import Request
+from lsparse_jax.serving.scheduler import Clock, Scheduler
+from lsparse_jax.tasks import tokenizer
+from tests.helpers import model_and_tokens, tiny
+
+CFG = tiny(max_len=128)
+
+
+def make_engine(method="resident", slots=3, lean=None, **cache):
+    params, _ = model_and_tokens(CFG, 1, seed=3)
+    books = None
+    if lean is not None:
+        calib = np.random.default_rng(9).integers(0, 256, 128).astype(np.int32)
+        books = calibrate_codebooks(params, CFG, calib, iters=4)
+    if method != "resident":
+        cache.setdefault("hot_cache_rows", 16)
+    cache.setdefault("page_size", 8)
+    engine = Engine(EngineConfig(model=CFG, method=method, sampling=SamplingConfig(0.0),
+                                 leansparse=lean or LeanSparseConfig(),
+                                 cache=CacheConfig(num_slots=slots, prefill_chunk=32,
+                                                   **cache)), params, books)
+    engine.warmup()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def resident():
+    return make_engine()
+
+
+def workload(n, seed=0, arrivals=None, **kw):
+    rng = np.random.default_rng(seed)
+    return [Request(rng.integers(0, 256, int(rng.integers(20, 61))).astype(np.int32),
+                    int(rng.integers(4, 13)), arrival_time=0.0 if arrivals is None
+                    else arrivals[i], id=i, **kw) for i in range(n)]
+
+
+def fresh(r: Request) -> Request:
+    return Request(r.prompt, r.max_new_tokens, r.stop_tokens, r.stop_strings, r.arrival_time,
+                   r.id)
+
+
+def alone(engine: Engine, r: Request) -> list[int]:
+    """``r``'s tokens served by itself on the engine (no scheduler): admit, step, release."""
+    r = fresh(r)
+    slot = engine.admit(r)
+    while not r.done:
+        engine.step()
+    return engine.release(slot)
+
+
+def serve(engine, requests, **kw) -> Scheduler:
+    sched = Scheduler(engine, **kw)
+    sched.submit(requests)
+    sched.run()
+    assert len(sched.finished) == len(requests) and not engine.active.any()
+    return sched
+
+
+def test_device_budget_bounds_admission_and_tokens_equal_alone(resident):
+    requests = workload(6, seed=1, arrivals=[0.0, 0.0, 0.01, 0.02, 0.03, 0.5])
+    per = [request_bytes(resident.config, len(r.prompt) + r.max_new_tokens).gpu_total
+           for r in requests]
+    budget = sorted(per)[-1] + sorted(per)[-2]  # any two fit, never three (3 slots)
+    assert sum(sorted(per)[:3]) > budget
+    sched = serve(resident, requests, device_budget_bytes=budget,
+                  clock=Clock(step_s=0.01, prefill_token_s=1e-4))
+    assert max(t["device_bytes"] for t in sched.trace) <= budget
+    assert max(t["active"] for t in sched.trace) == 2
+    assert sched.waits_by["device_budget"] > 0 and sched.waits_by["slots"] == 0
+    assert sched.admission_waits == sum(r.admission_waits for r in requests)
+    assert sched.device_bytes_in_use == 0
+    for r in requests:  # identity 9
+        assert r.tokens == alone(resident, r), r.id
+        assert r.finish_reason == "length" and len(r.tokens) == r.max_new_tokens
+    admitted = sorted(requests, key=lambda r: r.admitted_at)
+    assert [r.id for r in admitted] == [r.id for r in requests]  # first come, first served
+
+
+def test_slots_bound_admission(resident):
+    requests = workload(5, seed=2)
+    sched = serve(resident, requests, clock=Clock(step_s=0.01))
+    assert sched.waits_by["slots"] > 0 and sched.waits_by["device_budget"] == 0
+    assert max(t["active"] for t in sched.trace) == 3
+    for r in requests:
+        assert r.tokens == alone(resident, r), r.id
+
+
+def test_host_pool_admission_waits_and_frees_pages():
+    """hisparse, 7 host pages of 4 rows, three slots; a request of 36 + 12 tokens (12 rows)
+    needs 3 pages, so two fit and the third waits for a release, never raising; the pool is
+    whole again at the end. One of 128 tokens (8 pages) can never fit: an error, not a hang."""
+    engine = make_engine("hisparse", slots=3, host_pages=7, page_size=4)
+    rng = np.random.default_rng(4)
+    requests = [Request(rng.integers(0, 256, 36).astype(np.int32), 12, id=i) for i in range(4)]
+    sched = serve(engine, requests, clock=Clock(step_s=0.01))
+    assert sched.waits_by["host_pool"] > 0 and sched.waits_by["slots"] == 0
+    assert max(t["active"] for t in sched.trace) == 2
+    assert engine.control.pages.free == 7
+    for r in requests:
+        assert r.tokens == alone(engine, r), r.id
+    too_big = Scheduler(engine)
+    too_big.submit([Request(np.zeros(100, np.int32), 28)])
+    with pytest.raises(RuntimeError, match="would wait forever"):
+        too_big.run()
+    assert engine.control.pages.free == 7 and not engine.active.any()
+
+
+@pytest.mark.parametrize("method", ["leansparse", "adaptive"])
+def test_every_method_under_load_equals_alone(method):
+    """Identity 9 for an approximate method (leansparse, 32 candidates, miss filter) and for
+    adaptive with 4 optional pages of 4 rows for prompts of 1-3 complete pages (reclaimed as
+    requests join, refilled as they leave), under chunked prefill."""
+    if method == "leansparse":
+        engine = make_engine(method, lean=LeanSparseConfig(
+            num_candidates=32, miss_filter_offset=1.0, key_cache_rows=48))
+    else:
+        engine = make_engine(method, page_size=4, optional_pages=4, refill_pages=2)
+    requests = workload(5, seed=10, arrivals=[0.0, 0.0, 0.01, 0.02, 0.2])
+    sched = serve(engine, requests, prefill_token_budget=32, clock=Clock(step_s=0.01))
+    assert max(t["active"] for t in sched.trace) == 3
+    for r in requests:
+        assert r.tokens == alone(engine, r), r.id
+
+
+def test_stop_tokens_and_strings_end_requests(resident):
+    base = workload(1, seed=5)[0]
+    base = Request(base.prompt, 12, id="base")
+    full = alone(resident, base)
+    stop = full[5]
+    cut = full.index(stop) + 1
+    text = tokenizer.decode(full)
+    s = tokenizer.decode(full[6:8])
+    want_s = next(n for n in range(1, 13) if s in tokenizer.decode(full[:n]))
+    requests = [Request(base.prompt, 12, stop_tokens=(stop,), id="tok"),
+                Request(base.prompt, 12, stop_strings=(s,), id="str"),
+                Request(base.prompt, 1, id="one"), Request(base.prompt, 12, id="len"),
+                Request(np.resize(base.prompt, 120), None, id="max_len")]  # 8 to max_len
+    serve(resident, requests, clock=Clock(step_s=0.01))
+    got = {r.id: r for r in requests}
+    assert got["max_len"].tokens == alone(resident, Request(np.resize(base.prompt, 120), 8))
+    assert got["max_len"].finish_reason == "length"
+    assert got["tok"].tokens == full[:cut] and got["tok"].finish_reason == "stop_token"
+    assert got["str"].tokens == full[:want_s] and got["str"].finish_reason == "stop_string"
+    assert s in tokenizer.decode(got["str"].tokens) and s in text
+    assert got["one"].tokens == full[:1] and got["one"].finish_reason == "length"
+    assert got["len"].tokens == full
+
+
+def test_metrics_exact_on_a_fixed_clock(resident):
+    """One slot; decode steps cost 0.25 s, prefill 2^-7 s per prompt token.
+    a (t=0, 32 tokens prompt, 4 new): admitted 0, tokens at 0.25, 0.5, 0.75, 1.0.
+    b (t=0.5, 16, 3): waits two iterations, admitted 1.0, tokens at 1.125, 1.375, 1.625.
+    c (t=10, 32, 2): the clock jumps to 10 while idle; tokens at 10.25, 10.5."""
+    engine = make_engine(slots=1)
+    rng = np.random.default_rng(6)
+    reqs = [Request(rng.integers(0, 256, n).astype(np.int32), new, arrival_time=t, id=i)
+            for i, (n, new, t) in enumerate([(32, 4, 0.0), (16, 3, 0.5), (32, 2, 10.0)])]
+    sched = serve(engine, reqs, clock=Clock(step_s=0.25, prefill_token_s=2 ** -7))
+    a, b, c = reqs
+    assert a.token_times == [0.25, 0.5, 0.75, 1.0] and a.finished_at == 1.0
+    assert b.admitted_at == 1.0 and b.token_times == [1.125, 1.375, 1.625]
+    assert b.admission_waits == 2 == sched.admission_waits == sched.waits_by["slots"]
+    assert c.admitted_at == 10.0 and c.token_times == [10.25, 10.5]
+    rec = {r["id"]: r for r in sched.records()}
+    assert (rec[0]["ttft_s"], rec[0]["tpot_s"], rec[0]["e2e_s"], rec[0]["queue_s"]) == \
+        (0.25, 0.25, 1.0, 0.0)
+    assert (rec[1]["ttft_s"], rec[1]["tpot_s"], rec[1]["e2e_s"], rec[1]["queue_s"]) == \
+        (0.625, 0.25, 1.125, 0.5)
+    assert (rec[2]["ttft_s"], rec[2]["tpot_s"], rec[2]["e2e_s"]) == (0.25, 0.25, 0.5)
+    s = sched.summary()
+    assert s["completed"] == 3 and s["output_tokens"] == 9 and s["run_time_s"] == 10.5
+    assert s["throughput_tok_s"] == pytest.approx(9 / 10.5)
+    ttft = [0.25, 0.625, 0.25]
+    for q in (50, 95, 99):
+        assert s[f"ttft_p{q}_s"] == pytest.approx(np.percentile(ttft, q))
+        assert s[f"e2e_p{q}_s"] == pytest.approx(np.percentile([1.0, 1.125, 0.5], q))
+    assert s["tpot_p50_s"] == 0.25
+
+
+
+def test_chunked_prefill_interleaves_and_tokens_equal_alone(resident):
+    requests = workload(6, seed=7, arrivals=[0.0, 0.0, 0.01, 0.02, 0.03, 0.5])
+    per = [request_bytes(resident.config, len(r.prompt) + r.max_new_tokens).gpu_total
+           for r in requests]
+    budget = sorted(per)[-1] + sorted(per)[-2]
+    sched = serve(resident, requests, device_budget_bytes=budget, prefill_token_budget=32,
+                  clock=Clock(step_s=0.01, prefill_token_s=1e-4))
+    assert max(t["device_bytes"] for t in sched.trace) <= budget
+    assert max(t["active"] + t["prefilling"] for t in sched.trace) == 2
+    assert any(t["active"] and t["prefilling"] for t in sched.trace)  # decode beside prefill
+    assert sched.waits_by["device_budget"] > 0
+    for r in requests:
+        assert r.tokens == alone(resident, r), r.id
+
+
+def test_chunked_prefill_metrics_exact(resident):
+    """Chunks of 32 tokens, one per iteration (2^-7 s per token), decode steps of 0.25 s.
+    a (t=0, 40 tokens, 3 new): chunks end at 0.25 and 0.3125 (first token), decode 0.5625;
+    b (t=0.5, 32, 2) prefills at 0.5625 -> 0.8125 (first token) before the step both decode
+    in, which ends at 1.0625: a's last gap holds b's chunk."""
+    rng = np.random.default_rng(8)
+    a, b = [Request(rng.integers(0, 256, n).astype(np.int32), new, arrival_time=t, id=i)
+            for i, (n, new, t) in enumerate([(40, 3, 0.0), (32, 2, 0.5)])]
+    sched = serve(resident, [a, b], prefill_token_budget=32,
+                  clock=Clock(step_s=0.25, prefill_token_s=2 ** -7))
+    assert a.admitted_at == 0.0 and a.token_times == [0.3125, 0.5625, 1.0625]
+    assert b.admitted_at == 0.5625 and b.token_times == [0.8125, 1.0625]
+    rec = {r["id"]: r for r in sched.records()}
+    assert (rec[0]["ttft_s"], rec[0]["tpot_s"], rec[0]["e2e_s"]) == (0.3125, 0.375, 1.0625)
+    assert (rec[1]["ttft_s"], rec[1]["tpot_s"], rec[1]["queue_s"]) == (0.3125, 0.25, 0.0625)
+    for r in (a, b):
+        assert r.tokens == alone(resident, r)
+
+
+def test_serve_experiment_smoke(tmp_path, monkeypatch):
+    from experiments.cli import main
+
+    monkeypatch.setenv("LSPARSE_RUNS", str(tmp_path))
+    assert main(["run", "configs/experiments/serve_smoke.gin", "--gin.run.name='smoke'",
+                 "--gin.serve.requests=6", "--gin.serve.max_new_tokens=(2, 6)"]) == 0
+    out = json.loads((tmp_path / "smoke" / "results.json").read_text())
+    assert out["completed"] == 6 and len(out["requests"]) == 6
+    for key in ("ttft_p50_s", "tpot_p50_s", "throughput_tok_s", "admission_waits"):
+        assert key in out
+    assert out["peak_device_bytes"] <= out["device_budget_bytes"]
+    assert (tmp_path / "smoke" / "latency_cdf.png").is_file()
