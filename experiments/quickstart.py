@@ -20,8 +20,8 @@ from lsparse_jax.config import (
     method_names,
     method_storage,
 )
-from lsparse_jax.methods.leansparse import calibrate_codebooks
 from lsparse_jax.memory.accounting import request_bytes
+from lsparse_jax.methods.leansparse import calibrate_codebooks
 from lsparse_jax.model import init_params
 from lsparse_jax.serving.engine import Engine
 from lsparse_jax.tasks import niah_example, score_exact, tokenizer

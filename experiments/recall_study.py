@@ -49,8 +49,8 @@ from experiments.common import pyplot, run_dir, write_results
 from lsparse_jax.config import ModelConfig
 from lsparse_jax.indexing import coarse_to_fine as c2f
 from lsparse_jax.indexing import index_scores, topk_positions
-from lsparse_jax.model.traces import indexer_traces
 from lsparse_jax.model import init_params
+from lsparse_jax.model.traces import indexer_traces
 from lsparse_jax.quant import pq
 from lsparse_jax.tasks import niah_example
 

@@ -48,7 +48,6 @@ from lsparse_jax.serving.engine import Engine
 from lsparse_jax.serving.request import Request
 from lsparse_jax.serving.steps import prefill
 
-
 PROFILED_STEPS = 3  # extra steps traced in profiled cells (not timed)
 
 

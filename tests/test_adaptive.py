@@ -9,8 +9,8 @@ from lsparse_jax.config import CacheConfig, EngineConfig
 from lsparse_jax.memory import HotCache, empty_pool, resolve
 from lsparse_jax.memory.host_pool import write_host_page
 from lsparse_jax.memory.invariant import hierarchy_violations
-from lsparse_jax.serving.engine import Engine
 from lsparse_jax.methods.adaptive import OptionalResidency
+from lsparse_jax.serving.engine import Engine
 from tests.helpers import assert_resolved_rows, model_and_tokens, tiny
 
 PAGE = 8

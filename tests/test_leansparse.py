@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from lsparse_jax.config import CacheConfig, EngineConfig, LeanSparseConfig
-from lsparse_jax.methods.leansparse import calibrate_codebooks
 from lsparse_jax.indexing.coarse_to_fine import miss_filter
 from lsparse_jax.memory.invariant import hierarchy_violations
+from lsparse_jax.methods import policy
+from lsparse_jax.methods.leansparse import calibrate_codebooks
 from lsparse_jax.quant import dequantize_index_keys
 from lsparse_jax.quant.pq import encode
 from lsparse_jax.serving.engine import Engine
-from lsparse_jax.methods import policy
 from tests.helpers import model_and_tokens, tiny
 
 

@@ -9,8 +9,8 @@ from experiments import recall_study
 from experiments.cli import main
 from experiments.common import fit_max_len
 from experiments.recall_study import evaluate, load_npz, synthetic_data
-from lsparse_jax.model.traces import indexer_traces
 from lsparse_jax.model import preset
+from lsparse_jax.model.traces import indexer_traces
 from lsparse_jax.quant import pq
 from lsparse_jax.tasks import niah_example
 

@@ -102,7 +102,7 @@ def test_device_statistics_equal_a_host_recount():
     prev, has_prev = None, np.zeros(s, bool)
     want = dict.fromkeys(("steps", "eligible", "selected", "reused", "reuse_base"), 0)
     rows = np.zeros(3)
-    for step in range(steps):
+    for _ in range(steps):
         active = rng.random(s) < 0.7
         sel = np.stack([[np.where(rng.random(k) < 0.8, rng.permutation(12)[:k], -1)
                          for _ in range(layers)] for _ in range(s)]).astype(np.int32)

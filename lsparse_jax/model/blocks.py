@@ -19,11 +19,11 @@ from lsparse_jax.model.compressor import Compressor
 from lsparse_jax.model.layers import MLP, RMSNorm, dense, extend_window, rope
 from lsparse_jax.model.store import (
     RESIDENT_KV,
+    ExactIndex,
     IndexerQuery,
     KeyIndex,
     KVStore,
     Selection,
-    ExactIndex,
     exact_selection,
     write_rows,
 )

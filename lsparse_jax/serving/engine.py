@@ -5,7 +5,6 @@ Host-side Python with small numpy bookkeeping; all caches live in the jitted ``D
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import jax
@@ -14,8 +13,8 @@ import numpy as np
 
 from lsparse_jax.config import EngineConfig
 from lsparse_jax.methods import policy
-from lsparse_jax.serving.prefill_stream import streamed_prefill
 from lsparse_jax.serving import stats
+from lsparse_jax.serving.prefill_stream import streamed_prefill
 from lsparse_jax.serving.request import Request
 from lsparse_jax.serving.sampling import sample
 from lsparse_jax.serving.state import DecodeState, admit, empty_state, slot_bytes

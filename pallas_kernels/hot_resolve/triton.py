@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.hot_resolve import reference
 
+
 def kernel_row(d: int) -> bool:
     """True when rows of D values go through the Triton kernel (D a power of two)."""
     return d >= 1 and d & (d - 1) == 0

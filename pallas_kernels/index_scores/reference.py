@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 
 
-
 def exact_index_scores(q: jnp.ndarray, weights: jnp.ndarray, keys: jnp.ndarray) -> jnp.ndarray:
     """Exact lightning-indexer scores of every key.
 
