@@ -61,9 +61,9 @@ def hierarchy_violations(engine: EngineConfig, state, truth_caches, active,
     state: a paged DecodeState (its tier has ``kv_pools`` and ``page_table``, and where the
     method has them ``key_pools``, ``optional_pools`` and ``ready``); truth_caches: the caches
     of a resident DecodeState holding the same requests in the same slots; active [S] bool:
-    slots to check. Covers compressed KV (tail, host pages, hot cache, adaptive's lent optional pages) and, for leansparse, FP8
-    indexer keys (tail, host pages, key cache) and the PQ codes of paged keys
-    (``encode_keys(values, scales, layer)`` -> codes).
+    slots to check. Covers compressed KV (tail, host pages, hot cache, adaptive's lent
+    optional pages) and, for leansparse, FP8 indexer keys (tail, host pages, key cache) and
+    the PQ codes of paged keys (``encode_keys(values, scales, layer)`` -> codes).
     ``layers`` limits the check (an approximate method changes the rows of later layers, so
     only layers before its first approximate selection can be checked against resident).
     """
