@@ -10,7 +10,7 @@ Shapes as in experiments/kernel_compare.py: topk 64 x 262144 f32, k = 2048; pq_t
 N = 131072, H = 64, D = 128, M = 32, K = 256, C = 2048. Implementations:
   xla         the XLA reference (``implementation="xla"``),
   triton_old  the Pallas-Triton kernels as of 78be51b: counting passes in an XLA while loop on
-              a device predicate (frozen copies in benchmarks/baselines/),
+              a device predicate (their source read from git at run time),
   triton      the fixed launch sequence (count, refine with early exit, select, finish),
   triton_oneread (topk only) one_read=True, sample 4096: a sampled floor, one segment-selection
               pass, a per-row finish, the two-read sequence as an early-exit fallback;
@@ -44,6 +44,7 @@ import json
 import os
 import pathlib
 import re
+import subprocess
 import sys
 import time
 import traceback
@@ -60,13 +61,24 @@ PQ = dict(b=64, n=131072, h=64, d=128, m=32, centroids=256, c=2048)
 SMALL_TOPK = dict(b=8, n=4096, k=64)
 SMALL_PQ = dict(b=8, n=1024, h=16, d=32, m=8, centroids=16, c=64)
 INTERPRET = False  # set by run(): True without a GPU
+BASELINE_DIR: pathlib.Path | None = None  # --baseline-dir: exported 78be51b kernel sources
 ONE_READ_SAMPLE = {"triton_oneread": 4096, "triton_oneread_s1024": 1024}
 TOPK_EXTRA: tuple[str, ...] = ()  # --extra: ("triton_oneread_s1024",)
 
 
-def _load(name: str, path: pathlib.Path, replace: dict[str, str] | None = None):
-    """Imports a source file as module ``name`` (imports in it rewritten by ``replace``)."""
-    src = path.read_text()
+BASELINE = "78be51b"  # the commit whose kernels counted in an XLA while loop
+
+
+def _load(name: str, path: str, replace: dict[str, str] | None = None):
+    """Imports ``path`` as it was at ``BASELINE`` (from git) as module ``name``, imports in it
+    rewritten by ``replace``. Needs the repository's git history (pass --baseline-dir with
+    the two files exported by ``git show`` where the checkout has none)."""
+    local = BASELINE_DIR / pathlib.Path(path).name if BASELINE_DIR else None
+    if local is not None and local.exists():
+        src = local.read_text()
+    else:
+        src = subprocess.run(["git", "show", f"{BASELINE}:{path}"], cwd=HERE.parent, check=True,
+                             capture_output=True, text=True).stdout
     for old, new in (replace or {}).items():
         if old not in src:
             raise RuntimeError(f"{path.name}: expected {old!r} to rewrite")
@@ -81,8 +93,8 @@ def _load(name: str, path: pathlib.Path, replace: dict[str, str] | None = None):
 def old_modules():
     """(topk, pq_topc) Triton modules as of 78be51b, or the error that stopped their import."""
     try:
-        topk_old = _load("topk_triton_78be51b", HERE / "baselines" / "topk_triton_78be51b.py")
-        pq_old = _load("pq_topc_triton_78be51b", HERE / "baselines" / "pq_topc_triton_78be51b.py",
+        topk_old = _load("topk_triton_78be51b", "pallas_kernels/topk/triton.py")
+        pq_old = _load("pq_topc_triton_78be51b", "pallas_kernels/pq_topc/triton.py",
                        {"from pallas_kernels.topk import triton as topk_impl":
                         "import topk_triton_78be51b as topk_impl",
                         "from pallas_kernels.topk.triton import count_at_least, eligible_keys":
@@ -394,7 +406,7 @@ def format_table(rows) -> str:
 
 
 def main():
-    global TOPK_EXTRA
+    global TOPK_EXTRA, BASELINE_DIR
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT") or "runs/topk_nosync_gpu")
     parser.add_argument("--repeats", type=int, default=10)
@@ -404,7 +416,11 @@ def main():
                         help="also time topk one_read with the default 1024-position sample")
     parser.add_argument("--small", action="store_true",
                         help="tiny shapes: a CPU smoke run of the script, not a benchmark")
+    parser.add_argument("--baseline-dir", default=None,
+                        help=f"folder with topk/pq_topc triton.py as of {BASELINE} (default: "
+                        "read from git)")
     args = parser.parse_args()
+    BASELINE_DIR = pathlib.Path(args.baseline_dir) if args.baseline_dir else None
     if args.extra:
         TOPK_EXTRA = ("triton_oneread_s1024",)
     if args.small:
