@@ -7,6 +7,10 @@
 #   STEP=scale   experiments/scale.py at V4 shapes (4-layer slice), SCALE_CONTEXTS (default
 #                32K), batches 1 and 8, Triton kernels; traces of SCALE_PROFILE cells
 # Use through the device tool: carry [".whl"], command "STEP=check bash benchmarks/gpu_session4.sh".
+# The no-sync benchmark's "old" variants read the 78be51b kernels: where the GPU checkout has no
+# git history, first export them here (ignored folder, name it in carry too):
+#   mkdir -p .baseline && for f in topk pq_topc; do git show 78be51b:pallas_kernels/$f/triton.py \
+#     > .baseline/pallas_kernels_${f}_triton.py; done
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
@@ -20,7 +24,8 @@ case "${STEP:-check}" in
       tests/test_kernel_hot_resolve.py tests/test_kernel_topk.py tests/test_kernel_pq_topc.py \
       tests/test_kernel_topk_nosync.py \
       2>&1 | tail -15
-    timeout 200 python3 benchmarks/topk_nosync_gpu.py --out "$OUT" 2>&1 | tail -25
+    timeout 200 python3 benchmarks/topk_nosync_gpu.py --out "$OUT" \
+      $( [ -d .baseline ] && echo --baseline-dir .baseline ) 2>&1 | tail -25
     timeout 150 python3 benchmarks/prefill_profile_gpu.py --context 131072 --out "$OUT" \
       2>&1 | tail -24 ;;
   scale)  # resumes from the committed results/scale/results.json

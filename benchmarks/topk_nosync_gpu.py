@@ -71,9 +71,9 @@ BASELINE = "78be51b"  # the commit whose kernels counted in an XLA while loop
 
 def _load(name: str, path: str, replace: dict[str, str] | None = None):
     """Imports ``path`` as it was at ``BASELINE`` (from git) as module ``name``, imports in it
-    rewritten by ``replace``. Needs the repository's git history (pass --baseline-dir with
-    the two files exported by ``git show`` where the checkout has none)."""
-    local = BASELINE_DIR / pathlib.Path(path).name if BASELINE_DIR else None
+    rewritten by ``replace``. Needs the repository's git history, or --baseline-dir holding
+    the file as ``git show BASELINE:path > DIR/<path with / as _>`` wrote it."""
+    local = BASELINE_DIR / path.replace("/", "_") if BASELINE_DIR else None
     if local is not None and local.exists():
         src = local.read_text()
     else:
