@@ -3,7 +3,10 @@
 Gin header -- must be set: run.experiment, run.name, train_model.model.
 Run (GPU, minutes): lsparse run configs/experiments/train.gin
 Run (CPU smoke):    lsparse run configs/experiments/train.gin --gin.TrainConfig.dense_steps=2 \\
-                      --gin.TrainConfig.sparse_steps=2 --gin.TrainConfig.seq_len=384
+                      --gin.TrainConfig.sparse_steps=2 --gin.TrainConfig.seq_len=512 \\
+                      --gin.TrainConfig.batch=4 --gin.TrainConfig.warmup=1 \\
+                      --gin.train_model.export=None
+                    (~100 s on 2 cores; export=None leaves the shipped checkpoints/small alone)
 Writes runs/<name>/{config.gin, results.json (history), loss.png, checkpoint/ (params),
 state/ (resumable optimizer state)}; rerunning the same command resumes.
 """
@@ -55,6 +58,10 @@ def check_settings(model, config, export, eval_every):
         v.integer(f"TrainConfig.{field}", getattr(config, field))
     for field in ("dense_steps", "sparse_steps", "seed", "extra_queries"):
         v.integer(f"TrainConfig.{field}", getattr(config, field), lo=0)
+    total = config.dense_steps + config.sparse_steps
+    if total < 1 or config.warmup >= total:
+        v.fail("TrainConfig.warmup", config.warmup,
+               f"must be < dense_steps + sparse_steps = {total} (warm-up, then cosine decay)")
     mix = v.sequence("TrainConfig.mix", config.mix, "(('niah', 0.8), ('mrcr', 0.2))")
     for entry in mix:
         if not (isinstance(entry, (tuple, list)) and len(entry) == 2 and entry[0] in TASKS

@@ -105,6 +105,12 @@ def test_train_fractional_batch(capfd, tmp_path):
           "TrainConfig.batch=2.5")
 
 
+def test_train_warmup_not_shorter_than_training(capfd, tmp_path):
+    fails(capfd, tmp_path, ["configs/experiments/train.gin", "--gin.TrainConfig.dense_steps=2",
+                            "--gin.TrainConfig.sparse_steps=2"],
+          "TrainConfig.warmup=100", "dense_steps + sparse_steps = 4")
+
+
 def test_recall_unknown_source(capfd, tmp_path):
     fails(capfd, tmp_path, ["configs/experiments/recall.gin",
                             "--gin.recall_study.sources=('model', 'npy')"],
