@@ -2,12 +2,11 @@
 
 A method decides where a CSA layer's compressed KV and indexer keys live and how the top-k is
 selected from them (its ``kv_store`` and ``key_index``, which the model calls), what state it
-shares across slots (its ``tier``: host pools, page tables, codebooks), how a prefilled request
-enters a slot (``admit``) and what runs inside each decode step after the model
-(``after_step``). Those are the data
-plane: pure functions of the decode state, traced under jit with the method as a static
-argument. Its ``controller`` is the control plane: host-side bookkeeping (free pages, lent
-pages) that says what an admission needs and what a release or the next step must run.
+shares across slots (its ``tier``: host pools, page tables, codebooks) and how a prefilled
+request enters a slot (``admit``). Those are the data plane: pure functions of the decode state,
+traced under jit with the method as a static argument. Its ``controller`` is the control plane:
+host-side bookkeeping (free pages, lent pages) that says what an admission needs and which
+jitted updates a release, the next step or the last step's completed pages must run.
 
 The base class is the ``resident`` method: every row and key on the device. A new method is a
 subclass in a module of its own, registered by name with ``register``.
@@ -135,10 +134,6 @@ class Method:
     def admit(self, state, slot, caches: tuple[LayerCache, ...], length, grant: Grant):
         """Puts one prefilled request (resident caches, no slot axis) into ``slot``."""
         return insert(state, slot, caches, length)
-
-    def after_step(self, state, lengths_before, active):
-        """What follows a decode step inside its jit (paged methods write completed pages)."""
-        return state
 
     def controller(self) -> Controller:
         return Controller()

@@ -118,7 +118,6 @@ def decode_step(params, engine: EngineConfig, state: DecodeState, tokens, active
     rng, key = jax.random.split(state.rng)
     next_tokens = sample(logits, key, engine.sampling.temperature)
     new = state.replace(caches=caches, lengths=state.lengths + active.astype(jnp.int32), rng=rng)
-    new = method.after_step(new, state.lengths, active)
     return new, DecodeOutput(logits, next_tokens, positions, eligible, sources, key_sources)
 
 
