@@ -55,7 +55,8 @@ class Layout:
 
     @classmethod
     def v4_serving(cls) -> Layout:
-        """DeepSeek-V4 FP8 serving layout: 448 FP8 + 64 BF16 rope + 7 scale + 1 pad = 584 B."""
+        """DeepSeek-V4 FP8 serving layout: 448 FP8 + 64 BF16 rope + 7 scale + 1 pad = 584 B
+        for every KV row (``kv_dtype="fp8_v4"`` stores CSA rows in 583 B: no pad byte)."""
         return cls(kv_row=584, index_key=132, hot_row_meta=0, hot_scalar=0)
 
 
