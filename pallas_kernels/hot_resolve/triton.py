@@ -18,6 +18,8 @@ Leaves whose D is not a power of two use the XLA row loop of ``reference.move_ro
 (Triton blocks must have power-of-two sizes); narrow power-of-two leaves (one FP8 scale per
 key, D = 1) take the kernel: the row loop moves one row per dynamic_slice + device_put, about
 10 us a row on an H200, which made LeanSparse's key-cache misses dominate its decode step.
+Leaves of e8m0 (the power-of-two scales of FP8 KV rows, ``kv_dtype="fp8_v4"``) also take the
+row loop: the kernel has not been checked with that dtype under Triton.
 """
 
 from __future__ import annotations
