@@ -13,6 +13,7 @@ from typing import Literal
 
 LayerKind = Literal["swa", "csa", "hca", "dsa"]
 LAYER_KINDS: tuple[str, ...] = ("swa", "csa", "hca", "dsa")
+KV_DTYPES: tuple[str, ...] = ("f32", "bf16", "fp8_v4")  # stored CSA KV rows (quant.kv_rows)
 
 
 
@@ -115,6 +116,11 @@ class ModelConfig:
         reuse the first layer's selection (GLM-5 index sharing). 1 = no sharing.
       rope_theta: RoPE base.
       max_len: the longest context (prompt + generated) a slot can hold.
+      kv_dtype: how CSA layers store compressed KV rows (``lsparse_jax.quant.kv_rows``):
+        "f32" (4D bytes a row), "bf16" (2D), or "fp8_v4" (DeepSeek-V4: FP8 e4m3 non-RoPE part
+        with a power-of-two scale per 64 values, bf16 RoPE part). The resident layout, the
+        host pages, hot cache and lent pages hold rows in this format; attention reads them
+        dequantized to f32. SWA windows, HCA and DSA rows stay f32.
     """
 
     vocab_size: int = 256
@@ -131,6 +137,7 @@ class ModelConfig:
     dsa_share_group: int = 1
     rope_theta: float = 10000.0
     max_len: int = 2048
+    kv_dtype: str = "f32"
 
     def __post_init__(self):
         if isinstance(self.layer_pattern, list):
@@ -157,6 +164,13 @@ class ModelConfig:
             invalid("ModelConfig", "indexer", self.indexer, "must be an IndexerConfig")
         if self.rope_theta <= 0:
             invalid("ModelConfig", "rope_theta", self.rope_theta, "must be > 0")
+        if self.kv_dtype not in KV_DTYPES:
+            invalid("ModelConfig", "kv_dtype", self.kv_dtype, f"allowed: {KV_DTYPES}")
+        if self.kv_dtype == "fp8_v4" and not 0 < self.rope_dim < self.head_dim:
+            invalid("ModelConfig", "kv_dtype", self.kv_dtype,
+                    f"'fp8_v4' splits a row into FP8 non-RoPE and bf16 RoPE parts: needs "
+                    f"0 < rope_dim < head_dim, got rope_dim={self.rope_dim}, "
+                    f"head_dim={self.head_dim}")
 
     @property
     def num_layers(self) -> int:

@@ -19,14 +19,15 @@ from tests.helpers import tiny
 PATTERNS = [("swa", "csa", "hca", "csa"), ("dsa", "dsa", "dsa", "csa")]
 
 
+@pytest.mark.parametrize("kv_dtype", ["f32", "bf16", "fp8_v4"])
 @pytest.mark.parametrize("pattern", PATTERNS)
 @pytest.mark.parametrize("method,rows", [("resident", None), ("hisparse", 24),
                                          ("leansparse", 24), ("adaptive", 24)])
-def test_gpu_and_host_bytes_equal_allocated_state(pattern, method, rows):
-    cfg = tiny(max_len=256, layer_pattern=pattern, dsa_share_group=2)
+def test_gpu_and_host_bytes_equal_allocated_state(pattern, method, rows, kv_dtype):
+    cfg = tiny(max_len=256, layer_pattern=pattern, dsa_share_group=2, kv_dtype=kv_dtype)
     engine = EngineConfig(model=cfg, method=method,
                           cache=CacheConfig(num_slots=3, hot_cache_rows=rows, page_size=8,
-                                            optional_pages=4 if method == "adaptive" else None),
+                                            optional_pages=5 if method == "adaptive" else None),
                           leansparse=LeanSparseConfig(32, 1.0, 40))
     csa = [i for i, k in enumerate(pattern) if k == "csa"]
     books = {i: np.zeros((engine.pq_subspaces, 16, 4), np.float32) for i in csa}
@@ -37,6 +38,9 @@ def test_gpu_and_host_bytes_equal_allocated_state(pattern, method, rows):
     pools = jax.tree.leaves((getattr(tier, "kv_pools", ()), getattr(tier, "key_pools", ())))
     assert acc.host_total == sum(p.nbytes for p in pools) // 3
     assert all(p.sharding.memory_kind == "pinned_host" for p in pools)
+    if method == "adaptive":  # the shared lent pages: 5 pages of 8 rows per CSA layer
+        lent = jax.tree.leaves(tier.optional_pools)
+        assert sum(p.nbytes for p in lent) == len(csa) * 5 * 8 * Layout.ours(cfg).kv_row
 
 
 def test_hisparse_moves_csa_kv_to_host():

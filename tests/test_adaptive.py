@@ -34,9 +34,11 @@ def check_step(resident, adaptive):
     return np.asarray(got.sources)[act]
 
 
-@pytest.mark.parametrize("optional,refill", [(5, 1), (40, 4)])  # 5: constant reclaiming
-def test_adaptive_bit_identical_to_resident_under_load_changes(optional, refill):
-    cfg = tiny(max_len=512)
+# 5: constant reclaiming; kv_dtype on both sides (lent pages hold the stored rows)
+@pytest.mark.parametrize("optional,refill,kv_dtype", [(5, 1, "f32"), (40, 4, "f32"),
+                                                      (5, 1, "fp8_v4")])
+def test_adaptive_bit_identical_to_resident_under_load_changes(optional, refill, kv_dtype):
+    cfg = tiny(max_len=512, kv_dtype=kv_dtype)
     params, _ = model_and_tokens(cfg, 1, seed=optional)
     rng = np.random.default_rng(optional)
     prompts = [rng.integers(0, 256, n).astype(np.int32) for n in (300, 200, 260, 150)]
@@ -61,7 +63,8 @@ def test_adaptive_bit_identical_to_resident_under_load_changes(optional, refill)
     assert lent_changes >= 4  # residency grew and shrank with the load
     m = adaptive.metrics()
     assert m["optional_pages_in_use"] <= optional
-    assert m["optional_pool_bytes"] == 2 * optional * PAGE * 4 * cfg.head_dim  # 2 CSA layers
+    row = {"f32": 4 * cfg.head_dim, "fp8_v4": 16 + 1 + 2 * 16}[kv_dtype]  # D 32, rope 16
+    assert m["optional_pool_bytes"] == 2 * optional * PAGE * row  # 2 CSA layers
 
 
 def test_full_residency_serves_imported_history_without_host_copies():
@@ -137,9 +140,10 @@ def test_optional_pages_only_with_adaptive():
         CacheConfig(refill_pages=0)
 
 
-def test_adaptive_with_the_triton_kernels_is_bit_identical():
+@pytest.mark.parametrize("kv_dtype", ["f32", "fp8_v4"])
+def test_adaptive_with_the_triton_kernels_is_bit_identical(kv_dtype):
     """Lent pages resolve before the hot_resolve kernel; sparse_attention reads them alike."""
-    cfg = tiny(max_len=512)
+    cfg = tiny(max_len=512, kv_dtype=kv_dtype)
     params, prompt = model_and_tokens(cfg, 200, seed=2)
     engines = [Engine(EngineConfig(model=cfg, method=m, implementation="triton", cache=CacheConfig(
         num_slots=2, prefill_chunk=32, hot_cache_rows=rows, page_size=PAGE, optional_pages=opt)),

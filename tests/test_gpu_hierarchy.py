@@ -29,14 +29,15 @@ def test_pool_lives_in_pinned_host_and_round_trips():
     np.testing.assert_array_equal(out[1, 1], np.asarray(rows[1]))
 
 
-def test_hisparse_bit_identical_on_gpu():
+@pytest.mark.parametrize("kv_dtype", ["f32", "fp8_v4"])
+def test_hisparse_bit_identical_on_gpu(kv_dtype):
     from tests.test_hierarchy import (
         test_hisparse_bit_identical_to_resident_with_invariant,
         test_hisparse_with_pallas_host_gather_is_bit_identical,
     )
 
-    test_hisparse_bit_identical_to_resident_with_invariant(16)
-    test_hisparse_with_pallas_host_gather_is_bit_identical()  # zero-copy gather, for real
+    test_hisparse_bit_identical_to_resident_with_invariant(16, kv_dtype)
+    test_hisparse_with_pallas_host_gather_is_bit_identical(kv_dtype)  # zero-copy, for real
 
 
 def test_leansparse_kernels_match_xla_on_gpu():

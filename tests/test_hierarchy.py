@@ -12,6 +12,7 @@ from lsparse_jax.config import CacheConfig, EngineConfig
 from lsparse_jax.memory import HostCapacityError, HotCache, empty_pool, resolve
 from lsparse_jax.memory.host_pool import write_host_page
 from lsparse_jax.memory.invariant import hierarchy_violations
+from lsparse_jax.quant import KVRowFormat
 from lsparse_jax.serving.engine import Engine
 from tests.helpers import assert_resolved_rows, model_and_tokens, tiny
 
@@ -24,10 +25,16 @@ def engines(cfg, params, hot_rows, slots=3, page=8, host_pages=None, implementat
     return make("resident", None), make("hisparse", hot_rows)
 
 
-# 16 = top-k: every row not reused misses; 24 (between the two) runs in make test-all only
-@pytest.mark.parametrize("hot_rows", [16, pytest.param(24, marks=pytest.mark.slow), 64])
-def test_hisparse_bit_identical_to_resident_with_invariant(hot_rows):
-    cfg = tiny(max_len=512)
+# 16 = top-k: every row not reused misses; kv_dtype on both sides (rows stored alike); the
+# slow ones run in make test-all only
+slow = pytest.mark.slow
+
+
+@pytest.mark.parametrize("hot_rows,kv_dtype", [
+    (16, "f32"), pytest.param(24, "f32", marks=slow), (64, "f32"), (16, "fp8_v4"),
+    pytest.param(64, "fp8_v4", marks=slow), pytest.param(24, "bf16", marks=slow)])
+def test_hisparse_bit_identical_to_resident_with_invariant(hot_rows, kv_dtype):
+    cfg = tiny(max_len=512, kv_dtype=kv_dtype)
     params, _ = model_and_tokens(cfg, 1, seed=hot_rows)
     rng = np.random.default_rng(hot_rows)
     prompts = [rng.integers(0, 256, n).astype(np.int32) for n in (70, 133, 45)]
@@ -56,16 +63,21 @@ def test_hisparse_bit_identical_to_resident_with_invariant(hot_rows):
     assert resident.generated == paged.generated
     m = paged.metrics()
     assert m["selection"]["host_rows"] == host_rows > 0
-    assert m["selection"]["host_bytes"] == host_rows * 4 * cfg.head_dim
+    # a host copy moves one stored row: 4D bytes (f32), 2D (bf16), 49 (fp8_v4 at D 32, r 16)
+    row_bytes = {"f32": 4 * cfg.head_dim, "bf16": 2 * cfg.head_dim, "fp8_v4": 49}[kv_dtype]
+    assert KVRowFormat.of(cfg).row_bytes == row_bytes
+    assert m["selection"]["host_bytes"] == host_rows * row_bytes
     if hot_rows == 64:  # a hot cache larger than one step's selection serves repeats
         assert m["selection"]["resolved_fraction"]["hot_cache"] > 0
 
 
-def test_hisparse_with_pallas_host_gather_is_bit_identical():
+@pytest.mark.parametrize("kv_dtype", ["f32", "fp8_v4"])
+def test_hisparse_with_pallas_host_gather_is_bit_identical(kv_dtype):
     """With implementation="triton" (interpret mode on CPU) the host rows move through the
     hot_resolve kernel and CSA decode attention runs in the sparse_attention kernel: hisparse
-    still equals resident bit for bit, and both stay within 1e-4 of the XLA decode step."""
-    cfg = tiny(max_len=512)
+    still equals resident bit for bit, and both stay within 1e-4 of the XLA decode step
+    (FP8 rows: the kernel reads the selected rows dequantized, as the XLA step does)."""
+    cfg = tiny(max_len=512, kv_dtype=kv_dtype)
     params, prompt = model_and_tokens(cfg, 90, seed=9)
     resident, paged = engines(cfg, params, 16, slots=2, implementation="triton")
     xla, _ = engines(cfg, params, 16, slots=2, implementation="xla")

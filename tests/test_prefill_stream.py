@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from lsparse_jax.config import CacheConfig, EngineConfig
+from lsparse_jax.quant import KVRowFormat
 from lsparse_jax.serving import prefill_stream
 from lsparse_jax.serving.prefill_stream import (
     layer_state_bytes,
@@ -20,10 +21,12 @@ from lsparse_jax.serving.steps import decode_step, prefill
 from tests.helpers import PATTERNS, model_and_tokens, tiny
 
 # (layer pattern, chunk): the v4 pattern (SWA, CSA, HCA, CSA: two CSA layers share a role) and
-# DSA with index sharing (leader, follower, leader); chunk 6 is not a multiple of the stride 4.
+# DSA with index sharing (leader, follower, leader); chunk 6 is not a multiple of the stride 4;
+# v4_fp8: the v4 pattern with FP8 CSA rows (kv_dtype="fp8_v4").
 CASES = {"v4": (PATTERNS["v4"], 16),
+         "v4_fp8": (dict(PATTERNS["v4"], kv_dtype="fp8_v4"), 16),
          "dsa_shared": (dict(layer_pattern=("dsa",) * 3, dsa_share_group=2), 6)}
-LENGTHS = {"v4": (100, 64, 9), "dsa_shared": (45, 24)}
+LENGTHS = {"v4": (100, 64, 9), "v4_fp8": (100, 9), "dsa_shared": (45, 24)}
 
 
 @functools.cache
@@ -58,8 +61,10 @@ def test_identity4_streamed_equals_monolithic_prefill(name):
         np.testing.assert_array_equal(np.asarray(last), np.asarray(ref_last))
         assert {x.sharding.memory_kind for x in jax.tree.leaves(caches)} == {"device"}
     # the caches were really written: layer 1 (CSA / DSA) holds n // 4 (n) finite rows
-    rows = np.asarray(caches[1].kv.entries if name == "v4" else caches[1].entries)
-    written = n // 4 if name == "v4" else n
+    csa = name != "dsa_shared"
+    rows = np.asarray(KVRowFormat.of(cfg).decode(caches[1].kv.entries) if csa
+                      else caches[1].entries)
+    written = n // 4 if csa else n
     assert np.isfinite(rows[:written]).all() and np.isnan(rows[written:]).all()
 
 

@@ -3,7 +3,8 @@
 For the arrays this project allocates (``Layout.ours``) the GPU total equals the bytes of one
 slot of ``DecodeState`` exactly (tested). ``Layout.v4_serving`` swaps in the byte sizes of
 DeepSeek-V4 serving stacks (584 B compressed KV rows, 132 B FP8 indexer keys) to compare with the
-papers' figures.
+papers' figures. CSA rows are counted in the model's ``kv_dtype`` (``quant.KVRowFormat``:
+4D, 2D or the FP8 layout's bytes); SWA window, HCA and DSA rows are always f32 here.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import jax
 import numpy as np
 
 from lsparse_jax.config import EngineConfig, ModelConfig
+from lsparse_jax.quant import KVRowFormat
 
 GPU_COMPONENTS = ("weights_share", "swa_window", "compressor_state", "attention_kv",
                   "indexer_keys", "pq_codes", "hot_cache", "key_cache", "tail", "page_table",
@@ -26,8 +28,9 @@ class Layout:
     """Bytes of one stored row of each kind.
 
     Attributes:
-      kv_row: one compressed (or SWA) KV row.
+      kv_row: one compressed CSA KV row.
       index_key: one indexer key with its scales.
+      other_row: one SWA-window, HCA or DSA row (None: kv_row, one format for every row).
       hot_row_meta: per hot-cache row metadata (position and LRU stamp).
       hot_scalar: per hot cache scalars (its clock).
       compressor_value: one value of the compressors' pending-token rings.
@@ -38,14 +41,22 @@ class Layout:
     hot_row_meta: int = 8
     hot_scalar: int = 4
     compressor_value: int = 4
+    other_row: int | None = None
 
     @classmethod
     def ours(cls, cfg: ModelConfig) -> Layout:
-        return cls(kv_row=4 * cfg.head_dim, index_key=cfg.indexer.key_bytes)
+        return cls(kv_row=KVRowFormat.of(cfg).row_bytes, index_key=cfg.indexer.key_bytes,
+                   other_row=4 * cfg.head_dim)
+
+    @property
+    def plain_row(self) -> int:
+        """Bytes of one SWA-window, HCA or DSA row."""
+        return self.kv_row if self.other_row is None else self.other_row
 
     @classmethod
     def v4_serving(cls) -> Layout:
-        """DeepSeek-V4 FP8 serving layout: 448 FP8 + 64 BF16 rope + 7 scale + 1 pad = 584 B."""
+        """DeepSeek-V4 FP8 serving layout: 448 FP8 + 64 BF16 rope + 7 scale + 1 pad = 584 B
+        for every KV row (``kv_dtype="fp8_v4"`` stores CSA rows in 583 B: no pad byte)."""
         return cls(kv_row=584, index_key=132, hot_row_meta=0, hot_scalar=0)
 
 
@@ -96,7 +107,7 @@ def request_bytes(engine: EngineConfig, context: int, layout: Layout | None = No
         layer = dict.fromkeys(GPU_COMPONENTS, 0)
         n = cfg.num_compressed(kind)
         if kind in ("swa", "csa", "hca"):
-            layer["swa_window"] = cfg.swa_window * lay.kv_row
+            layer["swa_window"] = cfg.swa_window * lay.plain_row
         if kind == "csa":
             layer["compressor_state"] = 2 * cfg.csa_ratio * 4 * (d + di) * val
             layer["indexer_keys"] = n * lay.index_key
@@ -117,9 +128,9 @@ def request_bytes(engine: EngineConfig, context: int, layout: Layout | None = No
                 host["indexer_keys"] += paged_rows * lay.index_key
         if kind == "hca":
             layer["compressor_state"] = cfg.hca_ratio * 2 * d * val
-            layer["attention_kv"] = n * lay.kv_row
+            layer["attention_kv"] = n * lay.plain_row
         if kind == "dsa":
-            layer["attention_kv"] = n * lay.kv_row
+            layer["attention_kv"] = n * lay.plain_row
             if cfg.dsa_leader(i) == i:
                 layer["indexer_keys"] = n * lay.index_key
         per_layer.append(layer)

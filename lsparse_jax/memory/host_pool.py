@@ -32,7 +32,7 @@ def _reader(implementation: str):
     @custom_vmap
     def read(pool, row_ids):
         flat = row_ids.reshape(-1)
-        impl = implementation if pool.shape[-1] >= MIN_KERNEL_ROW else "xla"
+        impl = implementation if kernel_rows(pool) else "xla"
         rows = gather_rows(pool, flat, implementation=impl)
         return rows.reshape(row_ids.shape + pool.shape[-1:])
 
@@ -50,6 +50,13 @@ def _reader(implementation: str):
 
 
 MIN_KERNEL_ROW = 16  # narrower rows (e.g. one FP8 scale per key) always take the XLA path
+
+
+def kernel_rows(pool) -> bool:
+    """Whether the gather_rows kernel can copy rows of ``pool``: at least MIN_KERNEL_ROW
+    values, a power of two (Triton blocks), not e8m0 scales; others take the XLA path."""
+    d = pool.shape[-1]
+    return d >= MIN_KERNEL_ROW and d & (d - 1) == 0 and pool.dtype != jnp.float8_e8m0fnu
 _READERS = {impl: _reader(impl) for impl in ("xla", "triton")}
 
 

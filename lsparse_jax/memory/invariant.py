@@ -45,11 +45,14 @@ def _check_store(name, tail, pool, cache, table, truth, done, paged, page, s, ba
 
 
 def _check_lent(layer, optional, ready, truth, paged, page, s, bad):
-    """Every optional page lent to the slot holds the truth rows of its (paged) logical page."""
+    """Every optional page lent to the slot holds the truth rows of its (paged) logical page
+    (optional, truth: an array or a tuple of arrays, one per array of a row)."""
+    leaves = lambda t: t if isinstance(t, tuple) else (t,)  # noqa: E731
     for logical in np.flatnonzero(ready >= 0):
-        rows = optional[ready[logical] * page:(ready[logical] + 1) * page]
-        if (logical + 1) * page > paged or not _same(rows, truth[logical * page:
-                                                                   (logical + 1) * page]):
+        at, want = ready[logical] * page, logical * page
+        same = all(_same(o[at:at + page], w[want:want + page])
+                   for o, w in zip(leaves(optional), leaves(truth)))
+        if (logical + 1) * page > paged or not same:
             bad.append(f"layer {layer} slot {s}: optional page of logical page {logical} "
                        "is stale or not yet paged")
 
@@ -72,21 +75,25 @@ def hierarchy_violations(engine: EngineConfig, state, truth_caches, active,
     tier = state.tier
     table = np.asarray(tier.page_table)
     np_tree = lambda t: tuple(np.asarray(x) for x in t)  # noqa: E731
+    # KV rows: one array, or a tuple of arrays (quant.KVRowFormat other than f32/bf16)
+    np_rows = lambda t: np_tree(t) if isinstance(t, tuple) else np.asarray(t)  # noqa: E731
+    at_slot = lambda t, s: tuple(x[s] for x in t) if isinstance(t, tuple) else t[s]  # noqa
     bad = []
     for layer, (cache, truth) in enumerate(zip(state.caches, truth_caches)):
         if not isinstance(cache, CSACache) or (layers is not None and layer not in layers):
             continue
-        want_kv = np.asarray(truth.kv.entries)
+        want_kv = np_rows(truth.kv.entries)
         want_keys = (np.asarray(truth.keys.values), np.asarray(truth.keys.scales))
         for s in np.flatnonzero(active):
             done = int(lengths[s]) // m
             paged = done // page * page
-            _check_store(f"layer {layer} kv", np.asarray(cache.kv.tail),
-                         np.asarray(tier.kv_pools[layer]), cache.kv.hot, table, want_kv, done,
+            _check_store(f"layer {layer} kv", np_rows(cache.kv.tail),
+                         np_rows(tier.kv_pools[layer]), cache.kv.hot, table, want_kv, done,
                          paged, page, s, bad)
             if hasattr(tier, "optional_pools"):
-                _check_lent(layer, np.asarray(tier.optional_pools[layer]),
-                            np.asarray(tier.ready)[s], want_kv[s], paged, page, s, bad)
+                _check_lent(layer, np_rows(tier.optional_pools[layer]),
+                            np.asarray(tier.ready)[s], at_slot(want_kv, s), paged, page, s,
+                            bad)
             if isinstance(cache.keys, PagedKeys):
                 _check_store(f"layer {layer} keys", np_tree(cache.keys.tail),
                              np_tree(tier.key_pools[layer]), cache.keys.cache, table, want_keys,

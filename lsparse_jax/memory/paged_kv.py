@@ -16,11 +16,13 @@ from flax import struct
 
 from lsparse_jax.memory.hot_cache import HotCache, resolve
 from lsparse_jax.model.store import RowView, write_rows
+from lsparse_jax.quant import KVRowFormat
 
 
 @struct.dataclass
 class PagedKV:
-    tail: jnp.ndarray  # [P, D] f32 rows of the page being filled (not yet on the host)
+    tail: jnp.ndarray  # [P, D] f32 rows of the page being filled (not yet on the host), or
+    #   a pytree of [P, ...] arrays (the model's KVRowFormat; hot rows and pools alike)
     hot: HotCache  # B rows copied from the host pool
 
 
@@ -28,7 +30,8 @@ class PagedKV:
 class PageView:
     """What one slot's layer sees of the shared host pages."""
 
-    pool: jax.Array  # [NP * P, D] pinned_host pages of this layer (page p: rows p*P ..)
+    pool: jax.Array  # [NP * P, D] pinned_host pages of this layer (page p: rows p*P ..);
+    #   a pytree of [NP * P, ...] arrays for rows of several arrays
     page_table: jnp.ndarray  # [max_pages] int32 physical page of each logical page, -1 none
 
 
@@ -53,9 +56,9 @@ class PagedKVStore:
     hot_rows: int
     implementation: str | None = "xla"  # the hot_resolve kernel
 
-    def empty(self, num_rows: int, dim: int) -> PagedKV:
-        return PagedKV(jnp.full((self.page_size, dim), jnp.nan, jnp.float32),
-                       HotCache.empty(self.hot_rows, dim))
+    def empty(self, num_rows: int, rows: KVRowFormat) -> PagedKV:
+        return PagedKV(rows.empty(self.page_size),
+                       HotCache.empty_like(rows.template(), self.hot_rows))
 
     def write(self, state: PagedKV, completed, ids, rows, ok) -> PagedKV:
         paged = paged_rows(self.page_size, completed)
@@ -69,13 +72,14 @@ class PagedKVStore:
                                     paged_rows(self.page_size, completed), context.page_table,
                                     context.pool, self.implementation, *self.lent(context))
         slots = jnp.where(selected >= 0, jnp.arange(selected.shape[-1]), -1)
-        return state.replace(hot=hot), RowView(rows[None], slots, counts[None])
+        table = jax.tree.map(lambda r: r[None], rows)
+        return state.replace(hot=hot), RowView(table, slots, counts[None])
 
     def lent(self, context) -> tuple:
         """(optional pages, ready row) read before the hot cache; none here (adaptive: yes)."""
         return ()
 
-    def all_rows(self, state: PagedKV) -> jnp.ndarray:
+    def all_rows(self, state: PagedKV):
         raise ValueError("dense_selection needs the resident KV store; a paged store holds "
                          "only its tail and hot cache on the device")
 

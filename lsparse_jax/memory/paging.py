@@ -28,11 +28,16 @@ def page_out(pool, rows, pages, count, page: int):
 
 def put_pages(pool, dest, rows, count, page: int):
     """pool [NO * P, D] with page dest[j] = rows(j) [P, D], for j < count with dest[j] >= 0
-    (other pages unchanged)."""
+    (other pages unchanged). ``pool`` and ``rows(j)`` may be pytrees of such arrays."""
     def body(j, out):
         at = jnp.maximum(dest[j], 0) * page
-        new = jnp.where(dest[j] >= 0, rows(j), jax.lax.dynamic_slice_in_dim(out, at, page))
-        return jax.lax.dynamic_update_slice_in_dim(out, new.astype(out.dtype), at, 0)
+
+        def put(leaf, new):
+            new = jnp.where(dest[j] >= 0, new.astype(leaf.dtype),
+                            jax.lax.dynamic_slice_in_dim(leaf, at, page))
+            return jax.lax.dynamic_update_slice_in_dim(leaf, new, at, 0)
+
+        return jax.tree.map(put, out, rows(j))
 
     return jax.lax.fori_loop(0, count, body, pool)
 

@@ -33,6 +33,7 @@ from lsparse_jax.memory.paged_kv import PagedKVStore
 from lsparse_jax.memory.paging import put_pages
 from lsparse_jax.methods.base import Grant, register
 from lsparse_jax.methods.hisparse import HiSparse, PagedController
+from lsparse_jax.quant import KVRowFormat
 
 
 @struct.dataclass
@@ -41,7 +42,8 @@ class LentPageView:
 
     pool: jax.Array  # [NP * P, D] pinned_host pages of this layer
     page_table: jnp.ndarray  # [max_pages] int32 physical host page of each logical page
-    optional: jax.Array  # [NO * P, D] f32 device pages lent to imported history
+    optional: jax.Array  # [NO * P, D] f32 device pages lent to imported history (rows in
+    #   the model's kv_dtype, a pytree like the pool)
     ready: jnp.ndarray  # [max_pages] int32 optional page holding each logical page, -1 none
 
 
@@ -59,7 +61,8 @@ class AdaptiveTier:
 
     kv_pools: tuple[jax.Array | None, ...]  # per layer [NP * P, D] f32 pinned_host KV pages
     optional_pools: tuple[jax.Array | None, ...]  # per layer [NO * P, D] f32 device pages lent
-    #   to complete pages of imported history (copies of host pages; NaN when not lent)
+    #   to complete pages of imported history (copies of host pages; NaN when not lent); both
+    #   pytrees of arrays for another ModelConfig.kv_dtype
     page_table: jnp.ndarray  # [S, max_pages] int32 physical page of each logical page, -1 none
     ready: jnp.ndarray  # [S, max_pages] int32 optional page holding each logical page (the same
     #   page in every CSA layer's optional pool), -1 = not lent
@@ -79,9 +82,8 @@ class Adaptive(HiSparse):
     def empty_tier(self, codebooks=None) -> AdaptiveTier:
         base = super().empty_tier(codebooks)
         rows = self.engine.cache.optional_pages * self.engine.cache.page_size
-        optional = tuple(None if p is None else
-                         jnp.full((rows, self.engine.model.head_dim), jnp.nan, jnp.float32)
-                         for p in base.kv_pools)
+        rowfmt = KVRowFormat.of(self.engine.model)
+        optional = tuple(None if p is None else rowfmt.empty(rows) for p in base.kv_pools)
         return AdaptiveTier(base.kv_pools, optional, base.page_table, self._page_table())
 
     def slot_rows(self, tier: AdaptiveTier):
@@ -103,7 +105,8 @@ class Adaptive(HiSparse):
         loses a row)."""
         out, tier = super().admit_layer(layer, cache, empty, tier, grant, full_pages)
         page, entries = self.engine.cache.page_size, cache.kv.entries
-        rows = lambda j: jax.lax.dynamic_slice_in_dim(entries, j * page, page)  # noqa: E731
+        rows = lambda j: jax.tree.map(  # noqa: E731
+            lambda e: jax.lax.dynamic_slice_in_dim(e, j * page, page), entries)
         pools = list(tier.optional_pools)
         pools[layer] = put_pages(pools[layer], grant.lent, rows,
                                  jnp.minimum(full_pages, grant.lent.shape[0]), page)
@@ -125,7 +128,8 @@ def reclaim(method: Adaptive, state, slot):
     are poisoned with NaN. Nothing is lost: every lent page has its host copy."""
     tier, page = state.tier, method.engine.cache.page_size
     row = tier.ready[slot]
-    nan = lambda o: jnp.full((page, o.shape[1]), jnp.nan)  # noqa: E731
+    nan = lambda o: jax.tree.map(  # noqa: E731
+        lambda leaf: jnp.full((page,) + leaf.shape[1:], jnp.nan, leaf.dtype), o)
     pools = _with_optional(tier, lambda o, p: put_pages(o, row, lambda j: nan(o), row.shape[0],
                                                         page))
     return state.replace(tier=tier.replace(optional_pools=pools,
@@ -143,8 +147,9 @@ def refill(method: Adaptive, state, slot, logical, lent):
     dest = jnp.where(ok, lent, -1)
 
     def fill(optional, pool):
-        rows = read_host_rows(pool, ids)  # [R, P, D] on the device
-        return put_pages(optional, dest, lambda j: rows[j], dest.shape[0], page)
+        rows = jax.tree.map(lambda p: read_host_rows(p, ids), pool)  # [R, P, D] on the device
+        return put_pages(optional, dest, lambda j: jax.tree.map(lambda r: r[j], rows),
+                         dest.shape[0], page)
 
     where = jnp.where(ok, logical, tier.ready.shape[1])  # out of bounds -> dropped
     ready = tier.ready.at[slot, where].set(lent, mode="drop")
@@ -187,8 +192,8 @@ class AdaptiveController(PagedController):
 
     def metrics(self, state) -> dict:
         return {"optional_pages_in_use": self.residency.in_use(),
-                "optional_pool_bytes": sum(o.nbytes for o in state.tier.optional_pools
-                                           if o is not None)}
+                "optional_pool_bytes": sum(o.nbytes for o in
+                                           jax.tree.leaves(state.tier.optional_pools))}
 
 
 class OptionalResidency:

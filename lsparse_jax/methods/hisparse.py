@@ -27,6 +27,7 @@ from lsparse_jax.memory.paged_kv import PagedKVStore, PageView
 from lsparse_jax.memory.paging import CompletedPages, page_out
 from lsparse_jax.methods.base import Controller, Grant, Method, insert, register
 from lsparse_jax.model.cache import CSACache
+from lsparse_jax.quant import KVRowFormat
 
 
 @struct.dataclass
@@ -34,7 +35,8 @@ class HostTier:
     """What hisparse shares across slots."""
 
     kv_pools: tuple[jax.Array | None, ...]  # per layer [NP * P, D] f32 pinned_host pages of
-    #   compressed KV (page p: rows p*P ..); None for layers that are not CSA
+    #   compressed KV (page p: rows p*P ..), a pytree of [NP * P, ...] arrays for another
+    #   ModelConfig.kv_dtype; None for layers that are not CSA
     page_table: jnp.ndarray  # [S, max_pages] int32 physical page of each logical page, -1 none
 
 
@@ -65,12 +67,21 @@ class HiSparse(Method):
         return tuple(empty_pool(n, size, dim, dtype) if i in self.csa_layers else None
                      for i in range(self.engine.model.num_layers))
 
+    def _kv_pools(self) -> tuple:
+        """A NaN host pool per CSA layer (None elsewhere) of KV rows in the model's format
+        (``quant.KVRowFormat``: one pool per array of a row)."""
+        row = KVRowFormat.of(self.engine.model).template()
+        leaves, treedef = jax.tree.flatten(row)
+        per_leaf = [self._pools(leaf.shape[-1], leaf.dtype) for leaf in leaves]
+        return tuple(None if pools[0] is None else jax.tree.unflatten(treedef, pools)
+                     for pools in zip(*per_leaf))
+
     def _page_table(self) -> jnp.ndarray:
         shape = (self.engine.cache.num_slots, self.engine.pages_per_slot)
         return jnp.full(shape, -1, jnp.int32)
 
     def empty_tier(self, codebooks=None) -> HostTier:
-        return HostTier(self._pools(self.engine.model.head_dim), self._page_table())
+        return HostTier(self._kv_pools(), self._page_table())
 
     def slot_rows(self, tier: HostTier):
         return tier.page_table

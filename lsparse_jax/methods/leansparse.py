@@ -96,6 +96,7 @@ class LeanTier:
     """What leansparse shares across slots."""
 
     kv_pools: tuple[jax.Array | None, ...]  # per layer [NP * P, D] f32 pinned_host KV pages
+    #   (a pytree of arrays for another kv_dtype, as hisparse's)
     key_pools: tuple[tuple[jax.Array, jax.Array] | None, ...]  # per layer ([NP * P, D_I] e4m3,
     #   [NP * P, D_I / fp8_block] f32) pinned_host pages of FP8 indexer keys
     page_table: jnp.ndarray  # [S, max_pages] int32 physical page of each logical page, -1 none
@@ -139,7 +140,7 @@ class LeanSparse(HiSparse):
         values = self._pools(ic.head_dim, jnp.float8_e4m3fn)
         scales = self._pools(ic.head_dim // ic.fp8_block)
         keys = tuple(None if v is None else (v, s) for v, s in zip(values, scales))
-        return LeanTier(self._pools(self.engine.model.head_dim), keys, self._page_table(),
+        return LeanTier(self._kv_pools(), keys, self._page_table(),
                         self._check_codebooks(codebooks))
 
     def _check_codebooks(self, codebooks) -> tuple:

@@ -27,7 +27,7 @@ from lsparse_jax.model.store import (
     exact_selection,
     write_rows,
 )
-from lsparse_jax.quant import dequantize_index_keys, quantize_index_keys
+from lsparse_jax.quant import KVRowFormat, dequantize_index_keys, quantize_index_keys
 from pallas_kernels.sparse_attention.api import sparse_attention
 
 
@@ -56,7 +56,9 @@ class AttentionLayer(nn.Module):
 
     A CSA layer keeps its compressed KV in ``kv_store`` and its indexer keys in ``key_index``
     (``model.store``: the resident layout by default; a serving method passes its own, and a
-    per-slot ``context`` of shared state to both); the layer itself is only the math.
+    per-slot ``context`` of shared state to both); the layer itself is only the math. Its
+    compressed rows are stored in ``cfg.kv_dtype`` (``quant.KVRowFormat``): encoded when
+    written, decoded to f32 after the selected rows are gathered.
     """
 
     cfg: ModelConfig
@@ -104,7 +106,9 @@ class AttentionLayer(nn.Module):
         if self.kind == "csa":
             completed = start // m  # compressed rows the slot held before this chunk
             kv_ctx, key_ctx = (None, None) if context is None else context
-            cache = cache.replace(kv=self.kv_store.write(cache.kv, completed, ids, rows, ok))
+            rowfmt = KVRowFormat.of(cfg)
+            cache = cache.replace(kv=self.kv_store.write(cache.kv, completed, ids,
+                                                         rowfmt.encode(rows), ok))
         elif self.kind == "hca":
             cache = cache.replace(entries=write_rows(cache.entries, ids, rows, ok))
         elif self.kind == "dsa":
@@ -149,12 +153,15 @@ class AttentionLayer(nn.Module):
         if self.kind == "hca" or (self.dense_selection and self.kind == "dsa"):
             groups.append((cache.entries[None], eligible))
         elif self.dense_selection and self.kind == "csa":
-            groups.append((self.kv_store.all_rows(cache.kv)[None], eligible))
+            groups.append((rowfmt.decode(self.kv_store.all_rows(cache.kv))[None], eligible))
         elif self.kind == "csa":
             kv, view = self.kv_store.gather(cache.kv, completed, selection.positions, kv_ctx)
             cache = cache.replace(kv=kv)
             if not kernel_decode:  # XLA path: the selected rows, query by query
-                groups.append((view.table[0][jnp.maximum(view.slots, 0)], view.slots >= 0))
+                picked = jax.tree.map(lambda t: t[0][jnp.maximum(view.slots, 0)], view.table)
+                groups.append((rowfmt.decode(picked), view.slots >= 0))
+            elif rowfmt.kind != "f32":  # the kernel reads f32 rows: decode the selected ones
+                view = selected_rows(rowfmt, view)
             selection = selection.replace(sources=view.sources)
         elif self.kind == "dsa":
             sel = selection.positions
@@ -176,6 +183,15 @@ class AttentionLayer(nn.Module):
             out = sink_attention(q, groups, sink)
         y = dense(cfg.hidden, "wo")(out.reshape(t_len, h * d))
         return y, cache, selection
+
+
+def selected_rows(rowfmt: KVRowFormat, view):
+    """A decode query's view (T = 1) whose table is its k selected rows, decoded to f32
+    (table [1, k, D], slots 0..k-1 where selected, -1 elsewhere)."""
+    slots = view.slots
+    rows = rowfmt.decode(jax.tree.map(lambda t: t[0][jnp.maximum(slots[0], 0)], view.table))
+    return view.replace(table=rows[None],
+                        slots=jnp.where(slots >= 0, jnp.arange(slots.shape[-1]), -1))
 
 
 def indexer_kl(iq, iw, krows, kval, kscale, kids, kok, num, eligible, attended, probs):

@@ -12,6 +12,7 @@ from flax import struct
 
 from lsparse_jax.config import ModelConfig
 from lsparse_jax.model.store import RESIDENT_KV, ExactIndex, KeyIndex, KVStore
+from lsparse_jax.quant import KVRowFormat
 
 
 @struct.dataclass
@@ -24,7 +25,7 @@ class CSACache:
     window: jnp.ndarray  # [W, D] f32 ring of raw KV rows (the SWA part)
     kv_ring: jnp.ndarray  # [2m, 4D] f32 compressor inputs of the last 2m tokens
     kv: Any  # the KVStore's state of the compressed KV; entry i pools tokens (i-1)m .. im+m-1
-    #   (model.store.ResidentKV, or a serving method's paged store)
+    #   (model.store.ResidentKV, or a serving method's paged store), rows in cfg.kv_dtype
     index_ring: jnp.ndarray  # [2m, 4 D_I] f32 indexer-compressor inputs of the last 2m tokens
     keys: Any  # the KeyIndex's state of the FP8 indexer keys of the compressed entries
 
@@ -61,7 +62,8 @@ def empty_layer_cache(cfg: ModelConfig, layer: int, kv_store: KVStore = RESIDENT
     if kind == "csa":
         m = cfg.csa_ratio
         key_index = key_index or ExactIndex(cfg.indexer.top_k)
-        return CSACache(window=nan(w, d), kv_ring=nan(2 * m, 4 * d), kv=kv_store.empty(n, d),
+        return CSACache(window=nan(w, d), kv_ring=nan(2 * m, 4 * d),
+                        kv=kv_store.empty(n, KVRowFormat.of(cfg)),
                         index_ring=nan(2 * m, 4 * di), keys=key_index.empty(n, di, nb))
     if kind == "hca":
         m = cfg.hca_ratio

@@ -6,12 +6,16 @@ positions with its indexer, and attends to the selected rows. Where rows and key
 device, host pages behind a cache, PQ codes) and how the selection is computed from them are a
 serving method's choice, so the model only calls:
 
-  ``KVStore``   write(state, completed, ids, rows, ok) -> state
+  ``KVStore``   empty(num_rows, row_format) -> state
+                write(state, completed, ids, rows, ok) -> state
                 gather(state, completed, selected, context) -> (state, RowView)
-                all_rows(state) -> [N, D] (the dense reference; resident layouts only)
+                all_rows(state) -> [N, ...] (the dense reference; resident layouts only)
   ``KeyIndex``  write(state, completed, ids, values, scales, ok) -> state
                 select(state, completed, query, eligible, context) -> (state, Selection)
 
+KV rows are stored in the model's ``quant.KVRowFormat`` (``ModelConfig.kv_dtype``): the layer
+encodes rows before ``write`` and decodes what ``gather`` / ``all_rows`` return, so a store
+only moves rows, a pytree of per-row arrays (one f32 or bf16 array, or FP8Rows' three).
 ``completed`` is the number of compressed rows the slot held before this chunk; ``context`` is
 what the method lends one slot's layer from shared state (its host pages, page-table row, PQ
 codebooks; None for resident). Implementations are frozen dataclasses: hashable, static under
@@ -29,7 +33,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from lsparse_jax.indexing import topk_positions
-from lsparse_jax.quant import dequantize_index_keys
+from lsparse_jax.quant import KVRowFormat, dequantize_index_keys
 from pallas_kernels.index_scores.reference import exact_index_scores
 
 NUM_SOURCES = 3  # a selected row was found in: 0 tail / resident (or lent) map, 1 cache, 2 host
@@ -58,10 +62,11 @@ class RowView:
     """Selected rows as the attention reads them: query t's j-th row is table[0, slots[t, j]].
 
     The resident store lends its whole table (the kernel gathers in place); a paged store
-    returns the k resolved rows and slots 0..k-1.
+    returns the k resolved rows and slots 0..k-1. Rows are in the stored format (a pytree
+    of [1, R, ...] leaves; ``KVRowFormat.decode`` gives [1, R, D] f32).
     """
 
-    table: jnp.ndarray  # [1, R, D] rows (NaN where never written)
+    table: jnp.ndarray  # [1, R, D] rows, or a pytree of [1, R, ...] (NaN where never written)
     slots: jnp.ndarray  # [T, k] int32 row of each selected position in table[0], -1 none
     sources: jnp.ndarray  # [T, 3] int32 where the selected rows were found (NUM_SOURCES)
 
@@ -69,13 +74,13 @@ class RowView:
 class KVStore(Protocol):
     """Where a CSA layer's compressed KV rows live and how selected rows are read."""
 
-    def empty(self, num_rows: int, dim: int) -> Any: ...
+    def empty(self, num_rows: int, rows: KVRowFormat) -> Any: ...
 
     def write(self, state, completed, ids, rows, ok) -> Any: ...
 
     def gather(self, state, completed, selected, context) -> tuple[Any, RowView]: ...
 
-    def all_rows(self, state) -> jnp.ndarray: ...
+    def all_rows(self, state) -> Any: ...
 
 
 class KeyIndex(Protocol):
@@ -89,10 +94,12 @@ class KeyIndex(Protocol):
                context) -> tuple[Any, Selection]: ...
 
 
-def write_rows(table: jnp.ndarray, ids: jnp.ndarray, rows: jnp.ndarray, ok: jnp.ndarray):
-    """table[ids[j]] = rows[j] where ok[j]; other rows are dropped (never written)."""
-    ids = jnp.where(ok, ids, table.shape[0])  # out of bounds -> dropped
-    return table.at[ids].set(rows.astype(table.dtype), mode="drop")
+def write_rows(table, ids: jnp.ndarray, rows, ok: jnp.ndarray):
+    """table[ids[j]] = rows[j] where ok[j]; other rows are dropped (never written). ``table``
+    and ``rows`` may be pytrees of arrays with the row axis first (each leaf is written)."""
+    size = jax.tree.leaves(table)[0].shape[0]
+    ids = jnp.where(ok, ids, size)  # out of bounds -> dropped
+    return jax.tree.map(lambda t, r: t.at[ids].set(r.astype(t.dtype), mode="drop"), table, rows)
 
 
 def resident_counts(selected) -> jnp.ndarray:
@@ -149,23 +156,25 @@ def exact_selection(query: IndexerQuery, values, scales, eligible, top_k: int,
 
 @struct.dataclass
 class ResidentKV:
-    entries: jnp.ndarray  # [N, D] f32 every compressed row of the slot; NaN past its length
+    entries: Any  # [N, D] f32 every compressed row of the slot (NaN past its length), or the
+    #   pytree of [N, ...] arrays of another KVRowFormat
 
 
 @dataclasses.dataclass(frozen=True)
 class ResidentKVStore:
     """Every compressed row on the device; the attention reads the table in place."""
 
-    def empty(self, num_rows: int, dim: int) -> ResidentKV:
-        return ResidentKV(jnp.full((num_rows, dim), jnp.nan, jnp.float32))
+    def empty(self, num_rows: int, rows: KVRowFormat) -> ResidentKV:
+        return ResidentKV(rows.empty(num_rows))
 
     def write(self, state: ResidentKV, completed, ids, rows, ok) -> ResidentKV:
         return state.replace(entries=write_rows(state.entries, ids, rows, ok))
 
     def gather(self, state: ResidentKV, completed, selected, context):
-        return state, RowView(state.entries[None], selected, resident_counts(selected))
+        table = jax.tree.map(lambda e: e[None], state.entries)
+        return state, RowView(table, selected, resident_counts(selected))
 
-    def all_rows(self, state: ResidentKV) -> jnp.ndarray:
+    def all_rows(self, state: ResidentKV):
         return state.entries
 
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from lsparse_jax.config import EngineConfig
 from lsparse_jax.methods import policy
+from lsparse_jax.quant import KVRowFormat
 from lsparse_jax.serving import stats
 from lsparse_jax.serving.prefill_stream import streamed_prefill
 from lsparse_jax.serving.request import Request
@@ -163,7 +164,7 @@ class Engine:
         return out
 
     def metrics(self) -> dict:
-        row_bytes = 4 * self.config.model.head_dim
+        row_bytes = KVRowFormat.of(self.config.model).row_bytes  # a CSA row as stored
         key_bytes = self.config.model.indexer.key_bytes
         selection = stats.as_dict(self.stats.totals(), row_bytes, key_bytes)
         return {

@@ -22,7 +22,7 @@ from pallas_kernels import common
 OP = "gather_rows"
 AVAILABLE = ("xla", "triton")
 FASTEST_ON_GPU = "triton"
-DTYPES = (jnp.float32, jnp.float8_e4m3fn)
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e8m0fnu)
 
 
 def _check(table, ids, ids_dtype) -> None:
@@ -34,7 +34,8 @@ def _check(table, ids, ids_dtype) -> None:
     if table.ndim != 2:
         fail("table", f"must be [N, D], got shape {table.shape}")
     if table.dtype not in DTYPES:
-        fail("table", f"must be float32 or float8_e4m3fn, got {table.dtype}")
+        fail("table", f"must be float32, bfloat16, float8_e4m3fn or float8_e8m0fnu, got "
+             f"{table.dtype}")
     if table.shape[0] < 1 or table.shape[1] < 1:
         fail("table", f"must have at least one row and one column, got shape {table.shape}")
     if ids.ndim != 1:
@@ -48,7 +49,8 @@ def gather_rows(table, ids, *,
     """Rows of ``table`` selected by ``ids``, on the device.
 
     Inputs:
-      table [N, D]  f32 or float8_e4m3fn, in device or pinned_host memory (left where it is)
+      table [N, D]  f32, bf16, float8_e4m3fn or float8_e8m0fnu (rows are copied, never
+                    converted), in device or pinned_host memory (left where it is)
       ids   [n]     int32 row ids; -1 (any negative id) = skip
     Outputs:
       rows  [n, D]  table's dtype, device memory; NaN rows where ids < 0

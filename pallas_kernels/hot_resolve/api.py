@@ -32,7 +32,7 @@ from pallas_kernels import common
 OP = "hot_resolve"
 AVAILABLE = ("xla", "triton")
 FASTEST_ON_GPU = "triton"
-DTYPES = (jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn)
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e8m0fnu)
 
 
 def _array(x):
@@ -75,7 +75,8 @@ def _check(selected, hot_rows, hot_positions, hot_stamps, clock, page_table, poo
         if r.ndim != 2 or r.shape[0] != b:
             fail("hot_rows", f"leaves must be [B, D] with B={b}, got shape {r.shape}")
         if r.dtype not in DTYPES:
-            fail("hot_rows", f"must be float32, bfloat16 or float8_e4m3fn, got {r.dtype}")
+            fail("hot_rows", f"must be float32, bfloat16, float8_e4m3fn or float8_e8m0fnu, "
+                 f"got {r.dtype}")
         if p.ndim != 2 or p.shape[1] != r.shape[1]:
             fail("pool", f"leaves must be [N, D] with D={r.shape[1]}, got shape {p.shape}")
         if p.dtype != r.dtype:
@@ -90,8 +91,8 @@ def hot_resolve(selected, hot_rows, hot_positions, hot_stamps, clock, page_table
 
     Inputs:
       selected      [k]       int32 positions to make resident (best first); -1 = nothing
-      hot_rows      [B, D]    f32 / bf16 / float8_e4m3fn cached rows, NaN where empty (or a
-                              pytree of [B, D_i] leaves)
+      hot_rows      [B, D]    f32 / bf16 / float8_e4m3fn / float8_e8m0fnu cached rows, NaN
+                              where empty (or a pytree of [B, D_i] leaves)
       hot_positions [B]       int32 position held by each hot row, -1 empty
       hot_stamps    [B]       int32 LRU stamps (clock * k + rank), -1 empty
       clock         []        int32 steps served

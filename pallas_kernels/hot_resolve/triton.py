@@ -18,6 +18,8 @@ Leaves whose D is not a power of two use the XLA row loop of ``reference.move_ro
 (Triton blocks must have power-of-two sizes); narrow power-of-two leaves (one FP8 scale per
 key, D = 1) take the kernel: the row loop moves one row per dynamic_slice + device_put, about
 10 us a row on an H200, which made LeanSparse's key-cache misses dominate its decode step.
+Leaves of e8m0 (the power-of-two scales of FP8 KV rows, ``kv_dtype="fp8_v4"``) also take the
+row loop: the kernel has not been checked with that dtype under Triton.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ from jax.experimental import pallas as pl
 from pallas_kernels.hot_resolve import reference
 
 
-def kernel_row(d: int) -> bool:
-    """True when rows of D values go through the Triton kernel (D a power of two)."""
-    return d >= 1 and d & (d - 1) == 0
+def kernel_row(d: int, dtype=jnp.float32) -> bool:
+    """True when rows of D values go through the Triton kernel (D a power of two; e8m0 FP8
+    row scales, not checked under Triton, take the XLA row loop)."""
+    return d >= 1 and d & (d - 1) == 0 and dtype != jnp.float8_e8m0fnu
 
 
 def _kernel(src_ref, dst_ref, pool_ref, rows_in_ref, rows_ref, *, pool_rows: int,
@@ -66,7 +69,7 @@ def move_rows_triton(hot_rows, pool, src, dst, *, interpret: bool, num_warps: in
     (n,), (b, d) = src.shape, hot_rows.shape
     if n == 0:
         return hot_rows
-    if not kernel_row(d):
+    if not kernel_row(d, hot_rows.dtype):
         return reference.move_rows_xla(hot_rows, pool, src, dst)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
