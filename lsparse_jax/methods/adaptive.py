@@ -188,7 +188,7 @@ class AdaptiveController(PagedController):
 
     def warmup(self, state):
         none = jnp.full((self.residency.refill_pages,), -1, jnp.int32)  # an all -1 plan
-        return refill(self.method, state, 0, none, none)
+        return refill(self.method, super().warmup(state), 0, none, none)
 
     def metrics(self, state) -> dict:
         return {"optional_pages_in_use": self.residency.in_use(),

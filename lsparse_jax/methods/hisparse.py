@@ -138,7 +138,8 @@ def _clear_pages(tier, slot):
 
 @functools.partial(jax.jit, static_argnames=("method",), donate_argnames=("state",))
 def write_completed(method: HiSparse, state, slots):
-    """``method.write_completed`` under jit (one compilation per number of slots)."""
+    """``method.write_completed`` under jit (one compilation per length of ``slots``: the
+    controller pads it to a power of two, so there are at most log2(S) + 1)."""
     return method.write_completed(state, slots)
 
 
@@ -172,7 +173,18 @@ class PagedController(Controller):
                                           engine.cache.page_size)
         if slots.size == 0:
             return []
+        # pad to a power of two by repeating the last slot (writing a page twice is the same
+        # as once), so that the writeback compiles for log2(S) + 1 lengths, at warmup
+        width = 1 << (slots.size - 1).bit_length()
+        slots = np.concatenate([slots, np.repeat(slots[-1:], width - slots.size)])
         return [functools.partial(write_completed, self.method, slots=jnp.asarray(slots))]
+
+    def warmup(self, state):
+        """Compiles the writeback for every padded length (ahead of time: nothing runs)."""
+        for bits in range((state.lengths.shape[0] - 1).bit_length() + 1):
+            write_completed.lower(self.method, state,
+                                  slots=jnp.zeros((1 << bits,), jnp.int32)).compile()
+        return state
 
 
 __all__ = ["HiSparse", "HostTier", "PagedController"]

@@ -62,9 +62,12 @@ class Engine:
         jax.block_until_ready(prefill(self.params, cfg, tokens, chunk))
         # An all-idle step writes nothing and selects nothing (only the sampling key moves).
         idle = jnp.zeros(self.active.shape, bool)
-        self.state, _ = decode_step(self.params, self.config, self.state,
-                                    jnp.asarray(self.next_token), idle)
-        self.state = self.control.warmup(self.state)  # what the controller runs between steps
+        self.state, out = decode_step(self.params, self.config, self.state,
+                                      jnp.asarray(self.next_token), idle)
+        # the statistics updates (an idle step adds nothing) and the controller's updates
+        self.stats = stats.admitted(stats.record(self.stats, out.selected, out.eligible,
+                                                 out.sources, out.key_sources, idle), 0)
+        self.state = self.control.warmup(self.state)
         jax.block_until_ready(self.state)
 
     def admit(self, request: Request | np.ndarray, max_new_tokens: int | None = None,

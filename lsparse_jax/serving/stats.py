@@ -30,8 +30,10 @@ class SelectionStats:
 
     @classmethod
     def empty(cls, slots: int, layers: int, top_k: int) -> SelectionStats:
-        return cls(jnp.zeros((len(FIELDS), 2), jnp.uint32),
-                   jnp.full((slots, layers, top_k), -1, jnp.int32), jnp.zeros((slots,), bool))
+        stats = cls(jnp.zeros((len(FIELDS), 2), jnp.uint32),
+                    jnp.full((slots, layers, top_k), -1, jnp.int32), jnp.zeros((slots,), bool))
+        # committed, as ``record``'s outputs are: the first update then compiles once, not twice
+        return jax.tree.map(lambda a: jax.device_put(a, a.sharding), stats)
 
     def totals(self) -> dict[str, int]:
         """The exact sums (one device-to-host transfer)."""
