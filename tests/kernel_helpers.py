@@ -25,3 +25,18 @@ def assert_same_sets(got, want):
                                    want.reshape(-1, want.shape[-1]))):
         assert sorted(a[a >= 0].tolist()) == sorted(b[b >= 0].tolist()), f"row {r} differs"
         assert (a < 0).sum() == (b < 0).sum(), f"row {r}: padding differs"
+
+
+def gpu_topk_rows(rng, b: int, n: int, k: int, kind: str):
+    """Score rows [b, n] f32 of ``kind`` ("ties": small integers, "relu": sparse nonnegative,
+    else normal) and lengths [b] int32 with the edge cases 0, 1, k - 1, k, k + 1, 5000, n / 2,
+    n - 1 first; unpoisoned (callers poison past each length their own way)."""
+    lengths = np.full((b,), n, np.int32)
+    lengths[:8] = [0, 1, k - 1, k, k + 1, 5000, n // 2, n - 1]
+    if kind == "ties":
+        scores = rng.integers(0, 50, size=(b, n)).astype(np.float32)
+    elif kind == "relu":
+        scores = np.maximum(rng.normal(size=(b, n)) - 1.5, 0).astype(np.float32)
+    else:
+        scores = rng.normal(size=(b, n)).astype(np.float32)
+    return scores, lengths

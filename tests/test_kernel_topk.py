@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_helpers import assert_same_sets
+from kernel_helpers import assert_same_sets, gpu_topk_rows
 
 from pallas_kernels import common
 from pallas_kernels.topk import topk
@@ -189,15 +189,7 @@ def test_unknown_implementation_raises():
 
 
 def _gpu_case(seed, b, n, k, kind):
-    rng = np.random.default_rng(seed)
-    lengths = np.full((b,), n, np.int32)
-    lengths[:8] = [0, 1, k - 1, k, k + 1, 5000, n // 2, n - 1]
-    if kind == "ties":
-        scores = rng.integers(0, 50, size=(b, n)).astype(np.float32)
-    elif kind == "relu":
-        scores = np.maximum(rng.normal(size=(b, n)) - 1.5, 0).astype(np.float32)
-    else:
-        scores = rng.normal(size=(b, n)).astype(np.float32)
+    scores, lengths = gpu_topk_rows(np.random.default_rng(seed), b, n, k, kind)
     return _poison(scores, lengths), lengths
 
 

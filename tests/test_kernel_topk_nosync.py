@@ -14,6 +14,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_helpers import gpu_topk_rows
 from test_kernel_topk import assert_topk_equal, numpy_topk
 
 from pallas_kernels import common
@@ -311,14 +312,7 @@ def test_old_while_loop_would_be_caught():
 
 def _gpu_rows(seed, b, n, k, kind):
     rng = np.random.default_rng(seed)
-    lengths = np.full((b,), n, np.int32)
-    lengths[:8] = [0, 1, k - 1, k, k + 1, 5000, n // 2, n - 1]
-    if kind == "ties":
-        scores = rng.integers(0, 50, size=(b, n)).astype(np.float32)
-    elif kind == "relu":
-        scores = np.maximum(rng.normal(size=(b, n)) - 1.5, 0).astype(np.float32)
-    else:
-        scores = rng.normal(size=(b, n)).astype(np.float32)
+    scores, lengths = gpu_topk_rows(rng, b, n, k, kind)
     scores[9] = np.sort(scores[9])  # ascending: the one-read path falls back
     return _poison(rng, scores, lengths), lengths
 

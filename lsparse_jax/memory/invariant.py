@@ -9,7 +9,6 @@ from __future__ import annotations
 import numpy as np
 
 from lsparse_jax.config import EngineConfig
-from lsparse_jax.memory.key_store import PagedKeys
 from lsparse_jax.model.cache import CSACache
 
 
@@ -90,11 +89,11 @@ def hierarchy_violations(engine: EngineConfig, state, truth_caches, active,
             _check_store(f"layer {layer} kv", np_rows(cache.kv.tail),
                          np_rows(tier.kv_pools[layer]), cache.kv.hot, table, want_kv, done,
                          paged, page, s, bad)
-            if hasattr(tier, "optional_pools"):
+            if engine.storage.lent_pages:
                 _check_lent(layer, np_rows(tier.optional_pools[layer]),
                             np.asarray(tier.ready)[s], at_slot(want_kv, s), paged, page, s,
                             bad)
-            if isinstance(cache.keys, PagedKeys):
+            if engine.storage.keys_on_host:
                 _check_store(f"layer {layer} keys", np_tree(cache.keys.tail),
                              np_tree(tier.key_pools[layer]), cache.keys.cache, table, want_keys,
                              done, paged, page, s, bad)
