@@ -4,6 +4,10 @@
 #                 then experiments/scale.py at SCALE_CONTEXTS (default 512K) with bf16 matmuls
 #                 into run scale_long (resumes from results/scale_long/results.json)
 #   STEP=scale    the scale_long run only (SCALE_CONTEXTS, SCALE_BATCHES)
+#   STEP=train    the drafter (configs/experiments/train_drafter.gin, DRAFT_SECONDS) then the
+#                 long-context model (benchmarks/train_long_gpu.sh, TRAIN_SECONDS); each exported
+#                 checkpoint comes back as one tar in $OUT (checkpoints are folders too deep for
+#                 $OUT), runs/ results beside them
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
@@ -25,5 +29,17 @@ case "${STEP:-prefill}" in
       --precisions highest,tf32,bf16 --out "$OUT" 2>&1 | tail -8
     scale 330 ;;
   scale) scale 560 ;;
+  train)  # SPEC_DIR / LONG_DIR: trees holding those branches (default: this one)
+    ROOT=$PWD
+    (cd "${SPEC_DIR:-.}" && export PYTHONPATH=/tmp/site:$PWD && timeout "${DRAFT_SECONDS:-240}" \
+      python3 -m experiments.cli run configs/experiments/train_drafter.gin 2>&1 \
+      | tr '\r' '\n' | grep -v "it/s\]" | tail -12
+     [ -d checkpoints/drafter_small ] && tar -cf "$OUT/drafter_small.tar" checkpoints/drafter_small)
+    cp "$OUT/train_drafter/results.json" "$OUT/train_drafter_results.json" 2>/dev/null
+    rm -rf "$OUT/train_drafter"
+    (cd "${LONG_DIR:-.}" && unset LSPARSE_RUNS && OUT=$OUT/long STEP=train \
+      TRAIN_SECONDS=${TRAIN_SECONDS:-300} bash benchmarks/train_long_gpu.sh
+     [ -d checkpoints/long ] && tar -cf "$OUT/long.tar" checkpoints/long)
+    rm -rf "$OUT/long/checkpoints" "$OUT/long/train_long/config.gin"; cd "$ROOT" ;;
 esac
 ls -la "$OUT" "$OUT"/* 2>/dev/null | head -30
