@@ -89,9 +89,10 @@ def test_pools_equal_resident_and_reused_pages_leak_nothing(method):
 
 
 def test_capacity_at_a_fixed_budget_differs_per_method_as_accounted():
-    """One byte budget (2 resident pages), requests of 64 tokens (2 pages): resident fits 1,
-    hisparse and adaptive (keys only, 36 of 164 B per row) 4, leansparse (8 B of PQ codes)
-    20, each exactly ``pooled_capacity``; the next admission raises DeviceCapacityError and
+    """One byte budget (2 resident pages), requests of 64 tokens (2 pages): a page holds 8
+    rows of 2 CSA layers and 2 HCA rows (256 B); resident (164 B per CSA row) fits 1,
+    hisparse and adaptive (keys only, 36 B) 3, leansparse (8 B of PQ codes) 7, each exactly
+    ``pooled_capacity``; the next admission raises DeviceCapacityError and
     changes nothing (host pages included); a release frees its pages at once."""
     cfg = tiny(max_len=128)
     params, prompt = model_and_tokens(cfg, 60, seed=5)
@@ -123,7 +124,7 @@ def test_capacity_at_a_fixed_budget_differs_per_method_as_accounted():
         assert admitted == pooled_capacity(e.config, 64), method
         e.release(0)
         e.admit(prompt, max_new_tokens=4, prefilled=prefilled)  # its two pages, at once
-    assert fits == {"resident": 1, "hisparse": 4, "adaptive": 4, "leansparse": 20}
+    assert fits == {"resident": 1, "hisparse": 3, "adaptive": 3, "leansparse": 7}
 
 
 def test_a_request_that_can_never_fit_is_an_error():

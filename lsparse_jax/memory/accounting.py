@@ -99,7 +99,8 @@ def request_bytes(engine: EngineConfig, context: int, layout: Layout | None = No
     twice, with its ready map of lent pages).
     Device pools (``CacheConfig.device_pages``): the CSA state that grows with context
     (resident rows, exact keys, PQ codes) is counted in whole pages, ceil(N_c/P)*P rows,
-    plus a tail of P rows for rows and exact keys; one more page table (device pages).
+    plus a tail of P rows for rows and exact keys; HCA rows likewise in pages of
+    P_h = P*m/m_h rows plus a P_h-row tail; one more page table (device pages).
     """
     engine = sized_for(engine, context)
     cfg, cache = engine.model, engine.cache
@@ -140,7 +141,12 @@ def request_bytes(engine: EngineConfig, context: int, layout: Layout | None = No
                 host["indexer_keys"] += paged_rows * lay.index_key
         if kind == "hca":
             layer["compressor_state"] = cfg.hca_ratio * 2 * d * val
-            layer["attention_kv"] = n * lay.plain_row
+            if pooled:  # whole pages of P_h rows, and a tail of P_h rows
+                page_rows = cache.page_size * cfg.csa_ratio // cfg.hca_ratio
+                layer["attention_kv"] = csa_pages * page_rows * lay.plain_row
+                layer["tail"] = page_rows * lay.plain_row
+            else:
+                layer["attention_kv"] = n * lay.plain_row
         if kind == "dsa":
             layer["attention_kv"] = n * lay.plain_row
             if cfg.dsa_leader(i) == i:
@@ -158,12 +164,15 @@ def request_bytes(engine: EngineConfig, context: int, layout: Layout | None = No
 
 def device_page_bytes(engine: EngineConfig, layout: Layout | None = None) -> int:
     """Bytes of one device page id: P rows in every device pool of every CSA layer (KV rows
-    unless on the host, exact keys unless on the host, else PQ codes)."""
-    cfg, storage = engine.model, engine.storage
+    unless on the host, exact keys unless on the host, else PQ codes) and P * m / m_hca rows
+    of every HCA layer."""
+    cfg, storage, page = engine.model, engine.storage, engine.cache.page_size
     lay = layout or Layout.ours(cfg)
     per_row = ((0 if storage.kv_on_host else lay.kv_row)
                + (engine.pq_subspaces if storage.keys_on_host else lay.index_key))
-    return engine.cache.page_size * per_row * cfg.layer_pattern.count("csa")
+    hca = cfg.layer_pattern.count("hca") * (page * cfg.csa_ratio // cfg.hca_ratio) \
+        * lay.plain_row  # the HCA rows of the same tokens
+    return page * per_row * cfg.layer_pattern.count("csa") + hca
 
 
 def pool_pages(engine: EngineConfig, budget_bytes: int, layout: Layout | None = None) -> int:

@@ -44,6 +44,8 @@ class DevicePools:
     keys: tuple  # per layer: ([NP * P, D_I] e4m3, [NP * P, D_I / fp8_block] f32) exact
     #   indexer keys, NaN where never written; None if not pooled
     codes: tuple  # per layer: [NP * P, M] uint8 PQ codes of paged keys; None if not pooled
+    hca: tuple  # per layer: [NP * P_h, D] f32 HCA rows, P_h = P * m / m_hca rows per page
+    #   (the HCA rows of the tokens of one page of CSA rows); None for other layers
     page_table: jnp.ndarray  # [S, max_pages] int32 device page of each logical page, -1 none
 
 
@@ -185,6 +187,31 @@ class PooledIndex:
         return state, exact_selection(query, values, scales, eligible, self.top_k)
 
 
+@struct.dataclass
+class PooledRows:
+    tail: jnp.ndarray  # [P_h, D] f32 HCA rows of the page being filled
+
+
+@dataclasses.dataclass(frozen=True)
+class PooledRowStore:
+    """An HCA layer's row store (``model.store.ResidentRowStore``'s interface) over a device
+    pool: complete pages of ``page_rows`` rows in the pool, the page being filled in the
+    tail; a read gathers all the slot's rows (one gather), as the dense HCA attention needs."""
+
+    page_rows: int  # P_h
+
+    def empty(self, num_rows: int, dim: int) -> PooledRows:
+        return PooledRows(jnp.full((self.page_rows, dim), jnp.nan, jnp.float32))
+
+    def write(self, state: PooledRows, completed, ids, rows, ok) -> PooledRows:
+        paged = paged_rows(self.page_rows, completed)
+        return state.replace(tail=write_rows(state.tail, ids - paged, rows, ok))
+
+    def rows(self, state: PooledRows, completed, num_rows: int, context: PoolView):
+        return gather_slot_rows(context, jnp.arange(num_rows), state.tail,
+                                paged_rows(self.page_rows, completed), self.page_rows)
+
+
 class DevicePages:
     """Control plane of the device pools: a free list of pages and each slot's pages."""
 
@@ -219,5 +246,6 @@ class DevicePages:
 
 
 __all__ = ["DeviceCapacityError", "DevicePages", "DevicePools", "PoolView", "PooledIndex",
-           "PooledKV", "PooledKVStore", "PooledKeys", "empty_device_pool", "gather_slot_rows",
+           "PooledKV", "PooledKVStore", "PooledKeys", "PooledRowStore", "PooledRows",
+           "empty_device_pool", "gather_slot_rows",
            "page_in", "write_device_page"]

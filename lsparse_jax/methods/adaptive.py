@@ -89,15 +89,14 @@ class Adaptive(HiSparse):
         return AdaptiveTier(base.kv_pools, optional, base.page_table, self._page_table(),
                             base.pools)
 
-    def slot_rows(self, tier: AdaptiveTier):
-        table, device = super().slot_rows(tier)
-        return table, tier.ready, device
+    def slot_rows(self, tier: AdaptiveTier) -> tuple:
+        rows = super().slot_rows(tier)  # (host page table, device page table)
+        return rows[:1] + (tier.ready,) + rows[1:]
 
-    def contexts(self, tier: AdaptiveTier, rows) -> tuple:
-        table, ready, device = rows
-        return tuple(None if pool is None else (LentPageView(pool, table, opt, ready),
-                                                self.pool_view(tier, "keys", i, device))
-                     for i, (pool, opt) in enumerate(zip(tier.kv_pools, tier.optional_pools)))
+    def csa_context(self, tier: AdaptiveTier, rows, layer: int):
+        table, ready = rows[:2]
+        return (LentPageView(tier.kv_pools[layer], table, tier.optional_pools[layer], ready),
+                self.pool_view(tier, "keys", layer, rows[-1]))
 
     def admit(self, state, slot, caches, length, grant: Grant):
         state = super().admit(state, slot, caches, length, grant)

@@ -32,6 +32,8 @@ from lsparse_jax.memory.device_pool import (
     PooledKeys,
     PooledKV,
     PooledKVStore,
+    PooledRows,
+    PooledRowStore,
     PoolView,
     empty_device_pool,
     page_in,
@@ -39,7 +41,7 @@ from lsparse_jax.memory.device_pool import (
 )
 from lsparse_jax.memory.paging import CompletedPages
 from lsparse_jax.model.cache import CSACache, LayerCache, empty_cache
-from lsparse_jax.model.store import RESIDENT_KV, ExactIndex, KeyIndex, KVStore
+from lsparse_jax.model.store import RESIDENT_KV, RESIDENT_ROWS, ExactIndex, KeyIndex, KVStore
 from lsparse_jax.quant import KVRowFormat
 
 Update = Callable[[Any], Any]  # a jitted function of the decode state, run by the engine
@@ -131,10 +133,27 @@ class Method:
             invalid("EngineConfig", "cache.optional_pages", engine.cache.optional_pages,
                     "the adaptive method needs it (device pages lent to imported history); "
                     "other methods must leave it None")
+        cfg, page = engine.model, engine.cache.page_size
+        if engine.cache.device_pages is not None and "hca" in cfg.layer_pattern \
+                and page * cfg.csa_ratio % cfg.hca_ratio:
+            invalid("EngineConfig", "cache.page_size", page,
+                    f"with device_pages, page_size * csa_ratio ({page * cfg.csa_ratio} tokens "
+                    f"a page) must be a multiple of hca_ratio={cfg.hca_ratio} (a page holds "
+                    "whole HCA rows)")
 
     @property
     def csa_layers(self) -> tuple[int, ...]:
         return tuple(i for i, k in enumerate(self.engine.model.layer_pattern) if k == "csa")
+
+    @property
+    def hca_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.engine.model.layer_pattern) if k == "hca")
+
+    @property
+    def hca_page_rows(self) -> int:
+        """HCA rows of one device page: those of the tokens of P compressed CSA rows."""
+        cfg = self.engine.model
+        return self.engine.cache.page_size * cfg.csa_ratio // cfg.hca_ratio
 
     @property
     def pooled(self) -> bool:
@@ -150,9 +169,14 @@ class Method:
         return PooledIndex(top_k, self.engine.cache.page_size) if self.pooled \
             else ExactIndex(top_k)
 
+    def hca_store(self):
+        """Where HCA layers keep their rows (``model.store.ResidentRowStore`` interface)."""
+        return PooledRowStore(self.hca_page_rows) if self.pooled else RESIDENT_ROWS
+
     def empty_slot(self) -> tuple[LayerCache, ...]:
         """One slot's decode-time caches (no slot axis), NaN poisoned."""
-        return empty_cache(self.engine.model, self.kv_store(), self.key_index())
+        return empty_cache(self.engine.model, self.kv_store(), self.key_index(),
+                           self.hca_store())
 
     def empty_tier(self, codebooks: dict | None = None):
         """The state shared by all slots. ``codebooks`` ({CSA layer: [M, K, D_I/M]}) serve the
@@ -174,23 +198,41 @@ class Method:
             empty_device_pool(n, page, template) if keep and i in self.csa_layers else None
             for i in range(cfg.num_layers))
         on_host = self.storage
+        hca = jnp.zeros((cfg.head_dim,), jnp.float32)
         return DevicePools(kv=per_layer(not on_host.kv_on_host, row),
                            keys=per_layer(not on_host.keys_on_host, key),
                            codes=per_layer(on_host.keys_on_host, code),
+                           hca=tuple(empty_device_pool(n, self.hca_page_rows, hca)
+                                     if i in self.hca_layers else None
+                                     for i in range(cfg.num_layers)),
                            page_table=jnp.full((engine.cache.num_slots, engine.pages_per_slot),
                                                -1, jnp.int32))
 
-    def slot_rows(self, tier):
-        """The tier's per-slot arrays ([S, ...]; mapped over slots in the decode step)."""
-        return tier.pools.page_table if self.pooled else None
+    def slot_rows(self, tier) -> tuple:
+        """The tier's per-slot arrays ([S, ...]; mapped over slots in the decode step); the
+        last is the device page table (None without device pools)."""
+        return (tier.pools.page_table if self.pooled else None,)
 
-    def contexts(self, tier, rows) -> tuple | None:
-        """Per layer, the (kv, keys) contexts one slot's stores read (inside the slot map)."""
-        if not self.pooled:
+    def contexts(self, tier, rows) -> tuple:
+        """Per layer, what one slot's stores read of shared state (inside the slot map): CSA
+        layers (kv, keys) contexts (``csa_context``), HCA layers their device pool's view."""
+        device = rows[-1]
+        out = []
+        for i, kind in enumerate(self.engine.model.layer_pattern):
+            if kind == "csa":
+                out.append(self.csa_context(tier, rows, i))
+            elif kind == "hca" and device is not None:
+                out.append(PoolView(tier.pools.hca[i], device))
+            else:
+                out.append(None)
+        return tuple(out)
+
+    def csa_context(self, tier, rows, layer: int):
+        """One CSA layer's (kv, keys) contexts for one slot (``rows``: its slot_rows)."""
+        device = rows[-1]
+        if device is None:
             return None
-        return tuple((PoolView(kv, rows), PoolView(keys, rows)) if i in self.csa_layers
-                     else None for i, (kv, keys) in enumerate(zip(tier.pools.kv,
-                                                                  tier.pools.keys)))
+        return PoolView(tier.pools.kv[layer], device), PoolView(tier.pools.keys[layer], device)
 
     def pool_view(self, tier, part: str, layer: int, row) -> PoolView | None:
         """One slot's view of device pool ``part`` ("kv", "keys", "codes") of ``layer``
@@ -205,6 +247,13 @@ class Method:
         tier, out, empty = state.tier, list(caches), self.empty_slot()
         for i in self.csa_layers:
             out[i], tier = self.admit_layer(i, caches[i], empty[i], tier, grant, full_pages)
+        if self.pooled:  # HCA rows of the complete pages to their device pages
+            hca = list(tier.pools.hca)
+            for i in self.hca_layers:
+                hca[i], tail = page_in(hca[i], caches[i].entries, grant.device, full_pages,
+                                       self.hca_page_rows)
+                out[i] = out[i].replace(entries=PooledRows(tail))
+            tier = tier.replace(pools=tier.pools.replace(hca=tuple(hca)))
         return insert(state.replace(tier=self.with_tables(tier, slot, grant)), slot,
                       tuple(out), length)
 
@@ -253,6 +302,13 @@ class Method:
         tier, caches = state.tier, list(state.caches)
         for i in self.csa_layers:
             caches[i], tier = self.write_pages(i, caches[i], tier, host, device)
+        if device is not None:  # the HCA rows of the same pages (same slots, same pages)
+            hca = list(tier.pools.hca)
+            for i in self.hca_layers:
+                tail = caches[i].entries.tail
+                hca[i] = device.write_tails(hca[i], tail, write_device_page)
+                caches[i] = caches[i].replace(entries=PooledRows(device.poison(tail)))
+            tier = tier.replace(pools=tier.pools.replace(hca=tuple(hca)))
         return state.replace(caches=tuple(caches), tier=tier)
 
     def write_pages(self, layer: int, cache: CSACache, tier, host: CompletedPages | None,
@@ -351,9 +407,14 @@ class PoolController(Controller):
         if self.device is None:
             return {}
         return {"device_pages_in_use": self.device.in_use,
-                "device_pool_bytes": sum(a.nbytes for a in jax.tree.leaves(
-                    (state.tier.pools.kv, state.tier.pools.keys, state.tier.pools.codes)))}
+                "device_pool_bytes": pool_bytes(state.tier.pools)}
+
+
+def pool_bytes(pools: DevicePools) -> int:
+    """Bytes of the device pools (not their page table)."""
+    return sum(a.nbytes for a in jax.tree.leaves((pools.kv, pools.keys, pools.codes,
+                                                  pools.hca)))
 
 
 __all__ = ["Controller", "Grant", "Method", "NoTier", "PoolController", "PoolTier", "Update",
-           "insert", "policy", "register", "write_completed"]
+           "insert", "policy", "pool_bytes", "register", "write_completed"]

@@ -81,14 +81,12 @@ class HiSparse(Method):
     def empty_tier(self, codebooks=None) -> HostTier:
         return HostTier(self._kv_pools(), self._page_table(), self.empty_pools())
 
-    def slot_rows(self, tier: HostTier):
-        return tier.page_table, super().slot_rows(tier)
+    def slot_rows(self, tier: HostTier) -> tuple:
+        return (tier.page_table,) + super().slot_rows(tier)
 
-    def contexts(self, tier: HostTier, rows) -> tuple:
-        table, device = rows
-        return tuple(None if pool is None else
-                     (PageView(pool, table), self.pool_view(tier, "keys", i, device))
-                     for i, pool in enumerate(tier.kv_pools))
+    def csa_context(self, tier: HostTier, rows, layer: int):
+        return (PageView(tier.kv_pools[layer], rows[0]),
+                self.pool_view(tier, "keys", layer, rows[-1]))
 
     # ------------------------------------------------------------------------------ admission
     def admit_layer(self, layer: int, cache: CSACache, empty: CSACache, tier, grant: Grant,

@@ -178,13 +178,11 @@ class LeanSparse(HiSparse):
             out.append(book)
         return tuple(out)
 
-    def contexts(self, tier: LeanTier, rows) -> tuple:
-        table, device = rows
-        return tuple(None if pool is None else
-                     (PageView(pool, table),
-                      KeyPageView(keys, table, book, self.pool_view(tier, "codes", i, device)))
-                     for i, (pool, keys, book) in enumerate(zip(tier.kv_pools, tier.key_pools,
-                                                                tier.codebooks)))
+    def csa_context(self, tier: LeanTier, rows, layer: int):
+        table = rows[0]
+        return (PageView(tier.kv_pools[layer], table),
+                KeyPageView(tier.key_pools[layer], table, tier.codebooks[layer],
+                            self.pool_view(tier, "codes", layer, rows[-1])))
 
     def admit_layer(self, layer, cache, empty, tier, grant, full_pages):
         """As hisparse, and the complete prefix pages of FP8 keys go to the host too, their PQ
