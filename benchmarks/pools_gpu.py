@@ -11,7 +11,7 @@ with a 4K key cache, page size 64.
 
 1. timing: per method, context (32K, 128K) and layout ("preallocated": CacheConfig.device_pages
    None; "pools": device pools of exactly the batch's pages), B = 8 copies of one prefill; the
-   median-free mean of ``--steps`` decode steps after 4 warm steps (wall time around
+   mean of ``--steps`` decode steps after 4 warm steps (wall time around
    ``Engine.step``, which reads the tokens back). The pooled step's extra work: one gather of
    the slot's rows per read (exact keys [N_c] per CSA layer for resident/hisparse/adaptive,
    PQ codes [N_c] for leansparse, the k selected KV rows for resident). Greedy tokens of both
