@@ -8,7 +8,7 @@ that fit depends on each method's footprint per token, not on max_len.
 
 The pattern is the host pages' (``memory.paged_kv``): a slot keeps the page being filled as
 a per-slot tail inside the jitted step; the controller writes each completed page back
-(``CompletedPages.write_tails`` with ``write_device_page``), because a pool shared across
+(``write_completed_tails``: one scatter per pool array), because a pool shared across
 slots cannot be written inside the per-slot map. A read gathers the slot's rows through its
 row of the device page table (one gather of the pool) and takes the tail's rows from the
 tail. One page id names the same logical page in every pool of every CSA layer (Notation:
@@ -97,23 +97,35 @@ def gather_slot_rows(view: PoolView, positions, tail, paged, page: int):
 
 def page_in(pool, rows, pages, count, page: int):
     """Writes rows[j*P:(j+1)*P] to device page pages[j] for j < count (pytrees of rows and
-    pools alike); returns (pool, the next P rows as the tail)."""
+    pools alike; one scatter per array, no loop); returns (pool, the next P rows as the
+    tail)."""
+    num = jax.tree.leaves(rows)[0].shape[0]
+    logical = jnp.arange(num) // page
+    dest = jnp.where(logical < count, pages[jnp.clip(logical, 0, pages.shape[0] - 1)], -1)
+    size = jax.tree.leaves(pool)[0].shape[0]
+    ids = jnp.where(dest >= 0, dest * page + jnp.arange(num) % page, size)  # size: dropped
+    pool = jax.tree.map(lambda p, r: p.at[ids].set(r.astype(p.dtype), mode="drop"), pool,
+                        rows)
     rows = jax.tree.map(lambda r: jnp.concatenate(
         [r, jnp.full((page,) + r.shape[1:], _fill(r.dtype), r.dtype)]), rows)
-
-    def body(j, pool):
-        return jax.tree.map(lambda p, r: write_device_page(
-            p, pages[j], jax.lax.dynamic_slice_in_dim(r, j * page, page)), pool, rows)
-
-    pool = jax.lax.fori_loop(0, count, body, pool)
     tail = jax.tree.map(lambda r: jax.lax.dynamic_slice_in_dim(r, count * page, page), rows)
     return pool, tail
 
 
-def write_device_page(pool, page, rows):
-    """Rows page*P .. page*P+P-1 of a device pool = rows [P, ...]."""
-    return jax.lax.dynamic_update_slice_in_dim(pool, rows.astype(pool.dtype),
-                                               page * rows.shape[0], 0)
+def scatter_pages(pool, pages, rows, page: int):
+    """pool with device page pages[j] = rows[j] ([c, P, ...], pytrees like the pool) where
+    pages[j] >= 0: one scatter per array. (A chain of dynamic_update_slices would be c ops,
+    and XLA on the CPU widens an FP8 array to f16 and back around each.)"""
+    size = jax.tree.leaves(pool)[0].shape[0]
+    ids = jnp.where(pages[:, None] >= 0, pages[:, None] * page + jnp.arange(page), size)
+    return jax.tree.map(lambda p, r: p.at[ids.reshape(-1)].set(
+        r.reshape((-1,) + r.shape[2:]).astype(p.dtype), mode="drop"), pool, rows)
+
+
+def write_completed_tails(done, pool, tails, page: int):
+    """The tails of the slots whose step completed a page (``paging.CompletedPages``; tails
+    [S, P, ...]) to their device pages."""
+    return scatter_pages(pool, done.dest, jax.tree.map(lambda t: t[done.slots], tails), page)
 
 
 @struct.dataclass
@@ -248,4 +260,4 @@ class DevicePages:
 __all__ = ["DeviceCapacityError", "DevicePages", "DevicePools", "PoolView", "PooledIndex",
            "PooledKV", "PooledKVStore", "PooledKeys", "PooledRowStore", "PooledRows",
            "empty_device_pool", "gather_slot_rows",
-           "page_in", "write_device_page"]
+           "page_in", "scatter_pages", "write_completed_tails"]

@@ -79,11 +79,10 @@ class CompletedPages:
             carry = fn(j, self.slots[j], carry)
         return carry
 
-    def write_tails(self, pool, tails, write=write_host_page):
-        """Each completing slot's tail (tails [S, P, ...], a pytree like ``pool``) to its page
-        (``write(pool leaf, page, rows)``: a host page, or ``device_pool.write_device_page``)."""
+    def write_tails(self, pool, tails):
+        """Each completing slot's tail (tails [S, P, ...], a pytree like ``pool``) to its page."""
         return self.for_each(lambda j, s, p: jax.tree.map(
-            lambda leaf, t: write(leaf, self.dest[j], t[s]), p, tails), pool)
+            lambda leaf, t: write_host_page(leaf, self.dest[j], t[s]), p, tails), pool)
 
     def poison(self, tail):
         """The tails of completing slots NaN (they start a new page)."""

@@ -37,7 +37,7 @@ from lsparse_jax.memory.device_pool import (
     PoolView,
     empty_device_pool,
     page_in,
-    write_device_page,
+    write_completed_tails,
 )
 from lsparse_jax.memory.paging import CompletedPages
 from lsparse_jax.model.cache import CSACache, LayerCache, empty_cache
@@ -306,7 +306,7 @@ class Method:
             hca = list(tier.pools.hca)
             for i in self.hca_layers:
                 tail = caches[i].entries.tail
-                hca[i] = device.write_tails(hca[i], tail, write_device_page)
+                hca[i] = write_completed_tails(device, hca[i], tail, self.hca_page_rows)
                 caches[i] = caches[i].replace(entries=PooledRows(device.poison(tail)))
             tier = tier.replace(pools=tier.pools.replace(hca=tuple(hca)))
         return state.replace(caches=tuple(caches), tier=tier)
@@ -317,15 +317,15 @@ class Method:
         pages (``host``: the host pages' writeback, for the methods that have them)."""
         if device is None:
             return cache, tier
-        pools = tier.pools
+        pools, page = tier.pools, self.engine.cache.page_size
         if not self.storage.kv_on_host:
             kv = list(pools.kv)
-            kv[layer] = device.write_tails(kv[layer], cache.kv.tail, write_device_page)
+            kv[layer] = write_completed_tails(device, kv[layer], cache.kv.tail, page)
             cache = cache.replace(kv=cache.kv.replace(tail=device.poison(cache.kv.tail)))
             pools = pools.replace(kv=tuple(kv))
         if not self.storage.keys_on_host:
             keys = list(pools.keys)
-            keys[layer] = device.write_tails(keys[layer], cache.keys.tail, write_device_page)
+            keys[layer] = write_completed_tails(device, keys[layer], cache.keys.tail, page)
             cache = cache.replace(keys=cache.keys.replace(tail=device.poison(cache.keys.tail)))
             pools = pools.replace(keys=tuple(keys))
         return cache, tier.replace(pools=pools)

@@ -22,7 +22,7 @@ from lsparse_jax.memory.device_pool import (
     DevicePools,
     gather_slot_rows,
     page_in,
-    write_device_page,
+    scatter_pages,
 )
 from lsparse_jax.memory.hot_cache import resolve
 from lsparse_jax.memory.key_store import KeyPageView, PagedKeys
@@ -216,11 +216,12 @@ class LeanSparse(HiSparse):
         if device is None:
             codes = host.for_each(lambda j, s, codes: jax.lax.dynamic_update_slice(
                 codes, encoded(s)[None], (s, host.first[j], 0)), keys.codes)
-        else:
+        else:  # the completed pages' codes [c, P, M] to their device pages
             codes = keys.codes
             code_pools = list(tier.pools.codes)
-            code_pools[layer] = device.for_each(lambda j, s, pool: write_device_page(
-                pool, device.dest[j], encoded(s)), code_pools[layer])
+            code_pools[layer] = scatter_pages(code_pools[layer], device.dest,
+                                              jax.vmap(encoded)(device.slots),
+                                              self.engine.cache.page_size)
             tier = tier.replace(pools=tier.pools.replace(codes=tuple(code_pools)))
         keys = keys.replace(tail=host.poison(keys.tail), codes=codes)
         return cache.replace(keys=keys), tier.replace(key_pools=tuple(pools))
