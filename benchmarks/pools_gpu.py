@@ -1,9 +1,15 @@
 """Device page pools on the GPU (issue 13, deliver 3): decode-step time with pools vs the
 preallocated layout, and how many requests of each method fit in one HBM budget.
 
-Run on the GPU machine (H200; ~10 min):
-    python benchmarks/pools_gpu.py [--out DIR] [--budget-gb 100] [--steps 16]
-CPU smoke (tiny shapes, seconds): JAX_PLATFORMS=cpu python benchmarks/pools_gpu.py --smoke
+Run on the GPU machine (H200; not yet run, so run time unknown: each timing cell compiles an
+engine, 16-40 s each at these shapes per issue 13; split the grid to stay under a 10-minute
+call):
+    python benchmarks/pools_gpu.py --skip-timing                     # capacity only
+    python benchmarks/pools_gpu.py --skip-capacity --contexts 32768 --tag 32k
+    python benchmarks/pools_gpu.py --skip-capacity --contexts 131072 --tag 128k
+  (--methods resident,hisparse narrows a call further; --budget-gb 100, --steps 16, --batch 8)
+CPU smoke (tiny shapes, a few minutes on 2 cores):
+    JAX_PLATFORMS=cpu python benchmarks/pools_gpu.py --smoke
 
 Model: the v4_flash preset's 4-layer slice (swa, csa, hca, csa) with random weights, as
 configs/experiments/scale.gin; implementation "triton"; HiSparse B = 4096, LeanSparse C = 2048
@@ -14,19 +20,21 @@ with a 4K key cache, page size 64.
    mean of ``--steps`` decode steps after 4 warm steps (wall time around
    ``Engine.step``, which reads the tokens back). The pooled step's extra work: one gather of
    the slot's rows per read (exact keys [N_c] per CSA layer for resident/hisparse/adaptive,
-   PQ codes [N_c] for leansparse, the k selected KV rows for resident). Greedy tokens of both
+   PQ codes [N_c] for leansparse, the k selected KV rows for resident, all HCA rows [N_h]
+   for every method). Greedy tokens of both
    layouts are compared (identical = the pools changed nothing).
 2. capacity: per method and context (128K, 512K), the requests whose device state fits in
    ``--budget-gb`` beside the slice's weights: with pools, each request holds its per-slot
-   state (windows, tails, hot/key caches, page tables; HCA rows, which are not pooled, at
-   max_len = the context) plus ceil(N_c / 64) pages of every device pool
+   state (windows, compressor rings, tails, hot/key caches, page tables) plus ceil(N_c / 64)
+   pages of every device pool (CSA rows, keys or codes, and HCA rows)
    (``memory.accounting.request_bytes``, tested byte for byte on CPU); preallocated, every
    slot holds the state of max_len = 1M tokens (the model's max_len). Adaptive's shared
    optional pool is not counted (one page here). The pools of the pooled count are then
    allocated on the device (proof they fit) and the controller's reservation is run until
    DeviceCapacityError (the count it admits).
 
-Prints a table last and writes pools_gpu.json under --out (default $OUT or results/pools).
+Prints a table last and writes pools_gpu[_TAG].json under --out (default $OUT or
+results/pools).
 """
 
 from __future__ import annotations
@@ -86,9 +94,9 @@ def engine_config(cfg, method, s, batch, device_pages=None, optional=None):
                         leansparse=s["lean"], implementation=s["implementation"])
 
 
-def timing(s, batch, steps, seed=0) -> list[dict]:
+def timing(s, batch, steps, methods, contexts, seed=0) -> list[dict]:
     out = []
-    for context in s["contexts"]:
+    for context in contexts or s["contexts"]:
         cfg = fit_max_len(s["model"], context + steps + WARM + 2)
         params = init_params(cfg, seed)
         prompt = np.random.default_rng(seed + context).integers(0, 256, context).astype(
@@ -97,7 +105,7 @@ def timing(s, batch, steps, seed=0) -> list[dict]:
         books = calibrate_codebooks(params, cfg, prompt[:s["calib"]],
                                     subspace_dim=s["lean"].pq_subspace_dim, iters=8, seed=seed)
         total = context + steps + WARM + 1
-        for method in METHODS:
+        for method in methods:
             optional = None
             if method == "adaptive":  # half the batch's complete prompt pages, as scale.py
                 optional = max(1, batch * (context // cfg.csa_ratio // s["page"]) // 2)
@@ -136,14 +144,14 @@ def timing(s, batch, steps, seed=0) -> list[dict]:
     return out
 
 
-def capacity(s, budget_gb) -> list[dict]:
+def capacity(s, budget_gb, methods) -> list[dict]:
     out = []
     budget = int(budget_gb * 2**30)
     for context in s["capacity"]:
         cfg = fit_max_len(s["model"], context)
         weights = param_bytes(cfg)
         big = fit_max_len(s["model"], s["max_len"])  # the preallocated layout's max_len
-        for method in METHODS:
+        for method in methods:
             optional = 1 if method == "adaptive" else None  # lent pages: not counted here
             pooled = engine_config(cfg, method, s, 1, device_pages=1, optional=optional)
             per = request_bytes(pooled, context)
@@ -189,15 +197,24 @@ def main():
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument("--skip-capacity", action="store_true")
+    ap.add_argument("--contexts", default="", help="timing contexts, comma separated")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--tag", default="")
     args = ap.parse_args()
     s = settings(args.smoke)
+    methods = tuple(m for m in args.methods.split(",") if m)
+    if set(methods) - set(METHODS):
+        ap.error(f"--methods: choose from {METHODS}")
+    contexts = tuple(int(c) for c in args.contexts.split(",") if c)
     budget = 0.01 if args.smoke and args.budget_gb == 100.0 else args.budget_gb
-    records = capacity(s, budget)
+    records = [] if args.skip_capacity else capacity(s, budget, methods)
     if not args.skip_timing:
-        records += timing(s, args.batch, 2 if args.smoke else args.steps)
+        records += timing(s, args.batch, 2 if args.smoke else args.steps, methods, contexts)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "pools_gpu.json").write_text(json.dumps(
+    name = f"pools_gpu_{args.tag}.json" if args.tag else "pools_gpu.json"
+    (out / name).write_text(json.dumps(
         {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
          "records": records}, indent=1))
     print(f"\ncapacity in {budget} GiB (4-layer slice; pools vs preallocated at max_len "

@@ -1,9 +1,10 @@
 """Device page pools: the GPU state of a CSA layer that grows with context, paged.
 
 With ``CacheConfig.device_pages`` set, a request's resident compressed KV rows, its exact FP8
-indexer keys (resident, hisparse, adaptive) or its PQ codes (leansparse) live in pools of
-pages shared by all slots, allocated per request by its length (prompt + max_new_tokens,
-reserved at admission) instead of a per-slot array at max_len. So the number of requests
+indexer keys (resident, hisparse, adaptive) or its PQ codes (leansparse), and its HCA rows
+(every method) live in pools of pages shared by all slots, allocated per request by its
+length (prompt + max_new_tokens, reserved at admission) instead of a per-slot array at
+max_len. So the number of requests
 that fit depends on each method's footprint per token, not on max_len.
 
 The pattern is the host pages' (``memory.paged_kv``): a slot keeps the page being filled as
@@ -11,8 +12,9 @@ a per-slot tail inside the jitted step; the controller writes each completed pag
 (``write_completed_tails``: one scatter per pool array), because a pool shared across
 slots cannot be written inside the per-slot map. A read gathers the slot's rows through its
 row of the device page table (one gather of the pool) and takes the tail's rows from the
-tail. One page id names the same logical page in every pool of every CSA layer (Notation:
-P rows per page, NP pages; row r of page p at p * P + r).
+tail. One page id names the same logical page in every pool: P compressed rows of each CSA
+layer and the P_h = P * m / m_hca HCA rows of the same tokens (Notation: P rows per page, NP
+pages; row r of page p at p * P + r).
 """
 
 from __future__ import annotations
