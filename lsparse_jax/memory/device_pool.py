@@ -1,11 +1,11 @@
-"""Device page pools: the GPU state of a CSA layer that grows with context, paged.
+"""Device page pools: the GPU state of CSA and HCA layers that grows with context, paged.
 
 With ``CacheConfig.device_pages`` set, a request's resident compressed KV rows, its exact FP8
 indexer keys (resident, hisparse, adaptive) or its PQ codes (leansparse), and its HCA rows
 (every method) live in pools of pages shared by all slots, allocated per request by its
 length (prompt + max_new_tokens, reserved at admission) instead of a per-slot array at
-max_len. So the number of requests
-that fit depends on each method's footprint per token, not on max_len.
+max_len. So the number of requests that fit depends on each method's footprint per token,
+not on max_len.
 
 The pattern is the host pages' (``memory.paged_kv``): a slot keeps the page being filled as
 a per-slot tail inside the jitted step; the controller writes each completed page back
