@@ -49,7 +49,7 @@ def poison(state, pages):
     return state.replace(tier=state.tier.replace(pools=pools))
 
 
-@pytest.mark.parametrize("method", ["resident", "hisparse"])
+@pytest.mark.parametrize("method", ["resident", pytest.param("hisparse", marks=pytest.mark.slow)])
 def test_pools_equal_resident_and_reused_pages_leak_nothing(method):
     """Two requests (4 + 5 pages) fill a 9-page pool; the first leaves, its pages are
     NaN-poisoned, and a third request (4 pages) gets exactly those pages. Logits, tokens and
@@ -134,6 +134,10 @@ def test_a_request_that_can_never_fit_is_an_error():
     with pytest.raises(ValueError, match="needs 4 device pages per pool; the pool has 3"):
         e.admit(prompt, max_new_tokens=68)  # 128 tokens = 32 rows = 4 pages
     assert e.control.device.in_use == 0 and not e.active.any()
+    # a page must hold whole HCA rows: 8 rows x stride 4 = 32 tokens, HCA stride 128
+    with pytest.raises(ValueError, match="must be a multiple of hca_ratio=128"):
+        EngineConfig(model=tiny(hca_ratio=128), cache=CacheConfig(page_size=8,
+                                                                  device_pages=4))
 
 
 def test_gather_slot_rows_reads_tail_own_pages_and_poisons_the_rest():

@@ -119,7 +119,7 @@ def test_host_pool_admission_waits_and_frees_pages():
     assert engine.control.pages.free == 7 and not engine.active.any()
 
 
-@pytest.mark.parametrize("method", ["resident", "hisparse"])
+@pytest.mark.parametrize("method", ["resident", pytest.param("hisparse", marks=pytest.mark.slow)])
 def test_device_pool_admission_waits_and_tokens_equal_alone(method, resident):
     """Device pools of 5 pages of 8 rows (requests of 24-72 tokens need 1-3 pages), six
     slots: requests wait for pages (reason "device_pool"), never for slots, and every

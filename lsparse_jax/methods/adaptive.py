@@ -195,7 +195,7 @@ class AdaptiveController(PagedController):
         return refill(self.method, super().warmup(state), 0, none, none)
 
     def metrics(self, state) -> dict:
-        return {"optional_pages_in_use": self.residency.in_use(),
+        return super().metrics(state) | {"optional_pages_in_use": self.residency.in_use(),
                 "optional_pool_bytes": sum(o.nbytes for o in
                                            jax.tree.leaves(state.tier.optional_pools))}
 
