@@ -64,6 +64,7 @@ from lsparse_jax.memory.accounting import (
 )
 from lsparse_jax.memory.device_pool import DeviceCapacityError, DevicePages
 from lsparse_jax.methods import calibrate_codebooks, policy
+from lsparse_jax.methods.base import pool_bytes
 from lsparse_jax.model import init_params, preset
 from lsparse_jax.model.presets import fit_max_len
 from lsparse_jax.serving.engine import Engine
@@ -94,38 +95,63 @@ def engine_config(cfg, method, s, batch, device_pages=None, optional=None):
                         leansparse=s["lean"], implementation=s["implementation"])
 
 
-def timing(s, batch, steps, methods, contexts, seed=0) -> list[dict]:
+def codebooks(params, cfg, s, prompt, kind: str, seed: int) -> dict:
+    """LeanSparse's codebooks: "calibrated" (k-means on the prompt's first keys, as scale.py)
+    or "random" (normal centroids: no calibration forward pass; step time does not depend on
+    codebook quality beyond the caches' hit rates, and both layouts get the same ones)."""
+    if kind == "calibrated":
+        return calibrate_codebooks(params, cfg, prompt[:s["calib"]],
+                                   subspace_dim=s["lean"].pq_subspace_dim, iters=8, seed=seed)
+    ds = s["lean"].pq_subspace_dim
+    rng = np.random.default_rng(seed)
+    return {i: rng.normal(size=(cfg.indexer.head_dim // ds, 256, ds)).astype(np.float32)
+            for i, k in enumerate(cfg.layer_pattern) if k == "csa"}
+
+
+def timing(s, batch, steps, warm, methods, contexts, books_kind, engine_warmup, over, save,
+           seed=0) -> list[dict]:
+    """Per context, per method: the preallocated then the pooled engine (a pair), while
+    ``over()`` is False; ``save(records)`` after every cell."""
     out = []
     for context in contexts or s["contexts"]:
-        cfg = fit_max_len(s["model"], context + steps + WARM + 2)
+        if over():
+            break
+        cfg = fit_max_len(s["model"], context + steps + warm + 2)
         params = init_params(cfg, seed)
         prompt = np.random.default_rng(seed + context).integers(0, 256, context).astype(
             np.int32)
+        t0 = time.perf_counter()
         pre = jax.block_until_ready(prefill(params, cfg, prompt, s["chunk"]))
-        books = calibrate_codebooks(params, cfg, prompt[:s["calib"]],
-                                    subspace_dim=s["lean"].pq_subspace_dim, iters=8, seed=seed)
-        total = context + steps + WARM + 1
+        prefill_s = time.perf_counter() - t0  # compile included
+        books = codebooks(params, cfg, s, prompt, books_kind, seed)
+        total = context + steps + warm + 1
         for method in methods:
             optional = None
             if method == "adaptive":  # half the batch's complete prompt pages, as scale.py
                 optional = max(1, batch * (context // cfg.csa_ratio // s["page"]) // 2)
             tokens = {}
             for layout in ("preallocated", "pools"):
+                if over():
+                    break
                 pages = None
                 if layout == "pools":
                     pages = batch * -(-(total // cfg.csa_ratio) // s["page"])
                 config = engine_config(cfg, method, s, batch, pages, optional)
                 rec = {"part": "timing", "method": method, "context": context, "batch": batch,
-                       "layout": layout, "device_pages": pages}
+                       "layout": layout, "device_pages": pages, "steps": steps,
+                       "prefill_s_with_compile": prefill_s, "codebooks": books_kind}
                 try:
+                    t0 = time.perf_counter()
                     eng = Engine(config, params, books)
-                    eng.warmup()
+                    if engine_warmup:
+                        eng.warmup()
                     for _ in range(batch):
-                        eng.admit(Request(prompt, max_new_tokens=steps + WARM + 1),
+                        eng.admit(Request(prompt, max_new_tokens=steps + warm + 1),
                                   prefilled=pre)
-                    for _ in range(WARM):
+                    for _ in range(warm):  # the first compiles the decode step
                         eng.step()
                     jax.block_until_ready(eng.state)
+                    rec["setup_s"] = time.perf_counter() - t0
                     t0 = time.perf_counter()
                     for _ in range(steps):
                         eng.step()
@@ -138,9 +164,11 @@ def timing(s, batch, steps, methods, contexts, seed=0) -> list[dict]:
                 except Exception as err:  # noqa: BLE001  (recorded; the grid goes on)
                     rec["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
                 out.append(rec)
+                if len(tokens) == 2:
+                    rec["tokens_identical"] = tokens["pools"] == tokens["preallocated"]
                 print(json.dumps(rec), flush=True)
-            if len(tokens) == 2:
-                out[-1]["tokens_identical"] = tokens["pools"] == tokens["preallocated"]
+                save(out)
+        del pre
     return out
 
 
@@ -171,8 +199,7 @@ def capacity(s, budget_gb, methods) -> list[dict]:
                 config = dataclasses.replace(pooled, cache=dataclasses.replace(
                     pooled.cache, device_pages=pages, num_slots=1))
                 pools = jax.block_until_ready(policy(config).empty_pools())
-                rec["allocated_pool_bytes"] = sum(a.nbytes for a in jax.tree.leaves(
-                    (pools.kv, pools.keys, pools.codes)))
+                rec["allocated_pool_bytes"] = pool_bytes(pools)
                 del pools
                 ledger, admitted = DevicePages(pages, config.pages_per_slot), 0
                 while True:
@@ -201,22 +228,39 @@ def main():
     ap.add_argument("--contexts", default="", help="timing contexts, comma separated")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--tag", default="")
+    ap.add_argument("--warm", type=int, default=WARM, help="decode steps before timing")
+    ap.add_argument("--codebooks", choices=("calibrated", "random"), default="calibrated")
+    ap.add_argument("--engine-warmup", action="store_true",
+                    help="also run Engine.warmup (prefill and writeback compiles) per cell")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no new timing cell after this many seconds (results so far "
+                         "are written after every cell)")
     args = ap.parse_args()
+    start = time.perf_counter()
     s = settings(args.smoke)
     methods = tuple(m for m in args.methods.split(",") if m)
     if set(methods) - set(METHODS):
         ap.error(f"--methods: choose from {METHODS}")
     contexts = tuple(int(c) for c in args.contexts.split(",") if c)
     budget = 0.01 if args.smoke and args.budget_gb == 100.0 else args.budget_gb
-    records = [] if args.skip_capacity else capacity(s, budget, methods)
-    if not args.skip_timing:
-        records += timing(s, args.batch, 2 if args.smoke else args.steps, methods, contexts)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"pools_gpu_{args.tag}.json" if args.tag else "pools_gpu.json"
-    (out / name).write_text(json.dumps(
-        {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-         "records": records}, indent=1))
+
+    def save(records):
+        (out / name).write_text(json.dumps(
+            {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+             "argv": vars(args), "records": records}, indent=1))
+
+    over = lambda: (args.budget_s is not None  # noqa: E731
+                    and time.perf_counter() - start > args.budget_s)
+    records = [] if args.skip_capacity else capacity(s, budget, methods)
+    save(records)
+    if not args.skip_timing:
+        steps = 2 if args.smoke else args.steps
+        records += timing(s, args.batch, steps, args.warm, methods, contexts, args.codebooks,
+                          args.engine_warmup, over, lambda t: save(records + t))
+        save(records)
     print(f"\ncapacity in {budget} GiB (4-layer slice; pools vs preallocated at max_len "
           f"{s['max_len']})")
     print(f"{'method':>10} {'context':>8} {'MB/req':>9} {'pool MB/req':>11} {'N pools':>8} "
