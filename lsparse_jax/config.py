@@ -214,6 +214,13 @@ class CacheConfig:
         complete pages of imported (prompt) history (Adaptive DHiSparse's optional residency).
       refill_pages: adaptive only: optional pages refilled per decode step at most (bounded
         round-robin over the requests that lost theirs).
+      device_pages: pages of P compressed rows in each device pool (``memory.device_pool``):
+        the GPU state of CSA layers that grows with context (resident KV rows, exact indexer
+        keys, PQ codes) is then paged, reserved per request by prompt + max_new_tokens, so
+        the method's footprint per token decides how many requests fit;
+        ``memory.accounting.pool_pages`` converts a byte budget. None: every slot holds that
+        state at max_len (the preallocated layout). num_slots stays the cap of concurrent
+        requests (per-slot state: SWA window, tails, hot caches, page-table rows).
     """
 
     num_slots: int = 1
@@ -224,11 +231,12 @@ class CacheConfig:
     streamed_prefill: bool = False
     optional_pages: int | None = None
     refill_pages: int = 4
+    device_pages: int | None = None
 
     def __post_init__(self):
         _positive("CacheConfig", num_slots=self.num_slots, prefill_chunk=self.prefill_chunk,
                   page_size=self.page_size, refill_pages=self.refill_pages)
-        for name in ("hot_cache_rows", "host_pages", "optional_pages"):
+        for name in ("hot_cache_rows", "host_pages", "optional_pages", "device_pages"):
             if getattr(self, name) is not None:
                 _positive("CacheConfig", **{name: getattr(self, name)})
 

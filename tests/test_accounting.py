@@ -1,5 +1,7 @@
 """Memory accounting equals the allocated state byte for byte; Figure 1 of LeanSparse."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -7,11 +9,14 @@ import pytest
 from lsparse_jax.config import CacheConfig, EngineConfig, LeanSparseConfig
 from lsparse_jax.memory.accounting import (
     Layout,
+    device_page_bytes,
     figure1_ratio,
     max_concurrency,
     param_bytes,
+    pool_pages,
     request_bytes,
 )
+from lsparse_jax.methods.base import pool_bytes
 from lsparse_jax.model import init_params
 from lsparse_jax.serving.state import empty_state, slot_bytes
 from tests.helpers import tiny
@@ -41,6 +46,41 @@ def test_gpu_and_host_bytes_equal_allocated_state(pattern, method, rows, kv_dtyp
     if method == "adaptive":  # the shared lent pages: 5 pages of 8 rows per CSA layer
         lent = jax.tree.leaves(tier.optional_pools)
         assert sum(p.nbytes for p in lent) == len(csa) * 5 * 8 * Layout.ours(cfg).kv_row
+
+
+@pytest.mark.parametrize("kv_dtype", ["f32", "fp8_v4"])
+@pytest.mark.parametrize("method,rows", [("resident", None), ("hisparse", 24),
+                                         ("leansparse", 24), ("adaptive", 24)])
+def test_pooled_bytes_equal_allocated_state(method, rows, kv_dtype):
+    """With device pools, a request's GPU bytes are its slot's arrays plus its pages of every
+    device pool (ceil(N_c / P) at its context, not max_len; CSA and HCA), byte for byte; the
+    pools hold exactly what ``device_page_bytes`` says a page is."""
+    cfg = tiny(max_len=256, kv_dtype=kv_dtype)
+    engine = EngineConfig(model=cfg, method=method,
+                          cache=CacheConfig(num_slots=3, hot_cache_rows=rows, page_size=8,
+                                            optional_pages=5 if method == "adaptive" else None,
+                                            device_pages=7),
+                          leansparse=LeanSparseConfig(32, 1.0, 40))
+    books = {i: np.zeros((engine.pq_subspaces, 16, 4), np.float32) for i in (1, 3)}
+    state = empty_state(engine, books if method == "leansparse" else None)
+    assert pool_bytes(state.tier.pools) == 7 * device_page_bytes(engine)
+    for context in (256, 100):  # 64 rows = 8 pages; 25 rows = 4 pages
+        acc = request_bytes(engine, context)
+        assert acc.device_pages == -(-(context // 4) // 8)
+        # per-slot state (tails, page tables, hot caches) does not depend on max_len
+        want = slot_bytes(engine, state) + acc.device_pages * device_page_bytes(engine)
+        if context == 256:
+            assert acc.gpu_total == want
+        assert acc.host_total == request_bytes(dataclasses.replace(
+            engine, cache=dataclasses.replace(engine.cache, device_pages=None)),
+            context).host_total
+    # the pooled parts per CSA row: KV row + key (resident), key (hisparse, adaptive), M
+    # codes (leansparse); per page also 8 * 4 / 16 = 2 HCA rows of 4D bytes
+    row = Layout.ours(cfg)
+    per_row = {"resident": row.kv_row + row.index_key, "hisparse": row.index_key,
+               "adaptive": row.index_key, "leansparse": engine.pq_subspaces}[method]
+    assert device_page_bytes(engine) == 2 * 8 * per_row + 2 * 4 * cfg.head_dim
+    assert pool_pages(engine, 7 * device_page_bytes(engine) + 1) == 7
 
 
 def test_hisparse_moves_csa_kv_to_host():

@@ -16,11 +16,11 @@ from tests.helpers import assert_resolved_rows, model_and_tokens, tiny
 PAGE = 8
 
 
-def make(cfg, params, method, optional=None, slots=3, refill=2):
+def make(cfg, params, method, optional=None, slots=3, refill=2, device_pages=None):
     rows = None if method == "resident" else 16
     return Engine(EngineConfig(model=cfg, method=method, cache=CacheConfig(
         num_slots=slots, prefill_chunk=32, hot_cache_rows=rows, page_size=PAGE,
-        optional_pages=optional, refill_pages=refill)), params)
+        optional_pages=optional, refill_pages=refill, device_pages=device_pages)), params)
 
 
 def check_step(resident, adaptive):
@@ -34,16 +34,20 @@ def check_step(resident, adaptive):
     return np.asarray(got.sources)[act]
 
 
-# 5: constant reclaiming; kv_dtype on both sides (lent pages hold the stored rows)
-@pytest.mark.parametrize("optional,refill,kv_dtype", [(5, 1, "f32"), (40, 4, "f32"),
-                                                      (5, 1, "fp8_v4")])
-def test_adaptive_bit_identical_to_resident_under_load_changes(optional, refill, kv_dtype):
+# 5: constant reclaiming; kv_dtype on both sides (lent pages hold the stored rows);
+# device_pages: exact keys in device pools, 32 pages = the most held at once (12 + 9 + 11),
+# the fourth request reuses the first one's pages
+@pytest.mark.parametrize("optional,refill,kv_dtype,device_pages", [
+    (5, 1, "f32", None), (40, 4, "f32", None), (5, 1, "fp8_v4", None), (5, 1, "f32", 32)])
+def test_adaptive_bit_identical_to_resident_under_load_changes(optional, refill, kv_dtype,
+                                                               device_pages):
     cfg = tiny(max_len=512, kv_dtype=kv_dtype)
     params, _ = model_and_tokens(cfg, 1, seed=optional)
     rng = np.random.default_rng(optional)
     prompts = [rng.integers(0, 256, n).astype(np.int32) for n in (300, 200, 260, 150)]
-    resident, adaptive = make(cfg, params, "resident"), make(cfg, params, "adaptive",
-                                                                  optional, refill=refill)
+    resident = make(cfg, params, "resident")
+    adaptive = make(cfg, params, "adaptive", optional, refill=refill,
+                    device_pages=device_pages)
     schedule = {0: ("admit", 0), 1: ("admit", 1), 12: ("admit", 2), 30: ("release", 0),
                 34: ("admit", 3), 50: ("release", 2)}
     lent_changes, seen = 0, None

@@ -17,12 +17,15 @@ from lsparse_jax.serving.engine import Engine
 from tests.helpers import assert_resolved_rows, model_and_tokens, tiny
 
 
-def engines(cfg, params, hot_rows, slots=3, page=8, host_pages=None, implementation="xla"):
-    make = lambda method, rows: Engine(EngineConfig(  # noqa: E731
+def engines(cfg, params, hot_rows, slots=3, page=8, host_pages=None, implementation="xla",
+            device_pages=None):
+    """resident (preallocated layout) and hisparse (its exact keys in device pools of
+    ``device_pages`` pages, if given)."""
+    make = lambda method, rows, pages=None: Engine(EngineConfig(  # noqa: E731
         model=cfg, method=method, implementation=implementation,
         cache=CacheConfig(num_slots=slots, prefill_chunk=32, hot_cache_rows=rows,
-                          page_size=page, host_pages=host_pages)), params)
-    return make("resident", None), make("hisparse", hot_rows)
+                          page_size=page, host_pages=host_pages, device_pages=pages)), params)
+    return make("resident", None), make("hisparse", hot_rows, device_pages)
 
 
 # 16 = top-k: every row not reused misses; kv_dtype on both sides (rows stored alike); the
@@ -30,15 +33,18 @@ def engines(cfg, params, hot_rows, slots=3, page=8, host_pages=None, implementat
 slow = pytest.mark.slow
 
 
-@pytest.mark.parametrize("hot_rows,kv_dtype", [
-    (16, "f32"), pytest.param(24, "f32", marks=slow), (64, "f32"), (16, "fp8_v4"),
-    pytest.param(64, "fp8_v4", marks=slow), pytest.param(24, "bf16", marks=slow)])
-def test_hisparse_bit_identical_to_resident_with_invariant(hot_rows, kv_dtype):
+# device_pages: hisparse's exact keys in device pools; 22 pages = the three requests' 7 + 9 + 6
+@pytest.mark.parametrize("hot_rows,kv_dtype,device_pages", [
+    (16, "f32", None), pytest.param(24, "f32", None, marks=slow), (64, "f32", None),
+    (16, "fp8_v4", None), pytest.param(64, "fp8_v4", None, marks=slow),
+    pytest.param(24, "bf16", None, marks=slow), (16, "f32", 22),
+    pytest.param(16, "fp8_v4", 22, marks=slow)])
+def test_hisparse_bit_identical_to_resident_with_invariant(hot_rows, kv_dtype, device_pages):
     cfg = tiny(max_len=512, kv_dtype=kv_dtype)
     params, _ = model_and_tokens(cfg, 1, seed=hot_rows)
     rng = np.random.default_rng(hot_rows)
     prompts = [rng.integers(0, 256, n).astype(np.int32) for n in (70, 133, 45)]
-    resident, paged = engines(cfg, params, hot_rows)
+    resident, paged = engines(cfg, params, hot_rows, device_pages=device_pages)
     for engine in (resident, paged):
         engine.admit(prompts[0], max_new_tokens=150)
         engine.admit(prompts[1], max_new_tokens=150)

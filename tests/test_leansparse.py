@@ -26,10 +26,11 @@ def setup():
     return cfg, params, calibrate_codebooks(params, cfg, calib, iters=4)
 
 
-def make(method, lean=None, slots=3, kv_rows=16, implementation="xla"):
+def make(method, lean=None, slots=3, kv_rows=16, implementation="xla", device_pages=None):
     cfg, params, books = setup()
     cache = CacheConfig(num_slots=slots, prefill_chunk=32, page_size=8,
-                        hot_cache_rows=None if method == "resident" else kv_rows)
+                        hot_cache_rows=None if method == "resident" else kv_rows,
+                        device_pages=device_pages)
     return Engine(EngineConfig(model=cfg, cache=cache, method=method,
                                leansparse=lean or LeanSparseConfig(),
                                implementation=implementation), params, books)
@@ -41,11 +42,16 @@ def encoder(engine):
         dequantize_index_keys(jnp.asarray(values), jnp.asarray(scales)), books[layer])
 
 
-@pytest.mark.parametrize("lean,identical", [
-    (LeanSparseConfig(num_candidates=128, miss_filter_offset=None, key_cache_rows=128), True),
-    (LeanSparseConfig(num_candidates=32, miss_filter_offset=1.0, key_cache_rows=48), False),
+# device_pages: PQ codes in device pools (21 pages hold the three requests' 7 + 9 + 5)
+@pytest.mark.parametrize("lean,identical,device_pages", [
+    (LeanSparseConfig(num_candidates=128, miss_filter_offset=None, key_cache_rows=128), True,
+     None),
+    (LeanSparseConfig(num_candidates=32, miss_filter_offset=1.0, key_cache_rows=48), False,
+     None),
+    (LeanSparseConfig(num_candidates=128, miss_filter_offset=None, key_cache_rows=128), True,
+     21),
 ])
-def test_leansparse_against_resident(lean, identical):
+def test_leansparse_against_resident(lean, identical, device_pages):
     """Identity 6: with C >= every eligible history (128 rows at max_len 512) and no miss
     filter, leansparse emits resident's logits bit for bit. With a small C and the filter it
     is approximate. Either way the hierarchy invariant (KV, FP8 keys, PQ codes) holds after
@@ -53,7 +59,8 @@ def test_leansparse_against_resident(lean, identical):
     engines resident's tokens."""
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 256, n).astype(np.int32) for n in (77, 141, 50)]
-    resident, lean_engine = make("resident"), make("leansparse", lean)
+    resident, lean_engine = make("resident"), make("leansparse", lean,
+                                                   device_pages=device_pages)
     for engine in (resident, lean_engine):
         engine.admit(prompts[0], max_new_tokens=140)
         engine.admit(prompts[1], max_new_tokens=140)

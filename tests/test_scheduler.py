@@ -119,6 +119,29 @@ def test_host_pool_admission_waits_and_frees_pages():
     assert engine.control.pages.free == 7 and not engine.active.any()
 
 
+@pytest.mark.parametrize("method", ["resident", pytest.param("hisparse", marks=pytest.mark.slow)])
+def test_device_pool_admission_waits_and_tokens_equal_alone(method, resident):
+    """Device pools of 5 pages of 8 rows (requests of 24-72 tokens need 1-3 pages), six
+    slots: requests wait for pages (reason "device_pool"), never for slots, and every
+    request's greedy tokens equal those it gets alone on the preallocated resident engine.
+    The pages in use always equal the accounting's pages of the running requests and never
+    exceed the pool; at the end the pool is whole."""
+    engine = make_engine(method, slots=6, device_pages=5)
+    requests = workload(7, seed=6)
+    sched = Scheduler(engine, clock=Clock(step_s=0.01))
+    sched.submit(requests)
+    pages = lambda r: request_bytes(  # noqa: E731
+        engine.config, len(r.prompt) + r.max_new_tokens).device_pages
+    while sched.waiting or sched.running:
+        sched.iterate()
+        in_use = engine.control.device.in_use
+        assert in_use == sum(pages(r) for r in sched.running.values()) <= 5
+    assert sched.waits_by["device_pool"] > 0 and sched.waits_by["slots"] == 0
+    assert engine.control.device.in_use == 0
+    for r in requests:
+        assert r.tokens == alone(resident, r), r.id
+
+
 @pytest.mark.parametrize("method", ["leansparse", "adaptive"])
 def test_every_method_under_load_equals_alone(method):
     """Identity 9 for an approximate method (leansparse, 32 candidates, miss filter) and for

@@ -65,6 +65,8 @@ class RequestBytes:
     gpu: dict[str, int]  # component -> bytes on the GPU for one request
     host: dict[str, int]  # component -> bytes in host memory for one request
     per_layer: tuple[dict[str, int], ...]  # GPU component bytes of each layer
+    device_pages: int = 0  # pages the request holds in each device pool (device_pages set;
+    #   their bytes are in ``gpu``: device_pages * device_page_bytes)
 
     @property
     def gpu_total(self) -> int:
@@ -95,6 +97,10 @@ def request_bytes(engine: EngineConfig, context: int, layout: Layout | None = No
     keys: PQ codes N_c*M bytes + key cache Bk*(k_b+meta) + clock + key tail P*k_b on the GPU,
     the keys in host pages. The page table is one int32 per page, once per request (adaptive:
     twice, with its ready map of lent pages).
+    Device pools (``CacheConfig.device_pages``): the CSA state that grows with context
+    (resident rows, exact keys, PQ codes) is counted in whole pages, ceil(N_c/P)*P rows,
+    plus a tail of P rows for rows and exact keys; HCA rows likewise in pages of
+    P_h = P*m/m_h rows plus a P_h-row tail; one more page table (device pages).
     """
     engine = sized_for(engine, context)
     cfg, cache = engine.model, engine.cache
@@ -103,32 +109,44 @@ def request_bytes(engine: EngineConfig, context: int, layout: Layout | None = No
     gpu = dict.fromkeys(GPU_COMPONENTS, 0)
     host = dict.fromkeys(HOST_COMPONENTS, 0)
     per_layer = []
+    pooled = cache.device_pages is not None
+    csa_pages = -(-(context // cfg.csa_ratio) // cache.page_size)  # as the controller reserves
     for i, kind in enumerate(cfg.layer_pattern):
         layer = dict.fromkeys(GPU_COMPONENTS, 0)
         n = cfg.num_compressed(kind)
         if kind in ("swa", "csa", "hca"):
             layer["swa_window"] = cfg.swa_window * lay.plain_row
         if kind == "csa":
+            paged_rows = csa_pages * cache.page_size
+            kept = paged_rows if pooled else n  # rows of device state that grows with context
             layer["compressor_state"] = 2 * cfg.csa_ratio * 4 * (d + di) * val
-            layer["indexer_keys"] = n * lay.index_key
+            layer["indexer_keys"] = kept * lay.index_key
+            if pooled and not engine.storage.keys_on_host:
+                layer["tail"] += cache.page_size * lay.index_key
             if engine.storage.kv_on_host:
-                paged_rows = -(-n // cache.page_size) * cache.page_size
-                layer["tail"] = cache.page_size * lay.kv_row
+                layer["tail"] += cache.page_size * lay.kv_row
                 layer["hot_cache"] = (cache.hot_cache_rows * (lay.kv_row + lay.hot_row_meta)
                                       + lay.hot_scalar)
                 host["attention_kv"] += paged_rows * lay.kv_row
             else:
-                layer["attention_kv"] = n * lay.kv_row
+                layer["attention_kv"] = kept * lay.kv_row
+                if pooled:
+                    layer["tail"] += cache.page_size * lay.kv_row
             if engine.storage.keys_on_host:
                 layer["indexer_keys"] = 0
-                layer["pq_codes"] = n * engine.pq_subspaces
+                layer["pq_codes"] = kept * engine.pq_subspaces
                 layer["key_cache"] = (engine.leansparse.key_cache_rows
                                       * (lay.index_key + lay.hot_row_meta) + lay.hot_scalar)
                 layer["tail"] += cache.page_size * lay.index_key
                 host["indexer_keys"] += paged_rows * lay.index_key
         if kind == "hca":
             layer["compressor_state"] = cfg.hca_ratio * 2 * d * val
-            layer["attention_kv"] = n * lay.plain_row
+            if pooled:  # whole pages of P_h rows, and a tail of P_h rows
+                page_rows = cache.page_size * cfg.csa_ratio // cfg.hca_ratio
+                layer["attention_kv"] = csa_pages * page_rows * lay.plain_row
+                layer["tail"] = page_rows * lay.plain_row
+            else:
+                layer["attention_kv"] = n * lay.plain_row
         if kind == "dsa":
             layer["attention_kv"] = n * lay.plain_row
             if cfg.dsa_leader(i) == i:
@@ -136,10 +154,40 @@ def request_bytes(engine: EngineConfig, context: int, layout: Layout | None = No
         per_layer.append(layer)
         for key, value in layer.items():
             gpu[key] += value
-    if engine.storage.kv_on_host:  # one int32 per page; a ready map of lent pages beside it
-        gpu["page_table"] = 4 * engine.pages_per_slot * (2 if engine.storage.lent_pages else 1)
+    # one int32 per page: host pages, a ready map of lent pages beside them, device pages
+    tables = engine.storage.kv_on_host + engine.storage.lent_pages + pooled
+    gpu["page_table"] = 4 * engine.pages_per_slot * tables
     gpu["weights_share"] = weights_share
-    return RequestBytes(gpu=gpu, host=host, per_layer=tuple(per_layer))
+    return RequestBytes(gpu=gpu, host=host, per_layer=tuple(per_layer),
+                        device_pages=csa_pages if pooled else 0)
+
+
+def device_page_bytes(engine: EngineConfig, layout: Layout | None = None) -> int:
+    """Bytes of one device page id: P rows in every device pool of every CSA layer (KV rows
+    unless on the host, exact keys unless on the host, else PQ codes) and P * m / m_hca rows
+    of every HCA layer."""
+    cfg, storage, page = engine.model, engine.storage, engine.cache.page_size
+    lay = layout or Layout.ours(cfg)
+    per_row = ((0 if storage.kv_on_host else lay.kv_row)
+               + (engine.pq_subspaces if storage.keys_on_host else lay.index_key))
+    hca = cfg.layer_pattern.count("hca") * (page * cfg.csa_ratio // cfg.hca_ratio) \
+        * lay.plain_row  # the HCA rows of the same tokens
+    return page * per_row * cfg.layer_pattern.count("csa") + hca
+
+
+def pool_pages(engine: EngineConfig, budget_bytes: int, layout: Layout | None = None) -> int:
+    """Device pages (``CacheConfig.device_pages``) that ``budget_bytes`` of device pools hold
+    for this method."""
+    return int(budget_bytes // device_page_bytes(engine, layout))
+
+
+def pooled_capacity(engine: EngineConfig, context: int) -> int:
+    """Requests of ``context`` tokens that fit at once with ``engine``'s device pools: the
+    pages each holds against ``device_pages``, capped by ``num_slots``."""
+    if engine.cache.device_pages is None:
+        raise ValueError("pooled_capacity: CacheConfig.device_pages is None (no device pools)")
+    per = -(-(context // engine.model.csa_ratio) // engine.cache.page_size)
+    return min(engine.cache.num_slots, engine.cache.device_pages // max(per, 1))
 
 
 def param_bytes(cfg: ModelConfig) -> int:

@@ -82,16 +82,24 @@ def write_host_page(pool, page, rows):
     return jax.lax.dynamic_update_slice(pool, update, (page * rows.shape[0], 0))
 
 
-class HostCapacityError(RuntimeError):
+class CapacityError(RuntimeError):
+    """An admission needs more pages than its pool has free now (it may fit after a
+    release: a scheduler waits on it)."""
+
+
+class HostCapacityError(CapacityError):
     """Admission needs more host pages than the pool has free."""
 
 
 class PageAllocator:
-    """Control-plane free list of host pages (shared by every CSA layer's pool)."""
+    """Control-plane free list of pages (host pages shared by every CSA layer's pool, or
+    ``memory.device_pool``'s device pages)."""
 
-    def __init__(self, num_pages: int):
+    def __init__(self, num_pages: int, error: type[CapacityError] = HostCapacityError,
+                 pool: str = "host pool", setting: str = "CacheConfig.host_pages"):
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
+        self._error, self._pool, self._setting = error, pool, setting
 
     @property
     def free(self) -> int:
@@ -99,9 +107,9 @@ class PageAllocator:
 
     def allocate(self, count: int, *, what: str) -> list[int]:
         if count > len(self._free):
-            raise HostCapacityError(
-                f"host pool exhausted: {what} needs {count} pages, {len(self._free)} of "
-                f"{self.num_pages} are free (raise CacheConfig.host_pages or admit fewer "
+            raise self._error(
+                f"{self._pool} exhausted: {what} needs {count} pages, {len(self._free)} of "
+                f"{self.num_pages} are free (raise {self._setting} or admit fewer "
                 "requests)")
         return [self._free.pop() for _ in range(count)]
 

@@ -100,6 +100,15 @@ def hierarchy_violations(engine: EngineConfig, state, truth_caches, active,
                 if encode_keys is not None and paged:
                     want = np.asarray(encode_keys(want_keys[0][s, :paged],
                                                   want_keys[1][s, :paged], layer))
-                    if not _same(np.asarray(cache.keys.codes)[s, :paged], want):
+                    if engine.cache.device_pages is None:
+                        codes = np.asarray(cache.keys.codes)[s, :paged]
+                    else:  # the slot's device pages of the codes pool
+                        rows = np.arange(paged)
+                        dev = np.asarray(tier.pools.page_table)[s, rows // page]
+                        codes = np.asarray(tier.pools.codes[layer])[dev * page + rows % page]
+                        if (dev < 0).any():
+                            bad.append(f"layer {layer} slot {s}: a paged code has no device "
+                                       "page")
+                    if not _same(codes, want):
                         bad.append(f"layer {layer} slot {s}: PQ codes differ from encode()")
     return bad

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -43,6 +45,8 @@ class KeyPageView:
     pool: tuple[jax.Array, jax.Array]  # ([NP*P, D_I] e4m3, [NP*P, nb] f32) pinned_host
     page_table: jnp.ndarray  # [max_pages] int32 physical page of each logical page, -1 none
     codebooks: jnp.ndarray  # [M, K, D_I / M] f32 PQ codebooks of this layer
+    codes: Any = None  # device_pool.PoolView of the PQ codes' device pool (device pages),
+    #   None: the codes are in the slot's PagedKeys.codes
 
 
 __all__ = ["KeyPageView", "PagedKeys"]

@@ -28,6 +28,7 @@ import numpy as np
 from flax import struct
 
 from lsparse_jax.config import Storage
+from lsparse_jax.memory.device_pool import DevicePools
 from lsparse_jax.memory.host_pool import PageAllocator, read_host_rows
 from lsparse_jax.memory.paged_kv import PagedKVStore
 from lsparse_jax.memory.paging import put_pages
@@ -66,6 +67,7 @@ class AdaptiveTier:
     page_table: jnp.ndarray  # [S, max_pages] int32 physical page of each logical page, -1 none
     ready: jnp.ndarray  # [S, max_pages] int32 optional page holding each logical page (the same
     #   page in every CSA layer's optional pool), -1 = not lent
+    pools: DevicePools | None = None  # device pools of the exact indexer keys, as hisparse's
 
 
 @register
@@ -84,15 +86,17 @@ class Adaptive(HiSparse):
         rows = self.engine.cache.optional_pages * self.engine.cache.page_size
         rowfmt = KVRowFormat.of(self.engine.model)
         optional = tuple(None if p is None else rowfmt.empty(rows) for p in base.kv_pools)
-        return AdaptiveTier(base.kv_pools, optional, base.page_table, self._page_table())
+        return AdaptiveTier(base.kv_pools, optional, base.page_table, self._page_table(),
+                            base.pools)
 
-    def slot_rows(self, tier: AdaptiveTier):
-        return tier.page_table, tier.ready
+    def slot_rows(self, tier: AdaptiveTier) -> tuple:
+        rows = super().slot_rows(tier)  # (host page table, device page table)
+        return rows[:1] + (tier.ready,) + rows[1:]
 
-    def contexts(self, tier: AdaptiveTier, rows) -> tuple:
-        table, ready = rows
-        return tuple(None if pool is None else (LentPageView(pool, table, opt, ready), None)
-                     for pool, opt in zip(tier.kv_pools, tier.optional_pools))
+    def csa_context(self, tier: AdaptiveTier, rows, layer: int):
+        table, ready = rows[:2]
+        return (LentPageView(tier.kv_pools[layer], table, tier.optional_pools[layer], ready),
+                self.pool_view(tier, "keys", layer, rows[-1]))
 
     def admit(self, state, slot, caches, length, grant: Grant):
         state = super().admit(state, slot, caches, length, grant)
@@ -191,7 +195,7 @@ class AdaptiveController(PagedController):
         return refill(self.method, super().warmup(state), 0, none, none)
 
     def metrics(self, state) -> dict:
-        return {"optional_pages_in_use": self.residency.in_use(),
+        return super().metrics(state) | {"optional_pages_in_use": self.residency.in_use(),
                 "optional_pool_bytes": sum(o.nbytes for o in
                                            jax.tree.leaves(state.tier.optional_pools))}
 

@@ -15,15 +15,34 @@ subclass in a module of its own, registered by name with ``register``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from lsparse_jax.config import EngineConfig, Storage, invalid, register_method
-from lsparse_jax.model.cache import LayerCache, empty_cache
-from lsparse_jax.model.store import RESIDENT_KV, ExactIndex, KeyIndex, KVStore
+from lsparse_jax.memory.device_pool import (
+    DevicePages,
+    DevicePools,
+    PooledIndex,
+    PooledKeys,
+    PooledKV,
+    PooledKVStore,
+    PooledRows,
+    PooledRowStore,
+    PoolView,
+    empty_device_pool,
+    page_in,
+    write_completed_tails,
+)
+from lsparse_jax.memory.paging import CompletedPages
+from lsparse_jax.model.cache import CSACache, LayerCache, empty_cache
+from lsparse_jax.model.store import RESIDENT_KV, RESIDENT_ROWS, ExactIndex, KeyIndex, KVStore
+from lsparse_jax.quant import KVRowFormat
 
 Update = Callable[[Any], Any]  # a jitted function of the decode state, run by the engine
 
@@ -48,12 +67,21 @@ class NoTier:
 
 
 @struct.dataclass
+class PoolTier:
+    """Shared state of the resident method with device pools (``CacheConfig.device_pages``)."""
+
+    pools: DevicePools
+
+
+@struct.dataclass
 class Grant:
     """What the controller reserved for one admission (passed to ``Method.admit``)."""
 
     pages: Any = None  # [max_pages] int32 physical host pages, -1 past the reservation (paged)
     lent: Any = None  # [max_pages] int32 optional device page of each logical page, -1 none
     #   (adaptive)
+    device: Any = None  # [max_pages] int32 device pool page of each logical page, -1 past the
+    #   reservation (CacheConfig.device_pages)
 
 
 class Controller:
@@ -105,38 +133,205 @@ class Method:
             invalid("EngineConfig", "cache.optional_pages", engine.cache.optional_pages,
                     "the adaptive method needs it (device pages lent to imported history); "
                     "other methods must leave it None")
+        cfg, page = engine.model, engine.cache.page_size
+        if engine.cache.device_pages is not None and "hca" in cfg.layer_pattern \
+                and page * cfg.csa_ratio % cfg.hca_ratio:
+            invalid("EngineConfig", "cache.page_size", page,
+                    f"with device_pages, page_size * csa_ratio ({page * cfg.csa_ratio} tokens "
+                    f"a page) must be a multiple of hca_ratio={cfg.hca_ratio} (a page holds "
+                    "whole HCA rows)")
+
+    @property
+    def csa_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.engine.model.layer_pattern) if k == "csa")
+
+    @property
+    def hca_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.engine.model.layer_pattern) if k == "hca")
+
+    @property
+    def hca_page_rows(self) -> int:
+        """HCA rows of one device page: those of the tokens of P compressed CSA rows."""
+        cfg = self.engine.model
+        return self.engine.cache.page_size * cfg.csa_ratio // cfg.hca_ratio
+
+    @property
+    def pooled(self) -> bool:
+        """Whether the state that grows with context is in device pools (``device_pages``)."""
+        return self.engine.cache.device_pages is not None
 
     # ------------------------------------------------------------------------------ data plane
     def kv_store(self) -> KVStore:
-        return RESIDENT_KV
+        return PooledKVStore(self.engine.cache.page_size) if self.pooled else RESIDENT_KV
 
     def key_index(self) -> KeyIndex:
-        return ExactIndex(self.engine.model.indexer.top_k)
+        top_k = self.engine.model.indexer.top_k
+        return PooledIndex(top_k, self.engine.cache.page_size) if self.pooled \
+            else ExactIndex(top_k)
 
+    def hca_store(self):
+        """Where HCA layers keep their rows (``model.store.ResidentRowStore`` interface)."""
+        return PooledRowStore(self.hca_page_rows) if self.pooled else RESIDENT_ROWS
 
     def empty_slot(self) -> tuple[LayerCache, ...]:
         """One slot's decode-time caches (no slot axis), NaN poisoned."""
-        return empty_cache(self.engine.model, self.kv_store(), self.key_index())
+        return empty_cache(self.engine.model, self.kv_store(), self.key_index(),
+                           self.hca_store())
 
     def empty_tier(self, codebooks: dict | None = None):
         """The state shared by all slots. ``codebooks`` ({CSA layer: [M, K, D_I/M]}) serve the
         methods that keep PQ codes; the others ignore them (one set can serve every engine)."""
-        return NoTier()
+        return PoolTier(self.empty_pools()) if self.pooled else NoTier()
 
-    def slot_rows(self, tier):
-        """The tier's per-slot arrays ([S, ...]; mapped over slots in the decode step)."""
-        return None
+    def empty_pools(self) -> DevicePools | None:
+        """Poisoned device pools of the parts this method keeps on the device (KV rows unless
+        ``storage.kv_on_host``; exact keys, or PQ codes with ``storage.keys_on_host``)."""
+        if not self.pooled:
+            return None
+        engine, cfg = self.engine, self.engine.model
+        n, page, ic = engine.cache.device_pages, engine.cache.page_size, cfg.indexer
+        row = KVRowFormat.of(cfg).template()
+        key = (jnp.zeros((ic.head_dim,), jnp.float8_e4m3fn),
+               jnp.zeros((ic.head_dim // ic.fp8_block,), jnp.float32))
+        code = jnp.zeros((engine.pq_subspaces,), jnp.uint8)
+        per_layer = lambda keep, template: tuple(  # noqa: E731
+            empty_device_pool(n, page, template) if keep and i in self.csa_layers else None
+            for i in range(cfg.num_layers))
+        on_host = self.storage
+        hca = jnp.zeros((cfg.head_dim,), jnp.float32)
+        return DevicePools(kv=per_layer(not on_host.kv_on_host, row),
+                           keys=per_layer(not on_host.keys_on_host, key),
+                           codes=per_layer(on_host.keys_on_host, code),
+                           hca=tuple(empty_device_pool(n, self.hca_page_rows, hca)
+                                     if i in self.hca_layers else None
+                                     for i in range(cfg.num_layers)),
+                           page_table=jnp.full((engine.cache.num_slots, engine.pages_per_slot),
+                                               -1, jnp.int32))
 
-    def contexts(self, tier, rows) -> tuple | None:
-        """Per layer, the (kv, keys) contexts one slot's stores read (inside the slot map)."""
-        return None
+    def slot_rows(self, tier) -> tuple:
+        """The tier's per-slot arrays ([S, ...]; mapped over slots in the decode step); the
+        last is the device page table (None without device pools)."""
+        return (tier.pools.page_table if self.pooled else None,)
 
+    def contexts(self, tier, rows) -> tuple:
+        """Per layer, what one slot's stores read of shared state (inside the slot map): CSA
+        layers (kv, keys) contexts (``csa_context``), HCA layers their device pool's view."""
+        device = rows[-1]
+        out = []
+        for i, kind in enumerate(self.engine.model.layer_pattern):
+            if kind == "csa":
+                out.append(self.csa_context(tier, rows, i))
+            elif kind == "hca" and device is not None:
+                out.append(PoolView(tier.pools.hca[i], device))
+            else:
+                out.append(None)
+        return tuple(out)
+
+    def csa_context(self, tier, rows, layer: int):
+        """One CSA layer's (kv, keys) contexts for one slot (``rows``: its slot_rows)."""
+        device = rows[-1]
+        if device is None:
+            return None
+        return PoolView(tier.pools.kv[layer], device), PoolView(tier.pools.keys[layer], device)
+
+    def pool_view(self, tier, part: str, layer: int, row) -> PoolView | None:
+        """One slot's view of device pool ``part`` ("kv", "keys", "codes") of ``layer``
+        (``row``: its device page-table row), None when not pooled."""
+        return None if row is None else PoolView(getattr(tier.pools, part)[layer], row)
+
+    # ------------------------------------------------------------------------------ admission
     def admit(self, state, slot, caches: tuple[LayerCache, ...], length, grant: Grant):
-        """Puts one prefilled request (resident caches, no slot axis) into ``slot``."""
-        return insert(state, slot, caches, length)
+        """Puts one prefilled request (resident caches, no slot axis) into ``slot``: each CSA
+        layer through ``admit_layer``, then the slot's page-table rows (``with_tables``)."""
+        full_pages = (length // self.engine.model.csa_ratio) // self.engine.cache.page_size
+        tier, out, empty = state.tier, list(caches), self.empty_slot()
+        for i in self.csa_layers:
+            out[i], tier = self.admit_layer(i, caches[i], empty[i], tier, grant, full_pages)
+        if self.pooled:  # HCA rows of the complete pages to their device pages
+            hca = list(tier.pools.hca)
+            for i in self.hca_layers:
+                hca[i], tail = page_in(hca[i], caches[i].entries, grant.device, full_pages,
+                                       self.hca_page_rows)
+                out[i] = out[i].replace(entries=PooledRows(tail))
+            tier = tier.replace(pools=tier.pools.replace(hca=tuple(hca)))
+        return insert(state.replace(tier=self.with_tables(tier, slot, grant)), slot,
+                      tuple(out), length)
+
+    def admit_layer(self, layer: int, cache: CSACache, empty: CSACache, tier, grant: Grant,
+                    full_pages):
+        """One CSA layer's admission: (its slot cache, the tier). Pooled parts (KV rows
+        unless on the host, exact keys unless on the host) go to the device pages
+        ``grant.device``, their partial page to the tail."""
+        if not self.pooled:
+            return cache, tier
+        pools, page = tier.pools, self.engine.cache.page_size
+        if not self.storage.kv_on_host:
+            kv = list(pools.kv)
+            kv[layer], tail = page_in(kv[layer], cache.kv.entries, grant.device, full_pages,
+                                      page)
+            cache, pools = cache.replace(kv=PooledKV(tail)), pools.replace(kv=tuple(kv))
+        if not self.storage.keys_on_host:
+            keys = list(pools.keys)
+            keys[layer], tail = page_in(keys[layer], (cache.keys.values, cache.keys.scales),
+                                        grant.device, full_pages, page)
+            cache, pools = cache.replace(keys=PooledKeys(tail)), pools.replace(keys=tuple(keys))
+        return cache, tier.replace(pools=pools)
+
+    def with_tables(self, tier, slot, grant: Grant):
+        """The tier with ``slot``'s page-table rows from ``grant``."""
+        if not self.pooled:
+            return tier
+        pools = tier.pools
+        return tier.replace(pools=pools.replace(page_table=pools.page_table.at[slot].set(
+            grant.device)))
+
+    # ------------------------------------------------------------------------------ writeback
+    def host_table(self, tier):
+        """[S, max_pages] host page table of the completed-page writeback, None: no host
+        pages."""
+        return None
+
+    def write_completed(self, state, slots):
+        """Writes the tail page that the last decode step completed in each of ``slots`` ([c]
+        int32, from ``CompletedPages.completing``) to the slot's host page and device pages."""
+        cfg, page = self.engine.model, self.engine.cache.page_size
+        of = lambda table: None if table is None else CompletedPages.of(  # noqa: E731
+            table, state.lengths, slots, cfg.csa_ratio, page)
+        host = of(self.host_table(state.tier))
+        device = of(state.tier.pools.page_table if self.pooled else None)
+        tier, caches = state.tier, list(state.caches)
+        for i in self.csa_layers:
+            caches[i], tier = self.write_pages(i, caches[i], tier, host, device)
+        if device is not None:  # the HCA rows of the same pages (same slots, same pages)
+            hca = list(tier.pools.hca)
+            for i in self.hca_layers:
+                tail = caches[i].entries.tail
+                hca[i] = write_completed_tails(device, hca[i], tail, self.hca_page_rows)
+                caches[i] = caches[i].replace(entries=PooledRows(device.poison(tail)))
+            tier = tier.replace(pools=tier.pools.replace(hca=tuple(hca)))
+        return state.replace(caches=tuple(caches), tier=tier)
+
+    def write_pages(self, layer: int, cache: CSACache, tier, host: CompletedPages | None,
+                    device: CompletedPages | None):
+        """One CSA layer's writeback: the pooled parts' completed tails to their device
+        pages (``host``: the host pages' writeback, for the methods that have them)."""
+        if device is None:
+            return cache, tier
+        pools, page = tier.pools, self.engine.cache.page_size
+        if not self.storage.kv_on_host:
+            kv = list(pools.kv)
+            kv[layer] = write_completed_tails(device, kv[layer], cache.kv.tail, page)
+            cache = cache.replace(kv=cache.kv.replace(tail=device.poison(cache.kv.tail)))
+            pools = pools.replace(kv=tuple(kv))
+        if not self.storage.keys_on_host:
+            keys = list(pools.keys)
+            keys[layer] = write_completed_tails(device, keys[layer], cache.keys.tail, page)
+            cache = cache.replace(keys=cache.keys.replace(tail=device.poison(cache.keys.tail)))
+            pools = pools.replace(keys=tuple(keys))
+        return cache, tier.replace(pools=pools)
 
     def controller(self) -> Controller:
-        return Controller()
+        return PoolController(self) if self.pooled else Controller()
 
 
 def insert(state, slot, caches: tuple[LayerCache, ...], length):
@@ -145,4 +340,81 @@ def insert(state, slot, caches: tuple[LayerCache, ...], length):
     return state.replace(caches=new, lengths=state.lengths.at[slot].set(length))
 
 
-__all__ = ["Controller", "Grant", "Method", "NoTier", "Update", "insert", "policy", "register"]
+@jax.jit
+def _clear_device_pages(tier, slot):
+    pools = tier.pools
+    return tier.replace(pools=pools.replace(page_table=pools.page_table.at[slot].set(-1)))
+
+
+@functools.partial(jax.jit, static_argnames=("method",), donate_argnames=("state",))
+def write_completed(method: Method, state, slots):
+    """``method.write_completed`` under jit (one compilation per length of ``slots``: the
+    controller pads it to a power of two, so there are at most log2(S) + 1)."""
+    return method.write_completed(state, slots)
+
+
+class PoolController(Controller):
+    """Device pool pages per request (``CacheConfig.device_pages``): reserved at admission
+    for prompt + max_new_tokens, freed at release; the writeback of completed pages after a
+    step. The paged methods' controllers add their host pages to it."""
+
+    def __init__(self, method: Method):
+        self.method = method
+        engine = method.engine
+        self.device = (DevicePages(engine.cache.device_pages, engine.pages_per_slot)
+                       if method.pooled else None)
+
+    def logical_pages(self, total_tokens: int) -> int:
+        """Pages of compressed CSA rows a request of ``total_tokens`` tokens holds."""
+        engine = self.method.engine
+        rows = total_tokens // engine.model.csa_ratio
+        return -(-rows // engine.cache.page_size)
+
+    def reserve(self, slot: int, total_tokens: int, prompt_tokens: int):
+        if self.device is None:
+            return Grant(), []
+        row = self.device.reserve(slot, self.logical_pages(total_tokens),
+                                  f"a request of {total_tokens} tokens")
+        return Grant(device=jnp.asarray(row)), []
+
+    def release(self, slot: int) -> list:
+        if self.device is None:
+            return []
+        self.device.release(slot)
+        return [lambda state: state.replace(tier=_clear_device_pages(state.tier, slot))]
+
+    def after_step(self, lengths_before: np.ndarray, active: np.ndarray) -> list:
+        """The page writeback of the slots whose step completed a tail page."""
+        engine = self.method.engine
+        slots = CompletedPages.completing(lengths_before, active, engine.model.csa_ratio,
+                                          engine.cache.page_size)
+        if slots.size == 0:
+            return []
+        # pad to a power of two by repeating the last slot (writing a page twice is the same
+        # as once), so that the writeback compiles for log2(S) + 1 lengths, at warmup
+        width = 1 << (slots.size - 1).bit_length()
+        slots = np.concatenate([slots, np.repeat(slots[-1:], width - slots.size)])
+        return [functools.partial(write_completed, self.method, slots=jnp.asarray(slots))]
+
+    def warmup(self, state):
+        """Compiles the writeback for every padded length (ahead of time: nothing runs)."""
+        for bits in range((state.lengths.shape[0] - 1).bit_length() + 1):
+            write_completed.lower(self.method, state,
+                                  slots=jnp.zeros((1 << bits,), jnp.int32)).compile()
+        return state
+
+    def metrics(self, state) -> dict:
+        if self.device is None:
+            return {}
+        return {"device_pages_in_use": self.device.in_use,
+                "device_pool_bytes": pool_bytes(state.tier.pools)}
+
+
+def pool_bytes(pools: DevicePools) -> int:
+    """Bytes of the device pools (not their page table)."""
+    return sum(a.nbytes for a in jax.tree.leaves((pools.kv, pools.keys, pools.codes,
+                                                  pools.hca)))
+
+
+__all__ = ["Controller", "Grant", "Method", "NoTier", "PoolController", "PoolTier", "Update",
+           "insert", "policy", "pool_bytes", "register", "write_completed"]

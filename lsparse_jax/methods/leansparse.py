@@ -18,6 +18,12 @@ from flax import struct
 
 from lsparse_jax.config import EngineConfig, LeanSparseConfig, ModelConfig, Storage, invalid
 from lsparse_jax.indexing.coarse_to_fine import coarse_to_fine
+from lsparse_jax.memory.device_pool import (
+    DevicePools,
+    gather_slot_rows,
+    page_in,
+    scatter_pages,
+)
 from lsparse_jax.memory.hot_cache import resolve
 from lsparse_jax.memory.key_store import KeyPageView, PagedKeys
 from lsparse_jax.memory.paged_kv import PageView, paged_rows
@@ -41,10 +47,12 @@ class CoarseToFineIndex:
     page_size: int
     num_subspaces: int  # M PQ subspaces
     implementation: str | None = "xla"
+    pooled: bool = False  # PQ codes in a device pool (CacheConfig.device_pages), not the slot
 
     def empty(self, num_rows: int, dim: int, num_scales: int) -> PagedKeys:
-        return PagedKeys.empty(self.page_size, self.settings.key_cache_rows, num_rows, dim,
-                               num_scales, self.num_subspaces)
+        return PagedKeys.empty(self.page_size, self.settings.key_cache_rows,
+                               0 if self.pooled else num_rows, dim, num_scales,
+                               self.num_subspaces)
 
     def write(self, state: PagedKeys, completed, ids, values, scales, ok) -> PagedKeys:
         return state.write(completed, ids, values, scales, ok)
@@ -64,9 +72,11 @@ class CoarseToFineIndex:
         if query.q.shape[0] != 1:
             raise ValueError("CoarseToFineIndex serves decode (one query per slot); prefill "
                              "selects on the resident layout")
-        q, w, n = query.q[0], query.weights[0], state.codes.shape[0]
+        q, w, n = query.q[0], query.weights[0], eligible.shape[-1]
         paged = paged_rows(self.page_size, completed)
-        cand, cand_scores = pq_topc(q[None], w[None], state.codes[None], context.codebooks,
+        codes = state.codes if context.codes is None else gather_slot_rows(
+            context.codes, jnp.arange(n), None, paged, self.page_size)  # one gather
+        cand, cand_scores = pq_topc(q[None], w[None], codes[None], context.codebooks,
                                     jnp.reshape(paged, (1,)).astype(jnp.int32),
                                     num_candidates=self.settings.num_candidates,
                                     implementation=self.implementation)
@@ -101,6 +111,8 @@ class LeanTier:
     #   [NP * P, D_I / fp8_block] f32) pinned_host pages of FP8 indexer keys
     page_table: jnp.ndarray  # [S, max_pages] int32 physical page of each logical page, -1 none
     codebooks: tuple[jnp.ndarray | None, ...]  # per layer [M, K, D_I / M] f32 PQ codebooks
+    pools: DevicePools | None = None  # the device pools of the PQ codes
+    #   (CacheConfig.device_pages), None: codes at max_len in each slot
 
 
 def encode_keys(values, scales, codebooks):
@@ -133,7 +145,7 @@ class LeanSparse(HiSparse):
     def key_index(self) -> CoarseToFineIndex:
         return CoarseToFineIndex(self.settings, self.engine.model.indexer.top_k,
                                  self.engine.cache.page_size, self.engine.pq_subspaces,
-                                 self.engine.implementation)
+                                 self.engine.implementation, self.pooled)
 
     def empty_tier(self, codebooks=None) -> LeanTier:
         ic = self.engine.model.indexer
@@ -141,7 +153,7 @@ class LeanSparse(HiSparse):
         scales = self._pools(ic.head_dim // ic.fp8_block)
         keys = tuple(None if v is None else (v, s) for v, s in zip(values, scales))
         return LeanTier(self._kv_pools(), keys, self._page_table(),
-                        self._check_codebooks(codebooks))
+                        self._check_codebooks(codebooks), self.empty_pools())
 
     def _check_codebooks(self, codebooks) -> tuple:
         """Per-layer codebooks (None for layers that are not CSA), shape-checked."""
@@ -166,10 +178,11 @@ class LeanSparse(HiSparse):
             out.append(book)
         return tuple(out)
 
-    def contexts(self, tier: LeanTier, rows) -> tuple:
-        return tuple(None if pool is None else
-                     (PageView(pool, rows), KeyPageView(keys, rows, book))
-                     for pool, keys, book in zip(tier.kv_pools, tier.key_pools, tier.codebooks))
+    def csa_context(self, tier: LeanTier, rows, layer: int):
+        table = rows[0]
+        return (PageView(tier.kv_pools[layer], table),
+                KeyPageView(tier.key_pools[layer], table, tier.codebooks[layer],
+                            self.pool_view(tier, "codes", layer, rows[-1])))
 
     def admit_layer(self, layer, cache, empty, tier, grant, full_pages):
         """As hisparse, and the complete prefix pages of FP8 keys go to the host too, their PQ
@@ -181,22 +194,36 @@ class LeanSparse(HiSparse):
         pools[layer], key_tail = page_out(pools[layer], rows, grant.pages, full_pages, page)
         codes = encode_keys(*rows, tier.codebooks[layer])
         paged = jnp.arange(codes.shape[0]) < full_pages * page
-        keys = empty.keys.replace(tail=key_tail, codes=jnp.where(paged[:, None], codes, 0))
-        return out.replace(keys=keys), tier.replace(key_pools=tuple(pools))
+        codes = jnp.where(paged[:, None], codes, 0)
+        tier = tier.replace(key_pools=tuple(pools))
+        if self.pooled:  # the complete pages' codes to device pages; the slot keeps none
+            code_pools = list(tier.pools.codes)
+            code_pools[layer], _ = page_in(code_pools[layer], codes, grant.device, full_pages,
+                                           page)
+            tier = tier.replace(pools=tier.pools.replace(codes=tuple(code_pools)))
+            codes = empty.keys.codes
+        return out.replace(keys=empty.keys.replace(tail=key_tail, codes=codes)), tier
 
-    def write_pages(self, layer, cache, tier, done: CompletedPages):
-        """As hisparse, and each completed key page goes to the host with its PQ codes."""
-        cache, tier = super().write_pages(layer, cache, tier, done)
+    def write_pages(self, layer, cache, tier, host: CompletedPages,
+                    device: CompletedPages | None):
+        """As hisparse, and each completed key page goes to the host, its PQ codes to the
+        slot's codes (or its device page, with device pools)."""
+        cache, tier = super().write_pages(layer, cache, tier, host, device)
         keys, book = cache.keys, tier.codebooks[layer]
         pools = list(tier.key_pools)
-        pools[layer] = done.write_tails(pools[layer], keys.tail)
-
-        def encode_page(j, s, codes):
-            new = encode_keys(keys.tail[0][s], keys.tail[1][s], book)
-            return jax.lax.dynamic_update_slice(codes, new[None], (s, done.first[j], 0))
-
-        codes = done.for_each(encode_page, keys.codes)
-        keys = keys.replace(tail=done.poison(keys.tail), codes=codes)
+        pools[layer] = host.write_tails(pools[layer], keys.tail)
+        encoded = lambda s: encode_keys(keys.tail[0][s], keys.tail[1][s], book)  # noqa: E731
+        if device is None:
+            codes = host.for_each(lambda j, s, codes: jax.lax.dynamic_update_slice(
+                codes, encoded(s)[None], (s, host.first[j], 0)), keys.codes)
+        else:  # the completed pages' codes [c, P, M] to their device pages
+            codes = keys.codes
+            code_pools = list(tier.pools.codes)
+            code_pools[layer] = scatter_pages(code_pools[layer], device.dest,
+                                              jax.vmap(encoded)(device.slots),
+                                              self.engine.cache.page_size)
+            tier = tier.replace(pools=tier.pools.replace(codes=tuple(code_pools)))
+        keys = keys.replace(tail=host.poison(keys.tail), codes=codes)
         return cache.replace(keys=keys), tier.replace(key_pools=tuple(pools))
 
 

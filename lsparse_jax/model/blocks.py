@@ -7,6 +7,8 @@ prefill is a chunk of many; the cache makes chunking invisible.
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -20,6 +22,7 @@ from lsparse_jax.model.layers import (MLP, RMSNorm, dense, extend_window, matmul
                                       rope)
 from lsparse_jax.model.store import (
     RESIDENT_KV,
+    RESIDENT_ROWS,
     ExactIndex,
     IndexerQuery,
     KeyIndex,
@@ -69,6 +72,7 @@ class AttentionLayer(nn.Module):
     indexer_loss: bool = False  # training: sow the indexer's KL to the attention (CSA layers)
     kv_store: KVStore = RESIDENT_KV
     key_index: KeyIndex | None = None  # None: model.store.ExactIndex (every key resident)
+    hca_store: Any = RESIDENT_ROWS  # where an HCA layer's rows live (model.store.RowStore-like)
 
     @property
     def kind(self) -> str:
@@ -111,7 +115,8 @@ class AttentionLayer(nn.Module):
             cache = cache.replace(kv=self.kv_store.write(cache.kv, completed, ids,
                                                          rowfmt.encode(rows), ok))
         elif self.kind == "hca":
-            cache = cache.replace(entries=write_rows(cache.entries, ids, rows, ok))
+            cache = cache.replace(entries=self.hca_store.write(cache.entries, start // m, ids,
+                                                               rows, ok))
         elif self.kind == "dsa":
             ok = jnp.arange(t_len) < num_valid
             cache = cache.replace(entries=write_rows(cache.entries, positions, raw, ok))
@@ -151,7 +156,10 @@ class AttentionLayer(nn.Module):
         elif self.kind == "dsa":
             selection = shared  # GLM-5 index sharing: reuse the group leader's positions
 
-        if self.kind == "hca" or (self.dense_selection and self.kind == "dsa"):
+        if self.kind == "hca":
+            groups.append((self.hca_store.rows(cache.entries, start // m, num, context)[None],
+                           eligible))
+        elif self.dense_selection and self.kind == "dsa":
             groups.append((cache.entries[None], eligible))
         elif self.dense_selection and self.kind == "csa":
             groups.append((rowfmt.decode(self.kv_store.all_rows(cache.kv))[None], eligible))
@@ -238,13 +246,14 @@ class Block(nn.Module):
     indexer_loss: bool = False
     kv_store: KVStore = RESIDENT_KV
     key_index: KeyIndex | None = None
+    hca_store: Any = RESIDENT_ROWS
 
     @nn.compact
     def __call__(self, x, cache, start, num_valid, shared=None, context=None):
         with matmul_precision(self.cfg.matmul_precision):
             attn = AttentionLayer(self.cfg, self.layer, self.dense_selection,
                                   self.implementation, self.indexer_loss, self.kv_store,
-                                  self.key_index, name="attn")
+                                  self.key_index, self.hca_store, name="attn")
             y, cache, selection = attn(RMSNorm(name="attn_norm")(x), cache, start, num_valid,
                                        shared, context)
             x = x + y

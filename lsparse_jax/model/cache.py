@@ -11,7 +11,14 @@ import jax.numpy as jnp
 from flax import struct
 
 from lsparse_jax.config import ModelConfig
-from lsparse_jax.model.store import RESIDENT_KV, ExactIndex, KeyIndex, KVStore
+from lsparse_jax.model.store import (
+    RESIDENT_KV,
+    RESIDENT_ROWS,
+    ExactIndex,
+    KeyIndex,
+    KVStore,
+    ResidentRowStore,
+)
 from lsparse_jax.quant import KVRowFormat
 
 
@@ -34,7 +41,8 @@ class CSACache:
 class HCACache:
     window: jnp.ndarray  # [W, D] f32 ring of raw KV rows
     kv_ring: jnp.ndarray  # [m_hca, 2D] f32 compressor inputs of the last m_hca tokens
-    entries: jnp.ndarray  # [N_hca, D] f32 compressed KV
+    entries: Any  # [N_hca, D] f32 compressed KV (the model's layout), or the state of a
+    #   serving method's row store (device pages: the page being filled)
 
 
 @struct.dataclass
@@ -48,9 +56,11 @@ LayerCache = SWACache | CSACache | HCACache | DSACache
 
 
 def empty_layer_cache(cfg: ModelConfig, layer: int, kv_store: KVStore = RESIDENT_KV,
-                      key_index: KeyIndex | None = None) -> LayerCache:
+                      key_index: KeyIndex | None = None,
+                      hca_store: ResidentRowStore = RESIDENT_ROWS) -> LayerCache:
     """A NaN-poisoned cache for one layer of one slot; CSA layers keep their compressed KV and
-    indexer keys in ``kv_store`` / ``key_index`` (default: the resident layout)."""
+    indexer keys in ``kv_store`` / ``key_index``, HCA layers their rows in ``hca_store``
+    (default: the resident layout)."""
     kind = cfg.layer_pattern[layer]
     d, di, w = cfg.head_dim, cfg.indexer.head_dim, cfg.swa_window
     nb = di // cfg.indexer.fp8_block
@@ -67,12 +77,15 @@ def empty_layer_cache(cfg: ModelConfig, layer: int, kv_store: KVStore = RESIDENT
                         index_ring=nan(2 * m, 4 * di), keys=key_index.empty(n, di, nb))
     if kind == "hca":
         m = cfg.hca_ratio
-        return HCACache(window=nan(w, d), kv_ring=nan(m, 2 * d), entries=nan(n, d))
+        return HCACache(window=nan(w, d), kv_ring=nan(m, 2 * d),
+                        entries=hca_store.empty(n, d))
     leads = cfg.dsa_leader(layer) == layer
     rows = n if leads else 0
     return DSACache(entries=nan(n, d), index_keys=fp8(rows, di), index_scales=nan(rows, nb))
 
 
 def empty_cache(cfg: ModelConfig, kv_store: KVStore = RESIDENT_KV,
-                key_index: KeyIndex | None = None) -> tuple[LayerCache, ...]:
-    return tuple(empty_layer_cache(cfg, i, kv_store, key_index) for i in range(cfg.num_layers))
+                key_index: KeyIndex | None = None,
+                hca_store: ResidentRowStore = RESIDENT_ROWS) -> tuple[LayerCache, ...]:
+    return tuple(empty_layer_cache(cfg, i, kv_store, key_index, hca_store)
+                 for i in range(cfg.num_layers))

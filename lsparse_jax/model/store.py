@@ -205,6 +205,29 @@ class ExactIndex:
 
 RESIDENT_KV = ResidentKVStore()
 
+
+@dataclasses.dataclass(frozen=True)
+class ResidentRowStore:
+    """Where an HCA layer keeps its compressed rows: every row in the slot (the model's
+    layout; a serving method may page them, ``memory.device_pool.PooledRowStore``).
+
+      empty(num_rows, dim) -> state;  write(state, completed, ids, rows, ok) -> state;
+      rows(state, completed, num_rows, context) -> [num_rows, D] (NaN where never written).
+    """
+
+    def empty(self, num_rows: int, dim: int) -> jnp.ndarray:
+        return jnp.full((num_rows, dim), jnp.nan, jnp.float32)
+
+    def write(self, state, completed, ids, rows, ok):
+        return write_rows(state, ids, rows, ok)
+
+    def rows(self, state, completed, num_rows: int, context):
+        return state
+
+
+RESIDENT_ROWS = ResidentRowStore()
+
 __all__ = ["ExactIndex", "IndexerQuery", "KVStore", "KeyIndex",
-           "NUM_SOURCES", "RESIDENT_KV", "ResidentKV", "ResidentKVStore", "ResidentKeys",
+           "NUM_SOURCES", "RESIDENT_KV", "RESIDENT_ROWS", "ResidentKV", "ResidentKVStore",
+           "ResidentKeys", "ResidentRowStore",
            "RowView", "Selection", "exact_selection", "resident_counts", "write_rows"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -10,7 +12,7 @@ from lsparse_jax.config import ModelConfig
 from lsparse_jax.model.blocks import Block
 from lsparse_jax.model.cache import empty_cache
 from lsparse_jax.model.layers import RMSNorm, dense, matmul_precision
-from lsparse_jax.model.store import RESIDENT_KV, KeyIndex, KVStore
+from lsparse_jax.model.store import RESIDENT_KV, RESIDENT_ROWS, KeyIndex, KVStore
 
 
 class Transformer(nn.Module):
@@ -30,6 +32,7 @@ class Transformer(nn.Module):
     indexer_loss: bool = False  # training: CSA layers sow "losses"/"indexer_kl"
     kv_store: KVStore = RESIDENT_KV
     key_index: KeyIndex | None = None  # None: every key resident, exact top-k
+    hca_store: Any = RESIDENT_ROWS  # where HCA layers keep their rows (default: resident)
 
     @nn.compact
     def __call__(self, tokens, caches, start, num_valid, contexts=None):
@@ -43,7 +46,8 @@ class Transformer(nn.Module):
                 shared = selections[cfg.dsa_leader(i)]
             indexer_loss = self.indexer_loss and cfg.layer_pattern[i] == "csa"
             x, c, sel = Block(cfg, i, self.dense_selection, self.implementation, indexer_loss,
-                              self.kv_store, self.key_index, name=f"block_{i}")(
+                              self.kv_store, self.key_index, self.hca_store,
+                              name=f"block_{i}")(
                 x, caches[i], start, num_valid, shared,
                 None if contexts is None else contexts[i])
             new_caches.append(c)

@@ -7,8 +7,10 @@ counted; (2) one decode step of the active set; (3) every request that hit max_n
 (or max_len), a stop token or a stop string is released at once, freeing its slot, bytes and
 host pages.
 
-Device bytes of a request are ``memory.accounting.request_bytes`` at prompt + max_new_tokens
-(the paged device pools of a byte budget: each method's footprint decides how many fit).
+Device bytes of a request are ``memory.accounting.request_bytes`` at prompt + max_new_tokens.
+With device pools (``CacheConfig.device_pages``) the pools are the budget: the controller's
+reservation of a request's pages says whether it fits now (``DeviceCapacityError``: it waits,
+reason "device_pool"), so each method's footprint per token decides how many fit.
 
 Prefill, two modes. Whole-prompt (``prefill_token_budget`` None): ``Engine.admit`` prefills
 the prompt blocking, so every decoding request stalls meanwhile. Chunked (Sarathi-style
@@ -33,13 +35,14 @@ import time
 from collections.abc import Iterable, Iterator
 
 from lsparse_jax.memory.accounting import request_bytes
-from lsparse_jax.memory.host_pool import HostCapacityError
+from lsparse_jax.memory.device_pool import DeviceCapacityError
+from lsparse_jax.memory.host_pool import CapacityError
 from lsparse_jax.serving.engine import Engine
 from lsparse_jax.serving.metrics import request_metrics, summarize
 from lsparse_jax.serving.request import Request
 from lsparse_jax.serving.steps import prefill_chunks
 
-WAIT_REASONS = ("slots", "device_budget", "host_pool")
+WAIT_REASONS = ("slots", "device_budget", "host_pool", "device_pool")
 
 
 @dataclasses.dataclass
@@ -131,14 +134,16 @@ class Scheduler:
         self.waits_by[reason] += 1
 
     def _engine_admit(self, r: Request, prefilled=None) -> int | None:
-        """``engine.admit``, or None when the host pool cannot hold ``r`` now (it waits)."""
+        """``engine.admit``, or None when the host pool or the device pools cannot hold
+        ``r`` now (it waits)."""
         try:  # the controller reserves before the engine changes anything
             return self.engine.admit(r, prefilled=prefilled)
-        except HostCapacityError:
+        except CapacityError as e:
+            pool = "device_pool" if isinstance(e, DeviceCapacityError) else "host_pool"
             if not self.running:
                 raise RuntimeError(f"Scheduler: request {r.id!r} does not fit in the empty "
-                                   "host pool; it would wait forever") from None
-            self._wait(r, "host_pool")
+                                   f"{pool.replace('_', ' ')}; it would wait forever") from None
+            self._wait(r, pool)
             return None
 
     def _stop_reason(self, r: Request) -> str | None:

@@ -23,7 +23,7 @@ class DecodeState:
     lengths: jnp.ndarray  # [S] int32 tokens each slot holds (prompt + generated)
     rng: jnp.ndarray  # PRNG key for temperature sampling
     tier: Any  # the method's shared state (``Method.empty_tier``: host pools, page tables,
-    #   codebooks, lent pages; ``NoTier`` for resident)
+    #   codebooks, lent pages, device pools; ``NoTier`` for resident without device pools)
 
     @property
     def num_slots(self) -> int:

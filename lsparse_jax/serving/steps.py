@@ -94,7 +94,7 @@ def decode_step(params, engine: EngineConfig, state: DecodeState, tokens, active
     """
     cfg, method = engine.model, policy(engine)
     model = Transformer(cfg, implementation=engine.implementation, kv_store=method.kv_store(),
-                        key_index=method.key_index())
+                        key_index=method.key_index(), hca_store=method.hca_store())
 
     def one(caches, rows, token, start, live):
         # the method's shared state (host pools, codebooks) is closed over, not mapped; its

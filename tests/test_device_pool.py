@@ -1,0 +1,155 @@
+"""Device page pools (``CacheConfig.device_pages``): resident with pools equals resident bit
+for bit; freed pages are reused without leaking a previous request's rows (NaN-poisoned);
+capacity at a fixed byte budget differs per method exactly as the accounting predicts;
+admission that does not fit now raises DeviceCapacityError and changes nothing, one that can
+never fit is a ValueError. (hisparse, leansparse and adaptive with pools: their identity
+tests in test_hierarchy.py, test_leansparse.py, test_adaptive.py.)"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lsparse_jax.config import CacheConfig, EngineConfig
+from lsparse_jax.memory.accounting import (
+    device_page_bytes,
+    pool_pages,
+    pooled_capacity,
+    request_bytes,
+)
+from lsparse_jax.memory.device_pool import DeviceCapacityError, PoolView, gather_slot_rows
+from lsparse_jax.serving.engine import Engine
+from lsparse_jax.serving.steps import prefill
+from tests.helpers import model_and_tokens, tiny
+
+PAGE = 8
+
+
+def engine(cfg, params, method, device_pages=None, slots=2, books=None, **cache):
+    rows = None if method == "resident" else 16
+    return Engine(EngineConfig(model=cfg, method=method, cache=CacheConfig(
+        num_slots=slots, prefill_chunk=32, hot_cache_rows=rows, page_size=PAGE,
+        device_pages=device_pages, **cache)), params, books)
+
+
+def poison(state, pages):
+    """The state with every row of device ``pages`` poisoned in every pool (NaN; codes
+    255)."""
+    rows = jnp.asarray((np.asarray(pages)[:, None] * PAGE + np.arange(PAGE)).ravel())
+
+    def bad(leaf):
+        fill = jnp.nan if jnp.issubdtype(leaf.dtype, jnp.floating) else 255
+        return leaf.at[rows].set(jnp.asarray(fill, leaf.dtype))
+
+    pools = state.tier.pools
+    pools = pools.replace(kv=jax.tree.map(bad, pools.kv), keys=jax.tree.map(bad, pools.keys),
+                          codes=jax.tree.map(bad, pools.codes))
+    return state.replace(tier=state.tier.replace(pools=pools))
+
+
+@pytest.mark.parametrize("method", ["resident", pytest.param("hisparse", marks=pytest.mark.slow)])
+def test_pools_equal_resident_and_reused_pages_leak_nothing(method):
+    """Two requests (4 + 5 pages) fill a 9-page pool; the first leaves, its pages are
+    NaN-poisoned, and a third request (4 pages) gets exactly those pages. Logits, tokens and
+    selections equal resident's (no pools) bit for bit at every step: no read reaches a page
+    that is not the slot's, and nothing of the first request survives in the third."""
+    cfg = tiny(max_len=256)
+    params, _ = model_and_tokens(cfg, 1, seed=3)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 256, n).astype(np.int32) for n in (70, 100, 80)]
+    news = (60, 60, 48)  # 130, 160, 128 tokens: 4, 5, 4 pages of 8 rows
+    ref = engine(cfg, params, "resident", slots=3)
+    pooled = engine(cfg, params, method, 9, slots=3)  # a slot is free: the pool binds
+    for e in (ref, pooled):
+        e.admit(prompts[0], max_new_tokens=news[0])
+        e.admit(prompts[1], max_new_tokens=news[1])
+    assert pooled.control.device.in_use == 9
+    with pytest.raises(DeviceCapacityError, match="needs 4 pages, 0 of 9 are free"):
+        pooled.admit(prompts[2], max_new_tokens=news[2])
+    for step in range(60):
+        if step == 25:
+            freed = list(pooled.control.device.slot_pages[0])
+            for e in (ref, pooled):
+                e.release(0)
+            pooled.state = poison(pooled.state, freed)
+            for e in (ref, pooled):
+                e.admit(prompts[2], max_new_tokens=news[2])
+            assert sorted(pooled.control.device.slot_pages[0]) == sorted(freed)
+        want, got = ref.step(), pooled.step()
+        for field in ("logits", "tokens", "selected"):
+            np.testing.assert_array_equal(np.asarray(getattr(got, field))[ref.active],
+                                          np.asarray(getattr(want, field))[ref.active])
+    assert ref.generated == pooled.generated
+    for slot in (0, 1):
+        pooled.release(slot)
+    assert pooled.control.device.in_use == 0
+    assert (np.asarray(pooled.state.tier.pools.page_table) == -1).all()
+
+
+def test_capacity_at_a_fixed_budget_differs_per_method_as_accounted():
+    """One byte budget (2 resident pages), requests of 64 tokens (2 pages): a page holds 8
+    rows of 2 CSA layers and 2 HCA rows (256 B); resident (164 B per CSA row) fits 1,
+    hisparse and adaptive (keys only, 36 B) 3, leansparse (8 B of PQ codes) 7, each exactly
+    ``pooled_capacity``; the next admission raises DeviceCapacityError and
+    changes nothing (host pages included); a release frees its pages at once."""
+    cfg = tiny(max_len=128)
+    params, prompt = model_and_tokens(cfg, 60, seed=5)
+    prefilled = prefill(params, cfg, prompt, 32)  # shared: capacity is the control plane's
+    books = {1: np.zeros((8, 16, 4), np.float32), 3: np.zeros((8, 16, 4), np.float32)}
+    slots = 24
+    base = EngineConfig(model=cfg, cache=CacheConfig(num_slots=slots, page_size=PAGE))
+    budget = 2 * device_page_bytes(base)
+    fits = {}
+    for method in ("resident", "hisparse", "adaptive", "leansparse"):
+        probe = dataclasses.replace(base, method=method, cache=dataclasses.replace(
+            base.cache, hot_cache_rows=None if method == "resident" else 16,
+            optional_pages=4 if method == "adaptive" else None))
+        pages = pool_pages(probe, budget)
+        e = engine(cfg, params, method, pages, slots=slots, books=books,
+                   optional_pages=4 if method == "adaptive" else None)
+        assert request_bytes(e.config, 64).device_pages == 2
+        admitted = 0
+        while True:
+            host = getattr(e.control, "pages", None)
+            free = (e.control.device.pages.free, host and host.free)
+            try:
+                e.admit(prompt, max_new_tokens=4, prefilled=prefilled)
+            except DeviceCapacityError:
+                assert (e.control.device.pages.free, host and host.free) == free
+                break
+            admitted += 1
+        fits[method] = admitted
+        assert admitted == pooled_capacity(e.config, 64), method
+        e.release(0)
+        e.admit(prompt, max_new_tokens=4, prefilled=prefilled)  # its two pages, at once
+    assert fits == {"resident": 1, "hisparse": 3, "adaptive": 3, "leansparse": 7}
+
+
+def test_a_request_that_can_never_fit_is_an_error():
+    cfg = tiny(max_len=256)
+    params, prompt = model_and_tokens(cfg, 60, seed=6)
+    e = engine(cfg, params, "resident", device_pages=3)
+    with pytest.raises(ValueError, match="needs 4 device pages per pool; the pool has 3"):
+        e.admit(prompt, max_new_tokens=68)  # 128 tokens = 32 rows = 4 pages
+    assert e.control.device.in_use == 0 and not e.active.any()
+    # a page must hold whole HCA rows: 8 rows x stride 4 = 32 tokens, HCA stride 128
+    with pytest.raises(ValueError, match="must be a multiple of hca_ratio=128"):
+        EngineConfig(model=tiny(hca_ratio=128), cache=CacheConfig(page_size=8,
+                                                                  device_pages=4))
+
+
+def test_gather_slot_rows_reads_tail_own_pages_and_poisons_the_rest():
+    """Positions before ``paged`` come from the slot's pages, the next P from the tail;
+    -1, positions of unreserved pages and rows of other slots' pages are never returned."""
+    rng = np.random.default_rng(0)
+    pool = jnp.asarray(rng.normal(size=(6 * PAGE, 3)).astype(np.float32))
+    table = jnp.asarray([4, 1, -1, -1], jnp.int32)  # logical 0 -> page 4, 1 -> page 1
+    tail = jnp.asarray(rng.normal(size=(PAGE, 3)).astype(np.float32))
+    positions = jnp.asarray([0, 7, 8, 15, 16, 23, -1, 24, 40], jnp.int32)
+    got = np.asarray(gather_slot_rows(PoolView(pool, table), positions, tail, 16, PAGE))
+    p = np.asarray(pool)
+    want = [p[32], p[39], p[8], p[15], np.asarray(tail)[0], np.asarray(tail)[7]]
+    np.testing.assert_array_equal(got[:6], np.stack(want))
+    assert np.isnan(got[6:]).all()  # -1, and logical pages 3 and 5 (not reserved)
