@@ -30,13 +30,15 @@ class Transformer(nn.Module):
     indexer_loss: bool = False  # training: CSA layers sow "losses"/"indexer_kl"
     kv_store: KVStore = RESIDENT_KV
     key_index: KeyIndex | None = None  # None: every key resident, exact top-k
+    hidden_layers: tuple[int, ...] = ()  # also return the residual stream after these layers
+    #   (a drafter's conditioning, model/drafter.py): a 4th output [T, len, hidden]
 
     @nn.compact
     def __call__(self, tokens, caches, start, num_valid, contexts=None):
         cfg = self.cfg
         x = nn.Embed(cfg.vocab_size, cfg.hidden, name="embed",
                      embedding_init=nn.initializers.normal(1.0))(tokens)
-        new_caches, selections = [], []
+        new_caches, selections, hidden = [], [], {}
         for i in range(cfg.num_layers):
             shared = None
             if cfg.layer_pattern[i] == "dsa" and cfg.dsa_leader(i) != i:
@@ -48,8 +50,12 @@ class Transformer(nn.Module):
                 None if contexts is None else contexts[i])
             new_caches.append(c)
             selections.append(sel)
+            hidden[i] = x
         x = RMSNorm(name="final_norm")(x)
         logits = dense(cfg.vocab_size, "lm_head")(x)
+        if self.hidden_layers:
+            feats = jnp.stack([hidden[i] for i in self.hidden_layers], axis=1)
+            return logits, tuple(new_caches), tuple(selections), feats
         return logits, tuple(new_caches), tuple(selections)
 
 
