@@ -42,7 +42,7 @@ from lsparse_jax.config import DrafterConfig, EngineConfig, ModelConfig, invalid
 from lsparse_jax.methods import policy
 from lsparse_jax.model.cache import CSACache, DSACache, HCACache, SWACache, empty_cache
 from lsparse_jax.model.drafter import DrafterWindow, context_kv, draft_block, target_io
-from lsparse_jax.model.store import NUM_SOURCES, IndexerQuery, RowView, Selection, write_rows
+from lsparse_jax.model.store import NUM_SOURCES, IndexerQuery, RowView, write_rows
 from lsparse_jax.model.transformer import Transformer
 from lsparse_jax.quant import KVRowFormat
 from lsparse_jax.serving.engine import Engine
@@ -180,8 +180,7 @@ def commit(cfg: ModelConfig, kv_store, key_index, old, new, start, committed, en
     CSA layers), so that every store holds exactly what plain decoding of the committed tokens
     would have written."""
     out = []
-    for i, kind in enumerate(cfg.layer_pattern):
-        o, n = old[i], new[i]
+    for o, n in zip(old, new):
         ring = functools.partial(commit_ring, start=start, committed=committed, end=end)
         if isinstance(n, SWACache):
             n = n.replace(window=ring(o.window, n.window))
@@ -381,8 +380,8 @@ class SpecEngine(Engine):
     """``Engine`` whose ``step`` is one speculative verification per active slot.
 
     drafter: (params from ``model.drafter.init_drafter`` or a trained checkpoint, its
-    ``DrafterConfig``). ``step(drafts=...)`` replaces the drafter's proposals (tests: an oracle
-    drafter that proposes the target's own tokens).
+    ``DrafterConfig``). ``step(drafts=...)`` [S, gamma] replaces the drafter's proposals where
+    >= 0 (tests: an oracle drafter that proposes the target's own tokens).
     """
 
     def __init__(self, config: EngineConfig, params, drafter, codebooks: dict | None = None):
@@ -467,14 +466,16 @@ class SpecEngine(Engine):
         t0 = time.perf_counter()
         temperature = self.config.sampling.temperature
         tokens, lengths = jnp.asarray(self.next_token), self.state.lengths
-        if drafts is None:
-            self._draft_rng, key = jax.random.split(self._draft_rng)
-            drafts, probs = draft_step(self.params, self.dparams, self.dcfg, self.spec, tokens,
-                                       lengths, key, temperature)
-            jax.block_until_ready(drafts)
-        else:
-            drafts = jnp.asarray(drafts, jnp.int32)
-            probs = jax.nn.one_hot(drafts, self.config.model.vocab_size)
+        self._draft_rng, key = jax.random.split(self._draft_rng)
+        proposed, probs = draft_step(self.params, self.dparams, self.dcfg, self.spec, tokens,
+                                     lengths, key, temperature)
+        if drafts is not None:  # forced drafts where >= 0 (drawn from a point mass)
+            forced = jnp.asarray(drafts, jnp.int32)
+            mask = forced >= 0
+            proposed = jnp.where(mask, forced, proposed)
+            probs = jnp.where(mask[..., None], jax.nn.one_hot(
+                proposed, self.config.model.vocab_size), probs)
+        drafts = jax.block_until_ready(proposed)
         t1 = time.perf_counter()
         self.state, self.spec, out = verify_step(self.params, self.dparams, self.config,
                                                  self.dcfg, self.state, self.spec, tokens,
