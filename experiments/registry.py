@@ -10,4 +10,5 @@ from experiments import (  # noqa: F401
     scale,
     serve,
     train,
+    train_drafter,
 )
