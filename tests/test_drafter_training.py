@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from lsparse_jax.config import DrafterConfig
+from lsparse_jax.model.drafter import init_drafter
 from lsparse_jax.model.presets import fit_max_len
 from lsparse_jax.model.transformer import init_params
 from lsparse_jax.training import save_params
-from lsparse_jax.model.drafter import init_drafter
 from lsparse_jax.training.data import make_batch
 from lsparse_jax.training.drafter import (
     DrafterTrainConfig,
