@@ -1,0 +1,181 @@
+"""Speculative decoding (DFlash-style drafter, serving/speculative.py) vs plain decoding, per
+method and concurrency, on the trained model.
+
+Gin header -- must be set: run.experiment, run.name, speculative.model, speculative.checkpoint.
+Run (GPU): lsparse run configs/experiments/speculative.gin
+Writes runs/<name>/{config.gin, results.json, speculative.png} and copies results.json to
+``speculative.results_dir`` (default results/speculative/).
+
+For each method and concurrency C, C held-out NIAH prompts are admitted at once and each
+decodes ``decode_tokens`` tokens greedily, once plainly and once speculatively (the same
+prompts): output tokens/s over the decode phase (drafting and verification included), mean
+acceptance length (tokens emitted per verification), the union-miss ratio (host rows fetched
+once per verification block over the sum of each query's own misses), the drafter's time
+share, and whether the speculative tokens equal the plain ones (greedy-exact). Without a
+drafter checkpoint an untrained drafter runs (the cost side: acceptance ~1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import gin
+import numpy as np
+
+from experiments import validate as v
+from experiments.common import pyplot, run_dir, write_results
+from lsparse_jax.config import (
+    CacheConfig,
+    DrafterConfig,
+    EngineConfig,
+    LeanSparseConfig,
+    SamplingConfig,
+    method_storage,
+)
+from lsparse_jax.model.drafter import init_drafter
+from lsparse_jax.serving.engine import Engine
+from lsparse_jax.serving.speculative import SpecEngine, check_spec
+from lsparse_jax.training.data import task_example
+
+METHODS = ("resident", "hisparse", "leansparse", "adaptive")
+IMPLEMENTATIONS = ("xla", "triton", "jax_triton", "mosaic", None)
+
+
+def _config(method, cfg, slots, chunk, hot_rows, page, optional_pages, implementation, lean):
+    storage = method_storage(method)
+    return EngineConfig(
+        model=cfg, method=method, sampling=SamplingConfig(0.0, 0), implementation=implementation,
+        leansparse=lean,
+        cache=CacheConfig(slots, chunk, hot_rows if storage.kv_on_host else None, page,
+                          optional_pages=optional_pages if storage.lent_pages else None))
+
+
+def _serve(engine, prompts, decode_tokens):
+    """Admits every prompt, decodes until each has decode_tokens + 1 tokens; returns the
+    tokens per request and the mean time to first token."""
+    engine.warmup()
+    slots = [engine.admit(p, decode_tokens) for p in prompts]
+    ttft = [engine.requests[s].first_token_at - engine.requests[s].admitted_at for s in slots]
+    out = {}
+    while engine.active.any():
+        engine.step()
+        for s in np.flatnonzero(engine.active):
+            if engine.lengths[s] >= engine.limit[s]:
+                out[s] = engine.release(s)[:decode_tokens + 1]
+    return [out[s] for s in slots], float(np.mean(ttft))
+
+
+@gin.configurable
+def speculative(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
+                drafter_checkpoint: str | None = None, drafter: DrafterConfig | None = None,
+                methods=METHODS, concurrencies=(1, 2, 4, 8), prompt_tokens: int = 4096,
+                decode_tokens: int = 128, prefill_chunk: int = 1024, hot_cache_rows: int = 128,
+                page_size: int = 16, optional_pages: int = 512,
+                num_candidates: int = 64, key_cache_rows: int = 256,
+                implementation: str | None = None, codebook_tokens: int = 4096,
+                results_dir: str | None = "results/speculative"):
+    """drafter_checkpoint: a trained drafter (experiments/train_drafter.py); None = an
+    untrained one of config ``drafter``. num_candidates, key_cache_rows: leansparse's C and
+    key cache (miss filter off: its selection is then independent of the key-cache order)."""
+    for setting, value in (("prompt_tokens", prompt_tokens), ("decode_tokens", decode_tokens),
+                           ("prefill_chunk", prefill_chunk), ("page_size", page_size),
+                           ("optional_pages", optional_pages),
+                           ("codebook_tokens", codebook_tokens)):
+        v.integer(f"speculative.{setting}", value)
+    methods = v.names("speculative.methods", methods, METHODS)
+    concurrencies = v.integers("speculative.concurrencies", concurrencies)
+    v.choice("speculative.implementation", implementation, IMPLEMENTATIONS)
+    cfg = v.fit_model(model, prompt_tokens + decode_tokens + 1,
+                      "speculative.prompt_tokens + decode_tokens + 1")
+    path = v.checkpoint_path("speculative.checkpoint", checkpoint)
+    if drafter_checkpoint is not None:
+        dpath = v.checkpoint_path("speculative.drafter_checkpoint", drafter_checkpoint)
+        from lsparse_jax.training.drafter import load_drafter
+
+        dparams, dcfg = load_drafter(dpath)
+    else:
+        v.instance("speculative.drafter", drafter, DrafterConfig, "@DrafterConfig()")
+        dcfg, dparams = drafter, init_drafter(cfg, drafter, 0)
+    lean = LeanSparseConfig(num_candidates, None, key_cache_rows)
+    try:
+        for m in methods:
+            check_spec(_config(m, cfg, 1, prefill_chunk, hot_cache_rows, page_size,
+                               optional_pages, implementation, lean), dcfg)
+    except ValueError as err:
+        raise v.ConfigError(f"speculative: {err}") from err
+    params = v.load_checkpoint("speculative.checkpoint", path, cfg)
+    books = None
+    if "leansparse" in methods:
+        from lsparse_jax.methods.leansparse import calibrate_codebooks
+
+        calib = task_example("niah", codebook_tokens, 10**6).prompt  # not an evaluation seed
+        books = calibrate_codebooks(params, cfg, calib)
+
+    records = []
+    for method in methods:
+        for c in concurrencies:
+            prompts = [task_example("niah", prompt_tokens, seed).prompt for seed in range(c)]
+            config = _config(method, cfg, c, prefill_chunk, hot_cache_rows, page_size,
+                             optional_pages, implementation, lean)
+            plain = Engine(config, params, books)
+            want, ttft = _serve(plain, prompts, decode_tokens)
+            pm = plain.metrics()
+            records.append({"method": method, "concurrency": c, "speculative": False,
+                            "acceptance_length": 1.0,
+                            "output_tok_s": pm["decode_tokens_per_second"],
+                            "union_miss_ratio": None, "ttft_s": ttft,
+                            "decode_tokens": pm["decode_tokens"]})
+            spec = SpecEngine(config, params, (dparams, dcfg), books)
+            got, ttft = _serve(spec, prompts, decode_tokens)
+            sm = spec.metrics()
+            records.append({"method": method, "concurrency": c, "speculative": True,
+                            "acceptance_length": sm["acceptance_length"],
+                            "output_tok_s": sm["decode_tokens_per_second"],
+                            "union_miss_ratio": sm["union_miss_ratio"],
+                            "union_miss_rows": sm["union_miss_rows"],
+                            "query_miss_rows": sm["query_miss_rows"],
+                            "drafter_time_share": sm["drafter_time_share"], "ttft_s": ttft,
+                            "decode_tokens": sm["decode_tokens"],
+                            "greedy_identical": got == want})
+            r = records[-1]
+            print(f"{method:>10} C{c}: plain {records[-2]['output_tok_s']:8.1f} tok/s  "
+                  f"spec {r['output_tok_s']:8.1f} tok/s  acceptance {r['acceptance_length']:.2f}"
+                  f"  union/sum misses {r['union_miss_ratio']:.2f}  identical "
+                  f"{r['greedy_identical']}")
+    out = run_dir(name)
+    results = {"model": dataclasses.asdict(cfg), "checkpoint": checkpoint,
+               "drafter_checkpoint": drafter_checkpoint, "drafter": dataclasses.asdict(dcfg),
+               "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens,
+               "records": records}
+    write_results(out, results)
+    plot(records, out / "speculative.png")
+    if results_dir is not None:
+        dest = v.resolve_path("speculative.results_dir", results_dir, None)
+        dest.mkdir(parents=True, exist_ok=True)
+        shutil.copy(out / "results.json", dest / "results.json")
+        shutil.copy(out / "speculative.png", dest / "speculative.png")
+    print(json.dumps([{k: r[k] for k in ("method", "concurrency", "speculative",
+                                         "acceptance_length", "output_tok_s")}
+                      for r in records]))
+    print(f"wrote {out}/results.json and speculative.png")
+    return records
+
+
+def plot(records, path):
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method in sorted({r["method"] for r in records}):
+        for spec, style in ((False, "--"), (True, "-")):
+            pts = sorted((r["concurrency"], r["output_tok_s"]) for r in records
+                         if r["method"] == method and r["speculative"] == spec)
+            ax.plot(*zip(*pts), style, marker="o",
+                    label=f"{method}{' + drafter' if spec else ''}")
+    ax.set_xlabel("concurrency (requests decoded together)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_xscale("log", base=2)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
