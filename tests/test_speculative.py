@@ -39,7 +39,7 @@ DCFG = DrafterConfig(gamma=4, window=16, target_layers=(1, 3), num_heads=2, head
 PROMPT = np.random.default_rng(3).integers(0, 256, 150).astype(np.int32)
 
 
-def engine_config(method):
+def engine_config(method, implementation="xla"):
     cfg = setup()[0]
     paged = method != "resident"
     cache = CacheConfig(num_slots=2, prefill_chunk=32, page_size=8,
@@ -47,7 +47,7 @@ def engine_config(method):
                         optional_pages=4 if method == "adaptive" else None)
     # leansparse: C below the eligible length (the PQ path runs), no miss filter: with it the
     # selection depends on the key cache's LRU history, which verification queries change
-    return EngineConfig(model=cfg, cache=cache, method=method,
+    return EngineConfig(model=cfg, cache=cache, method=method, implementation=implementation,
                         leansparse=LeanSparseConfig(32, None, 48))
 
 
@@ -78,11 +78,22 @@ def assert_same_rows(a, b, what):
     pytest.param("leansparse", 150, 40, marks=pytest.mark.slow),
     pytest.param("adaptive", 150, 40, marks=pytest.mark.slow)])
 def test_greedy_speculative_equals_plain_greedy(method, prompt, new):
+    check_greedy_exact(method, prompt, new)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["resident", "hisparse", "leansparse", "adaptive"])
+def test_greedy_speculative_equals_plain_greedy_on_gpu(method):
+    """The same identity on the GPU (XLA kernels in both runs; hot_resolve reads pinned_host)."""
+    check_greedy_exact(method, 150, 40)
+
+
+def check_greedy_exact(method, prompt, new, implementation="xla"):
     """Slot 0 drafts with an untrained drafter (nearly every draft rejected), slot 1 with an
     oracle that proposes the plain run's own tokens (all accepted): both emit exactly the
     plain greedy tokens; slot 0's caches and host pages then equal the plain engine's at the
     same length (no row a rejected token wrote survives; only hot/key-cache order differs)."""
-    config = engine_config(method)
+    config = engine_config(method, implementation)
     cfg, params, books = setup()
     plain = Engine(config, params, books)
     for _ in range(2):
@@ -229,3 +240,27 @@ def test_bad_settings_are_refused():
         init_drafter(cfg, DrafterConfig(target_layers=(7,)))
     with pytest.raises(ValueError, match="swa window"):
         init_drafter(cfg, DrafterConfig(gamma=8, window=16))
+
+
+@pytest.mark.slow
+def test_greedy_speculative_equals_plain_greedy_with_dsa_layers():
+    """GLM-5-style DSA layers (with index sharing) roll back too: same tokens, and the caches'
+    NaN pattern (what was written) equals plain decoding's at the same length."""
+    from tests.helpers import PATTERNS, tiny
+
+    cfg = tiny(max_len=256, **PATTERNS["dsa_shared"])
+    params, prompt = model_and_tokens(cfg, 45, seed=5)
+    config = EngineConfig(model=cfg, cache=CacheConfig(num_slots=1, prefill_chunk=16,
+                                                       page_size=8))
+    plain = Engine(config, params)
+    plain.admit(prompt, 30)
+    for _ in range(30):
+        plain.step()
+    spec = SpecEngine(config, params, (init_drafter(cfg, DCFG, 0), DCFG))
+    spec.admit(prompt, 30)
+    while spec.lengths[0] < spec.limit[0]:
+        spec.step()
+    assert spec.generated[0] == plain.generated[0]
+    for a, b in zip(jax.tree.leaves(plain.state.caches), jax.tree.leaves(spec.state.caches)):
+        assert_same_rows(np.asarray(b.astype(jnp.float32)), np.asarray(a.astype(jnp.float32)),
+                         "DSA caches")
