@@ -137,6 +137,7 @@ def speculative(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
                             "union_miss_rows": sm["union_miss_rows"],
                             "query_miss_rows": sm["query_miss_rows"],
                             "drafter_time_share": sm["drafter_time_share"], "ttft_s": ttft,
+                            "spec_state_bytes_per_request": sm["spec_state_bytes_per_request"],
                             "decode_tokens": sm["decode_tokens"],
                             "greedy_identical": got == want})
             r = records[-1]

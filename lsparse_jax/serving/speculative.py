@@ -50,8 +50,9 @@ from lsparse_jax.serving.request import Request
 from lsparse_jax.serving.state import DecodeState
 from lsparse_jax.serving.steps import sparse_layers
 
-MISS_COLUMNS = NUM_SOURCES + 1  # verification sources: tail/lent, hot, host (each query's own
-#   misses), and in row 0 the union's host rows (fetched once for the block)
+MISS_COLUMNS = NUM_SOURCES + 1  # verification sources per query: 0 (not split), rows found on
+#   the device, rows it would copy from the host alone (its own misses); and in row 0 the
+#   union's host rows (fetched once for the block)
 
 
 # ---------------------------------------------------------------------------------- the stores
@@ -404,6 +405,12 @@ class SpecEngine(Engine):
         jax.block_until_ready(prefill_features(self.params, cfg, tokens, chunk,
                                                self.dcfg.target_layers, self.dcfg.window))
         self._verify(np.zeros(self.active.shape, np.int32), None)
+        free = int(np.flatnonzero(~self.active)[0]) if (~self.active).any() else None
+        if free is not None:  # an idle slot's ring, rewritten empty: compiles the ring fill
+            w, h = self.dcfg.window, self.config.model.hidden
+            self.spec = fill_window(self.dparams, self.dcfg, self.spec, free,
+                                    jnp.zeros((w, len(self.dcfg.target_layers), h)),
+                                    jnp.zeros((w,), jnp.int32), jnp.zeros((w,), bool))
         self.state = self.control.warmup(self.state)
         jax.block_until_ready(self.state)
 
@@ -504,6 +511,8 @@ class SpecEngine(Engine):
             "query_miss_rows": self.query_misses,
             "union_miss_ratio": self.union_misses / max(self.query_misses, 1),
             "device_bytes_per_request": self.slot_bytes,
+            "spec_state_bytes_per_request": sum(
+                a.nbytes for a in jax.tree.leaves(self.spec)) // self.active.size,
             **self.control.metrics(self.state),
         }
 
