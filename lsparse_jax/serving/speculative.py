@@ -121,7 +121,9 @@ class PerQueryIndex:
                                         context)
             return st, jax.tree.map(lambda a: a[0], sel)
 
-        state, sels = jax.lax.scan(one, state, (query.q, query.weights, eligible))
+        # unrolled: T is small, and a GPU while loop would copy its predicate to the host
+        state, sels = jax.lax.scan(one, state, (query.q, query.weights, eligible),
+                                   unroll=True)
         return state, sels
 
 
