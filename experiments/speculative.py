@@ -53,8 +53,8 @@ def _config(method, cfg, slots, chunk, hot_rows, page, optional_pages, implement
 
 
 def _serve(engine, prompts, decode_tokens):
-    """Admits every prompt, decodes until each has decode_tokens + 1 tokens; returns the
-    tokens per request and the mean time to first token."""
+    """Admits every prompt, decodes until each has decode_tokens tokens (the first one from
+    the prefill); returns the tokens per request and the mean time to first token."""
     engine.warmup()
     slots = [engine.admit(p, decode_tokens) for p in prompts]
     ttft = [engine.requests[s].first_token_at - engine.requests[s].admitted_at for s in slots]
@@ -62,8 +62,8 @@ def _serve(engine, prompts, decode_tokens):
     while engine.active.any():
         engine.step()
         for s in np.flatnonzero(engine.active):
-            if engine.lengths[s] >= engine.limit[s]:
-                out[s] = engine.release(s)[:decode_tokens + 1]
+            if engine.requests[s].done or engine.lengths[s] >= engine.limit[s]:
+                out[s] = engine.release(s)
     return [out[s] for s in slots], float(np.mean(ttft))
 
 

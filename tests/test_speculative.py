@@ -114,9 +114,10 @@ def check_greedy_exact(method, prompt, new, implementation="xla"):
             drafts[1] = (want[n:] + [0] * DCFG.gamma)[:DCFG.gamma]
             oracle_steps += 1
         spec.step(drafts=drafts)
-        if spec.active[1] and spec.lengths[1] == spec.limit[1]:
+        if spec.active[1] and spec.requests[1].done:
             out[1] = spec.release(1)
-    assert spec.generated[0] == want and out[1] == want
+    # a request receives max_new_tokens (the engine-level plain run made one more)
+    assert spec.generated[0] == want[:new] and out[1] == want[:new]
     assert spec.lengths[0] == plain.lengths[0]
     m = spec.metrics()
     assert m["verifications"] > 0 and 1.0 <= m["acceptance_length"] <= DCFG.gamma + 1
@@ -260,7 +261,39 @@ def test_greedy_speculative_equals_plain_greedy_with_dsa_layers():
     spec.admit(prompt, 30)
     while spec.lengths[0] < spec.limit[0]:
         spec.step()
-    assert spec.generated[0] == plain.generated[0]
+    assert spec.generated[0] == plain.generated[0][:30]
     for a, b in zip(jax.tree.leaves(plain.state.caches), jax.tree.leaves(spec.state.caches)):
         assert_same_rows(np.asarray(b.astype(jnp.float32)), np.asarray(a.astype(jnp.float32)),
                          "DSA caches")
+
+
+@pytest.mark.slow
+def test_scheduler_serves_a_spec_engine_with_the_tokens_of_plain_greedy():
+    """The serving scheduler (whole-prompt admission) drives a SpecEngine like an Engine:
+    requests arriving over time, with stop tokens, get exactly plain greedy's tokens (cut at
+    max_new_tokens and at the first stop token, though a block commits past them)."""
+    from lsparse_jax.serving.request import Request
+    from lsparse_jax.serving.scheduler import Scheduler
+
+    config = engine_config("hisparse")
+    cfg, params, books = setup()
+    rng = np.random.default_rng(5)
+    requests = [Request(rng.integers(0, 256, int(rng.integers(30, 80))).astype(np.int32),
+                        int(rng.integers(6, 20)), arrival_time=0.01 * i, id=i)
+                for i in range(4)]
+    plain = Engine(config, params, books)
+    want = {}
+    for r in requests:
+        slot = plain.admit(Request(r.prompt, r.max_new_tokens))
+        while not plain.requests[slot].done:
+            plain.step()
+        want[r.id] = plain.release(slot)
+    # a stop token inside a later block: request 0 stops at its 4th token
+    requests[0] = Request(requests[0].prompt, requests[0].max_new_tokens,
+                          stop_tokens=(want[0][3],), arrival_time=0.0, id=0)
+    want[0] = want[0][:want[0].index(want[0][3]) + 1]
+    spec = SpecEngine(config, params, (init_drafter(cfg, DCFG, 1), DCFG), books)
+    sched = Scheduler(spec)
+    sched.submit(requests)
+    sched.run()
+    assert {r.id: r.tokens for r in sched.finished} == want

@@ -456,20 +456,32 @@ class SpecEngine(Engine):
         emitted_tokens = np.asarray(out.tokens)
         now = time.perf_counter()
         for s in np.flatnonzero(self.active):
-            new = emitted_tokens[s, :emitted[s]].tolist()
+            new = self._emit(s, emitted_tokens[s, :emitted[s]].tolist())
             self.generated[s].extend(new)
             self.requests[s].token_times.extend([now] * len(new))
             self.acceptance.append(int(emitted[s]))
+            self.decode_tokens += len(new)
         self.next_token = np.where(self.active, np.asarray(out.next_token), self.next_token)
         before = self.lengths + emitted - 1
         for update in self.control.after_step(before, self.active & (emitted > 0)):
             self.state = update(self.state)
         self.lengths = self.lengths + emitted
-        self.decode_tokens += int(emitted[self.active].sum())
         self.union_misses += int(np.asarray(out.union_misses).sum())
         self.query_misses += int(np.asarray(out.query_misses).sum())
         self.verifications += int(self.active.sum())
         return out
+
+    def _emit(self, slot: int, tokens: list[int]) -> list[int]:
+        """The block's tokens the request receives: up to its max_new_tokens and through its
+        first stop token (a block may commit more; the request ends with them)."""
+        r = self.requests[slot]
+        for i, t in enumerate(tokens):
+            if t in r.stop_tokens:
+                tokens = tokens[:i + 1]
+                break
+        if r.max_new_tokens is not None:
+            tokens = tokens[:max(r.max_new_tokens - len(r.tokens), 0)]
+        return tokens
 
     def _verify(self, valid: np.ndarray, drafts) -> VerifyOutput:
         t0 = time.perf_counter()
