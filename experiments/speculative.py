@@ -143,7 +143,7 @@ def speculative(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
             r = records[-1]
             print(f"{method:>10} C{c}: plain {records[-2]['output_tok_s']:8.1f} tok/s  "
                   f"spec {r['output_tok_s']:8.1f} tok/s  acceptance {r['acceptance_length']:.2f}"
-                  f"  union/sum misses {r['union_miss_ratio']:.2f}  identical "
+                  f"  union/sum misses {r['union_miss_ratio'] or 0:.2f}  identical "
                   f"{r['greedy_identical']}")
     out = run_dir(name)
     results = {"model": dataclasses.asdict(cfg), "checkpoint": checkpoint,

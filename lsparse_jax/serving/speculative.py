@@ -523,7 +523,8 @@ class SpecEngine(Engine):
             "drafter_time_share": self.draft_seconds / max(self.decode_seconds, 1e-9),
             "union_miss_rows": self.union_misses,
             "query_miss_rows": self.query_misses,
-            "union_miss_ratio": self.union_misses / max(self.query_misses, 1),
+            "union_miss_ratio": (self.union_misses / self.query_misses if self.query_misses
+                                 else None),  # None: no query missed (nothing to share)
             "device_bytes_per_request": self.slot_bytes,
             "spec_state_bytes_per_request": sum(
                 a.nbytes for a in jax.tree.leaves(self.spec)) // self.active.size,
