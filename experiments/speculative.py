@@ -18,8 +18,8 @@ drafter checkpoint an untrained drafter runs (the cost side: acceptance ~1).
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
+import time
 
 import gin
 import numpy as np
@@ -75,10 +75,14 @@ def speculative(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
                 page_size: int = 16, optional_pages: int = 512,
                 num_candidates: int = 64, key_cache_rows: int = 256,
                 implementation: str | None = None, codebook_tokens: int = 4096,
-                results_dir: str | None = "results/speculative"):
+                results_dir: str | None = "results/speculative",
+                time_limit_s: float | None = None):
     """drafter_checkpoint: a trained drafter (experiments/train_drafter.py); None = an
     untrained one of config ``drafter``. num_candidates, key_cache_rows: leansparse's C and
-    key cache (miss filter off: its selection is then independent of the key-cache order)."""
+    key cache (miss filter off: its selection is then independent of the key-cache order).
+    Cells run concurrency by concurrency (every method at the first one first); results are
+    written after each cell; time_limit_s: start no cell after this many seconds (the results
+    say ``complete: false``)."""
     for setting, value in (("prompt_tokens", prompt_tokens), ("decode_tokens", decode_tokens),
                            ("prefill_chunk", prefill_chunk), ("page_size", page_size),
                            ("optional_pages", optional_pages),
@@ -87,6 +91,7 @@ def speculative(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
     methods = v.names("speculative.methods", methods, METHODS)
     concurrencies = v.integers("speculative.concurrencies", concurrencies)
     v.choice("speculative.implementation", implementation, IMPLEMENTATIONS)
+    v.number("speculative.time_limit_s", time_limit_s, lo=0, none_ok=True)
     cfg = v.fit_model(model, prompt_tokens + decode_tokens + 1,
                       "speculative.prompt_tokens + decode_tokens + 1")
     path = v.checkpoint_path("speculative.checkpoint", checkpoint)
@@ -113,55 +118,72 @@ def speculative(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
         calib = task_example("niah", codebook_tokens, 10**6).prompt  # not an evaluation seed
         books = calibrate_codebooks(params, cfg, calib)
 
-    records = []
-    for method in methods:
-        for c in concurrencies:
-            prompts = [task_example("niah", prompt_tokens, seed).prompt for seed in range(c)]
-            config = _config(method, cfg, c, prefill_chunk, hot_cache_rows, page_size,
-                             optional_pages, implementation, lean)
-            plain = Engine(config, params, books)
-            want, ttft = _serve(plain, prompts, decode_tokens)
-            pm = plain.metrics()
-            records.append({"method": method, "concurrency": c, "speculative": False,
-                            "acceptance_length": 1.0,
-                            "output_tok_s": pm["decode_tokens_per_second"],
-                            "union_miss_ratio": None, "ttft_s": ttft,
-                            "decode_tokens": pm["decode_tokens"]})
-            spec = SpecEngine(config, params, (dparams, dcfg), books)
-            got, ttft = _serve(spec, prompts, decode_tokens)
-            sm = spec.metrics()
-            records.append({"method": method, "concurrency": c, "speculative": True,
-                            "acceptance_length": sm["acceptance_length"],
-                            "output_tok_s": sm["decode_tokens_per_second"],
-                            "union_miss_ratio": sm["union_miss_ratio"],
-                            "union_miss_rows": sm["union_miss_rows"],
-                            "query_miss_rows": sm["query_miss_rows"],
-                            "drafter_time_share": sm["drafter_time_share"], "ttft_s": ttft,
-                            "spec_state_bytes_per_request": sm["spec_state_bytes_per_request"],
-                            "decode_tokens": sm["decode_tokens"],
-                            "greedy_identical": got == want})
-            r = records[-1]
-            print(f"{method:>10} C{c}: plain {records[-2]['output_tok_s']:8.1f} tok/s  "
-                  f"spec {r['output_tok_s']:8.1f} tok/s  acceptance {r['acceptance_length']:.2f}"
-                  f"  union/sum misses {r['union_miss_ratio'] or 0:.2f}  identical "
-                  f"{r['greedy_identical']}")
-    out = run_dir(name)
-    results = {"model": dataclasses.asdict(cfg), "checkpoint": checkpoint,
-               "drafter_checkpoint": drafter_checkpoint, "drafter": dataclasses.asdict(dcfg),
-               "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens,
-               "records": records}
-    write_results(out, results)
+    records, out, start = [], run_dir(name), time.perf_counter()
+    cells = [(m, c) for c in concurrencies for m in methods]
+    for i, (method, c) in enumerate(cells):
+        if time_limit_s is not None and time.perf_counter() - start > time_limit_s:
+            print(f"time limit: {len(cells) - i} cells not run")
+            break
+        prompts = [task_example("niah", prompt_tokens, seed).prompt for seed in range(c)]
+        config = _config(method, cfg, c, prefill_chunk, hot_cache_rows, page_size,
+                         optional_pages, implementation, lean)
+        plain = Engine(config, params, books)
+        want, ttft = _serve(plain, prompts, decode_tokens)
+        pm = plain.metrics()
+        records.append({"method": method, "concurrency": c, "speculative": False,
+                        "acceptance_length": 1.0,
+                        "output_tok_s": pm["decode_tokens_per_second"],
+                        "union_miss_ratio": None, "ttft_s": ttft,
+                        "decode_tokens": pm["decode_tokens"]})
+        spec = SpecEngine(config, params, (dparams, dcfg), books)
+        got, ttft = _serve(spec, prompts, decode_tokens)
+        sm = spec.metrics()
+        records.append({"method": method, "concurrency": c, "speculative": True,
+                        "acceptance_length": sm["acceptance_length"],
+                        "output_tok_s": sm["decode_tokens_per_second"],
+                        "union_miss_ratio": sm["union_miss_ratio"],
+                        "union_miss_rows": sm["union_miss_rows"],
+                        "query_miss_rows": sm["query_miss_rows"],
+                        "drafter_time_share": sm["drafter_time_share"], "ttft_s": ttft,
+                        "spec_state_bytes_per_request": sm["spec_state_bytes_per_request"],
+                        "decode_tokens": sm["decode_tokens"],
+                        "greedy_identical": got == want})
+        print(table(records[-2:]).splitlines()[-1])
+        save(out, results_dir, records, len(records) == 2 * len(cells),
+             {"model": dataclasses.asdict(cfg), "checkpoint": checkpoint,
+              "drafter_checkpoint": drafter_checkpoint, "drafter": dataclasses.asdict(dcfg),
+              "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens,
+              "implementation": implementation})
+    print(table(records))
+    print(f"wrote {out}/results.json and speculative.png")
+    return records
+
+
+def save(out, results_dir, records, complete: bool, meta: dict):
+    write_results(out, {**meta, "complete": complete, "records": records})
     plot(records, out / "speculative.png")
     if results_dir is not None:
         dest = v.resolve_path("speculative.results_dir", results_dir, None)
         dest.mkdir(parents=True, exist_ok=True)
         shutil.copy(out / "results.json", dest / "results.json")
         shutil.copy(out / "speculative.png", dest / "speculative.png")
-    print(json.dumps([{k: r[k] for k in ("method", "concurrency", "speculative",
-                                         "acceptance_length", "output_tok_s")}
-                      for r in records]))
-    print(f"wrote {out}/results.json and speculative.png")
-    return records
+
+
+def table(records) -> str:
+    """Per method and concurrency: plain and speculative tok/s, speed-up, acceptance."""
+    rows = ["    method   C  plain_tok_s  spec_tok_s  speedup  acceptance  union/sum  identical"]
+    plain = {(r["method"], r["concurrency"]): r for r in records if not r["speculative"]}
+    for r in records:
+        if not r["speculative"]:
+            continue
+        p = plain[(r["method"], r["concurrency"])]
+        ratio = r["union_miss_ratio"]
+        rows.append(f"{r['method']:>10} {r['concurrency']:>3} {p['output_tok_s']:12.1f} "
+                    f"{r['output_tok_s']:11.1f} {r['output_tok_s'] / p['output_tok_s']:8.2f} "
+                    f"{r['acceptance_length']:11.2f} "
+                    f"{'n/a' if ratio is None else f'{ratio:.2f}':>10} "
+                    f"{str(r['greedy_identical']):>10}")
+    return "\n".join(rows)
 
 
 def plot(records, path):
