@@ -423,11 +423,16 @@ class SpecEngine(Engine):
                              "target features)")
         prompt = request.prompt if isinstance(request, Request) else np.asarray(request)
         cfg = self.config.model
+        t0 = time.perf_counter()
         caches, last, feats, positions, ok = prefill_features(
             self.params, cfg, prompt, self.config.cache.prefill_chunk,
             self.dcfg.target_layers, self.dcfg.window)
+        jax.block_until_ready(last)
+        prefill_s = time.perf_counter() - t0
         slot = super().admit(request, max_new_tokens, progress, prefilled=(caches, last))
         self.spec = fill_window(self.dparams, self.dcfg, self.spec, slot, feats, positions, ok)
+        self.requests[slot].admitted_at = t0  # the prefill ran here, before Engine.admit
+        self.prefill_seconds += prefill_s
         return slot
 
     def block_lengths(self) -> np.ndarray:
