@@ -140,6 +140,7 @@ def speculative(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
         sm = spec.metrics()
         records.append({"method": method, "concurrency": c, "speculative": True,
                         "acceptance_length": sm["acceptance_length"],
+                        "acceptance_histogram": sm["acceptance_histogram"],
                         "output_tok_s": sm["decode_tokens_per_second"],
                         "union_miss_ratio": sm["union_miss_ratio"],
                         "union_miss_rows": sm["union_miss_rows"],

@@ -457,8 +457,8 @@ class SpecEngine(Engine):
             self.state = update(self.state)
         valid = self.block_lengths()
         out = self._verify(valid, drafts)
-        emitted = np.asarray(out.emitted)
-        emitted_tokens = np.asarray(out.tokens)
+        emitted, emitted_tokens, next_token, union, per_query = jax.device_get(
+            (out.emitted, out.tokens, out.next_token, out.union_misses, out.query_misses))
         now = time.perf_counter()
         for s in np.flatnonzero(self.active):
             new = self._emit(s, emitted_tokens[s, :emitted[s]].tolist())
@@ -466,13 +466,13 @@ class SpecEngine(Engine):
             self.requests[s].token_times.extend([now] * len(new))
             self.acceptance.append(int(emitted[s]))
             self.decode_tokens += len(new)
-        self.next_token = np.where(self.active, np.asarray(out.next_token), self.next_token)
+        self.next_token = np.where(self.active, next_token, self.next_token)
         before = self.lengths + emitted - 1
         for update in self.control.after_step(before, self.active & (emitted > 0)):
             self.state = update(self.state)
         self.lengths = self.lengths + emitted
-        self.union_misses += int(np.asarray(out.union_misses).sum())
-        self.query_misses += int(np.asarray(out.query_misses).sum())
+        self.union_misses += int(union.sum())
+        self.query_misses += int(per_query.sum())
         self.verifications += int(self.active.sum())
         return out
 
@@ -522,6 +522,9 @@ class SpecEngine(Engine):
             "gamma": self.dcfg.gamma,
             "verifications": self.verifications,
             "acceptance_length": float(acc.mean()),
+            "acceptance_histogram": np.bincount(  # verifications emitting 0 .. gamma+1 tokens
+                np.asarray(self.acceptance, np.int64),
+                minlength=self.dcfg.gamma + 2).tolist(),
             "decode_tokens": self.decode_tokens,
             "decode_seconds": self.decode_seconds,
             "decode_tokens_per_second": self.decode_tokens / max(self.decode_seconds, 1e-9),
