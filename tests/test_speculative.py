@@ -61,14 +61,22 @@ def slot_leaves(state, slot):
         names = [getattr(k, "name", "") for k in path]
         if "hot" in names or "cache" in names:
             continue
-        out.append((jax.tree_util.keystr(path), np.asarray(leaf[slot].astype(jnp.float32))))
+        out.append((jax.tree_util.keystr(path), np.asarray(leaf[slot])))
     return out
 
 
 def assert_same_rows(a, b, what):
+    """Same NaN pattern; floats close (rows computed in a block vs one token at a time round
+    differently; FP8 keys may land one e4m3 step apart); integers (positions, PQ codes)
+    equal."""
+    if np.issubdtype(np.asarray(a).dtype, np.integer):
+        np.testing.assert_array_equal(a, b, err_msg=what)
+        return
+    fp8 = np.asarray(a).dtype.itemsize == 1
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=f"NaN pattern of {what}")
-    np.testing.assert_allclose(np.nan_to_num(a), np.nan_to_num(b), rtol=0.07, atol=1e-3,
-                               err_msg=what)
+    np.testing.assert_allclose(np.nan_to_num(a), np.nan_to_num(b), rtol=0.07 if fp8 else 1e-4,
+                               atol=1e-3 if fp8 else 1e-4, err_msg=what)
 
 
 @pytest.mark.parametrize("method,prompt,new", [
@@ -135,8 +143,7 @@ def check_greedy_exact(method, prompt, new, implementation="xla"):
             pools = [(a, b) for a, b in zip(pools, [spec.state.tier.key_pools,
                                                     plain.state.tier.key_pools])]
         for got, ref in zip(*(jax.tree.leaves(x) for x in pools)):
-            assert_same_rows(np.asarray(got.astype(jnp.float32))[rows],
-                             np.asarray(ref.astype(jnp.float32))[rows], "host pages")
+            assert_same_rows(np.asarray(got)[rows], np.asarray(ref)[rows], "host pages")
 
 
 def test_commit_ring_keeps_committed_positions_only():
@@ -263,8 +270,7 @@ def test_greedy_speculative_equals_plain_greedy_with_dsa_layers():
         spec.step()
     assert spec.generated[0] == plain.generated[0][:30]
     for a, b in zip(jax.tree.leaves(plain.state.caches), jax.tree.leaves(spec.state.caches)):
-        assert_same_rows(np.asarray(b.astype(jnp.float32)), np.asarray(a.astype(jnp.float32)),
-                         "DSA caches")
+        assert_same_rows(np.asarray(b), np.asarray(a), "DSA caches")
 
 
 @pytest.mark.slow
