@@ -138,6 +138,9 @@ def speculative(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
         spec = SpecEngine(config, params, (dparams, dcfg), books)
         got, ttft = _serve(spec, prompts, decode_tokens)
         sm = spec.metrics()
+        # the drafter timed apart (the served run queues verification behind drafting)
+        sm["drafter_time_share"] = spec.drafter_seconds() * sm["steps"] / max(
+            sm["decode_seconds"], 1e-9)
         records.append({"method": method, "concurrency": c, "speculative": True,
                         "acceptance_length": sm["acceptance_length"],
                         "acceptance_histogram": sm["acceptance_histogram"],
