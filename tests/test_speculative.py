@@ -303,3 +303,47 @@ def test_scheduler_serves_a_spec_engine_with_the_tokens_of_plain_greedy():
     sched.submit(requests)
     sched.run()
     assert {r.id: r.tokens for r in sched.finished} == want
+
+
+def test_union_gather_fetches_each_missing_row_once():
+    """Shared miss retrieval (UnionKV over hisparse's PagedKVStore): T queries with
+    overlapping selections read their true rows; the host rows fetched are the distinct missing
+    positions (the union), while each query alone would have fetched all of its own; asked
+    again, nothing misses."""
+    from lsparse_jax.memory import empty_pool
+    from lsparse_jax.memory.host_pool import write_host_page
+    from lsparse_jax.memory.paged_kv import PagedKVStore, PageView
+    from lsparse_jax.quant import KVRowFormat
+    from lsparse_jax.serving.speculative import UnionKV
+
+    page, pages, dim, t_len, k = 4, 6, 8, 5, 6
+    rng = np.random.default_rng(0)
+    truth = rng.normal(size=(page * pages, dim)).astype(np.float32)
+    pool = empty_pool(pages, page, dim)
+    table = np.array([3, 0, 5, 1, 4, 2], np.int32)  # logical page -> physical page
+    for logical, physical in enumerate(table):
+        pool = write_host_page(pool, int(physical),
+                               jnp.asarray(truth[logical * page:(logical + 1) * page]))
+    store = UnionKV(PagedKVStore(page, t_len * k, "xla"))
+    state = store.empty(page * pages, KVRowFormat("f32", dim, 0))
+    completed = page * (pages - 1) + 2  # the last page is the tail (2 rows written)
+    state = state.replace(tail=jnp.asarray(
+        np.where(np.arange(page)[:, None] < 2, truth[page * (pages - 1):], np.nan)))
+    pool_rows = rng.permutation(page * (pages - 1))[:9]  # 9 paged positions to choose from
+    sel = np.stack([np.concatenate([rng.choice(pool_rows, k - 2, replace=False),
+                                    [completed - 1], [-1]]) for _ in range(t_len)])
+    sel = jnp.asarray(sel.astype(np.int32))
+    view = PageView(pool, jnp.asarray(table))
+    new, rows = store.gather(state, completed, sel, view)
+    got = np.asarray(rows.table[0])[np.maximum(np.asarray(rows.slots), 0)]
+    s = np.asarray(sel)
+    for t in range(t_len):
+        for j in range(k):
+            if s[t, j] >= 0:
+                np.testing.assert_array_equal(got[t, j], truth[s[t, j]])
+    paged = s[(s >= 0) & (s < page * (pages - 1))]
+    src = np.asarray(rows.sources)
+    assert src[0, 3] == len(set(paged.tolist()))  # the union, fetched once
+    np.testing.assert_array_equal(src[:, 2], ((s >= 0) & (s < page * (pages - 1))).sum(-1))
+    _, again = store.gather(new, completed, sel, view)
+    assert np.asarray(again.sources)[:, 2:].sum() == 0
