@@ -17,7 +17,9 @@ class Transformer(nn.Module):
     """Maps a chunk of tokens and one slot's caches to logits and updated caches.
 
     ``__call__(tokens [T] int32, caches, start, num_valid, contexts)`` ->
-      (logits [T, V] f32, caches, selections: tuple of Selection | None per layer).
+      (logits [T, V] f32, caches, selections: tuple of Selection | None per layer), and with
+      ``hidden_layers`` a 4th output: the residual stream after each of those layers
+      [T, len(hidden_layers), hidden] (a drafter's conditioning, ``model.drafter``).
     Tokens past ``num_valid`` are padding: they write nothing and their logits are junk.
     CSA layers keep their compressed history in ``kv_store`` / ``key_index`` (``model.store``;
     default: resident); ``contexts`` gives each layer what its stores read from shared state
