@@ -276,28 +276,33 @@ def test_greedy_speculative_equals_plain_greedy_with_dsa_layers():
 @pytest.mark.slow
 def test_scheduler_serves_a_spec_engine_with_the_tokens_of_plain_greedy():
     """The serving scheduler (whole-prompt admission) drives a SpecEngine like an Engine:
-    requests arriving over time, with stop tokens, get exactly plain greedy's tokens (cut at
-    max_new_tokens and at the first stop token, though a block commits past them)."""
+    requests arriving over time, with a stop token and a stop string inside later blocks, get
+    exactly the tokens plain greedy decoding gives each alone (a block commits past the stop;
+    the request ends where plain decoding ends it)."""
     from lsparse_jax.serving.request import Request
     from lsparse_jax.serving.scheduler import Scheduler
+    from lsparse_jax.tasks import tokenizer
 
     config = engine_config("hisparse")
     cfg, params, books = setup()
     rng = np.random.default_rng(5)
-    requests = [Request(rng.integers(0, 256, int(rng.integers(30, 80))).astype(np.int32),
-                        int(rng.integers(6, 20)), arrival_time=0.01 * i, id=i)
-                for i in range(4)]
+    base = [Request(rng.integers(0, 256, int(rng.integers(30, 80))).astype(np.int32),
+                    int(rng.integers(8, 20)), arrival_time=0.01 * i, id=i) for i in range(4)]
     plain = Engine(config, params, books)
-    want = {}
-    for r in requests:
-        slot = plain.admit(Request(r.prompt, r.max_new_tokens))
+
+    def alone(r):
+        slot = plain.admit(Request(r.prompt, r.max_new_tokens, r.stop_tokens, r.stop_strings))
         while not plain.requests[slot].done:
             plain.step()
-        want[r.id] = plain.release(slot)
-    # a stop token inside a later block: request 0 stops at its 4th token
-    requests[0] = Request(requests[0].prompt, requests[0].max_new_tokens,
-                          stop_tokens=(want[0][3],), arrival_time=0.0, id=0)
-    want[0] = want[0][:want[0].index(want[0][3]) + 1]
+        return plain.release(slot)
+
+    free = [alone(r) for r in base[:2]]
+    requests = [Request(base[0].prompt, base[0].max_new_tokens, stop_tokens=(free[0][3],),
+                        arrival_time=0.0, id=0),
+                Request(base[1].prompt, base[1].max_new_tokens,
+                        stop_strings=(tokenizer.decode(free[1][4:6]),), arrival_time=0.01,
+                        id=1)] + base[2:]
+    want = {r.id: alone(r) for r in requests}
     spec = SpecEngine(config, params, (init_drafter(cfg, DCFG, 1), DCFG), books)
     sched = Scheduler(spec)
     sched.submit(requests)

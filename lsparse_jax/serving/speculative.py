@@ -467,10 +467,9 @@ class SpecEngine(Engine):
         now = time.perf_counter()
         for s in np.flatnonzero(self.active):
             new = self._emit(s, emitted_tokens[s, :emitted[s]].tolist())
-            self.generated[s].extend(new)
-            self.requests[s].token_times.extend([now] * len(new))
+            self.requests[s].token_times.extend([now] * new)
             self.acceptance.append(int(emitted[s]))
-            self.decode_tokens += len(new)
+            self.decode_tokens += new
         self.next_token = np.where(self.active, next_token, self.next_token)
         before = self.lengths + emitted - 1
         for update in self.control.after_step(before, self.active & (emitted > 0)):
@@ -481,17 +480,17 @@ class SpecEngine(Engine):
         self.verifications += int(self.active.sum())
         return out
 
-    def _emit(self, slot: int, tokens: list[int]) -> list[int]:
-        """The block's tokens the request receives: up to its max_new_tokens and through its
-        first stop token (a block may commit more; the request ends with them)."""
-        r = self.requests[slot]
-        for i, t in enumerate(tokens):
-            if t in r.stop_tokens:
-                tokens = tokens[:i + 1]
+    def _emit(self, slot: int, tokens: list[int]) -> int:
+        """Gives the request the block's tokens one by one until it is done (max_new_tokens,
+        a stop token or a stop string: a block may commit past them, the request ends there,
+        as with plain decoding); returns how many it took."""
+        r, taken = self.requests[slot], 0
+        for t in tokens:
+            if r.done:
                 break
-        if r.max_new_tokens is not None:
-            tokens = tokens[:max(r.max_new_tokens - len(r.tokens), 0)]
-        return tokens
+            r.tokens.append(t)
+            taken += 1
+        return taken
 
     def _verify(self, valid: np.ndarray, drafts) -> VerifyOutput:
         t0 = time.perf_counter()
