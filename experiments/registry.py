@@ -9,5 +9,7 @@ from experiments import (  # noqa: F401
     residency,
     scale,
     serve,
+    speculative,
     train,
+    train_drafter,
 )

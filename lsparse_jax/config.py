@@ -327,3 +327,55 @@ class EngineConfig:
     @property
     def pq_subspaces(self) -> int:
         return self.model.indexer.head_dim // self.leansparse.pq_subspace_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """A DFlash-style block drafter (``model.drafter``) and its speculative decoding.
+
+    Attributes:
+      gamma: tokens drafted per verification (the block is [last token, gamma masks]).
+      num_layers: draft layers (1-2).
+      num_heads, head_dim: draft attention heads and their dim.
+      mlp_hidden: draft FFN width.
+      window: W, the committed positions a draft layer attends to (its ring buffer).
+      target_layers: target layers whose output hidden states condition the drafter
+        (concatenated, projected, injected as extra keys/values in every draft layer).
+    """
+
+    gamma: int = 4
+    num_layers: int = 1
+    num_heads: int = 4
+    head_dim: int = 32
+    mlp_hidden: int = 256
+    window: int = 64
+    target_layers: tuple[int, ...] = (1, 3)
+
+    def __post_init__(self):
+        if isinstance(self.target_layers, list):
+            object.__setattr__(self, "target_layers", tuple(self.target_layers))
+        _positive("DrafterConfig", gamma=self.gamma, num_layers=self.num_layers,
+                  num_heads=self.num_heads, head_dim=self.head_dim,
+                  mlp_hidden=self.mlp_hidden, window=self.window)
+        if self.window < self.gamma + 1:
+            invalid("DrafterConfig", "window", self.window,
+                    f"must be >= gamma + 1 = {self.gamma + 1} (a verification commits up to "
+                    "gamma + 1 positions into the ring)")
+        if not self.target_layers or any(not isinstance(i, int) or i < 0
+                                          for i in self.target_layers):
+            invalid("DrafterConfig", "target_layers", self.target_layers,
+                    "must be a non-empty tuple of layer indices >= 0")
+
+    def check(self, model: ModelConfig) -> None:
+        """Raises ValueError if this drafter cannot serve ``model``."""
+        if max(self.target_layers) >= model.num_layers:
+            invalid("DrafterConfig", "target_layers", self.target_layers,
+                    f"the target has {model.num_layers} layers")
+        rings = {"swa window": model.swa_window, "CSA compressor ring": 2 * model.csa_ratio}
+        if "hca" in model.layer_pattern:
+            rings["HCA compressor ring"] = model.hca_ratio
+        for name, size in rings.items():
+            if size < self.gamma + 1:
+                invalid("DrafterConfig", "gamma", self.gamma,
+                        f"a verification block of gamma + 1 tokens must fit in the target's "
+                        f"{name} ({size} positions)")

@@ -14,7 +14,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from lsparse_jax.config import EngineConfig, ModelConfig
+from lsparse_jax.config import DrafterConfig, EngineConfig, ModelConfig
 from lsparse_jax.quant import KVRowFormat
 
 GPU_COMPONENTS = ("weights_share", "swa_window", "compressor_state", "attention_kv",
@@ -188,6 +188,29 @@ def pooled_capacity(engine: EngineConfig, context: int) -> int:
         raise ValueError("pooled_capacity: CacheConfig.device_pages is None (no device pools)")
     per = -(-(context // engine.model.csa_ratio) // engine.cache.page_size)
     return min(engine.cache.num_slots, engine.cache.device_pages // max(per, 1))
+
+
+def spec_bytes(engine: EngineConfig, drafter: DrafterConfig,
+               layout: Layout | None = None) -> dict[str, int]:
+    """Device bytes one request adds for speculative decoding (``serving.speculative``).
+
+    Notation: l draft layers, W window, h draft heads, d head dim, T = gamma + 1, k top-k.
+    drafter_ring: the persistent ring of W positions' draft keys and values (f32) per draft
+      layer, plus W int32 positions: l * W * h * d * 4 * 2 + 4W (equals ``SpecState``'s slot).
+    staging: what a verification holds while it runs, per CSA layer: the union of the block's
+      T selections, T * k rows (resolved once), plus the block's T new raw rows per windowed
+      layer. The block's compressed rows themselves are staged in the tail page (or resident
+      table) the method already holds and rolled back on rejection, so staging adds no
+      persistent bytes.
+    """
+    cfg = engine.model
+    lay = layout or Layout.ours(cfg)
+    t = drafter.gamma + 1
+    ring = drafter.num_layers * drafter.window * drafter.num_heads * drafter.head_dim * 4 * 2
+    csa = sum(k == "csa" for k in cfg.layer_pattern)
+    windowed = sum(k in ("swa", "csa", "hca") for k in cfg.layer_pattern)
+    staging = csa * t * cfg.indexer.top_k * lay.kv_row + windowed * t * lay.plain_row
+    return {"drafter_ring": ring + 4 * drafter.window, "staging": staging}
 
 
 def param_bytes(cfg: ModelConfig) -> int:

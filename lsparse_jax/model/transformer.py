@@ -19,7 +19,9 @@ class Transformer(nn.Module):
     """Maps a chunk of tokens and one slot's caches to logits and updated caches.
 
     ``__call__(tokens [T] int32, caches, start, num_valid, contexts)`` ->
-      (logits [T, V] f32, caches, selections: tuple of Selection | None per layer).
+      (logits [T, V] f32, caches, selections: tuple of Selection | None per layer), and with
+      ``hidden_layers`` a 4th output: the residual stream after each of those layers
+      [T, len(hidden_layers), hidden] (a drafter's conditioning, ``model.drafter``).
     Tokens past ``num_valid`` are padding: they write nothing and their logits are junk.
     CSA layers keep their compressed history in ``kv_store`` / ``key_index`` (``model.store``;
     default: resident); ``contexts`` gives each layer what its stores read from shared state
@@ -33,13 +35,15 @@ class Transformer(nn.Module):
     kv_store: KVStore = RESIDENT_KV
     key_index: KeyIndex | None = None  # None: every key resident, exact top-k
     hca_store: Any = RESIDENT_ROWS  # where HCA layers keep their rows (default: resident)
+    hidden_layers: tuple[int, ...] = ()  # also return the residual stream after these layers
+    #   (a drafter's conditioning, model/drafter.py): a 4th output [T, len, hidden]
 
     @nn.compact
     def __call__(self, tokens, caches, start, num_valid, contexts=None):
         cfg = self.cfg
         x = nn.Embed(cfg.vocab_size, cfg.hidden, name="embed",
                      embedding_init=nn.initializers.normal(1.0))(tokens)
-        new_caches, selections = [], []
+        new_caches, selections, hidden = [], [], {}
         for i in range(cfg.num_layers):
             shared = None
             if cfg.layer_pattern[i] == "dsa" and cfg.dsa_leader(i) != i:
@@ -52,9 +56,13 @@ class Transformer(nn.Module):
                 None if contexts is None else contexts[i])
             new_caches.append(c)
             selections.append(sel)
+            hidden[i] = x
         x = RMSNorm(name="final_norm")(x)
         with matmul_precision(cfg.matmul_precision):
             logits = dense(cfg.vocab_size, "lm_head")(x)
+        if self.hidden_layers:
+            feats = jnp.stack([hidden[i] for i in self.hidden_layers], axis=1)
+            return logits, tuple(new_caches), tuple(selections), feats
         return logits, tuple(new_caches), tuple(selections)
 
 

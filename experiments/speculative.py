@@ -1,0 +1,208 @@
+"""Speculative decoding (DFlash-style drafter, serving/speculative.py) vs plain decoding, per
+method and concurrency, on the trained model.
+
+Gin header -- must be set: run.experiment, run.name, speculative.model, speculative.checkpoint.
+Run (GPU): lsparse run configs/experiments/speculative.gin
+Writes runs/<name>/{config.gin, results.json, speculative.png} and copies results.json to
+``speculative.results_dir`` (default results/speculative/).
+
+For each method and concurrency C, C held-out NIAH prompts are admitted at once and each
+decodes ``decode_tokens`` tokens greedily, once plainly and once speculatively (the same
+prompts): output tokens/s over the decode phase (drafting and verification included), mean
+acceptance length (tokens emitted per verification), the union-miss ratio (host rows fetched
+once per verification block over the sum of each query's own misses), the drafter's time
+share, and whether the speculative tokens equal the plain ones (greedy-exact). Without a
+drafter checkpoint an untrained drafter runs (the cost side: acceptance ~1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import time
+
+import gin
+import numpy as np
+
+from experiments import validate as v
+from experiments.common import pyplot, run_dir, write_results
+from lsparse_jax.config import (
+    CacheConfig,
+    DrafterConfig,
+    EngineConfig,
+    LeanSparseConfig,
+    SamplingConfig,
+    method_storage,
+)
+from lsparse_jax.model.drafter import init_drafter
+from lsparse_jax.serving.engine import Engine
+from lsparse_jax.serving.speculative import SpecEngine, check_spec
+from lsparse_jax.training.data import task_example
+
+METHODS = ("resident", "hisparse", "leansparse", "adaptive")
+IMPLEMENTATIONS = ("xla", "triton", "jax_triton", "mosaic", None)
+
+
+def _config(method, cfg, slots, chunk, hot_rows, page, optional_pages, implementation, lean):
+    storage = method_storage(method)
+    return EngineConfig(
+        model=cfg, method=method, sampling=SamplingConfig(0.0, 0), implementation=implementation,
+        leansparse=lean,
+        cache=CacheConfig(slots, chunk, hot_rows if storage.kv_on_host else None, page,
+                          optional_pages=optional_pages if storage.lent_pages else None))
+
+
+def _serve(engine, prompts, decode_tokens):
+    """Admits every prompt, decodes until each has decode_tokens tokens (the first one from
+    the prefill); returns the tokens per request and the mean time to first token."""
+    engine.warmup()
+    slots = [engine.admit(p, decode_tokens) for p in prompts]
+    ttft = [engine.requests[s].first_token_at - engine.requests[s].admitted_at for s in slots]
+    out = {}
+    while engine.active.any():
+        engine.step()
+        for s in np.flatnonzero(engine.active):
+            if engine.requests[s].done or engine.lengths[s] >= engine.limit[s]:
+                out[s] = engine.release(s)
+    return [out[s] for s in slots], float(np.mean(ttft))
+
+
+@gin.configurable
+def speculative(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
+                drafter_checkpoint: str | None = None, drafter: DrafterConfig | None = None,
+                methods=METHODS, concurrencies=(1, 2, 4, 8), prompt_tokens: int = 4096,
+                decode_tokens: int = 128, prefill_chunk: int = 1024, hot_cache_rows: int = 128,
+                page_size: int = 16, optional_pages: int = 512,
+                num_candidates: int = 64, key_cache_rows: int = 256,
+                implementation: str | None = None, codebook_tokens: int = 4096,
+                results_dir: str | None = "results/speculative",
+                time_limit_s: float | None = None):
+    """drafter_checkpoint: a trained drafter (experiments/train_drafter.py); None = an
+    untrained one of config ``drafter``. num_candidates, key_cache_rows: leansparse's C and
+    key cache (miss filter off: its selection is then independent of the key-cache order).
+    Cells run concurrency by concurrency (every method at the first one first); results are
+    written after each cell; time_limit_s: start no cell after this many seconds (the results
+    say ``complete: false``)."""
+    for setting, value in (("prompt_tokens", prompt_tokens), ("decode_tokens", decode_tokens),
+                           ("prefill_chunk", prefill_chunk), ("page_size", page_size),
+                           ("optional_pages", optional_pages),
+                           ("codebook_tokens", codebook_tokens)):
+        v.integer(f"speculative.{setting}", value)
+    methods = v.names("speculative.methods", methods, METHODS)
+    concurrencies = v.integers("speculative.concurrencies", concurrencies)
+    v.choice("speculative.implementation", implementation, IMPLEMENTATIONS)
+    v.number("speculative.time_limit_s", time_limit_s, lo=0, none_ok=True)
+    cfg = v.fit_model(model, prompt_tokens + decode_tokens + 1,
+                      "speculative.prompt_tokens + decode_tokens + 1")
+    path = v.checkpoint_path("speculative.checkpoint", checkpoint)
+    if drafter_checkpoint is not None:
+        dpath = v.checkpoint_path("speculative.drafter_checkpoint", drafter_checkpoint)
+        from lsparse_jax.training.drafter import load_drafter
+
+        dparams, dcfg = load_drafter(dpath)
+    else:
+        v.instance("speculative.drafter", drafter, DrafterConfig, "@DrafterConfig()")
+        dcfg, dparams = drafter, init_drafter(cfg, drafter, 0)
+    lean = LeanSparseConfig(num_candidates, None, key_cache_rows)
+    try:
+        for m in methods:
+            check_spec(_config(m, cfg, 1, prefill_chunk, hot_cache_rows, page_size,
+                               optional_pages, implementation, lean), dcfg)
+    except ValueError as err:
+        raise v.ConfigError(f"speculative: {err}") from err
+    params = v.load_checkpoint("speculative.checkpoint", path, cfg)
+    books = None
+    if "leansparse" in methods:
+        from lsparse_jax.methods.leansparse import calibrate_codebooks
+
+        calib = task_example("niah", codebook_tokens, 10**6).prompt  # not an evaluation seed
+        books = calibrate_codebooks(params, cfg, calib)
+
+    records, out, start = [], run_dir(name), time.perf_counter()
+    cells = [(m, c) for c in concurrencies for m in methods]
+    for i, (method, c) in enumerate(cells):
+        if time_limit_s is not None and time.perf_counter() - start > time_limit_s:
+            print(f"time limit: {len(cells) - i} cells not run")
+            break
+        prompts = [task_example("niah", prompt_tokens, seed).prompt for seed in range(c)]
+        config = _config(method, cfg, c, prefill_chunk, hot_cache_rows, page_size,
+                         optional_pages, implementation, lean)
+        plain = Engine(config, params, books)
+        want, ttft = _serve(plain, prompts, decode_tokens)
+        pm = plain.metrics()
+        records.append({"method": method, "concurrency": c, "speculative": False,
+                        "acceptance_length": 1.0,
+                        "output_tok_s": pm["decode_tokens_per_second"],
+                        "union_miss_ratio": None, "ttft_s": ttft,
+                        "decode_tokens": pm["decode_tokens"]})
+        spec = SpecEngine(config, params, (dparams, dcfg), books)
+        got, ttft = _serve(spec, prompts, decode_tokens)
+        sm = spec.metrics()
+        # the drafter timed apart (the served run queues verification behind drafting)
+        sm["drafter_time_share"] = spec.drafter_seconds() * sm["steps"] / max(
+            sm["decode_seconds"], 1e-9)
+        records.append({"method": method, "concurrency": c, "speculative": True,
+                        "acceptance_length": sm["acceptance_length"],
+                        "acceptance_histogram": sm["acceptance_histogram"],
+                        "output_tok_s": sm["decode_tokens_per_second"],
+                        "union_miss_ratio": sm["union_miss_ratio"],
+                        "union_miss_rows": sm["union_miss_rows"],
+                        "query_miss_rows": sm["query_miss_rows"],
+                        "drafter_time_share": sm["drafter_time_share"], "ttft_s": ttft,
+                        "spec_state_bytes_per_request": sm["spec_state_bytes_per_request"],
+                        "decode_tokens": sm["decode_tokens"],
+                        "greedy_identical": got == want})
+        print(table(records[-2:]).splitlines()[-1])
+        save(out, results_dir, records, len(records) == 2 * len(cells),
+             {"model": dataclasses.asdict(cfg), "checkpoint": checkpoint,
+              "drafter_checkpoint": drafter_checkpoint, "drafter": dataclasses.asdict(dcfg),
+              "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens,
+              "implementation": implementation})
+    print(table(records))
+    print(f"wrote {out}/results.json and speculative.png")
+    return records
+
+
+def save(out, results_dir, records, complete: bool, meta: dict):
+    write_results(out, {**meta, "complete": complete, "records": records})
+    plot(records, out / "speculative.png")
+    if results_dir is not None:
+        dest = v.resolve_path("speculative.results_dir", results_dir, None)
+        dest.mkdir(parents=True, exist_ok=True)
+        shutil.copy(out / "results.json", dest / "results.json")
+        shutil.copy(out / "speculative.png", dest / "speculative.png")
+
+
+def table(records) -> str:
+    """Per method and concurrency: plain and speculative tok/s, speed-up, acceptance."""
+    rows = ["    method   C  plain_tok_s  spec_tok_s  speedup  acceptance  union/sum  identical"]
+    plain = {(r["method"], r["concurrency"]): r for r in records if not r["speculative"]}
+    for r in records:
+        if not r["speculative"]:
+            continue
+        p = plain[(r["method"], r["concurrency"])]
+        ratio = r["union_miss_ratio"]
+        rows.append(f"{r['method']:>10} {r['concurrency']:>3} {p['output_tok_s']:12.1f} "
+                    f"{r['output_tok_s']:11.1f} {r['output_tok_s'] / p['output_tok_s']:8.2f} "
+                    f"{r['acceptance_length']:11.2f} "
+                    f"{'n/a' if ratio is None else f'{ratio:.2f}':>10} "
+                    f"{str(r['greedy_identical']):>10}")
+    return "\n".join(rows)
+
+
+def plot(records, path):
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method in sorted({r["method"] for r in records}):
+        for spec, style in ((False, "--"), (True, "-")):
+            pts = sorted((r["concurrency"], r["output_tok_s"]) for r in records
+                         if r["method"] == method and r["speculative"] == spec)
+            ax.plot(*zip(*pts), style, marker="o",
+                    label=f"{method}{' + drafter' if spec else ''}")
+    ax.set_xlabel("concurrency (requests decoded together)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_xscale("log", base=2)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
