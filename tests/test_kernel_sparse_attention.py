@@ -168,6 +168,29 @@ def test_fp8_shape_limits():
         sparse_attention(*args, implementation="triton")
 
 
+@pytest.mark.slow
+def test_decode_step_is_one_launch_over_slots():
+    """The serving decode step (vmap of the model over 4 slots, "triton")
+    lowered for CUDA: one sparse_attention launch whose grid covers all 4 slots (S = 4 on the
+    grid's last axis), not Pallas's batching of an S = 1 kernel."""
+    from helpers import model_and_tokens, tiny
+
+    from lsparse_jax.config import CacheConfig, EngineConfig
+    from lsparse_jax.serving.engine import Engine
+    from lsparse_jax.serving.steps import decode_step
+
+    cfg = tiny(max_len=256)
+    params, _ = model_and_tokens(cfg, 1)
+    engine = Engine(EngineConfig(model=cfg, method="resident", implementation="triton",
+                                 cache=CacheConfig(num_slots=4, prefill_chunk=32)), params)
+    tokens, active = jnp.zeros(4, jnp.int32), jnp.ones(4, bool)
+    with common.abstract_gpu():
+        text = decode_step.trace(engine.params, engine.config, engine.state, tokens,
+                                 active).lower(lowering_platforms=("cuda",)).as_text()
+    grids = _grid(text)  # (head blocks, splits, S) of each kernel (a jitted kernel: one body)
+    assert text.count(common.TRITON_CALL_TARGET) >= 1 and grids[2::3] == (4,) * (len(grids) // 3)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_vmap_over_slots_equals_one_call(impl):
     """The decode step's shape: vmap over B slots of S = 1 requests (sink per slot, like a
