@@ -255,6 +255,36 @@ def test_triton_lowers_for_cuda_at_v4_shape(s, rows):
     assert text.count(common.TRITON_CALL_TARGET) == 1
 
 
+@pytest.mark.parametrize("s", [2, 64])
+def test_mosaic_lowers_for_cuda_at_v4_shape(s):
+    """The Mosaic GPU kernel (TMA row copies, wgmma) lowers for the H200 from a CPU machine,
+    as one kernel, at the V4-Flash shape (bf16 rows), directly and under vmap over slots."""
+    fn = functools.partial(sparse_attention, implementation="mosaic")
+    specs = _specs(s, **V4)
+    text = common.lower_for_cuda(fn, *specs)
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+    per_slot = [a if a.ndim == 1 else jax.ShapeDtypeStruct((s, 1) + a.shape[1:], a.dtype)
+                for a in specs]
+    mapped = common.lower_for_cuda(jax.vmap(fn, in_axes=(0, 0, 0, 0, 0, None)), *per_slot)
+    assert mapped.count("stablehlo.custom_call @mosaic_gpu") == 1
+
+
+def test_mosaic_limits():
+    """Mosaic reads bf16 rows with D a multiple of 128 (<= 512) and needs a GPU to run: clear
+    errors otherwise, naming the implementations that work."""
+    args = _inputs(2, 4, 128, 8, 4, 3, dtype="bfloat16")
+    with pytest.raises(ValueError, match="'mosaic' needs a CUDA GPU"):
+        sparse_attention(*args, implementation="mosaic")
+    f32 = _inputs(2, 4, 128, 8, 4, 3)
+    with pytest.raises(ValueError, match="'mosaic' reads bf16 rows only.*'triton'"):
+        sparse_attention(*f32, implementation="mosaic")
+    with pytest.raises(ValueError, match="'mosaic' reads bf16 rows only"):
+        sparse_attention(*_fp8(_inputs(2, 4, 128, 8, 4, 3), 64), implementation="mosaic")
+    small = _inputs(2, 4, 64, 8, 4, 3, dtype="bfloat16")
+    with pytest.raises(ValueError, match="D a multiple of 128"):
+        sparse_attention(*small, implementation="mosaic")
+
+
 def _grid(text):
     return tuple(int(g) for g in re.findall(r"grid_[xyz] = (\d+)", text))
 
@@ -355,6 +385,20 @@ def test_gpu_v4_shape_row_formats(rows):
     mapped = jax.vmap(functools.partial(sparse_attention, implementation="triton"),
                       in_axes=(0, 0, 0, 0, 0, None))(*per_slot, args[5])
     assert_close(np.asarray(mapped[:, 0]), want, tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s", [2, 64])
+def test_gpu_mosaic_v4_shape_matches_reference(s):
+    """The Mosaic GPU kernel at the V4-Flash shape (bf16) vs XLA, direct and vmapped."""
+    args = tuple(map(jnp.asarray, _inputs(s, **V4, seed=9)))
+    want = np.asarray(sparse_attention(*args, implementation="xla"))
+    got = np.asarray(sparse_attention(*args, implementation="mosaic"))
+    assert np.all(got[1] == 0.0)
+    assert_close(got, want, "bfloat16")
+    mapped = jax.vmap(functools.partial(sparse_attention, implementation="mosaic"),
+                      in_axes=(0, 0, 0, 0, 0, None))(*(a[:, None] for a in args[:5]), args[5])
+    assert_close(np.asarray(mapped[:, 0]), want, "bfloat16")
 
 
 @pytest.mark.gpu

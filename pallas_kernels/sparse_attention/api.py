@@ -21,7 +21,8 @@ Implementations: "xla" (``reference.py``: gathers table[slots], dequantizes, f32
 rows gathered in place and split across programs with a log-sum-exp combine; bf16 tensor-core
 dots for bf16 and FP8 rows (q and probabilities rounded to bf16), 3-pass TF32 for f32 rows;
 interpret mode without a GPU; dense D a power of two >= 16, FP8 n a multiple of 64 and r a
-power of two >= 16), "mosaic" (``mosaic.py``: Pallas Mosaic GPU, wgmma; GPU only).
+power of two >= 16), "mosaic" (``mosaic.py``: Pallas Mosaic GPU, TMA row copies and wgmma;
+bf16 rows, D a multiple of 128 up to 512; needs a GPU to run, lowers for CUDA anywhere).
 ``triton_v1.py`` is the previous Triton kernel (head blocks; benchmarks only).
 None picks "triton" on a GPU and "xla" elsewhere.
 """
