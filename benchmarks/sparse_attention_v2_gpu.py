@@ -41,11 +41,13 @@ FULL = dict(heads=64, dim=512, rope=64, k=512, window=128, rows=2048, batches=(8
 DRY = dict(heads=16, dim=128, rope=64, k=40, window=16, rows=64, batches=(2,), sets=2,
            repeats=2)
 SWEEP = [  # kwargs of triton.sparse_attention_triton (v2); "dense" ones skip FP8 rows
-    dict(splits=1), dict(splits=2), dict(splits=4), dict(splits=8),
-    dict(block_k=16), dict(block_k=64), dict(block_k=64, num_stages=3),
-    dict(num_warps=4), dict(num_warps=16), dict(num_stages=3), dict(num_stages=4),
-    dict(block_h=32), dict(block_d=128, dense=True), dict(block_d=64, dense=True),
+    dict(num_warps=16), dict(splits=1), dict(splits=4), dict(block_k=16), dict(block_k=64),
+    dict(block_h=32), dict(block_h=16, num_warps=4), dict(block_d=64), dict(num_stages=3),
+    dict(block_d=128, dense=True), dict(num_warps=4), dict(splits=8),
 ]
+F32_SWEEP = [dict(block_h=32, block_k=16), dict(block_h=16, block_k=32)]
+
+MOSAIC_SWEEP = [dict(splits=1), dict(splits=2), dict(splits=4), dict(splits=8)]  # bf16 rows
 
 
 def make_inputs(key, batch, shape, rows):
@@ -92,17 +94,29 @@ def variant_fn(name, kw=None):
         from pallas_kernels.sparse_attention.triton import sparse_attention_triton
         return functools.partial(sparse_attention_triton, **kw)
     if name == "mosaic":
-        return functools.partial(sparse_attention, implementation="mosaic")
+        if not kw:
+            return functools.partial(sparse_attention, implementation="mosaic")
+        from pallas_kernels.sparse_attention.mosaic import sparse_attention_mosaic
+        return functools.partial(sparse_attention_mosaic, **kw)
     raise ValueError(name)
 
 
 def vmapped(fn):
-    """The decode step's form: vmap over slots, S = 1 each, the sink shared."""
+    """The decode step's form: vmap over slots of S = 1 (inputs from ``per_slot``: [B, 1, ...],
+    made outside the timing), the sink shared; out [B, H, D]."""
     def call(q, table, slots, window, mask, sink):
-        per_slot = jax.tree.map(lambda a: a[:, None], (q, table, slots, window, mask))
-        out = jax.vmap(fn, in_axes=(0, 0, 0, 0, 0, None))(*per_slot, sink)
+        out = jax.vmap(fn, in_axes=(0, 0, 0, 0, 0, None))(q, table, slots, window, mask, sink)
         return out[:, 0]
     return call
+
+
+def per_slot(sets):
+    """Input sets as the decode step holds them: [B, 1, ...] per-slot arrays."""
+    out = []
+    for q, table, slots, window, mask, sink in sets:
+        slot_args = jax.tree.map(lambda a: a[:, None], (q, table, slots, window, mask))
+        out.append(jax.block_until_ready((*slot_args, sink)))
+    return out
 
 
 def measure(label, fn, sets, want, shape, batch, rows, repeats, xla_ms=None):
@@ -174,27 +188,36 @@ def main():
         return rec
 
     print(HEAD, flush=True)
-    for rows in args.rows.split(","):
+    kept = {}  # (rows, B) -> (sets, want, xla_ms) for the sweeps
+    sweeps = [] if args.quick else [("bfloat16", 64), ("fp8", 64), ("bfloat16", 8), ("float32", 8)]
+    for rows in args.rows.split(","):  # every implementation, direct and vmapped
         for batch in shape["batches"]:
             sets = [make_inputs(jax.random.key(i), batch, shape, rows)
                     for i in range(shape["sets"])]
             want = np.asarray(variant_fn("xla")(*sets[0]), np.float64)
             xla_ms = run("xla", variant_fn("xla"), sets, want, batch, rows).get("ms")
-            names = ["triton_v1", "triton", "mosaic"] if on_gpu else ["triton_v1", "triton"]
+            names = ["mosaic", "triton", "triton_v1"] if on_gpu else ["triton", "triton_v1"]
             if rows == "fp8":
                 names.remove("triton_v1")  # v1 reads dense rows only
             for name in names:
                 run(name, variant_fn(name), sets, want, batch, rows, xla_ms)
+            slot_sets = per_slot(sets)
             for name in names:  # the decode step's vmapped form
-                run(f"{name} vmap(S=1)x{batch}", vmapped(variant_fn(name)), sets, want, batch,
-                    rows, xla_ms)
-            if not args.quick and rows != "float32":
-                for kw in SWEEP:
-                    if kw.get("dense") and rows == "fp8":
-                        continue
-                    label = "triton " + " ".join(f"{k}={v}" for k, v in kw.items()
-                                                 if k != "dense")
-                    run(label, variant_fn("triton", kw), sets, want, batch, rows, xla_ms)
+                run(f"{name} vmap(S=1)x{batch}", vmapped(variant_fn(name)), slot_sets, want,
+                    batch, rows, xla_ms)
+            del slot_sets
+            if (rows, batch) in sweeps or (args.dry and not args.quick):
+                kept[(rows, batch)] = (sets, want, xla_ms)
+    for (rows, batch), (sets, want, xla_ms) in kept.items():  # launch parameters
+        if rows == "bfloat16" and on_gpu:
+            for kw in MOSAIC_SWEEP:
+                label = "mosaic " + " ".join(f"{k}={v}" for k, v in kw.items())
+                run(label, variant_fn("mosaic", kw), sets, want, batch, rows, xla_ms)
+        for kw in SWEEP if rows != "float32" else F32_SWEEP:
+            if kw.get("dense") and rows == "fp8":
+                continue
+            label = "triton " + " ".join(f"{k}={v}" for k, v in kw.items() if k != "dense")
+            run(label, variant_fn("triton", kw), sets, want, batch, rows, xla_ms)
     print("\nsparse_attention v2: H=%d D=%d K=%d W=%d R=%d" % (
         shape["heads"], shape["dim"], shape["k"], shape["window"], shape["rows"]))
     print(HEAD)
@@ -202,11 +225,12 @@ def main():
         print(fmt(r))
     best = {}
     for r in records:
-        if "ms" in r and r["variant"].startswith("triton") and "v1" not in r["variant"]:
-            key = (r["rows"], r["B"])
+        kind = r["variant"].split()[0]
+        if "ms" in r and kind in ("triton", "mosaic"):
+            key = (kind, r["rows"], r["B"])
             if key not in best or r["ms"] < best[key]["ms"]:
                 best[key] = r
-    print("\nbest Triton v2 variant per (rows, B):")
+    print("\nbest Triton v2 and Mosaic variant per (rows, B):")
     for r in best.values():
         print(fmt(r))
     save()

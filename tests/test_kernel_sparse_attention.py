@@ -134,9 +134,11 @@ def _dense_twin(args):
     return q, table, slots, np.asarray(window.astype(jnp.float32)), window_mask, sink
 
 
-FP8_CASES = [  # (S, H, D, R, K, W, rope): D = n + rope, n a multiple of 64 for "triton"
-    (3, 8, 192, 40, 37, 20, 64),    # two scale blocks + RoPE; H padded to 16
-    (2, 16, 80, 30, 20, 0, 16),     # one scale block, rope 16, no window
+FP8_CASES = [  # (S, H, D, R, K, W, rope): D = n + rope
+    (3, 8, 192, 40, 37, 20, 64),    # D not a power of two: 64-wide scale blocks + RoPE chunk
+    (2, 16, 80, 30, 20, 0, 16),     # likewise, one scale block, rope 16, no window
+    (2, 4, 128, 40, 30, 12, 64),    # whole rows dequantized in registers
+    (2, 16, 64, 30, 20, 8, 16),     # whole rows, n = 48: a partial scale block (tiny preset)
 ]
 
 
@@ -150,21 +152,24 @@ def test_fp8_rows_match_the_dequantized_rows(impl, case):
     _check(got, _dense_twin(args), "bfloat16" if impl == "triton" else "float32")
 
 
-def test_fp8_scales_are_exact_powers_of_two():
-    """Rows whose blocks span scales 2^-20 .. 2^20 (one block a row each, the rest zero):
-    the kernel's in-register e8m0 decode is exact, so only bf16 rounding of q and p remains."""
+@pytest.mark.parametrize("block_d", [None, 64])  # whole rows; 64-wide scale blocks
+def test_fp8_scales_are_exact_powers_of_two(block_d):
+    """Rows whose first block spans scales 2^-20 .. 2^20: the kernel's in-register e8m0
+    decode is exact, so only bf16 rounding of q and p remains."""
+    from pallas_kernels.sparse_attention.triton import sparse_attention_triton
+
     args = _inputs(2, 16, 128, 16, 12, 4, seed=7, empty=None)
     table = args[1]
     table[:, :, :64] *= 2.0 ** np.arange(-20, 20, 2.5)[:16, None]
     args = _fp8(args, 64)
-    got = sparse_attention(*args, implementation="triton")
+    got = sparse_attention_triton(*args, block_d=block_d)
     _check(got, _dense_twin(args), "bfloat16", empty=None)
 
 
 def test_fp8_shape_limits():
-    args = _fp8(_inputs(2, 4, 64, 8, 4, 3), 16)  # n = 48: not a multiple of 64
+    args = _fp8(_inputs(2, 4, 80, 8, 4, 3), 32)  # D = 80, n = 48: neither form reads it
     sparse_attention(*args, implementation="xla")
-    with pytest.raises(ValueError, match="FP8 rows need n .* multiple of 64.*'xla'"):
+    with pytest.raises(ValueError, match="FP8 rows need D = n \\+ r a power of two.*'xla'"):
         sparse_attention(*args, implementation="triton")
 
 

@@ -57,16 +57,23 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _fp8_chunkable(table) -> bool:
+    """FP8 rows the 64-wide chunked form reads: n a multiple of 64, r a power of two >= 16."""
+    n, r = table[0].shape[-1], table[2].shape[-1]
+    return n % rowfmt.FP8_BLOCK == 0 and _pow2(r) and r >= MIN_DOT
+
+
 def check_triton_shapes(op: str, table) -> None:
-    """Dense rows: D a power of two >= 16. FP8 rows: n a multiple of 64, r a power of two
-    >= 16. Raises ValueError (naming the fix) otherwise."""
+    """Dense rows: D a power of two >= 16. FP8 rows: D a power of two >= 16 (whole rows), or
+    n a multiple of 64 and r a power of two >= 16 (64-wide chunks). Raises ValueError (naming
+    the fix) otherwise."""
     if rowfmt.is_fp8(table):
         n, r = table[0].shape[-1], table[2].shape[-1]
-        if n % rowfmt.FP8_BLOCK or not _pow2(r) or r < MIN_DOT:
-            raise ValueError(f"{op}: FP8 rows need n (nope dims) a multiple of "
-                             f"{rowfmt.FP8_BLOCK} and r (rope dims) a power of two >= {MIN_DOT} "
-                             f"for the Triton kernel, got n={n}, r={r}; use "
-                             "implementation='xla'")
+        if not (_pow2(n + r) and n + r >= MIN_DOT) and not _fp8_chunkable(table):
+            raise ValueError(f"{op}: FP8 rows need D = n + r a power of two >= {MIN_DOT}, or n "
+                             f"(nope dims) a multiple of {rowfmt.FP8_BLOCK} and r (rope dims) a "
+                             f"power of two >= {MIN_DOT}, for the Triton kernel, got n={n}, "
+                             f"r={r}; use implementation='xla'")
         return
     d = table.shape[-1]
     if not _pow2(d) or d < MIN_DOT:
@@ -75,31 +82,37 @@ def check_triton_shapes(op: str, table) -> None:
 
 
 def default_config(s: int, h: int, d: int, k: int, w: int, row_bytes: int, fp8: bool = False,
-                   *, block_h: int | None = None, block_k: int | None = None,
+                   f32: bool = False, *, block_h: int | None = None, block_k: int | None = None,
                    block_d: int | None = None, splits: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None) -> dict:
     """Launch parameters: the given ones, a first guess for the rest (tune with
     benchmarks/sparse_attention_v2_gpu.py). Raises ValueError for bad given ones.
 
-    BH = HP (all heads: rows read once). BK = 32 rows. block_d = D (dense rows; FP8 rows
-    always use their 64-wide scale blocks). P = TARGET_PROGRAMS // (S HP / BH), at most the
+    BH = HP (all heads: rows read once). BK = 32 rows. block_d = D: one chunk (FP8 rows:
+    whole rows dequantized in registers; block_d = 64 reads them in their scale blocks, the
+    only form when D is not a power of two). P = TARGET_PROGRAMS // (S HP / BH), at most the
     number of blocks: about one wave of programs (B = 64: 2, B = 8: 16). 8 warps; 2 stages of
-    rows (3 when a block of rows is at most 16 KB).
+    rows (3 when a block of rows is at most 16 KB). f32 rows (3-pass TF32 keeps each operand
+    and its split in shared memory: BH = 64, BK = 32 asked 448 KB on the H200): BH = 16,
+    BK = 16.
     """
     hp = max(MIN_DOT, _next_pow2(h))
-    block_h = hp if block_h is None else block_h
-    block_k = 32 if block_k is None else block_k
-    if fp8 and block_d not in (None, rowfmt.FP8_BLOCK):
-        raise ValueError(f"sparse_attention: FP8 rows are read in their {rowfmt.FP8_BLOCK}-wide "
-                         f"scale blocks, got block_d={block_d}")
-    block_d = (rowfmt.FP8_BLOCK if fp8 else d) if block_d is None else block_d
+    block_h = (min(16, hp) if f32 else hp) if block_h is None else block_h
+    block_k = (16 if f32 else 32) if block_k is None else block_k
+    if fp8 and block_d not in (None, d, rowfmt.FP8_BLOCK):
+        raise ValueError(f"sparse_attention: FP8 rows are read whole (block_d=D={d}) or in "
+                         f"their {rowfmt.FP8_BLOCK}-wide scale blocks, got block_d={block_d}")
+    if block_d is None:
+        block_d = d if (not fp8 or _pow2(d)) else rowfmt.FP8_BLOCK
     for name, val in (("block_h", block_h), ("block_k", block_k), ("block_d", block_d)):
         if not _pow2(val) or val < MIN_DOT:
             raise ValueError(f"sparse_attention: {name}={val} must be a power of two >= "
                              f"{MIN_DOT}")
-    if block_h > hp or (not fp8 and (block_d > d or d % block_d)):
-        raise ValueError(f"sparse_attention: block_h={block_h} must be <= {hp} and block_d="
-                         f"{block_d} must divide D={d}")
+    if block_h > hp:
+        raise ValueError(f"sparse_attention: block_h={block_h} must be <= HP={hp} (H={h} "
+                         "padded to a power of two >= 16)")
+    if block_d > d or (not fp8 and d % block_d):
+        raise ValueError(f"sparse_attention: block_d={block_d} must divide D={d}")
     blocks = -(-k // block_k) + -(-w // block_k)
     if splits is None:
         programs = s * (hp // block_h)
@@ -114,10 +127,13 @@ def default_config(s: int, h: int, d: int, k: int, w: int, row_bytes: int, fp8: 
 
 
 def _chunks(table, d: int, block_d: int) -> list[tuple[int, int, str, int]]:
-    """Column chunks (c0, width, leaf, index): dense rows cut at ``block_d``; FP8 rows: the
-    64-wide scale blocks of nope (leaf "nope", index = scale block), then "rope"."""
+    """Column chunks (c0, width, leaf, index): dense rows cut at ``block_d``; FP8 rows whole
+    (leaf "fp8", block_d = D) or in the 64-wide scale blocks of nope (leaf "nope", index =
+    scale block), then "rope"."""
     if not rowfmt.is_fp8(table):
         return [(c0, block_d, "dense", 0) for c0 in range(0, d, block_d)]
+    if block_d == d:
+        return [(0, d, "fp8", 0)]
     n, r = table[0].shape[-1], table[2].shape[-1]
     fb = rowfmt.FP8_BLOCK
     return [(c0, fb, "nope", c0 // fb) for c0 in range(0, n, fb)] + [(n, r, "rope", 0)]
@@ -125,7 +141,7 @@ def _chunks(table, d: int, block_d: int) -> list[tuple[int, int, str, int]]:
 
 def _kernel(q_ref, sink_ref, slots_ref, *refs, chunks, fp8: bool, bk: int, nk: int, nw: int,
             per: int, splits: int, k: int, w: int, num_rows: int, qk_scale: float,
-            cdtype, prec):
+            cdtype, prec, fp8_n: int, d_model: int):
     # inputs
     #   q_ref      [BH, D]     f32 / bf16 (request s, heads of block h)
     #   sink_ref   [BH]        f32
@@ -171,6 +187,25 @@ def _kernel(q_ref, sink_ref, slots_ref, *refs, chunks, fp8: bool, bk: int, nk: i
             new.append(acc * alpha[:, None] + pv)
         return m_new, den, tuple(new)
 
+    def e8m0(e):  # e8m0 bits E (int32) -> 2^(E - 127) exactly (E = 255: NaN)
+        sig = jax.lax.bitcast_convert_type(jnp.maximum(e, 1) << 23, jnp.float32)
+        sig = jnp.where(e == 0, 2.0 ** -127, sig)
+        return jnp.where(e == E8M0_NAN, jnp.nan, sig)
+
+    def fp8_rows(ids, valid):
+        # rows [BK, D] = concat(nope * scale per 64, rope): three masked gathers of one row
+        # tile (columns < n from nope and its scales, the rest from rope), combined in f32
+        n = fp8_n
+        cols = jax.lax.broadcasted_iota(jnp.int32, (1, d_model), 1)
+        nope_c, rows_v = cols < n, valid[:, None]
+        bits = plt.load(tab["nope"].at[s, ids[:, None], cols], mask=rows_v & nope_c, other=0)
+        e = plt.load(tab["scales"].at[s, ids[:, None], cols // rowfmt.FP8_BLOCK],
+                     mask=rows_v & nope_c, other=127).astype(jnp.int32)
+        rope = plt.load(tab["rope"].at[s, ids[:, None], cols - n], mask=rows_v & ~nope_c,
+                        other=0)
+        nope = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
+        return jnp.where(nope_c, nope * e8m0(e), rope.astype(jnp.float32)).astype(cdtype)
+
     def selected_block(i, carry):
         start = pl.multiple_of(i * bk, bk)
         ids = plt.load(slots_ref.at[s, pl.ds(start, bk)], mask=start + offs < k,
@@ -179,6 +214,10 @@ def _kernel(q_ref, sink_ref, slots_ref, *refs, chunks, fp8: bool, bk: int, nk: i
         ids = jnp.clip(ids, 0, num_rows - 1)
         rows, sigmas = [], []
         for c0, cw, leaf, idx in chunks:
+            if leaf == "fp8":  # the whole row, dequantized in registers (exact in bf16)
+                rows.append(fp8_rows(ids, valid))
+                sigmas.append(None)
+                continue
             if leaf == "dense":
                 cols = c0 + jax.lax.broadcasted_iota(jnp.int32, (1, cw), 1)
             else:  # nope block idx or the rope part: columns of its own leaf
@@ -190,12 +229,9 @@ def _kernel(q_ref, sink_ref, slots_ref, *refs, chunks, fp8: bool, bk: int, nk: i
                 r = jax.lax.bitcast_convert_type(r, jnp.float8_e4m3fn)
             rows.append(r.astype(cdtype))
             sig = None
-            if leaf == "nope":  # e8m0 bits E -> 2^(E - 127) exactly (E = 255: NaN)
-                e = plt.load(tab["scales"].at[s, ids, idx], mask=valid,
-                             other=127).astype(jnp.int32)           # [BK]
-                sig = jax.lax.bitcast_convert_type(jnp.maximum(e, 1) << 23, jnp.float32)
-                sig = jnp.where(e == 0, 2.0 ** -127, sig)
-                sig = jnp.where(e == E8M0_NAN, jnp.nan, sig)
+            if leaf == "nope":  # this block's scale of each row
+                sig = e8m0(plt.load(tab["scales"].at[s, ids, idx], mask=valid,
+                                    other=127).astype(jnp.int32))   # [BK]
             sigmas.append(sig)
         return attend(carry, rows, sigmas, valid)
 
@@ -270,9 +306,13 @@ def sparse_attention_triton(q: jnp.ndarray, table, slots: jnp.ndarray, window: j
     s, h, d = q.shape
     num_rows, k, w = rowfmt.leading(table)[1], slots.shape[1], window.shape[1]
     check_triton_shapes("sparse_attention", table)
-    cfg = default_config(s, h, d, k, w, row_bytes(table), fp8, block_h=block_h, block_k=block_k,
-                         block_d=block_d, splits=splits, num_warps=num_warps,
+    f32 = not fp8 and table.dtype == jnp.float32
+    cfg = default_config(s, h, d, k, w, row_bytes(table), fp8, f32, block_h=block_h,
+                         block_k=block_k, block_d=block_d, splits=splits, num_warps=num_warps,
                          num_stages=num_stages)
+    if fp8 and cfg["block_d"] == rowfmt.FP8_BLOCK != d and not _fp8_chunkable(table):
+        raise ValueError("sparse_attention: block_d=64 reads FP8 rows in scale blocks: needs n "
+                         "a multiple of 64 and r a power of two >= 16")
     block_h, block_k, splits = cfg["block_h"], cfg["block_k"], cfg["splits"]
     nk, nw = -(-k // block_k), -(-w // block_k)
     splits = max(1, min(splits, nk + nw))
@@ -299,7 +339,8 @@ def sparse_attention_triton(q: jnp.ndarray, table, slots: jnp.ndarray, window: j
     chunks = _chunks(table, d, cfg["block_d"])
     kernel = functools.partial(
         _kernel, chunks=chunks, fp8=fp8, bk=block_k, nk=nk, nw=nw, per=per, splits=splits,
-        k=k, w=w, num_rows=num_rows, qk_scale=LOG2E / math.sqrt(d), cdtype=cdtype, prec=prec)
+        k=k, w=w, num_rows=num_rows, qk_scale=LOG2E / math.sqrt(d), cdtype=cdtype, prec=prec,
+        fp8_n=table[0].shape[-1] if fp8 else d, d_model=d)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     acc_spec = pl.BlockSpec((None, None, block_h, d), lambda i, j, r: (r, j, i, 0))
     if splits == 1:
