@@ -136,8 +136,7 @@ def _dense_twin(args):
 
 FP8_CASES = [  # (S, H, D, R, K, W, rope): D = n + rope
     (3, 8, 192, 40, 37, 20, 64),    # D not a power of two: 64-wide scale blocks + RoPE chunk
-    (2, 16, 80, 30, 20, 0, 16),     # likewise, one scale block, rope 16, no window
-    (2, 4, 128, 40, 30, 12, 64),    # whole rows dequantized in registers
+    (2, 4, 128, 40, 30, 0, 64),     # whole rows dequantized in registers, no window
     (2, 16, 64, 30, 20, 8, 16),     # whole rows, n = 48: a partial scale block (tiny preset)
 ]
 
@@ -260,7 +259,7 @@ def test_triton_lowers_for_cuda_at_v4_shape(s, rows):
     assert text.count(common.TRITON_CALL_TARGET) == 1
 
 
-@pytest.mark.parametrize("s", [2, 64])
+@pytest.mark.parametrize("s", [8])  # 8 row splits a request; one shape keeps CI fast
 def test_mosaic_lowers_for_cuda_at_v4_shape(s):
     """The Mosaic GPU kernel (TMA row copies, wgmma) lowers for the H200 from a CPU machine,
     as one kernel, at the V4-Flash shape (bf16 rows), directly and under vmap over slots."""
