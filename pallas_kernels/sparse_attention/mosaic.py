@@ -11,10 +11,12 @@ Design: grid (2 HP / 64, P, S), one warpgroup per program; program (c, j, s) ser
 rows. In XLA, each request's W window rows then K selected rows become row codes (table row
 r >= 0; window row w: -(w + 2); none: -1), cut into P contiguous shares of NB blocks.
 The program copies q [64, D] (swizzled, the wgmma operand) and its codes to shared memory,
-then per block: every row is one TMA copy per 256 columns into a plain [BK, D] staging buffer
-(from the table, the window, or a zero row for -1: poison is never read; predicated copies,
-so each row arrives on the block's barrier alike), which is relaid into a swizzled [BK, D]
-wgmma buffer; the next block's copies then run while this one is computed:
+then per block: every row is one TMA copy (the row viewed as D / 256 rows of 256 values, a TMA
+box limit; free reshapes in XLA) into a plain [BK, D] staging buffer, from the table, the window
+or a zero row for -1 (one branch per row, uniform over the warpgroup: one copy and one arrival
+per row on the block's barrier; poison is never read). The staging buffer is relaid through
+registers into a swizzled [BK, D] wgmma buffer (TMA cannot write one row of an 8-row swizzled
+tile), and the next block's copies run while this one is computed:
   lg = q . rows^T log2(e) / sqrt(D) [64, BK] (wgmma, f32; -inf where the code is -1),
   m' = max(m, max lg), p = 2^(lg - m'), den' = den 2^(m - m') + sum p,
   acc' = acc 2^(m - m') + p . rows[:, half] (wgmma, p in bf16; [64, DH] f32 accumulator).
@@ -106,7 +108,8 @@ def _body(q_ref, sink_ref, codes_ref, table_ref, window_ref, zero_ref,
     plgpu = _plgpu()
     c, j, s = lax.axis_index("cols"), lax.axis_index("split"), lax.axis_index("req")
     dh = d // 2
-    cw = 256 if d % 256 == 0 else 128  # columns a row copy moves
+    cw = 256 if d % 256 == 0 else 128  # columns of a part
+    parts = d // cw
     heads = pl.ds(lax.div(c, 2) * WG_M, WG_M)
     half = lax.rem(c, 2)
     swizzle = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -114,8 +117,9 @@ def _body(q_ref, sink_ref, codes_ref, table_ref, window_ref, zero_ref,
     col_layout = plgpu.Layout.WGMMA.reduce(0)  # [BK] per row
 
     def copy(src, dst, bar, pred):
-        """A copy that runs where ``pred``; it arrives on ``bar`` either way (with 0 bytes)."""
-        plgpu.copy_gmem_to_smem(src, dst, bar, predicate=pred)
+        """The copy of the one source ``pred`` picks (codes are uniform over the warpgroup):
+        exactly one copy, so one arrival, per row."""
+        pl.when(pred)(lambda: plgpu.copy_gmem_to_smem(src, dst, bar))
 
     def main(q_smem, stage_smem, rows_smem, codes_smem, sink_smem, q_bar, codes_bar, stage_bar):
         plgpu.copy_gmem_to_smem(q_ref.at[s, heads], q_smem, q_bar.at[0])
@@ -128,15 +132,13 @@ def _body(q_ref, sink_ref, codes_ref, table_ref, window_ref, zero_ref,
         def fetch(b):  # block b's rows, one TMA copy each, into staging buffer b % NSLOT
             slot = lax.rem(b, nslot)
             bar = stage_bar.at[slot]
-            for r in range(bk):
+            for r in range(bk):  # a row is `parts` rows of <= 256 values (a TMA box limit)
                 code = codes_smem[b * bk + r]
-                t_row, w_row = jnp.maximum(code, 0), jnp.maximum(-code - 2, 0)
-                for c0 in range(0, d, cw):  # a TMA copy moves <= 256 values along a dim
-                    cols = pl.ds(c0, cw)
-                    dst = stage_smem.at[slot, pl.ds(r, 1), cols]
-                    copy(table_ref.at[s, pl.ds(t_row, 1), cols], dst, bar, code >= 0)
-                    copy(window_ref.at[s, pl.ds(w_row, 1), cols], dst, bar, code <= -2)
-                    copy(zero_ref.at[pl.ds(0, 1), cols], dst, bar, code == NONE_CODE)
+                t_row, w_row = jnp.maximum(code, 0) * parts, jnp.maximum(-code - 2, 0) * parts
+                dst = stage_smem.at[slot, pl.ds(r * parts, parts)]
+                copy(table_ref.at[s, pl.ds(t_row, parts)], dst, bar, code >= 0)
+                copy(window_ref.at[s, pl.ds(w_row, parts)], dst, bar, code <= -2)
+                copy(zero_ref.at[pl.ds(0, parts)], dst, bar, code == NONE_CODE)
 
         for b in range(min(nslot, nb)):
             fetch(b)
@@ -151,8 +153,8 @@ def _body(q_ref, sink_ref, codes_ref, table_ref, window_ref, zero_ref,
             acc, m, den = carry
             slot = lax.rem(b, nslot)
             plgpu.barrier_wait(stage_bar.at[slot])
-            rows_smem[...] = plgpu.load(stage_smem.at[slot], layout=plgpu.Layout.WGMMA,
-                                         optimized=False)
+            rows_smem[...] = plgpu.load(stage_smem.at[slot].reshape(bk, d),
+                                        layout=plgpu.Layout.WGMMA, optimized=False)
             plgpu.commit_smem()
 
             @pl.when(b + nslot < nb)
@@ -160,7 +162,7 @@ def _body(q_ref, sink_ref, codes_ref, table_ref, window_ref, zero_ref,
                 fetch(b + nslot)
 
             def qk_fn(qk_ref):
-                plgpu.wgmma(qk_ref, q_smem, rows_smem.T)
+                plgpu.wgmma(qk_ref, q_smem, rows_smem.transpose((1, 0)))
                 return qk_ref[...]
             lg = pl.run_scoped(qk_fn, plgpu.ACC((WG_M, bk), jnp.float32))
             codes = plgpu.load(codes_smem.at[pl.ds(b * bk, bk)], layout=col_layout)
@@ -185,14 +187,13 @@ def _body(q_ref, sink_ref, codes_ref, table_ref, window_ref, zero_ref,
     acc, m, den = pl.run_scoped(
         main,
         plgpu.SMEM((WG_M, d), jnp.bfloat16, transforms=swizzle),
-        plgpu.SMEM((nslot, bk, d), jnp.bfloat16),
+        plgpu.SMEM((nslot, bk * parts, cw), jnp.bfloat16),
         plgpu.SMEM((bk, d), jnp.bfloat16, transforms=swizzle),
         plgpu.SMEM((nb * bk,), jnp.int32),
         plgpu.SMEM((WG_M,), jnp.float32),
         plgpu.Barrier(num_barriers=2),
         plgpu.Barrier(num_arrivals=nb * bk // CODES_CHUNK),
-        plgpu.Barrier(num_arrivals=3 * bk * (d // (256 if d % 256 == 0 else 128)),
-                      num_barriers=nslot),
+        plgpu.Barrier(num_arrivals=bk, num_barriers=nslot),
     )
 
     def write(o_smem, v_smem):
@@ -216,7 +217,7 @@ def _body(q_ref, sink_ref, codes_ref, table_ref, window_ref, zero_ref,
 def sparse_attention_mosaic(q, table, slots, window, window_mask, sink, *,
                             block_k: int | None = None, splits: int | None = None,
                             num_slots: int | None = None) -> jnp.ndarray:
-    """Mosaic GPU ``sparse_attention`` (GPU interpret mode without a GPU).
+    """Mosaic GPU ``sparse_attention`` (runs on a GPU only; lowers for CUDA anywhere).
 
     Inputs as ``api.sparse_attention`` (bf16 table and window; q cast to bf16; sink [H] or
     [S, H]). Output out [S, H, D] f32. Tuning: block_k (BK), splits (P), num_slots.
@@ -235,6 +236,8 @@ def sparse_attention_mosaic(q, table, slots, window, window_mask, sink, *,
     if w == 0:  # a never-read stand-in (no window codes)
         window = jnp.zeros((s, 1, d), jnp.bfloat16)
     zero = jnp.zeros((1, d), jnp.bfloat16)
+    cw = 256 if d % 256 == 0 else 128  # rows as `parts` rows of cw values (free reshapes)
+    table, window, zero = (a.reshape(a.shape[:-2] + (-1, cw)) for a in (table, window, zero))
     if common.interpret():
         raise ValueError("sparse_attention: implementation='mosaic' needs a CUDA GPU (the Mosaic "
                          "GPU interpreter has no wgmma); lowering it for CUDA works without one "
