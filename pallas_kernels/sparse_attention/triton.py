@@ -91,10 +91,10 @@ def default_config(s: int, h: int, d: int, k: int, w: int, row_bytes: int, fp8: 
     BH = HP (all heads: rows read once). BK = 32 rows. block_d = D: one chunk (FP8 rows:
     whole rows dequantized in registers; block_d = 64 reads them in their scale blocks, the
     only form when D is not a power of two). P = TARGET_PROGRAMS // (S HP / BH), at most the
-    number of blocks: about one wave of programs (B = 64: 2, B = 8: 16). 8 warps; 2 stages of
-    rows (3 when a block of rows is at most 16 KB). f32 rows (3-pass TF32 keeps each operand
-    and its split in shared memory: BH = 64, BK = 32 asked 448 KB on the H200): BH = 16,
-    BK = 16.
+    number of blocks: about one wave of programs (B = 64: 2, B = 8: 16). 8 warps; 3 stages of
+    rows when a block of bf16 rows is at most 32 KB (FP8, f32: 16 KB), else 2. f32 rows
+    (3-pass TF32 keeps each operand and its split in shared memory: BH = 64, BK = 32 asked
+    448 KB on the H200): BH = 16, BK = 16.
     """
     hp = max(MIN_DOT, _next_pow2(h))
     block_h = (min(16, hp) if f32 else hp) if block_h is None else block_h
@@ -120,8 +120,9 @@ def default_config(s: int, h: int, d: int, k: int, w: int, row_bytes: int, fp8: 
     if splits < 1:
         raise ValueError(f"sparse_attention: splits={splits} must be >= 1")
     num_warps = 8 if num_warps is None else num_warps
-    if num_stages is None:
-        num_stages = 3 if block_k * row_bytes <= 16384 else 2
+    if num_stages is None:  # bf16 rows: 3 x 32 KB; FP8 rows load 3 tiles a block, f32 split
+        limit = 32768 if (not fp8 and not f32) else 16384
+        num_stages = 3 if block_k * row_bytes <= limit else 2
     return dict(block_h=block_h, block_k=block_k, block_d=block_d, splits=splits,
                 num_warps=num_warps, num_stages=num_stages)
 
@@ -206,10 +207,15 @@ def _kernel(q_ref, sink_ref, slots_ref, *refs, chunks, fp8: bool, bk: int, nk: i
         nope = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
         return jnp.where(nope_c, nope * e8m0(e), rope.astype(jnp.float32)).astype(cdtype)
 
+    def slot_ids(i):  # block i's slot ids [BK] (-1 past K); a traced start even for i static
+        start = pl.multiple_of(i * bk + 0 * j, bk)  # (interpret mode bounds-checks static ones)
+        return plt.load(slots_ref.at[s, pl.ds(start, bk)], mask=start + offs < k, other=-1)
+
     def selected_block(i, carry):
-        start = pl.multiple_of(i * bk, bk)
-        ids = plt.load(slots_ref.at[s, pl.ds(start, bk)], mask=start + offs < k,
-                       other=-1)                                   # [BK]
+        # the ids were loaded one block ahead (a loop-carried value: the row gather does not
+        # wait on an id load in its own iteration, so it can be pipelined)
+        *carry, ids = carry
+        nxt = slot_ids(i + 1)
         valid = ids >= 0
         ids = jnp.clip(ids, 0, num_rows - 1)
         rows, sigmas = [], []
@@ -233,7 +239,7 @@ def _kernel(q_ref, sink_ref, slots_ref, *refs, chunks, fp8: bool, bk: int, nk: i
                 sig = e8m0(plt.load(tab["scales"].at[s, ids, idx], mask=valid,
                                     other=127).astype(jnp.int32))   # [BK]
             sigmas.append(sig)
-        return attend(carry, rows, sigmas, valid)
+        return (*attend(carry, rows, sigmas, valid), nxt)
 
     def window_block(i, carry):
         start = pl.multiple_of(i * bk, bk)
@@ -254,7 +260,8 @@ def _kernel(q_ref, sink_ref, slots_ref, *refs, chunks, fp8: bool, bk: int, nk: i
         win = (jnp.maximum(lo, nk) - nk, jnp.maximum(hi, nk) - nk)
     carry = (m, den, accs)
     if nk:
-        carry = jax.lax.fori_loop(sel[0], sel[1], selected_block, carry)
+        carry = jax.lax.fori_loop(sel[0], sel[1], selected_block,
+                                  (*carry, slot_ids(sel[0])))[:3]
     if nw:
         carry = jax.lax.fori_loop(win[0], win[1], window_block, carry)
     m, den, accs = carry
