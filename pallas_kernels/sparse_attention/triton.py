@@ -92,7 +92,7 @@ def default_config(s: int, h: int, d: int, k: int, w: int, row_bytes: int, fp8: 
     whole rows dequantized in registers; block_d = 64 reads them in their scale blocks, the
     only form when D is not a power of two). P = TARGET_PROGRAMS // (S HP / BH), at most the
     number of blocks: about one wave of programs (B = 64: 2, B = 8: 16). 8 warps; 3 stages of
-    rows when a block of bf16 rows is at most 32 KB (FP8, f32: 16 KB), else 2. f32 rows
+    rows when a block of rows is at most 16 KB, else 2. f32 rows
     (3-pass TF32 keeps each operand and its split in shared memory: BH = 64, BK = 32 asked
     448 KB on the H200): BH = 16, BK = 16.
     """
@@ -120,9 +120,8 @@ def default_config(s: int, h: int, d: int, k: int, w: int, row_bytes: int, fp8: 
     if splits < 1:
         raise ValueError(f"sparse_attention: splits={splits} must be >= 1")
     num_warps = 8 if num_warps is None else num_warps
-    if num_stages is None:  # bf16 rows: 3 x 32 KB; FP8 rows load 3 tiles a block, f32 split
-        limit = 32768 if (not fp8 and not f32) else 16384
-        num_stages = 3 if block_k * row_bytes <= limit else 2
+    if num_stages is None:  # 2 stages of 32 KB bf16 blocks ran on the H200; 3: in the sweep
+        num_stages = 3 if block_k * row_bytes <= 16384 else 2
     return dict(block_h=block_h, block_k=block_k, block_d=block_d, splits=splits,
                 num_warps=num_warps, num_stages=num_stages)
 
