@@ -208,7 +208,9 @@ def main():
             del slot_sets
             if (rows, batch) in sweeps or (args.dry and not args.quick):
                 kept[(rows, batch)] = (sets, want, xla_ms)
-    for (rows, batch), (sets, want, xla_ms) in kept.items():  # launch parameters
+    order = sweeps + [key for key in kept if key not in sweeps]
+    for rows, batch in [key for key in order if key in kept]:  # launch parameters
+        sets, want, xla_ms = kept[(rows, batch)]
         if rows == "bfloat16" and on_gpu:
             for kw in MOSAIC_SWEEP:
                 label = "mosaic " + " ".join(f"{k}={v}" for k, v in kw.items())
