@@ -48,6 +48,7 @@ WG_M = 64  # wgmma rows: heads per program
 NONE_CODE = -1
 TARGET_PROGRAMS = 132
 CODES_CHUNK = 64  # row codes a copy moves (BK is a multiple of 64)
+RELAYOUT_COLS = 128  # columns of the staging -> wgmma buffer copy per register round trip
 
 
 def _plgpu():
@@ -153,8 +154,11 @@ def _body(q_ref, sink_ref, codes_ref, table_ref, window_ref, zero_ref,
             acc, m, den = carry
             slot = lax.rem(b, nslot)
             plgpu.barrier_wait(stage_bar.at[slot])
-            rows_smem[...] = plgpu.load(stage_smem.at[slot].reshape(bk, d),
-                                        layout=plgpu.Layout.WGMMA, optimized=False)
+            stage = stage_smem.at[slot].reshape(bk, d)
+            for c0 in range(0, d, RELAYOUT_COLS):  # [BK, 128] bf16 at a time: 32 registers
+                cols = pl.ds(c0, RELAYOUT_COLS)
+                rows_smem.at[:, cols][...] = plgpu.load(
+                    stage.at[:, cols], layout=plgpu.Layout.WGMMA, optimized=False)
             plgpu.commit_smem()
 
             @pl.when(b + nslot < nb)
