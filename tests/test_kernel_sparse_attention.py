@@ -273,6 +273,21 @@ def test_mosaic_lowers_for_cuda_at_v4_shape(s):
     assert mapped.count("stablehlo.custom_call @mosaic_gpu") == 1
 
 
+def test_mosaic_row_codes():
+    """The Mosaic kernel's row list per (request, split): valid window rows as -(w + 2), then
+    the selected table rows, -1 for masked rows, -1 slots and padding; P contiguous shares
+    of whole BK blocks."""
+    from pallas_kernels.sparse_attention.mosaic import row_codes
+
+    slots = np.array([[5, -1, 7], [0, 2, -1]], np.int32)
+    mask = np.array([[True, False], [False, False]])
+    codes = np.asarray(row_codes(jnp.asarray(slots), jnp.asarray(mask), block_k=2, splits=2))
+    # 5 rows -> 3 blocks of 2 -> 2 shares of 2 blocks (4 codes), the last 3 codes padding
+    assert codes.shape == (2, 2, 4)
+    np.testing.assert_array_equal(codes[0].ravel(), [-2, -1, 5, -1, 7, -1, -1, -1])
+    np.testing.assert_array_equal(codes[1].ravel(), [-1, -1, 0, 2, -1, -1, -1, -1])
+
+
 def test_mosaic_limits():
     """Mosaic reads bf16 rows with D a multiple of 128 (<= 512) and needs a GPU to run: clear
     errors otherwise, naming the implementations that work."""
