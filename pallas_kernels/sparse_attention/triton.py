@@ -6,8 +6,9 @@ Notation:
   K selected rows (slot -1 = none), W window rows per request; BH heads per program (HP by
   default: all of them), BK rows per block, NK = cdiv(K, BK) selected and NW = cdiv(W, BK)
   window blocks, P programs (splits) per request and head block.
-  Column chunks: D is cut into chunks c = [c0, c0 + w) (dense rows: width ``block_d``, D by
-  default; FP8 rows: the nb = n / 64 scale blocks of the non-RoPE part, then the RoPE part).
+  Column chunks: D is cut into chunks c = [c0, c0 + w) (width ``block_d``, D by default:
+  one chunk; FP8 rows with block_d = 64, the only form when D is not a power of two: the
+  nb = n / 64 scale blocks of the non-RoPE part, then the RoPE part).
 
 Design: grid (HP / BH, P, S). A program loads q[s, heads] [BH, D] once (as chunks) and walks
 its contiguous share of the NK + NW blocks, so each selected row is read from HBM once for all
@@ -18,9 +19,14 @@ Per block, an online softmax in log2 units with f32 accumulators acc_c [BH, w] p
   lg = sum_c (q_c . rows_c^T) sigma_c * log2(e) / sqrt(D)     [BH, BK] (-inf where invalid)
   m' = max(m, max lg), alpha = 2^(m - m'), p = 2^(lg - m'), den' = den alpha + sum p,
   acc_c' = acc_c alpha + (p sigma_c) . rows_c
-with sigma_c [BK] the rows' FP8 scales of chunk c (1 for dense rows and the RoPE chunk), so an
-FP8 row is never dequantized elementwise: its e4m3 values go to the tensor cores as bf16
-(exact) and the power-of-two scale multiplies the logits and the probabilities.
+with sigma_c [BK] the rows' FP8 scales of chunk c in the 64-wide form (1 otherwise): there an
+FP8 row is never dequantized elementwise, its e4m3 values go to the tensor cores as bf16
+(exact) and the power-of-two scale multiplies the logits and the probabilities. In the
+whole-row form (default) a block's FP8 rows are gathered as one [BK, D] tile from the three
+leaves (nope bits, per-column scale bits, rope; masked by column) and dequantized in registers
+(e4m3 x 2^e is exact in bf16): then the dense path's two dots.
+Slot ids are loaded one block ahead (loop-carried), so a block's gather waits on no load of
+its own iteration.
 m starts at the sink logit (finite, no -inf - -inf) and den at 1 in split 0 (the sink's
 exp(sink_h)), 0 in the others. P = 1 writes out = acc / den; P > 1 writes (acc, m, den) per split
 and ``combine`` merges them (log-sum-exp). Dots: bf16 operands for bf16 and FP8 rows (q and p
