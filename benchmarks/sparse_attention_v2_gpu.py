@@ -8,24 +8,33 @@ Shape: H = 64 heads, D = 512 (RoPE 64), K = 512 distinct selected rows of an R =
 W = 128 window rows, B in {8, 64}; rows f32, bf16 or FP8 (V4 layout: 448 e4m3 + 7 e8m0 + 64
 bf16 = 583 B; its window rows bf16). q is bf16 (f32 with f32 rows).
 Variants: xla (reference), triton_v1 (the issue-6 kernel, head blocks), triton (v2: all heads
-a program, split rows, FP8 in place), mosaic (Mosaic GPU); "vmap" rows call the op as the
-decode step does: jax.vmap over B slots of S = 1 (v1 through Pallas's batching rule, v2 and
-mosaic folded into one launch). Each is checked against the XLA reference (max abs error and
-max error relative to max |ref|), then timed as kernel_compare does: one jitted program calls
-it on SETS distinct input sets, median over REPEATS programs / SETS (benchmarks/timing.py).
+a program, split rows, FP8 in place), mosaic (Mosaic GPU, bf16 rows; run in a child process
+with a timeout, after the others: a hung kernel costs only its own records); "vmap" rows call
+the op as the decode step does: jax.vmap over B slots of S = 1 (v1 through Pallas's batching
+rule, v2 and mosaic folded into one launch). Then launch-parameter sweeps (Mosaic splits,
+Triton v2) in priority order until --budget-s. Each is checked against the XLA reference
+(max abs error and max error relative to max |ref|), then timed as kernel_compare does: one
+jitted program calls it on SETS distinct input sets, median over REPEATS programs / SETS
+(benchmarks/timing.py).
 TFLOP/s equivalent = 4 B H (K + W) D / time; % HBM = bytes moved (rows once, q, out) / time /
 3.0 TB/s. A variant that fails to compile or run prints its error and the script goes on.
 Writes sparse_attention_v2_gpu.json to --out (default $OUT or results/).
 """
 
-import argparse
-import functools
-import json
 import os
-import pathlib
-import sys
-import time
-import traceback
+
+# the Mosaic variants run in a child process (a hung kernel must not take the rest of the run
+# with it): neither process may take most of the GPU's memory up front
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import argparse  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
 
 import jax
 import jax.numpy as jnp
@@ -151,6 +160,28 @@ HEAD = (f"{'variant':44s} {'rows':8s} {'B':>3s} {'ms':>8s} {'TFLOP/s':>7s} {'%HB
         f"{'xXLA':>6s} {'abs_err':>9s} {'rel_err':>9s}")
 
 
+def run_mosaic_child(args, shape, out, start) -> list:
+    """The Mosaic variants (bf16 rows) in a child process with a timeout; its records."""
+    left = args.budget_s - (time.perf_counter() - start)
+    budget = max(30.0, min(args.mosaic_timeout_s - 50.0, left))
+    cmd = [sys.executable, __file__, "--only-mosaic", "--out", str(out), "--budget-s",
+           str(budget), "--batches", ",".join(map(str, shape["batches"]))]
+    cmd += ["--quick"] if args.quick else []
+    print(f"\n-- Mosaic GPU variants in a child process (timeout {args.mosaic_timeout_s:.0f} s)",
+          flush=True)
+    try:
+        subprocess.run(cmd, timeout=args.mosaic_timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        print("-- the Mosaic child timed out (a hung kernel?): its records so far are kept",
+              flush=True)
+    child = out / "sparse_attention_v2_mosaic.json"
+    if not child.exists():
+        return [dict(variant="mosaic", rows="bfloat16", B=0, error="the child wrote nothing")]
+    recs = [r for r in json.loads(child.read_text())["records"] if r["variant"] != "xla"]
+    print("-- back from the Mosaic child\n" + HEAD, flush=True)
+    return recs
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "results"))
@@ -160,13 +191,19 @@ def main():
     ap.add_argument("--batches", default=None, help="e.g. 64 (default: 8,64)")
     ap.add_argument("--budget-s", type=float, default=540.0,
                     help="start no new measurement after this many seconds")
+    ap.add_argument("--only-mosaic", action="store_true",
+                    help="(the child process) the Mosaic variants of bf16 rows only")
+    ap.add_argument("--mosaic-timeout-s", type=float, default=200.0)
     args = ap.parse_args()
+    if args.only_mosaic:
+        args.rows = "bfloat16"
     shape = dict(DRY if args.dry else FULL)
     if args.batches:
         shape["batches"] = tuple(int(b) for b in args.batches.split(","))
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "sparse_attention_v2_gpu.json"
+    path = out / ("sparse_attention_v2_mosaic.json" if args.only_mosaic
+                  else "sparse_attention_v2_gpu.json")
     start = time.perf_counter()
     print(jax.devices()[0].device_kind, "jax", jax.__version__, "dry" if args.dry else "")
     on_gpu = jax.default_backend() == "gpu"
@@ -196,9 +233,9 @@ def main():
                     for i in range(shape["sets"])]
             want = np.asarray(variant_fn("xla")(*sets[0]), np.float64)
             xla_ms = run("xla", variant_fn("xla"), sets, want, batch, rows).get("ms")
-            names = ["mosaic", "triton", "triton_v1"] if on_gpu else ["triton", "triton_v1"]
-            if rows == "fp8":
-                names.remove("triton_v1")  # v1 reads dense rows only
+            names = ["triton", "triton_v1"] if rows != "fp8" else ["triton"]  # v1: dense rows
+            if args.only_mosaic:
+                names = ["mosaic"]
             for name in names:
                 run(name, variant_fn(name), sets, want, batch, rows, xla_ms)
             slot_sets = per_slot(sets)
@@ -208,13 +245,20 @@ def main():
             del slot_sets
             if (rows, batch) in sweeps or (args.dry and not args.quick):
                 kept[(rows, batch)] = (sets, want, xla_ms)
+    if on_gpu and not args.only_mosaic and "bfloat16" in args.rows.split(","):
+        records.extend(run_mosaic_child(args, shape, out, start))
+        save()
+    if args.only_mosaic:
+        sweeps = [] if args.quick else [(r, b) for r, b in sweeps if r == "bfloat16"]
+        kept = {key: kept[key] for key in sweeps if key in kept}
     order = sweeps + [key for key in kept if key not in sweeps]
     for rows, batch in [key for key in order if key in kept]:  # launch parameters
         sets, want, xla_ms = kept[(rows, batch)]
-        if rows == "bfloat16" and on_gpu:
+        if args.only_mosaic:
             for kw in MOSAIC_SWEEP:
                 label = "mosaic " + " ".join(f"{k}={v}" for k, v in kw.items())
                 run(label, variant_fn("mosaic", kw), sets, want, batch, rows, xla_ms)
+            continue
         for kw in SWEEP if rows != "float32" else F32_SWEEP:
             if kw.get("dense") and rows == "fp8":
                 continue
