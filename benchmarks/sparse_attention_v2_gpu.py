@@ -50,11 +50,13 @@ FULL = dict(heads=64, dim=512, rope=64, k=512, window=128, rows=2048, batches=(8
 DRY = dict(heads=16, dim=128, rope=64, k=40, window=16, rows=64, batches=(2,), sets=2,
            repeats=2)
 SWEEP = [  # kwargs of triton.sparse_attention_triton (v2); "dense" ones skip FP8 rows
-    dict(num_warps=16), dict(splits=1), dict(splits=4), dict(block_k=16), dict(block_k=64),
+    dict(col_splits=2), dict(num_warps=16), dict(col_splits=2, num_warps=4), dict(col_splits=4),
+    dict(splits=1), dict(splits=4), dict(block_k=16), dict(block_k=64),
     dict(block_h=32), dict(block_h=16, num_warps=4), dict(block_d=64), dict(num_stages=3),
     dict(block_d=128, dense=True), dict(num_warps=4), dict(splits=8),
 ]
-F32_SWEEP = [dict(block_h=32, block_k=16), dict(block_h=16, block_k=32)]
+F32_SWEEP = [dict(block_h=32, block_k=16), dict(block_h=16, block_k=32),
+             dict(block_h=64, block_k=16, col_splits=2)]
 
 MOSAIC_SWEEP = [dict(splits=1), dict(splits=2), dict(splits=4), dict(splits=8)]  # bf16 rows
 

@@ -104,6 +104,8 @@ def test_sparse_attention(impl, case):
     dict(block_h=16, block_k=16, splits=1),             # two head blocks
     dict(block_k=16, block_d=16, splits=4),             # 5 blocks: 2 + 2 + 1 + 0; D in 2 chunks
     dict(version=1, block_h=16, block_k=16, splits=4),  # the previous kernel (triton_v1)
+    dict(block_h=16, block_k=16, col_splits=2),         # output columns over 2 programs
+    dict(block_k=16, splits=3, col_splits=2),
 ])
 def test_tilings_in_interpret_mode(tiling):
     """Head blocks, row blocks, column chunks, splits of the row loop (merged by
@@ -163,6 +165,9 @@ def test_fp8_scales_are_exact_powers_of_two(block_d):
     args = _fp8(args, 64)
     got = sparse_attention_triton(*args, block_d=block_d)
     _check(got, _dense_twin(args), "bfloat16", empty=None)
+    if block_d is None:  # whole rows, output columns over 2 programs
+        got = sparse_attention_triton(*args, col_splits=2, splits=2)
+        _check(got, _dense_twin(args), "bfloat16", empty=None)
 
 
 def test_fp8_shape_limits():

@@ -26,7 +26,9 @@ whole-row form (default) a block's FP8 rows are gathered as one [BK, D] tile fro
 leaves (nope bits, per-column scale bits, rope; masked by column) and dequantized in registers
 (e4m3 x 2^e is exact in bf16): then the dense path's two dots.
 Slot ids are loaded one block ahead (loop-carried), so a block's gather waits on no load of
-its own iteration.
+its own iteration. ``col_splits`` = C > 1 cuts the output columns over C programs (grid axis 0:
+head blocks x C): each computes all logits but accumulates only [BH, D / C] (the [64, 512] f32
+accumulator is 128 registers a thread at 8 warps), re-gathering its value columns (L1/L2).
 m starts at the sink logit (finite, no -inf - -inf) and den at 1 in split 0 (the sink's
 exp(sink_h)), 0 in the others. P = 1 writes out = acc / den; P > 1 writes (acc, m, den) per split
 and ``combine`` merges them (log-sum-exp). Dots: bf16 operands for bf16 and FP8 rows (q and p
@@ -147,7 +149,7 @@ def _chunks(table, d: int, block_d: int) -> list[tuple[int, int, str, int]]:
 
 def _kernel(q_ref, sink_ref, slots_ref, *refs, chunks, fp8: bool, bk: int, nk: int, nw: int,
             per: int, splits: int, k: int, w: int, num_rows: int, qk_scale: float,
-            cdtype, prec, fp8_n: int, d_model: int):
+            cdtype, prec, fp8_n: int, d_model: int, csplit: int):
     # inputs
     #   q_ref      [BH, D]     f32 / bf16 (request s, heads of block h)
     #   sink_ref   [BH]        f32
@@ -156,8 +158,8 @@ def _kernel(q_ref, sink_ref, slots_ref, *refs, chunks, fp8: bool, bk: int, nk: i
     #              scales [S, R, nb] uint8 (the e8m0 bits), rope [S, R, r] bf16
     #   window_ref [S, W, D]   f32 / bf16 (ANY);  wmask_ref [S, W] bool (ANY)
     # outputs
-    #   P = 1: out_ref [BH, D] f32 (normalized)
-    #   P > 1: acc_ref [BH, D], m_ref [BH], den_ref [BH] f32 (this split's partial softmax)
+    #   P = 1: out_ref [BH, D / C] f32 (normalized; C = col_splits column parts of the output)
+    #   P > 1: acc_ref [BH, D / C], m_ref [BH], den_ref [BH] f32 (this split's partial softmax)
     # scratch: none
     ntab = 3 if fp8 else 1
     tab = dict(zip(("nope", "scales", "rope") if fp8 else ("dense",), refs[:ntab]))
@@ -170,9 +172,15 @@ def _kernel(q_ref, sink_ref, slots_ref, *refs, chunks, fp8: bool, bk: int, nk: i
     m = sink_ref[...].astype(jnp.float32) * LOG2E                  # [BH] log2 units
     den = jnp.full((bh,), 1.0, jnp.float32) * (j == 0).astype(jnp.float32)  # 2^(sink - m), P0
     accs = tuple(jnp.zeros((bh, cw), jnp.float32) for _, cw, _, _ in chunks)
+    dh = d_model // csplit
+    pv_c0 = jax.lax.rem(pl.program_id(0), csplit) * dh             # this program's columns
+    pv_cols = pv_c0 + jax.lax.broadcasted_iota(jnp.int32, (1, dh), 1)
+    if csplit > 1:  # the logits from all D columns, the output only for [pv_c0, pv_c0 + dh)
+        accs = (jnp.zeros((bh, dh), jnp.float32),)
 
-    def attend(carry, rows, sigmas, valid):
-        # rows: list of [BK, w] (cdtype); sigmas: list of [BK] f32 or None; valid [BK]
+    def attend(carry, rows, sigmas, valid, pv_rows=None):
+        # rows: list of [BK, w] (cdtype); sigmas: list of [BK] f32 or None; valid [BK];
+        # pv_rows [BK, D / C]: the value columns (C > 1), else the chunks are the values
         m, den, accs = carry
         lg = None
         for q_c, rows_c, sig in zip(qc, rows, sigmas):
@@ -185,6 +193,10 @@ def _kernel(q_ref, sink_ref, slots_ref, *refs, chunks, fp8: bool, bk: int, nk: i
         alpha = jnp.exp2(m - m_new)                                # [BH]
         p = jnp.exp2(lg - m_new[:, None])                          # [BH, BK], 0 where invalid
         den = den * alpha + jnp.sum(p, axis=1)
+        if pv_rows is not None:
+            pv = jax.lax.dot_general(p.astype(cdtype), pv_rows, (((1,), (0,)), ((), ())),
+                                     precision=prec, preferred_element_type=jnp.float32)
+            return m_new, den, (accs[0] * alpha[:, None] + pv,)
         new = []
         for acc, rows_c, sig in zip(accs, rows, sigmas):
             pc = (p if sig is None else p * sig[None, :]).astype(cdtype)
@@ -198,11 +210,12 @@ def _kernel(q_ref, sink_ref, slots_ref, *refs, chunks, fp8: bool, bk: int, nk: i
         sig = jnp.where(e == 0, 2.0 ** -127, sig)
         return jnp.where(e == E8M0_NAN, jnp.nan, sig)
 
-    def fp8_rows(ids, valid):
-        # rows [BK, D] = concat(nope * scale per 64, rope): three masked gathers of one row
-        # tile (columns < n from nope and its scales, the rest from rope), combined in f32
+    def fp8_rows(ids, valid, cols=None):
+        # rows [BK, w] = concat(nope * scale per 64, rope)[:, cols]: three masked gathers of one
+        # row tile (columns < n from nope and its scales, the rest from rope), combined in f32
         n = fp8_n
-        cols = jax.lax.broadcasted_iota(jnp.int32, (1, d_model), 1)
+        if cols is None:
+            cols = jax.lax.broadcasted_iota(jnp.int32, (1, d_model), 1)
         nope_c, rows_v = cols < n, valid[:, None]
         bits = plt.load(tab["nope"].at[s, ids[:, None], cols], mask=rows_v & nope_c, other=0)
         e = plt.load(tab["scales"].at[s, ids[:, None], cols // rowfmt.FP8_BLOCK],
@@ -244,7 +257,12 @@ def _kernel(q_ref, sink_ref, slots_ref, *refs, chunks, fp8: bool, bk: int, nk: i
                 sig = e8m0(plt.load(tab["scales"].at[s, ids, idx], mask=valid,
                                     other=127).astype(jnp.int32))   # [BK]
             sigmas.append(sig)
-        return (*attend(carry, rows, sigmas, valid), nxt)
+        pv_rows = None
+        if csplit > 1:  # the value columns again (an L1/L2 hit)
+            pv_rows = (fp8_rows(ids, valid, pv_cols) if fp8 else plt.load(
+                tab["dense"].at[s, ids[:, None], pv_cols], mask=valid[:, None],
+                other=0).astype(cdtype))
+        return (*attend(carry, rows, sigmas, valid, pv_rows), nxt)
 
     def window_block(i, carry):
         start = pl.multiple_of(i * bk, bk)
@@ -253,7 +271,11 @@ def _kernel(q_ref, sink_ref, slots_ref, *refs, chunks, fp8: bool, bk: int, nk: i
         rows = [plt.load(window_ref.at[s, pl.ds(start, bk), pl.ds(c0, cw)],
                          mask=valid[:, None], other=0).astype(cdtype)
                 for c0, cw, _, _ in chunks]                        # [BK, w] each
-        return attend(carry, rows, [None] * len(chunks), valid)
+        pv_rows = None
+        if csplit > 1:
+            pv_rows = plt.load(window_ref.at[s, pl.ds(start, bk), pl.ds(pv_c0, dh)],
+                               mask=valid[:, None], other=0).astype(cdtype)
+        return attend(carry, rows, [None] * len(chunks), valid, pv_rows)
 
     # this split's blocks [lo, hi) of the NK selected then NW window blocks
     if splits == 1:
@@ -270,13 +292,14 @@ def _kernel(q_ref, sink_ref, slots_ref, *refs, chunks, fp8: bool, bk: int, nk: i
     if nw:
         carry = jax.lax.fori_loop(win[0], win[1], window_block, carry)
     m, den, accs = carry
+    parts = [(c0, cw) for c0, cw, _, _ in chunks] if csplit == 1 else [(0, dh)]
     if splits == 1:
         (out_ref,) = out_refs
-        for (c0, cw, _, _), acc in zip(chunks, accs):
+        for (c0, cw), acc in zip(parts, accs):
             out_ref[:, pl.ds(c0, cw)] = acc / den[:, None]         # den >= 1 (the sink)
     else:
         acc_ref, m_ref, den_ref = out_refs
-        for (c0, cw, _, _), acc in zip(chunks, accs):
+        for (c0, cw), acc in zip(parts, accs):
             acc_ref[:, pl.ds(c0, cw)] = acc
         m_ref[...] = m
         den_ref[...] = den
@@ -297,13 +320,13 @@ def row_bytes(table) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("block_h", "block_k", "block_d", "splits",
-                                             "num_warps", "num_stages"))
+                                             "num_warps", "num_stages", "col_splits"))
 def sparse_attention_triton(q: jnp.ndarray, table, slots: jnp.ndarray, window: jnp.ndarray,
                             window_mask: jnp.ndarray, sink: jnp.ndarray, *,
                             block_h: int | None = None, block_k: int | None = None,
                             block_d: int | None = None, splits: int | None = None,
-                            num_warps: int | None = None,
-                            num_stages: int | None = None) -> jnp.ndarray:
+                            num_warps: int | None = None, num_stages: int | None = None,
+                            col_splits: int = 1) -> jnp.ndarray:
     """Pallas-Triton ``sparse_attention`` (interpret mode without a GPU).
 
     Inputs: q [S, H, D] f32/bf16; table [S, R, D] f32/bf16 or the FP8 leaves (nope, scales,
@@ -311,7 +334,9 @@ def sparse_attention_triton(q: jnp.ndarray, table, slots: jnp.ndarray, window: j
     table's dtype for dense tables); window_mask [S, W] bool; sink [H] or [S, H] f32 (checked
     by ``api.sparse_attention``). Output: out [S, H, D] f32.
     Tuning (None = ``default_config``): block_h (BH), block_k (BK), block_d (dense chunk
-    width), powers of two >= 16; splits (P >= 1); num_warps; num_stages.
+    width), powers of two >= 16; splits (P >= 1); num_warps; num_stages; col_splits (C: the
+    output columns cut over C programs, each computing all logits: a [BH, D / C] accumulator,
+    rows read C times, C - 1 of them from L2; not with FP8 rows in 64-wide blocks).
     """
     fp8 = rowfmt.is_fp8(table)
     table = tuple(table) if fp8 else table
@@ -326,6 +351,13 @@ def sparse_attention_triton(q: jnp.ndarray, table, slots: jnp.ndarray, window: j
         raise ValueError("sparse_attention: block_d=64 reads FP8 rows in scale blocks: needs n "
                          "a multiple of 64 and r a power of two >= 16")
     block_h, block_k, splits = cfg["block_h"], cfg["block_k"], cfg["splits"]
+    csplit = col_splits
+    if csplit not in (1, 2, 4) or d % (csplit * MIN_DOT) or (
+            csplit > 1 and (not _pow2(d) or cfg["block_d"] != d)):
+        raise ValueError(f"sparse_attention: col_splits={csplit} must be 1, 2 or 4 with D={d} "
+                         f"a power of two read in one chunk (block_d = D)")
+    if col_splits > 1 and cfg["splits"] > 1 and splits is None:  # C times the programs
+        splits = max(1, cfg["splits"] // csplit)
     nk, nw = -(-k // block_k), -(-w // block_k)
     splits = max(1, min(splits, nk + nw))
     per = -(-(nk + nw) // splits)
@@ -352,14 +384,16 @@ def sparse_attention_triton(q: jnp.ndarray, table, slots: jnp.ndarray, window: j
     kernel = functools.partial(
         _kernel, chunks=chunks, fp8=fp8, bk=block_k, nk=nk, nw=nw, per=per, splits=splits,
         k=k, w=w, num_rows=num_rows, qk_scale=LOG2E / math.sqrt(d), cdtype=cdtype, prec=prec,
-        fp8_n=table[0].shape[-1] if fp8 else d, d_model=d)
+        fp8_n=table[0].shape[-1] if fp8 else d, d_model=d, csplit=csplit)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    acc_spec = pl.BlockSpec((None, None, block_h, d), lambda i, j, r: (r, j, i, 0))
+    dh = d // csplit  # grid axis 0: head blocks x column parts
+    acc_spec = pl.BlockSpec((None, None, block_h, dh),
+                            lambda i, j, r: (r, j, i // csplit, i % csplit))
     if splits == 1:
         out_shape = [jax.ShapeDtypeStruct((s, 1, hp, d), jnp.float32)]
         out_specs = [acc_spec]
     else:
-        vec_spec = pl.BlockSpec((None, None, block_h), lambda i, j, r: (r, j, i))
+        vec_spec = pl.BlockSpec((None, None, block_h), lambda i, j, r: (r, j, i // csplit))
         out_shape = [jax.ShapeDtypeStruct((s, splits, hp, d), jnp.float32),
                      jax.ShapeDtypeStruct((s, splits, hp), jnp.float32),
                      jax.ShapeDtypeStruct((s, splits, hp), jnp.float32)]
@@ -367,10 +401,10 @@ def sparse_attention_triton(q: jnp.ndarray, table, slots: jnp.ndarray, window: j
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(hp // block_h, splits, s),
+        grid=(hp // block_h * csplit, splits, s),
         in_specs=[
-            pl.BlockSpec((None, block_h, d), lambda i, j, r: (r, i, 0)),   # q
-            pl.BlockSpec((None, block_h), lambda i, j, r: (r, i)),         # sink
+            pl.BlockSpec((None, block_h, d), lambda i, j, r: (r, i // csplit, 0)),   # q
+            pl.BlockSpec((None, block_h), lambda i, j, r: (r, i // csplit)),         # sink
             any_spec,                                                      # slots
             *[any_spec] * len(leaves),                                     # table leaves
             any_spec, any_spec,                                            # window, mask
