@@ -22,7 +22,7 @@ import numpy as np
 
 from experiments.cases.sparse_attention import flops_and_bytes, make_inputs
 from pallas_kernels.sparse_attention.api import sparse_attention
-from pallas_kernels.sparse_attention.triton import default_config, sparse_attention_triton
+from pallas_kernels.sparse_attention.triton_v1 import default_config, sparse_attention_triton
 
 PEAK = 790e12
 SHAPE = dict(k=512, window=128, heads=64, dim=512, rows=2048, dtype="bfloat16")

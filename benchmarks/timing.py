@@ -19,3 +19,18 @@ def median_time(fn, make_args, repeats=20, warmup=3):
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
+
+
+def program_time(fn, sets, repeats=10, warmup=2):
+    """Median seconds of one call of ``fn``, timed as one jitted program calling it on each of
+    ``sets`` (distinct argument tuples, so one dispatch covers len(sets) calls and host launch
+    overhead is amortized; experiments/kernel_compare.py times the same way)."""
+    program = jax.jit(lambda sets: [fn(*s) for s in sets])
+    for _ in range(warmup):
+        jax.block_until_ready(program(sets))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(program(sets))
+        times.append((time.perf_counter() - t0) / len(sets))
+    return float(np.median(times))

@@ -1,4 +1,5 @@
-"""XLA vs Triton (Pallas) vs jax-triton: times every implementation of every kernel op.
+"""XLA vs Triton (Pallas) vs jax-triton vs Mosaic GPU: times every implementation of every kernel op
+(an implementation an op does not have is recorded as its error, n/a in the table).
 
 Gin header -- must be set: nothing (defaults are DeepSeek-V4-Flash decode shapes).
 Run on the GPU machine: lsparse run configs/experiments/kernel_compare.gin
@@ -147,7 +148,7 @@ def time_case(case: Case, impl: str, repeats: int, warmup: int = 2,
 
 @gin.configurable
 def kernel_compare(name: str, batches=(1, 8, 32, 64), histories=(51200, 131072, 243200),
-                   implementations=("xla", "triton", "jax_triton"), repeats: int = 20,
+                   implementations=("xla", "triton", "jax_triton", "mosaic"), repeats: int = 20,
                    topk_shapes=((64, 262144, 2048), (64, 131072, 2048), (64, 262144, 512)),
                    ops=("pq_topc", "topk", "index_scores", "sparse_attention", "hot_resolve"),
                    per_call: bool = False):

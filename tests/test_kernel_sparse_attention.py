@@ -6,9 +6,12 @@ Ground truth: ``lsparse_jax.model.attention.sink_attention`` per request with T 
 every masked window row holds NaN poison, which must never reach an output; slots mix -1 and
 duplicates; one request has no valid row (its output is exactly 0). "triton" runs in Pallas
 interpret mode on CPU; the real-kernel checks at the V4-Flash shape need a GPU (``gpu`` marker).
+FP8 rows (DeepSeek-V4's format, ``lsparse_jax.quant.kv_rows``) are compared with the model on
+the dequantized rows; under jax.vmap the kernels must be one launch over all mapped requests.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +20,7 @@ import pytest
 from kernel_helpers import assert_close
 
 from lsparse_jax.model.attention import sink_attention
+from lsparse_jax.quant.kv_rows import FP8Rows, dequantize_fp8_rows, quantize_fp8_rows
 from pallas_kernels import common
 from pallas_kernels.sparse_attention import sparse_attention
 
@@ -97,18 +101,119 @@ def test_sparse_attention(impl, case):
 
 
 @pytest.mark.parametrize("tiling", [
-    dict(block_h=16, block_k=16, splits=1),
-    dict(block_h=16, block_k=16, splits=4),  # 5 blocks: 2 + 2 + 1 + 0, one split only window
+    dict(block_h=16, block_k=16, splits=1),             # two head blocks
+    dict(block_k=16, block_d=16, splits=4),             # 5 blocks: 2 + 2 + 1 + 0; D in 2 chunks
+    dict(version=1, block_h=16, block_k=16, splits=4),  # the previous kernel (triton_v1)
+    dict(block_h=16, block_k=16, col_splits=2),         # output columns over 2 programs
+    dict(block_k=16, splits=3, col_splits=2),
 ])
 def test_tilings_in_interpret_mode(tiling):
-    """Head blocks, row blocks, splits of the row loop (merged by ``combine``): same output,
-    with logits of std ~40 (exp overflows f32 without the running maximum)."""
-    from pallas_kernels.sparse_attention.triton import sparse_attention_triton
+    """Head blocks, row blocks, column chunks, splits of the row loop (merged by
+    ``combine``): same output, with logits of std ~40 (exp overflows f32 without the running
+    maximum)."""
+    from pallas_kernels.sparse_attention import triton, triton_v1
 
+    tiling = dict(tiling)
+    kernel = (triton_v1 if tiling.pop("version", 2) == 1 else triton).sparse_attention_triton
     args = _inputs(3, 32, 32, 50, 45, 20, seed=1)  # CASES[1]'s shape
     args[0][:] *= 20
-    got = sparse_attention_triton(*map(jnp.asarray, args), **tiling)
+    got = kernel(*map(jnp.asarray, args), **tiling)
     _check(got, args, "float32")
+
+
+def _fp8(args, rope):
+    """The inputs with the table in the FP8 format (tuple of leaves; NaN poison stays NaN)
+    and a bf16 window."""
+    q, table, slots, window, window_mask, sink = args
+    leaves = tuple(quantize_fp8_rows(jnp.asarray(table), rope))
+    return q, leaves, slots, window.astype(jnp.bfloat16), window_mask, sink
+
+
+def _dense_twin(args):
+    """The FP8 inputs with the table dequantized (f32): what the kernel must attend to."""
+    q, leaves, slots, window, window_mask, sink = args
+    table = np.asarray(dequantize_fp8_rows(FP8Rows(*leaves)))
+    return q, table, slots, np.asarray(window.astype(jnp.float32)), window_mask, sink
+
+
+FP8_CASES = [  # (S, H, D, R, K, W, rope): D = n + rope
+    (3, 8, 192, 40, 37, 20, 64),    # D not a power of two: 64-wide scale blocks + RoPE chunk
+    (2, 4, 128, 40, 30, 0, 64),     # whole rows dequantized in registers, no window
+    (2, 16, 64, 30, 20, 8, 16),     # whole rows, n = 48: a partial scale block (tiny preset)
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_fp8_rows_match_the_dequantized_rows(impl, case):
+    *shape, rope = case
+    args = _fp8(_inputs(*shape, seed=6), rope)
+    got = sparse_attention(*args, implementation=impl)
+    # kernel: q, probabilities and the window in bf16; the e4m3 values and scales are exact
+    _check(got, _dense_twin(args), "bfloat16" if impl == "triton" else "float32")
+
+
+@pytest.mark.parametrize("block_d", [None, 64])  # whole rows; 64-wide scale blocks
+def test_fp8_scales_are_exact_powers_of_two(block_d):
+    """Rows whose first block spans scales 2^-20 .. 2^20: the kernel's in-register e8m0
+    decode is exact, so only bf16 rounding of q and p remains."""
+    from pallas_kernels.sparse_attention.triton import sparse_attention_triton
+
+    args = _inputs(2, 16, 128, 16, 12, 4, seed=7, empty=None)
+    table = args[1]
+    table[:, :, :64] *= 2.0 ** np.arange(-20, 20, 2.5)[:16, None]
+    args = _fp8(args, 64)
+    got = sparse_attention_triton(*args, block_d=block_d)
+    _check(got, _dense_twin(args), "bfloat16", empty=None)
+    if block_d is None:  # whole rows, output columns over 2 programs
+        got = sparse_attention_triton(*args, col_splits=2, splits=2)
+        _check(got, _dense_twin(args), "bfloat16", empty=None)
+
+
+def test_fp8_shape_limits():
+    args = _fp8(_inputs(2, 4, 80, 8, 4, 3), 32)  # D = 80, n = 48: neither form reads it
+    sparse_attention(*args, implementation="xla")
+    with pytest.raises(ValueError, match="FP8 rows need D = n \\+ r a power of two.*'xla'"):
+        sparse_attention(*args, implementation="triton")
+
+
+@pytest.mark.slow
+def test_decode_step_is_one_launch_over_slots():
+    """The serving decode step (vmap of the model over 4 slots, "triton")
+    lowered for CUDA: one sparse_attention launch whose grid covers all 4 slots (S = 4 on the
+    grid's last axis), not Pallas's batching of an S = 1 kernel."""
+    from helpers import model_and_tokens, tiny
+
+    from lsparse_jax.config import CacheConfig, EngineConfig
+    from lsparse_jax.serving.engine import Engine
+    from lsparse_jax.serving.steps import decode_step
+
+    cfg = tiny(max_len=256)
+    params, _ = model_and_tokens(cfg, 1)
+    engine = Engine(EngineConfig(model=cfg, method="resident", implementation="triton",
+                                 cache=CacheConfig(num_slots=4, prefill_chunk=32)), params)
+    tokens, active = jnp.zeros(4, jnp.int32), jnp.ones(4, bool)
+    with common.abstract_gpu():
+        text = decode_step.trace(engine.params, engine.config, engine.state, tokens,
+                                 active).lower(lowering_platforms=("cuda",)).as_text()
+    grids = _grid(text)  # (head blocks, splits, S) of each kernel (a jitted kernel: one body)
+    assert text.count(common.TRITON_CALL_TARGET) >= 1 and grids[2::3] == (4,) * (len(grids) // 3)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_vmap_over_slots_equals_one_call(impl):
+    """The decode step's shape: vmap over B slots of S = 1 requests (sink per slot, like a
+    per-slot parameter) equals one call per slot; the kernel runs once over all B."""
+    q, table, slots, window, window_mask, sink = map(jnp.asarray, _inputs(4, 4, 32, 20, 12, 8))
+    sinks = jnp.stack([sink + i for i in range(4)])
+    fn = functools.partial(sparse_attention, implementation=impl)
+    got = jax.jit(jax.vmap(fn))(q[:, None], table[:, None], slots[:, None], window[:, None],
+                                window_mask[:, None], sinks)[:, 0]
+    for i in range(4):
+        one = fn(q[i:i + 1], table[i:i + 1], slots[i:i + 1], window[i:i + 1],
+                 window_mask[i:i + 1], sinks[i])
+        np.testing.assert_allclose(np.asarray(got[i:i + 1]), np.asarray(one), rtol=1e-5,
+                                   atol=1e-6)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -137,17 +242,88 @@ def test_under_jit_with_f32_query_and_bf16_rows(impl):
     _check(fn(*map(jnp.asarray, args)), args, _tol(impl, "bfloat16"))  # triton rounds q
 
 
-def _specs(s, h, d, r, k, w, dtype):
+def _specs(s, h, d, r, k, w, dtype, rope=None):
+    """ShapeDtypeStructs of the inputs; ``rope`` set: FP8 rows (n = d - rope), bf16 window."""
     sd, dt = jax.ShapeDtypeStruct, jnp.dtype(dtype)
-    return (sd((s, h, d), dt), sd((s, r, d), dt), sd((s, k), jnp.int32), sd((s, w, d), dt),
+    table = sd((s, r, d), dt)
+    if rope is not None:
+        n = d - rope
+        table = (sd((s, r, n), jnp.float8_e4m3fn), sd((s, r, -(-n // 64)), jnp.float8_e8m0fnu),
+                 sd((s, r, rope), jnp.bfloat16))
+    return (sd((s, h, d), dt), table, sd((s, k), jnp.int32), sd((s, w, d), dt),
             sd((s, w), jnp.bool_), sd((h,), jnp.float32))
 
 
-@pytest.mark.parametrize("s", [2, 64])  # 2: the row loop split across programs; 64: not
-def test_triton_lowers_for_cuda_at_v4_shape(s):
+@pytest.mark.parametrize("rows", ["bfloat16", "float32", "fp8"])
+@pytest.mark.parametrize("s", [2, 64])  # 2: the row loop split across programs; 64: less so
+def test_triton_lowers_for_cuda_at_v4_shape(s, rows):
     fn = functools.partial(sparse_attention, implementation="triton")
-    text = common.lower_for_cuda(fn, *_specs(s, **V4))
+    shape = dict(V4, dtype="bfloat16" if rows == "fp8" else rows,
+                 rope=64 if rows == "fp8" else None)
+    text = common.lower_for_cuda(fn, *_specs(s, **shape))
     assert text.count(common.TRITON_CALL_TARGET) == 1
+
+
+@pytest.mark.parametrize("s", [8])  # 8 row splits a request; one shape keeps CI fast
+def test_mosaic_lowers_for_cuda_at_v4_shape(s):
+    """The Mosaic GPU kernel (TMA row copies, wgmma) lowers for the H200 from a CPU machine,
+    as one kernel, at the V4-Flash shape (bf16 rows), directly and under vmap over slots."""
+    fn = functools.partial(sparse_attention, implementation="mosaic")
+    specs = _specs(s, **V4)
+    text = common.lower_for_cuda(fn, *specs)
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+    per_slot = [a if a.ndim == 1 else jax.ShapeDtypeStruct((s, 1) + a.shape[1:], a.dtype)
+                for a in specs]
+    mapped = common.lower_for_cuda(jax.vmap(fn, in_axes=(0, 0, 0, 0, 0, None)), *per_slot)
+    assert mapped.count("stablehlo.custom_call @mosaic_gpu") == 1
+
+
+def test_mosaic_row_codes():
+    """The Mosaic kernel's row list per (request, split): valid window rows as -(w + 2), then
+    the selected table rows, -1 for masked rows, -1 slots and padding; P contiguous shares
+    of whole BK blocks."""
+    from pallas_kernels.sparse_attention.mosaic import row_codes
+
+    slots = np.array([[5, -1, 7], [0, 2, -1]], np.int32)
+    mask = np.array([[True, False], [False, False]])
+    codes = np.asarray(row_codes(jnp.asarray(slots), jnp.asarray(mask), block_k=2, splits=2))
+    # 5 rows -> 3 blocks of 2 -> 2 shares of 2 blocks (4 codes), the last 3 codes padding
+    assert codes.shape == (2, 2, 4)
+    np.testing.assert_array_equal(codes[0].ravel(), [-2, -1, 5, -1, 7, -1, -1, -1])
+    np.testing.assert_array_equal(codes[1].ravel(), [-1, -1, 0, 2, -1, -1, -1, -1])
+
+
+def test_mosaic_limits():
+    """Mosaic reads bf16 rows with D a multiple of 128 (<= 512) and needs a GPU to run: clear
+    errors otherwise, naming the implementations that work."""
+    args = _inputs(2, 4, 128, 8, 4, 3, dtype="bfloat16")
+    with pytest.raises(ValueError, match="'mosaic' needs a CUDA GPU"):
+        sparse_attention(*args, implementation="mosaic")
+    f32 = _inputs(2, 4, 128, 8, 4, 3)
+    with pytest.raises(ValueError, match="'mosaic' reads bf16 rows only.*'triton'"):
+        sparse_attention(*f32, implementation="mosaic")
+    with pytest.raises(ValueError, match="'mosaic' reads bf16 rows only"):
+        sparse_attention(*_fp8(_inputs(2, 4, 128, 8, 4, 3), 64), implementation="mosaic")
+    small = _inputs(2, 4, 64, 8, 4, 3, dtype="bfloat16")
+    with pytest.raises(ValueError, match="D a multiple of 128"):
+        sparse_attention(*small, implementation="mosaic")
+
+
+def _grid(text):
+    return tuple(int(g) for g in re.findall(r"grid_[xyz] = (\d+)", text))
+
+
+def test_vmapped_call_is_one_launch_over_all_requests():
+    """The decode step maps the model over slots (S = 1 each): lowered for CUDA, the vmapped
+    call is the same single launch (same grid) as one direct call over all slots."""
+    fn = functools.partial(sparse_attention, implementation="triton")
+    specs = _specs(8, **V4)
+    per_slot = [a if a.ndim == 1 else jax.ShapeDtypeStruct((8, 1) + a.shape[1:], a.dtype)
+                for a in specs]
+    mapped = common.lower_for_cuda(jax.vmap(fn, in_axes=(0, 0, 0, 0, 0, None)), *per_slot)
+    direct = common.lower_for_cuda(fn, *specs)
+    assert mapped.count(common.TRITON_CALL_TARGET) == 1
+    assert _grid(mapped) == _grid(direct) and len(_grid(direct)) == 3
 
 
 def test_triton_lowers_for_cuda_at_tiny_shape():
@@ -195,7 +371,7 @@ def test_triton_shape_limits_and_implementations():
     sparse_attention(*args, implementation="xla")
     with pytest.raises(ValueError, match="head dim D=48.*implementation='xla'"):
         sparse_attention(*args, implementation="triton")
-    for bad in ("mosaic", "jax_triton", "cuda"):
+    for bad in ("jax_triton", "cuda"):
         with pytest.raises(ValueError, match="sparse_attention: implementation="):
             sparse_attention(*args, implementation=bad)
 
@@ -214,6 +390,39 @@ def test_gpu_v4_shape_matches_reference(s):
     assert_close(got, want, "bfloat16")
     if s == 2:
         _check(got, args, "bfloat16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", ["float32", "fp8"])
+def test_gpu_v4_shape_row_formats(rows):
+    """f32 rows (3-pass TF32 dots) and FP8 rows at the V4-Flash shape vs the XLA reference,
+    called directly and under vmap over slots (the decode step's form)."""
+    args = _inputs(8, **dict(V4, dtype="float32"), seed=8)
+    tol = "tf32"
+    if rows == "fp8":
+        args, tol = _fp8(args, 64), "bfloat16"
+    args = tuple(a if isinstance(a, tuple) else jnp.asarray(a) for a in args)
+    want = np.asarray(sparse_attention(*args, implementation="xla"))
+    got = np.asarray(sparse_attention(*args, implementation="triton"))
+    assert_close(got, want, tol)
+    per_slot = jax.tree.map(lambda a: a[:, None], args[:5])
+    mapped = jax.vmap(functools.partial(sparse_attention, implementation="triton"),
+                      in_axes=(0, 0, 0, 0, 0, None))(*per_slot, args[5])
+    assert_close(np.asarray(mapped[:, 0]), want, tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s", [2, 64])
+def test_gpu_mosaic_v4_shape_matches_reference(s):
+    """The Mosaic GPU kernel at the V4-Flash shape (bf16) vs XLA, direct and vmapped."""
+    args = tuple(map(jnp.asarray, _inputs(s, **V4, seed=9)))
+    want = np.asarray(sparse_attention(*args, implementation="xla"))
+    got = np.asarray(sparse_attention(*args, implementation="mosaic"))
+    assert np.all(got[1] == 0.0)
+    assert_close(got, want, "bfloat16")
+    mapped = jax.vmap(functools.partial(sparse_attention, implementation="mosaic"),
+                      in_axes=(0, 0, 0, 0, 0, None))(*(a[:, None] for a in args[:5]), args[5])
+    assert_close(np.asarray(mapped[:, 0]), want, "bfloat16")
 
 
 @pytest.mark.gpu

@@ -13,21 +13,32 @@ i.e. ``lsparse_jax.model.attention.sink_attention`` with T = 1 and the groups
 never reach the output (they may hold NaN); a request with no valid row gets 0; duplicate
 slots count twice. Slots >= R are undefined (callers must not pass them).
 
-Implementations: "xla" (``reference.py``: gathers table[slots], f32 HIGHEST), "triton"
-(``triton.py``: Pallas lowered through Triton, gathers the rows in place with an online
-softmax; bf16 or f32 tensor-core dots with f32 accumulation, probabilities rounded to the
-table's dtype, q cast to it; interpret mode without a GPU; needs D a power of two >= 16).
+Row formats (``rows.py``): dense f32/bf16 tables, or DeepSeek-V4's FP8 rows as the tuple of
+leaves (nope e4m3, scales e8m0 per 64 values, rope bf16), read in that format by the kernels.
+
+Implementations: "xla" (``reference.py``: gathers table[slots], dequantizes, f32 HIGHEST),
+"triton" (``triton.py``: Pallas lowered through Triton; all heads of a request in one program,
+rows gathered in place and split across programs with a log-sum-exp combine; bf16 tensor-core
+dots for bf16 and FP8 rows (q and probabilities rounded to bf16), 3-pass TF32 for f32 rows;
+interpret mode without a GPU; dense D a power of two >= 16, FP8 n a multiple of 64 and r a
+power of two >= 16), "mosaic" (``mosaic.py``: Pallas Mosaic GPU, TMA row copies and wgmma;
+bf16 rows, D a multiple of 128 up to 512; needs a GPU to run, lowers for CUDA anywhere).
+``triton_v1.py`` is the previous Triton kernel (head blocks; benchmarks only).
 None picks "triton" on a GPU and "xla" elsewhere.
 """
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels import common
+from pallas_kernels.sparse_attention import rows as rowfmt
 
 OP = "sparse_attention"
-AVAILABLE = ("xla", "triton")
+AVAILABLE = ("xla", "triton", "mosaic")
 FASTEST_ON_GPU = "triton"
 DTYPES = (jnp.float32, jnp.bfloat16)
 
@@ -43,19 +54,17 @@ def _check(q, table, slots, window, window_mask, sink, slots_dtype) -> None:
     if q.dtype not in DTYPES:
         fail("q", f"must be float32 or bfloat16, got {q.dtype}")
     s, h, d = q.shape
-    if table.ndim != 3 or table.shape[0] != s or table.shape[2] != d:
-        fail("table", f"must be [S, R, D] with S={s}, D={d}, got shape {table.shape}")
-    if table.dtype not in DTYPES:
-        fail("table", f"must be float32 or bfloat16, got {table.dtype}")
-    if table.shape[1] < 1:
-        fail("table", f"must have at least one row, got shape {table.shape}")
+    rowfmt.check_table(OP, table, s, d)
     if slots.ndim != 2 or slots.shape[0] != s:
         fail("slots", f"must be [S, K] with S={s}, got shape {slots.shape}")
     if slots_dtype != jnp.int32:
         fail("slots", f"must be int32, got {slots_dtype}")
     if window.ndim != 3 or window.shape[0] != s or window.shape[2] != d:
         fail("window", f"must be [S, W, D] with S={s}, D={d}, got shape {window.shape}")
-    if window.dtype != table.dtype:
+    if rowfmt.is_fp8(table):
+        if window.dtype not in DTYPES:
+            fail("window", f"must be float32 or bfloat16, got {window.dtype}")
+    elif window.dtype != table.dtype:
         fail("window", f"must have table's dtype {table.dtype}, got {window.dtype}")
     if window_mask.shape != window.shape[:2]:
         fail("window_mask", f"must be [S, W] = {window.shape[:2]}, got shape "
@@ -74,33 +83,75 @@ def sparse_attention(q, table, slots, window, window_mask, sink, *,
 
     Inputs:
       q           [S, H, D]  f32 or bf16, one decode query per request
-      table       [S, R, D]  f32 or bf16 per-request rows (hot cache rows or resident KV)
+      table       [S, R, D]  f32 or bf16 per-request rows (hot cache rows or resident KV),
+                  or the FP8 leaves (nope [S, R, n] e4m3, scales [S, R, nb] e8m0,
+                  rope [S, R, r] bf16) as a tuple (``rows.py``; n + r = D)
       slots       [S, K]     int32 row of ``table`` for each selected row; -1 = none
-      window      [S, W, D]  table's dtype, the sliding-window rows
+      window      [S, W, D]  the sliding-window rows: table's dtype (f32 or bf16 with FP8 rows)
       window_mask [S, W]     bool, which window rows are valid
       sink        [H]        f32 per-head attention-sink logit
     Outputs:
       out         [S, H, D]  f32
-    Raises ValueError for bad shapes/dtypes (naming the argument), implementations, or (for
-    "triton") a D that is not a power of two >= 16.
+    Under ``jax.vmap`` (e.g. the decode step's map over slots) the kernels run as one launch
+    over all mapped requests (``_batched``), not as a grid axis added by Pallas's batching rule.
+    Raises ValueError for bad shapes/dtypes (naming the argument), implementations, or shapes
+    an implementation does not support (``check_triton_shapes``, ``mosaic.check_shapes``).
     """
     impl = common.choose(OP, implementation, AVAILABLE, FASTEST_ON_GPU)
     slots_dtype = jnp.dtype(slots.dtype if hasattr(slots, "dtype") else jnp.asarray(slots).dtype)
-    args = [jnp.asarray(a) for a in (q, table, slots, window, window_mask, sink)]
+    if rowfmt.is_fp8(table):
+        table = tuple(jnp.asarray(t) for t in table)
+    args = [table if i == 1 else jnp.asarray(a)
+            for i, a in enumerate((q, table, slots, window, window_mask, sink))]
     _check(*args, slots_dtype)
     s, h, d = args[0].shape
     if impl == "triton":
-        from pallas_kernels.sparse_attention.triton import (
-            check_triton_shapes,
-            sparse_attention_triton,
-        )
+        from pallas_kernels.sparse_attention.triton import check_triton_shapes
 
-        check_triton_shapes(OP, d)
-        if s == 0 or h == 0:
-            return jnp.zeros((s, h, d), jnp.float32)
-        return sparse_attention_triton(*args)
+        check_triton_shapes(OP, table)
+    elif impl == "mosaic":
+        from pallas_kernels.sparse_attention.mosaic import check_shapes
+
+        check_shapes(OP, table)
     if s == 0 or h == 0:
         return jnp.zeros((s, h, d), jnp.float32)
-    from pallas_kernels.sparse_attention.reference import sparse_attention_xla
+    if impl == "xla":
+        from pallas_kernels.sparse_attention.reference import sparse_attention_xla
 
-    return sparse_attention_xla(*args)
+        return sparse_attention_xla(*args)
+    *args, sink = args
+    return _batched(impl)(*args, jnp.broadcast_to(sink, (s, h)))
+
+
+def _kernel(impl: str):
+    if impl == "triton":
+        from pallas_kernels.sparse_attention.triton import sparse_attention_triton
+
+        return sparse_attention_triton
+    from pallas_kernels.sparse_attention.mosaic import sparse_attention_mosaic
+
+    return sparse_attention_mosaic
+
+
+@functools.cache
+def _batched(impl: str):
+    """The kernel ``impl`` on (q, table, slots, window, window_mask, sink [S, H]) with a vmap
+    rule that folds mapped axes into S: vmap over B calls of S requests is one launch over
+    B S requests (Pallas's own batching rule would add a grid axis instead, keeping the
+    launch parameters of one call of S). Unmapped operands are broadcast over B (a table
+    shared by the mapped calls is copied B times)."""
+    @jax.custom_batching.custom_vmap
+    def call(q, table, slots, window, window_mask, sink):
+        return _kernel(impl)(q, table, slots, window, window_mask, sink)
+
+    @call.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        def fold(a, batched):
+            a = a if batched else jnp.broadcast_to(a, (axis_size,) + a.shape)
+            return a.reshape((axis_size * a.shape[1],) + a.shape[2:])
+
+        folded = jax.tree.map(fold, list(args), list(in_batched))
+        out = call(*folded)
+        return out.reshape((axis_size, -1) + out.shape[1:]), True
+
+    return call

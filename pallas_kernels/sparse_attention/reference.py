@@ -8,14 +8,17 @@ Math: the K rows table[s, slots[s, k]] (valid where slots >= 0) and the W rows w
 (valid where window_mask) are keys and values at once; logits_{s,h,r} = q_{s,h} . row_r /
 sqrt(D) over valid rows, the softmax denominator adds exp(sink_h) and the sink adds no value:
   out[s, h] = sum_r exp(l_r) row_r / (exp(sink_h) + sum_r exp(l_r)).
-Gathers table[max(slots, 0)] (materialized: this is the plain version), zeroes invalid rows
-(their NaN poison never reaches a valid output) and computes in f32 at HIGHEST precision.
+Gathers table[max(slots, 0)] (materialized: this is the plain version), dequantizes FP8 rows
+(``rows.dequantize``), zeroes invalid rows (their NaN poison never reaches a valid output) and
+computes in f32 at HIGHEST precision.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.sparse_attention import rows as rowfmt
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -28,16 +31,19 @@ def sparse_attention_xla(q: jnp.ndarray, table: jnp.ndarray, slots: jnp.ndarray,
 
     Inputs:
       q           [S, H, D]  f32 or bf16
-      table       [S, R, D]  f32 or bf16
+      table       [S, R, D]  f32 or bf16, or the FP8 leaves (nope [S, R, n] e4m3,
+                             scales [S, R, nb] e8m0, rope [S, R, r] bf16; ``rows.py``)
       slots       [S, K]     int32, -1 = none
-      window      [S, W, D]  table's dtype
+      window      [S, W, D]  f32 or bf16
       window_mask [S, W]     bool
       sink        [H]        f32
     Outputs:
       out         [S, H, D]  f32
     """
-    picked = jnp.take_along_axis(table, jnp.maximum(slots, 0)[..., None], axis=1)  # [S, K, D]
-    rows = jnp.concatenate([window, picked], axis=1).astype(jnp.float32)       # [S, W+K, D]
+    idx = jnp.maximum(slots, 0)[..., None]
+    picked = rowfmt.dequantize(jax.tree.map(lambda t: jnp.take_along_axis(t, idx, axis=1),
+                                            table))                            # [S, K, D]
+    rows = jnp.concatenate([window.astype(jnp.float32), picked], axis=1)       # [S, W+K, D]
     valid = jnp.concatenate([window_mask, slots >= 0], axis=1)                 # [S, W+K]
     rows = jnp.where(valid[..., None], rows, 0.0)                              # drop NaN poison
     scale = q.shape[-1] ** -0.5
