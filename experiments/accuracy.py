@@ -14,8 +14,15 @@ prefill per example (prefill is the same computation for all of them) and decode
 Recall: a second, teacher-forced pass feeds every method the reference answer, so selections
 are compared on identical contexts with resident's (exact top-k); records also keep the recall
 of every decode step (``recall_by_step``: the caches start cold at admission).
-Evaluation seeds are 0 .. examples-1 (< TRAIN_SEED_BASE: never seen in training); the PQ
-codebooks are calibrated on one more held-out prompt (seed CALIBRATION_SEED).
+Seeds: training examples use seeds >= TRAIN_SEED_BASE (1e9, training.data); evaluation
+examples use seed_offset .. seed_offset + examples - 1, which must lie below CALIBRATION_SEED =
+TRAIN_SEED_BASE - 1 (checked), so the evaluation set is disjoint from training by construction;
+the PQ codebooks are calibrated on one more held-out prompt (seed CALIBRATION_SEED). The shipped
+tables use seed_offset 0 (results/accuracy_gpu, 0..63) and 1_000_000 (results/accuracy_long);
+any other offset draws a fresh example set.
+Statistics: every cell's exact match carries a Wilson 95% interval (ci_low, ci_high); every
+pair of methods of a cell an exact McNemar test on the same examples (results.json "cells" and
+"mcnemar").
 """
 
 from __future__ import annotations
@@ -112,6 +119,37 @@ def check_settings(model, checkpoint, tasks, lengths, examples, methods, num_slo
     return cfg, specs, v.checkpoint_path("accuracy.checkpoint", checkpoint)
 
 
+Z95 = 1.959963984540054  # the standard normal's 97.5% quantile
+
+
+def evaluation_seeds(seed_offset: int, examples: int) -> range:
+    """The example seeds of a study: seed_offset .. seed_offset + examples - 1. Raises
+    ValueError unless they lie in [0, CALIBRATION_SEED), i.e. below every training seed."""
+    if seed_offset < 0 or seed_offset + examples > CALIBRATION_SEED:
+        raise ValueError(f"accuracy.seed_offset={seed_offset}: evaluation seeds seed_offset .. "
+                         f"seed_offset + examples - 1 must lie in [0, {CALIBRATION_SEED}) "
+                         f"(training uses seeds >= {TRAIN_SEED_BASE}, calibration "
+                         f"{CALIBRATION_SEED})")
+    return range(seed_offset, seed_offset + examples)
+
+
+def wilson(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion.
+
+    Notation: k successes of n trials, p = k / n, z the normal quantile (1.96 for 95%).
+    Math: center = (p + z^2 / 2n) / (1 + z^2 / n);
+      half = z / (1 + z^2 / n) * sqrt(p (1 - p) / n + z^2 / 4n^2);
+      interval = [center - half, center + half] (clipped to [0, 1]; n = 0 gives [0, 1]).
+    """
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    denom = 1 + z * z / n
+    center = (p + z * z / (2 * n)) / denom
+    half = z / denom * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, center - half), min(1.0, center + half)
+
+
 def mcnemar(a: np.ndarray, b: np.ndarray) -> dict:
     """Exact two-sided McNemar test of paired 0/1 outcomes a, b (same examples).
 
@@ -175,13 +213,23 @@ def accuracy(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
              num_slots: int = 8, prefill_chunk: int = 1024, hot_cache_rows: int = 64,
              page_size: int = 64, miss_filter_offset: float | None = 1.0,
              calibration_tokens: int = 4096, implementation: str | None = "xla",
-             host_pages: int | None = None):
+             host_pages: int | None = None, seed_offset: int = 0, recall: bool = True):
     """Runs every method on the same held-out examples of every (task, length) cell.
-    host_pages: CacheConfig.host_pages of the paged methods (None = enough for every slot)."""
+    host_pages: CacheConfig.host_pages of the paged methods (None = enough for every slot).
+    seed_offset: the first example seed (evaluation_seeds); another offset, a fresh example set.
+    recall: also run the teacher-forced pass that measures indexer recall (doubles decoding).
+    Cells run length by length (both tasks of a length, then the next), so a run cut short
+    keeps every shorter length."""
     cfg, specs, path = check_settings(model, checkpoint, tasks, lengths, examples, methods,
                                       num_slots, prefill_chunk, hot_cache_rows, page_size,
                                       miss_filter_offset, calibration_tokens, implementation,
                                       host_pages)
+    v.integer("accuracy.seed_offset", seed_offset, lo=0)
+    measure_recall = v.flag("accuracy.recall", recall)
+    try:
+        seeds = evaluation_seeds(seed_offset, examples)
+    except ValueError as err:
+        raise v.ConfigError(str(err)) from err
     params = v.load_checkpoint("accuracy.checkpoint", path, cfg)
     codebooks = None
     if any(s.engine_method and method_storage(s.engine_method).keys_on_host for s in specs):
@@ -201,12 +249,11 @@ def accuracy(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
 
     compile_all(engines)
     records = []  # one per (task, length, example, method)
-    cells = [(t, n) for t in tasks for n in lengths]
+    cells = [(t, n) for n in lengths for t in tasks]
     bar = tqdm(total=len(cells) * examples, desc="accuracy", unit="example")
     for task, length in cells:
         for lo in range(0, examples, num_slots):
-            batch = [task_example(task, length, seed) for seed in
-                     range(lo, min(lo + num_slots, examples))]
+            batch = [task_example(task, length, seed) for seed in seeds[lo:lo + num_slots]]
             answers = [tokenizer.encode(ex.answer) for ex in batch]
             t0 = time.perf_counter()
             prefilled = [prefill(params, cfg, ex.prompt, prefill_chunk) for ex in batch]
@@ -222,7 +269,9 @@ def accuracy(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
                     recall = by_step = [None] * len(batch)
                 else:
                     texts, _ = run_engine(engines[s.name], batch, prefilled, answers, False)
-                    _, sel = run_engine(engines[s.name], batch, prefilled, answers, True)
+                    sel = None
+                    if measure_recall:
+                        _, sel = run_engine(engines[s.name], batch, prefilled, answers, True)
                     if s.name == "resident":
                         reference = sel
                     recall = [None if reference is None or sel is None else
@@ -232,18 +281,21 @@ def accuracy(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
                                [selection_recall(sel[t, j], reference[t, j])
                                 for t in range(sel.shape[0])] for j in range(len(batch))]
                 for j, (ex, text) in enumerate(zip(batch, texts)):
-                    records.append(dict(task=task, length=length, seed=lo + j, method=s.name,
+                    records.append(dict(task=task, length=length, seed=seeds[lo + j],
+                                        method=s.name,
                                         generated=text, answer=ex.answer,
                                         exact=score_exact(text, ex.answer),
                                         similarity=score_similarity(text, ex.answer),
                                         recall=recall[j], recall_by_step=by_step[j]))
                 timing[s.name] = time.perf_counter() - t0
-            tqdm.write(f"accuracy: {task}@{length} examples {lo}..{lo + len(batch) - 1}: " +
+            tqdm.write(f"accuracy: {task}@{length} seeds {seeds[lo]}.."
+                       f"{seeds[lo] + len(batch) - 1}: " +
                        ", ".join(f"{k} {v:.1f} s" for k, v in timing.items()))
             bar.update(len(batch))
-        done = cells[:cells.index((task, length)) + 1]
+        done = sorted(cells[:cells.index((task, length)) + 1],
+                      key=lambda c: (tasks.index(c[0]), c[1]))  # the table: task by task
         summary, table = save(name, cfg, checkpoint, examples, records, methods, done,
-                              complete=len(done) == len(cells))
+                              complete=len(done) == len(cells), seeds=seeds)
     bar.close()
     print(table)
     out = run_dir(name)
@@ -252,7 +304,8 @@ def accuracy(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
     return summary
 
 
-def save(name, cfg, checkpoint, examples, records, methods, cells, complete: bool):
+def save(name, cfg, checkpoint, examples, records, methods, cells, complete: bool,
+         seeds: range = range(0)):
     """Writes the results of the finished cells (after every cell: a long run that stops
     early keeps what it measured, marked complete=False)."""
     summary = summarize(records, methods, cells)
@@ -261,14 +314,39 @@ def save(name, cfg, checkpoint, examples, records, methods, cells, complete: boo
     write_results(out, {"model": dataclasses.asdict(cfg), "checkpoint": checkpoint,
                         "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                         "examples_per_cell": examples, "complete": complete,
+                        "evaluation_seeds": [seeds.start, seeds.stop],
+                        "training_seeds": f">= {TRAIN_SEED_BASE}",
+                        "cells": cell_records(summary, methods, cells),
+                        "mcnemar": pair_records(records, methods, cells),
                         "summary": summary, "table": table, "records": records})
     (out / "table.md").write_text(table + "\n")
     return summary, table
 
 
+def cell_records(summary, methods, cells) -> list[dict]:
+    """One record per (task, length, method): exact, n, ci_low, ci_high, similarity, recall."""
+    return [{"task": t, "length": n, "method": m,
+             **{k: summary[f"{t}@{n}"][m][k] for k in ("exact", "n", "ci_low", "ci_high",
+                                                      "similarity", "recall")}}
+            for t, n in cells for m in methods]
+
+
+def pair_records(records, methods, cells) -> list[dict]:
+    """One record per (task, length, method a, method b), a before b in ``methods``: the exact
+    McNemar test of their outcomes on the same examples (a_only: a right and b wrong)."""
+    out = []
+    for t, n in cells:
+        outcome = {m: [r["exact"] for r in sorted(records, key=lambda r: r["seed"])
+                       if r["task"] == t and r["length"] == n and r["method"] == m]
+                   for m in methods}
+        out += [{"task": t, "length": n, "a": a, "b": b, **mcnemar(outcome[a], outcome[b])}
+                for i, a in enumerate(methods) for b in methods[i + 1:]]
+    return out
+
+
 def summarize(records, methods, cells) -> dict:
-    """Per cell and method: exact-match accuracy, similarity, recall; McNemar vs resident
-    (and vs dense) per cell."""
+    """Per cell and method: exact-match accuracy with its Wilson 95% interval, similarity,
+    recall; McNemar vs resident (and vs dense) per cell."""
     out = {}
     for task, length in cells:
         key = f"{task}@{length}"
@@ -277,7 +355,9 @@ def summarize(records, methods, cells) -> dict:
         cell = {}
         for m, rs in mine.items():
             rec = [r["recall"] for r in rs if r["recall"] is not None]
-            cell[m] = {"exact": float(np.mean([r["exact"] for r in rs])),
+            hits = int(sum(r["exact"] for r in rs))
+            lo, hi = wilson(hits, len(rs))
+            cell[m] = {"exact": hits / max(len(rs), 1), "ci_low": lo, "ci_high": hi,
                        "similarity": float(np.mean([r["similarity"] for r in rs])),
                        "recall": float(np.mean(rec)) if rec else None, "n": len(rs)}
             for ref in ("resident", "dense"):
@@ -297,7 +377,7 @@ def format_table(summary, methods, cells) -> str:
         row = []
         for t, n in cells:
             c = summary[f"{t}@{n}"][m]
-            text = f"{100 * c['exact']:.1f}"
+            text = f"{100 * c['exact']:.1f} [{100 * c['ci_low']:.1f}, {100 * c['ci_high']:.1f}]"
             if t == "mrcr":
                 text += f" / {c['similarity']:.2f}"
             if c["recall"] is not None and m != "resident":
@@ -308,8 +388,9 @@ def format_table(summary, methods, cells) -> str:
             row.append(text)
         lines.append(f"| {m} | " + " | ".join(row) + " |")
     lines.append("")
-    lines.append("Cells: exact-match % (MRCR: / mean similarity), (r: indexer recall of "
-                 "resident's top-k under teacher forcing); * = McNemar p < 0.05 vs resident.")
+    lines.append("Cells: exact-match % [Wilson 95% interval] (MRCR: / mean similarity), (r: "
+                 "indexer recall of resident's top-k under teacher forcing); * = McNemar p < "
+                 "0.05 vs resident.")
     return "\n".join(lines)
 
 
