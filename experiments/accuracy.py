@@ -296,10 +296,12 @@ def accuracy(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
                       key=lambda c: (tasks.index(c[0]), c[1]))  # the table: task by task
         summary, table = save(name, cfg, checkpoint, examples, records, methods, done,
                               complete=len(done) == len(cells), seeds=seeds)
+        finished = [n for n in lengths if all((t, n) in done for t in tasks)]
+        if finished and finished[-1] == length and task == tasks[-1]:
+            plot(summary, methods, tasks, finished, run_dir(name) / "accuracy.png")
     bar.close()
     print(table)
     out = run_dir(name)
-    plot(summary, methods, tasks, lengths, out / "accuracy.png")
     print(f"wrote {out}/results.json, table.md and accuracy.png")
     return summary
 
@@ -399,12 +401,15 @@ def plot(summary, methods, tasks, lengths, path):
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
     for ax, task in zip(axes[0], tasks):
         for m in methods:
-            ys = [100 * summary[f"{task}@{n}"][m]["exact"] for n in lengths]
-            ax.plot(lengths, ys, "o-", label=m)
+            cs = [summary[f"{task}@{n}"][m] for n in lengths]
+            ys = np.array([100 * c["exact"] for c in cs])
+            err = np.array([[y - 100 * c["ci_low"] for y, c in zip(ys, cs)],
+                            [100 * c["ci_high"] - y for y, c in zip(ys, cs)]])
+            ax.errorbar(lengths, ys, yerr=err, fmt="o-", capsize=3, label=m)
         ax.set_xscale("log", base=2)
         ax.set_xticks(lengths, [str(n) for n in lengths])
         ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel("exact match %")
+        ax.set_ylabel("exact match % (Wilson 95%)")
         ax.set_ylim(-2, 102)
         ax.set_title(task)
         ax.legend(fontsize=7)
