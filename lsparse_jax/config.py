@@ -14,6 +14,7 @@ from typing import Literal
 LayerKind = Literal["swa", "csa", "hca", "dsa"]
 LAYER_KINDS: tuple[str, ...] = ("swa", "csa", "hca", "dsa")
 KV_DTYPES: tuple[str, ...] = ("f32", "bf16", "fp8_v4")  # stored CSA KV rows (quant.kv_rows)
+MATMUL_PRECISIONS: tuple[str, ...] = ("highest", "tf32", "bf16")  # ModelConfig.matmul_precision
 
 
 
@@ -121,6 +122,9 @@ class ModelConfig:
         with a power-of-two scale per 64 values, bf16 RoPE part). The resident layout, the
         host pages, hot cache and lent pages hold rows in this format; attention reads them
         dequantized to f32. SWA windows, HCA and DSA rows stay f32.
+      matmul_precision: the model's matmuls and indexer scores (``model.layers``): "highest"
+        (f32; decode equals forward bit for bit on CPU), "tf32" (GPU tensor cores at TF32;
+        f32 on CPU) or "bf16" (bf16 operands, f32 accumulation). Pallas kernels keep their own.
     """
 
     vocab_size: int = 256
@@ -138,6 +142,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     max_len: int = 2048
     kv_dtype: str = "f32"
+    matmul_precision: str = "highest"
 
     def __post_init__(self):
         if isinstance(self.layer_pattern, list):
@@ -166,6 +171,9 @@ class ModelConfig:
             invalid("ModelConfig", "rope_theta", self.rope_theta, "must be > 0")
         if self.kv_dtype not in KV_DTYPES:
             invalid("ModelConfig", "kv_dtype", self.kv_dtype, f"allowed: {KV_DTYPES}")
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            invalid("ModelConfig", "matmul_precision", self.matmul_precision,
+                    f"allowed: {MATMUL_PRECISIONS}")
         if self.kv_dtype == "fp8_v4" and not 0 < self.rope_dim < self.head_dim:
             invalid("ModelConfig", "kv_dtype", self.kv_dtype,
                     f"'fp8_v4' splits a row into FP8 non-RoPE and bf16 RoPE parts: needs "

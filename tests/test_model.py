@@ -116,3 +116,29 @@ def test_exact_selection_in_query_tiles_equals_untiled(budget):
     got = exact_selection(query, values, scales, eligible, 8, tile_bytes=budget)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_matmul_precision_reaches_every_model_matmul():
+    """ModelConfig.matmul_precision="bf16" puts bf16 operands (f32 accumulation) on every dot of
+    a chunk's forward (projections, attention, the indexer's exact scores, the LM head), and
+    "highest" on none; bf16 logits stay close to f32 ones; an unknown name is a config error."""
+    import dataclasses
+    import re
+
+    cfg = tiny(max_len=256, indexer=IndexerConfig(2, 16, top_k=8, fp8_block=16))
+    params, tokens = model_and_tokens(cfg, 200, seed=3)
+    low = dataclasses.replace(cfg, matmul_precision="bf16")
+
+    def dots(c):
+        hlo = forward_chunk.lower(params, c, empty_cache(c), tokens, 0, 200).as_text()
+        ops = re.findall(r"stablehlo\.dot_general[^\n]*", hlo)
+        return len(ops), sum("BF16" in op.upper() or "bf16" in op for op in ops)
+
+    total, marked = dots(low)
+    assert total >= 10 and marked == total  # all of them, including the indexer's scores
+    assert dots(cfg)[1] == 0
+    ref = np.asarray(forward(params, cfg, tokens))
+    got = np.asarray(forward(params, low, tokens))
+    assert np.max(np.abs(got - ref)) < 0.05 * np.max(np.abs(ref))
+    with pytest.raises(ValueError, match="matmul_precision"):
+        tiny(matmul_precision="fp16")

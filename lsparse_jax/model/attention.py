@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 
-from lsparse_jax.model.layers import HIGHEST
+from lsparse_jax.model.layers import precision
 
 
 def sink_attention(q, groups, sink, return_probs: bool = False):
@@ -26,10 +26,10 @@ def sink_attention(q, groups, sink, return_probs: bool = False):
             # a row no query may read is zeroed (it may be NaN); rows some query may read are
             # real data, and a query's masked logits give them probability 0
             rows = jnp.where(jnp.any(mask, axis=0)[:, None], rows[0], 0.0)
-            lg = jnp.einsum("thd,sd->ths", q, rows, precision=HIGHEST) * scale
+            lg = jnp.einsum("thd,sd->ths", q, rows, precision=precision()) * scale
         else:
             rows = jnp.where(mask[..., None], rows, 0.0)
-            lg = jnp.einsum("thd,tsd->ths", q, rows, precision=HIGHEST) * scale
+            lg = jnp.einsum("thd,tsd->ths", q, rows, precision=precision()) * scale
         logits.append(jnp.where(mask[:, None, :], lg, -jnp.inf))
         values.append(rows)
     sink_logit = jnp.broadcast_to(sink.astype(jnp.float32)[None, :, None],
@@ -42,5 +42,5 @@ def sink_attention(q, groups, sink, return_probs: bool = False):
     out = 0.0
     for p, rows in zip(group_probs, values):
         spec = "ths,sd->thd" if rows.ndim == 2 else "ths,tsd->thd"
-        out = out + jnp.einsum(spec, p, rows, precision=HIGHEST)
+        out = out + jnp.einsum(spec, p, rows, precision=precision())
     return (out, group_probs) if return_probs else out

@@ -16,7 +16,8 @@ from lsparse_jax.indexing import index_scores
 from lsparse_jax.model.attention import sink_attention
 from lsparse_jax.model.cache import CSACache, DSACache, HCACache, SWACache
 from lsparse_jax.model.compressor import Compressor
-from lsparse_jax.model.layers import MLP, RMSNorm, dense, extend_window, rope
+from lsparse_jax.model.layers import (MLP, RMSNorm, dense, extend_window, matmul_precision,
+                                      rope)
 from lsparse_jax.model.store import (
     RESIDENT_KV,
     ExactIndex,
@@ -245,12 +246,14 @@ class Block(nn.Module):
 
     @nn.compact
     def __call__(self, x, cache, start, num_valid, shared=None, context=None):
-        attn = AttentionLayer(self.cfg, self.layer, self.dense_selection, self.implementation,
-                              self.indexer_loss, self.kv_store, self.key_index, name="attn")
-        y, cache, selection = attn(RMSNorm(name="attn_norm")(x), cache, start, num_valid, shared,
-                                   context)
-        x = x + y
-        x = x + MLP(self.cfg.mlp_hidden, name="mlp")(RMSNorm(name="mlp_norm")(x))
+        with matmul_precision(self.cfg.matmul_precision):
+            attn = AttentionLayer(self.cfg, self.layer, self.dense_selection,
+                                  self.implementation, self.indexer_loss, self.kv_store,
+                                  self.key_index, name="attn")
+            y, cache, selection = attn(RMSNorm(name="attn_norm")(x), cache, start, num_valid,
+                                       shared, context)
+            x = x + y
+            x = x + MLP(self.cfg.mlp_hidden, name="mlp")(RMSNorm(name="mlp_norm")(x))
         return x, cache, selection
 
 

@@ -1,10 +1,33 @@
-"""Small shared building blocks: RMSNorm, RoPE, gated MLP, ring windows."""
+"""Small shared building blocks: matmul precision, RMSNorm, RoPE, gated MLP, ring windows."""
+
+import contextlib
+import contextvars
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 HIGHEST = jax.lax.Precision.HIGHEST
+PRECISIONS = {"highest": HIGHEST, "tf32": jax.lax.Precision.DEFAULT,
+              "bf16": jax.lax.DotAlgorithmPreset.BF16_BF16_F32}  # ModelConfig.matmul_precision
+_PRECISION = contextvars.ContextVar("matmul_precision", default=HIGHEST)
+
+
+def precision():
+    """The precision of the model's matmuls where they are traced: HIGHEST unless a
+    ``matmul_precision`` scope (entered by ``Transformer`` and ``Block`` from their config)
+    says otherwise."""
+    return _PRECISION.get()
+
+
+@contextlib.contextmanager
+def matmul_precision(name: str):
+    """Trace-time scope: matmuls built inside use ``ModelConfig.matmul_precision`` ``name``."""
+    token = _PRECISION.set(PRECISIONS[name])
+    try:
+        yield
+    finally:
+        _PRECISION.reset(token)
 
 
 class RMSNorm(nn.Module):
@@ -20,7 +43,8 @@ class RMSNorm(nn.Module):
 
 def dense(features: int, name: str, std: float | None = None) -> nn.Dense:
     init = nn.initializers.normal(std) if std else nn.initializers.lecun_normal()
-    return nn.Dense(features, use_bias=False, name=name, kernel_init=init, precision=HIGHEST)
+    return nn.Dense(features, use_bias=False, name=name, kernel_init=init,
+                    precision=precision())
 
 
 def rope(x: jnp.ndarray, positions: jnp.ndarray, rope_dim: int, theta: float) -> jnp.ndarray:

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from lsparse_jax.indexing import topk_positions
+from lsparse_jax.model.layers import precision
 from lsparse_jax.quant import KVRowFormat, dequantize_index_keys
 from pallas_kernels.index_scores.reference import exact_index_scores
 
@@ -138,7 +139,7 @@ def exact_selection(query: IndexerQuery, values, scales, eligible, top_k: int,
     keys = dequantize_index_keys(values, scales)  # [N, D] f32
 
     def select(q, w, ok):
-        return topk_positions(exact_index_scores(q, w, keys), ok, top_k)[0]
+        return topk_positions(exact_index_scores(q, w, keys, precision()), ok, top_k)[0]
 
     num, heads = query.q.shape[:2]
     tile = query_tile(num, heads * keys.shape[0] * 4, tile_bytes)

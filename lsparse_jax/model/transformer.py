@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from lsparse_jax.config import ModelConfig
 from lsparse_jax.model.blocks import Block
 from lsparse_jax.model.cache import empty_cache
-from lsparse_jax.model.layers import RMSNorm, dense
+from lsparse_jax.model.layers import RMSNorm, dense, matmul_precision
 from lsparse_jax.model.store import RESIDENT_KV, KeyIndex, KVStore
 
 
@@ -49,7 +49,8 @@ class Transformer(nn.Module):
             new_caches.append(c)
             selections.append(sel)
         x = RMSNorm(name="final_norm")(x)
-        logits = dense(cfg.vocab_size, "lm_head")(x)
+        with matmul_precision(cfg.matmul_precision):
+            logits = dense(cfg.vocab_size, "lm_head")(x)
         return logits, tuple(new_caches), tuple(selections)
 
 

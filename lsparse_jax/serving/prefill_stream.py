@@ -59,7 +59,7 @@ from jax.sharding import SingleDeviceSharding
 from lsparse_jax.config import ModelConfig
 from lsparse_jax.model.blocks import Block
 from lsparse_jax.model.cache import LayerCache, empty_layer_cache
-from lsparse_jax.model.layers import RMSNorm, dense
+from lsparse_jax.model.layers import RMSNorm, dense, matmul_precision
 from lsparse_jax.model.store import Selection
 from lsparse_jax.model.transformer import Transformer
 
@@ -131,7 +131,8 @@ def _block(block_params, cfg: ModelConfig, layer: int, x, cache, start, num_vali
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _head(norm_params, head_params, cfg: ModelConfig, x):
     x = RMSNorm().apply({"params": norm_params}, x)
-    return dense(cfg.vocab_size, "lm_head").apply({"params": head_params}, x)
+    with matmul_precision(cfg.matmul_precision):
+        return dense(cfg.vocab_size, "lm_head").apply({"params": head_params}, x)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layer"))

@@ -17,19 +17,21 @@ import jax
 import jax.numpy as jnp
 
 
-def exact_index_scores(q: jnp.ndarray, weights: jnp.ndarray, keys: jnp.ndarray) -> jnp.ndarray:
+def exact_index_scores(q: jnp.ndarray, weights: jnp.ndarray, keys: jnp.ndarray,
+                       precision=jax.lax.Precision.HIGHEST) -> jnp.ndarray:
     """Exact lightning-indexer scores of every key.
 
     Notation: H indexer heads, D head dim, N keys.
       q [..., H, D], weights [..., H], keys [..., N, D] (float; no quantization here).
-    Math: I[n] = sum_h w_h * ReLU(q_h . k_n), computed in f32 at HIGHEST precision.
+    Math: I[n] = sum_h w_h * ReLU(q_h . k_n), computed in f32 at HIGHEST precision (or the
+    given matmul ``precision``: the model's prefill may trade it for tensor-core speed).
     Returns [..., N] f32. The per-key FP8 scale of stored keys is applied by dequantizing them
     first (``dequantize_index_keys``), which multiplies k_n by its scale.
     """
     dots = jnp.einsum("...hd,...nd->...hn", q.astype(jnp.float32), keys.astype(jnp.float32),
-                      precision=jax.lax.Precision.HIGHEST)
+                      precision=precision)
     return jnp.einsum("...h,...hn->...n", weights.astype(jnp.float32), jax.nn.relu(dots),
-                      precision=jax.lax.Precision.HIGHEST)
+                      precision=precision)
 
 
 def dequantize_index_keys(values: jnp.ndarray, scales: jnp.ndarray) -> jnp.ndarray:
