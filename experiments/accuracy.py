@@ -7,7 +7,9 @@ Run (GPU, full table):    lsparse run configs/experiments/accuracy.gin \\
 Writes runs/<name>/{config.gin, results.json, accuracy.png, table.md}.
 
 Methods: "dense" (no sparsity: CSA layers attend to every eligible entry), "resident",
-"hisparse", "leansparse_C<n>" (coarse top-n candidates, miss filter, exact rerank) and
+"hisparse", "leansparse_C<n>" (coarse top-n candidates, miss filter, exact rerank;
+"leansparse_C<n>_w<s>": the miss filter starts after s decode steps, LeanSparseConfig.warm_steps)
+and
 "direct_pq" (leansparse with C = k and no miss filter: the PQ coarse top-k, which exact scores
 only order and against which the not-yet-paged tail competes). Every method shares one
 prefill per example (prefill is the same computation for all of them) and decodes greedily.
@@ -55,7 +57,7 @@ from lsparse_jax.tasks import score_exact, score_similarity, tokenizer
 from lsparse_jax.training.data import TRAIN_SEED_BASE, task_example
 
 CALIBRATION_SEED = TRAIN_SEED_BASE - 1
-_LEAN = re.compile(r"leansparse_C(\d+)$")
+_LEAN = re.compile(r"leansparse_C(\d+)(?:_w(\d+))?$")  # _w<n>: LeanSparseConfig.warm_steps
 FIXED_METHODS = ("dense", "resident", "hisparse", "direct_pq")
 TASKS = ("niah", "mrcr")
 IMPLEMENTATIONS = ("xla", "triton", "jax_triton", "mosaic", None)
@@ -81,9 +83,11 @@ def parse_method(name: str, top_k: int, miss_filter_offset: float | None) -> Met
         c = int(match.group(1))
         if c < top_k:
             raise ValueError(f"accuracy: method {name!r} has C={c} < top-k={top_k}")
-        return Method(name, "leansparse", LeanSparseConfig(c, miss_filter_offset, c))
+        warm = LeanSparseConfig.warm_steps if match.group(2) is None else int(match.group(2))
+        return Method(name, "leansparse", LeanSparseConfig(c, miss_filter_offset, c,
+                                                           warm_steps=warm))
     raise ValueError(f"accuracy: unknown method {name!r}; methods: dense, resident, hisparse, "
-                     "direct_pq, leansparse_C<candidates>")
+                     "direct_pq, leansparse_C<candidates>[_w<warm steps>]")
 
 
 def check_settings(model, checkpoint, tasks, lengths, examples, methods, num_slots,
