@@ -8,8 +8,8 @@ Writes runs/<name>/{config.gin, results.json, accuracy.png, table.md}.
 
 Methods: "dense" (no sparsity: CSA layers attend to every eligible entry), "resident",
 "hisparse", "leansparse_C<n>" (coarse top-n candidates, miss filter, exact rerank;
-"leansparse_C<n>_w<s>": the miss filter starts after s decode steps, LeanSparseConfig.warm_steps)
-and
+"leansparse_C<n>_w<s>_B<b>": the miss filter starts after s decode steps, a key cache of b
+rows; LeanSparseConfig.warm_steps and key_cache_rows, default b = C) and
 "direct_pq" (leansparse with C = k and no miss filter: the PQ coarse top-k, which exact scores
 only order and against which the not-yet-paged tail competes). Every method shares one
 prefill per example (prefill is the same computation for all of them) and decodes greedily.
@@ -57,7 +57,9 @@ from lsparse_jax.tasks import score_exact, score_similarity, tokenizer
 from lsparse_jax.training.data import TRAIN_SEED_BASE, task_example
 
 CALIBRATION_SEED = TRAIN_SEED_BASE - 1
-_LEAN = re.compile(r"leansparse_C(\d+)(?:_w(\d+))?$")  # _w<n>: LeanSparseConfig.warm_steps
+# leansparse_C<C>[_w<warm steps>][_B<key-cache rows>] (defaults: LeanSparseConfig's warm_steps,
+# key_cache_rows = C)
+_LEAN = re.compile(r"leansparse_C(\d+)(?:_w(\d+))?(?:_B(\d+))?$")
 FIXED_METHODS = ("dense", "resident", "hisparse", "direct_pq")
 TASKS = ("niah", "mrcr")
 IMPLEMENTATIONS = ("xla", "triton", "jax_triton", "mosaic", None)
@@ -84,10 +86,13 @@ def parse_method(name: str, top_k: int, miss_filter_offset: float | None) -> Met
         if c < top_k:
             raise ValueError(f"accuracy: method {name!r} has C={c} < top-k={top_k}")
         warm = LeanSparseConfig.warm_steps if match.group(2) is None else int(match.group(2))
-        return Method(name, "leansparse", LeanSparseConfig(c, miss_filter_offset, c,
+        rows = c if match.group(3) is None else int(match.group(3))
+        if rows < c:
+            raise ValueError(f"accuracy: method {name!r} has key-cache rows {rows} < C={c}")
+        return Method(name, "leansparse", LeanSparseConfig(c, miss_filter_offset, rows,
                                                            warm_steps=warm))
     raise ValueError(f"accuracy: unknown method {name!r}; methods: dense, resident, hisparse, "
-                     "direct_pq, leansparse_C<candidates>[_w<warm steps>]")
+                     "direct_pq, leansparse_C<candidates>[_w<warm steps>][_B<key-cache rows>]")
 
 
 def check_settings(model, checkpoint, tasks, lengths, examples, methods, num_slots,
