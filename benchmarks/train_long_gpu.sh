@@ -9,6 +9,9 @@
 #   STEP=accuracy  configs/experiments/accuracy_long.gin on checkpoints/long (results after
 #                  every cell; ACC_TIMEOUT, default 520 s; ACC_EXTRA adds gin flags), writes
 #                  $OUT/accuracy_long/{results.json, table.md, accuracy.png}.
+#   STEP=coldstart the cold-start measurement on checkpoints/long (100 examples, 4K-16K, both
+#                  tasks, leansparse C64/C128 with warm_steps 0 and 1, per-step recall), writes
+#                  $OUT/cold_start_long/ (~3-4 min estimated).
 # Use through the device tool: carry [".whl"] (plus "checkpoints/long" for STEP=accuracy on a
 # fresh machine), command "STEP=train bash benchmarks/train_long_gpu.sh".
 # CPU smoke (no .whl): PY=/work/main/.venv/bin/python OUT=/tmp/o TRAIN_EXTRA='...' STEP=train ...
@@ -48,5 +51,12 @@ case "${STEP:-train}" in
       --runs "$OUT" ${ACC_EXTRA:-} 2>&1 | tr '\r' '\n' | grep -v "example/s\]" \
       | tee "$OUT/accuracy_long.log" | tail -40
     ls -la "$OUT" ;;
-  *) echo "STEP must be train or accuracy" >&2; exit 2 ;;
+  coldstart)  # LeanSparse's cold start: warm_steps 0 vs 1, recall by decode step (teacher forced)
+    timeout ${ACC_TIMEOUT:-400} $PY -m experiments.cli run configs/experiments/accuracy_long.gin \
+      --runs "$OUT" "--gin.run.name='cold_start_long'" "--gin.accuracy.lengths=(4096,8192,16384)" \
+      --gin.accuracy.examples=100 --gin.accuracy.num_slots=100 --gin.accuracy.recall=True \
+      "--gin.accuracy.methods=('resident','leansparse_C64_w0','leansparse_C64_w1','leansparse_C128_w0','leansparse_C128_w1')" \
+      ${ACC_EXTRA:-} 2>&1 | tr '\r' '\n' | grep -v "example/s\]" \
+      | tee "$OUT/cold_start_long.log" | tail -25 ;;
+  *) echo "STEP must be train, accuracy or coldstart" >&2; exit 2 ;;
 esac

@@ -265,7 +265,7 @@ class LeanSparseConfig:
     miss_filter_offset: float | None = 1.0
     key_cache_rows: int = 4096
     pq_subspace_dim: int = 4
-    warm_steps: int = 0
+    warm_steps: int = 1
 
     def __post_init__(self):
         _positive("LeanSparseConfig", num_candidates=self.num_candidates,
