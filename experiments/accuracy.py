@@ -409,12 +409,14 @@ def plot(summary, methods, tasks, lengths, path):
     plt = pyplot()
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
     for ax, task in zip(axes[0], tasks):
-        for m in methods:
+        for i, m in enumerate(methods):
+            dodge = 2 ** (0.05 * (i - (len(methods) - 1) / 2))  # methods side by side
             cs = [summary[f"{task}@{n}"][m] for n in lengths]
             ys = np.array([100 * c["exact"] for c in cs])
             err = np.array([[y - 100 * c["ci_low"] for y, c in zip(ys, cs)],
                             [100 * c["ci_high"] - y for y, c in zip(ys, cs)]])
-            ax.errorbar(lengths, ys, yerr=err, fmt="o-", capsize=3, label=m)
+            ax.errorbar([n * dodge for n in lengths], ys, yerr=err, fmt="o-", capsize=3,
+                        label=m)
         ax.set_xscale("log", base=2)
         ax.set_xticks(lengths, [str(n) for n in lengths])
         ax.set_xlabel("context length (tokens)")
