@@ -7,15 +7,24 @@ Run (GPU, full table):    lsparse run configs/experiments/accuracy.gin \\
 Writes runs/<name>/{config.gin, results.json, accuracy.png, table.md}.
 
 Methods: "dense" (no sparsity: CSA layers attend to every eligible entry), "resident",
-"hisparse", "leansparse_C<n>" (coarse top-n candidates, miss filter, exact rerank) and
+"hisparse", "leansparse_C<n>" (coarse top-n candidates, miss filter, exact rerank;
+"leansparse_C<n>_w<s>_B<b>": the miss filter starts after s decode steps, a key cache of b
+rows; LeanSparseConfig.warm_steps and key_cache_rows, default b = C) and
 "direct_pq" (leansparse with C = k and no miss filter: the PQ coarse top-k, which exact scores
 only order and against which the not-yet-paged tail competes). Every method shares one
 prefill per example (prefill is the same computation for all of them) and decodes greedily.
 Recall: a second, teacher-forced pass feeds every method the reference answer, so selections
 are compared on identical contexts with resident's (exact top-k); records also keep the recall
 of every decode step (``recall_by_step``: the caches start cold at admission).
-Evaluation seeds are 0 .. examples-1 (< TRAIN_SEED_BASE: never seen in training); the PQ
-codebooks are calibrated on one more held-out prompt (seed CALIBRATION_SEED).
+Seeds: training examples use seeds >= TRAIN_SEED_BASE (1e9, training.data); evaluation
+examples use seed_offset .. seed_offset + examples - 1, which must lie below CALIBRATION_SEED =
+TRAIN_SEED_BASE - 1 (checked), so the evaluation set is disjoint from training by construction;
+the PQ codebooks are calibrated on one more held-out prompt (seed CALIBRATION_SEED). The shipped
+tables use seed_offset 0 (results/accuracy_gpu, 0..63) and 1_000_000 (results/accuracy_long);
+any other offset draws a fresh example set.
+Statistics: every cell's exact match carries a Wilson 95% interval (ci_low, ci_high); every
+pair of methods of a cell an exact McNemar test on the same examples (results.json "cells" and
+"mcnemar").
 """
 
 from __future__ import annotations
@@ -48,7 +57,9 @@ from lsparse_jax.tasks import score_exact, score_similarity, tokenizer
 from lsparse_jax.training.data import TRAIN_SEED_BASE, task_example
 
 CALIBRATION_SEED = TRAIN_SEED_BASE - 1
-_LEAN = re.compile(r"leansparse_C(\d+)$")
+# leansparse_C<C>[_w<warm steps>][_B<key-cache rows>] (defaults: LeanSparseConfig's warm_steps,
+# key_cache_rows = C)
+_LEAN = re.compile(r"leansparse_C(\d+)(?:_w(\d+))?(?:_B(\d+))?$")
 FIXED_METHODS = ("dense", "resident", "hisparse", "direct_pq")
 TASKS = ("niah", "mrcr")
 IMPLEMENTATIONS = ("xla", "triton", "jax_triton", "mosaic", None)
@@ -74,9 +85,14 @@ def parse_method(name: str, top_k: int, miss_filter_offset: float | None) -> Met
         c = int(match.group(1))
         if c < top_k:
             raise ValueError(f"accuracy: method {name!r} has C={c} < top-k={top_k}")
-        return Method(name, "leansparse", LeanSparseConfig(c, miss_filter_offset, c))
+        warm = LeanSparseConfig.warm_steps if match.group(2) is None else int(match.group(2))
+        rows = c if match.group(3) is None else int(match.group(3))
+        if rows < c:
+            raise ValueError(f"accuracy: method {name!r} has key-cache rows {rows} < C={c}")
+        return Method(name, "leansparse", LeanSparseConfig(c, miss_filter_offset, rows,
+                                                           warm_steps=warm))
     raise ValueError(f"accuracy: unknown method {name!r}; methods: dense, resident, hisparse, "
-                     "direct_pq, leansparse_C<candidates>")
+                     "direct_pq, leansparse_C<candidates>[_w<warm steps>][_B<key-cache rows>]")
 
 
 def check_settings(model, checkpoint, tasks, lengths, examples, methods, num_slots,
@@ -110,6 +126,37 @@ def check_settings(model, checkpoint, tasks, lengths, examples, methods, num_slo
             v.fail("LeanSparseConfig.pq_subspace_dim", s.lean.pq_subspace_dim,
                    f"must divide the indexer head_dim={cfg.indexer.head_dim}")
     return cfg, specs, v.checkpoint_path("accuracy.checkpoint", checkpoint)
+
+
+Z95 = 1.959963984540054  # the standard normal's 97.5% quantile
+
+
+def evaluation_seeds(seed_offset: int, examples: int) -> range:
+    """The example seeds of a study: seed_offset .. seed_offset + examples - 1. Raises
+    ValueError unless they lie in [0, CALIBRATION_SEED), i.e. below every training seed."""
+    if seed_offset < 0 or seed_offset + examples > CALIBRATION_SEED:
+        raise ValueError(f"accuracy.seed_offset={seed_offset}: evaluation seeds seed_offset .. "
+                         f"seed_offset + examples - 1 must lie in [0, {CALIBRATION_SEED}) "
+                         f"(training uses seeds >= {TRAIN_SEED_BASE}, calibration "
+                         f"{CALIBRATION_SEED})")
+    return range(seed_offset, seed_offset + examples)
+
+
+def wilson(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion.
+
+    Notation: k successes of n trials, p = k / n, z the normal quantile (1.96 for 95%).
+    Math: center = (p + z^2 / 2n) / (1 + z^2 / n);
+      half = z / (1 + z^2 / n) * sqrt(p (1 - p) / n + z^2 / 4n^2);
+      interval = [center - half, center + half] (clipped to [0, 1]; n = 0 gives [0, 1]).
+    """
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    denom = 1 + z * z / n
+    center = (p + z * z / (2 * n)) / denom
+    half = z / denom * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, center - half), min(1.0, center + half)
 
 
 def mcnemar(a: np.ndarray, b: np.ndarray) -> dict:
@@ -175,13 +222,23 @@ def accuracy(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
              num_slots: int = 8, prefill_chunk: int = 1024, hot_cache_rows: int = 64,
              page_size: int = 64, miss_filter_offset: float | None = 1.0,
              calibration_tokens: int = 4096, implementation: str | None = "xla",
-             host_pages: int | None = None):
+             host_pages: int | None = None, seed_offset: int = 0, recall: bool = True):
     """Runs every method on the same held-out examples of every (task, length) cell.
-    host_pages: CacheConfig.host_pages of the paged methods (None = enough for every slot)."""
+    host_pages: CacheConfig.host_pages of the paged methods (None = enough for every slot).
+    seed_offset: the first example seed (evaluation_seeds); another offset, a fresh example set.
+    recall: also run the teacher-forced pass that measures indexer recall (doubles decoding).
+    Cells run length by length (both tasks of a length, then the next), so a run cut short
+    keeps every shorter length."""
     cfg, specs, path = check_settings(model, checkpoint, tasks, lengths, examples, methods,
                                       num_slots, prefill_chunk, hot_cache_rows, page_size,
                                       miss_filter_offset, calibration_tokens, implementation,
                                       host_pages)
+    v.integer("accuracy.seed_offset", seed_offset, lo=0)
+    measure_recall = v.flag("accuracy.recall", recall)
+    try:
+        seeds = evaluation_seeds(seed_offset, examples)
+    except ValueError as err:
+        raise v.ConfigError(str(err)) from err
     params = v.load_checkpoint("accuracy.checkpoint", path, cfg)
     codebooks = None
     if any(s.engine_method and method_storage(s.engine_method).keys_on_host for s in specs):
@@ -201,12 +258,11 @@ def accuracy(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
 
     compile_all(engines)
     records = []  # one per (task, length, example, method)
-    cells = [(t, n) for t in tasks for n in lengths]
+    cells = [(t, n) for n in lengths for t in tasks]
     bar = tqdm(total=len(cells) * examples, desc="accuracy", unit="example")
     for task, length in cells:
         for lo in range(0, examples, num_slots):
-            batch = [task_example(task, length, seed) for seed in
-                     range(lo, min(lo + num_slots, examples))]
+            batch = [task_example(task, length, seed) for seed in seeds[lo:lo + num_slots]]
             answers = [tokenizer.encode(ex.answer) for ex in batch]
             t0 = time.perf_counter()
             prefilled = [prefill(params, cfg, ex.prompt, prefill_chunk) for ex in batch]
@@ -222,7 +278,9 @@ def accuracy(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
                     recall = by_step = [None] * len(batch)
                 else:
                     texts, _ = run_engine(engines[s.name], batch, prefilled, answers, False)
-                    _, sel = run_engine(engines[s.name], batch, prefilled, answers, True)
+                    sel = None
+                    if measure_recall:
+                        _, sel = run_engine(engines[s.name], batch, prefilled, answers, True)
                     if s.name == "resident":
                         reference = sel
                     recall = [None if reference is None or sel is None else
@@ -232,27 +290,33 @@ def accuracy(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
                                [selection_recall(sel[t, j], reference[t, j])
                                 for t in range(sel.shape[0])] for j in range(len(batch))]
                 for j, (ex, text) in enumerate(zip(batch, texts)):
-                    records.append(dict(task=task, length=length, seed=lo + j, method=s.name,
+                    records.append(dict(task=task, length=length, seed=seeds[lo + j],
+                                        method=s.name,
                                         generated=text, answer=ex.answer,
                                         exact=score_exact(text, ex.answer),
                                         similarity=score_similarity(text, ex.answer),
                                         recall=recall[j], recall_by_step=by_step[j]))
                 timing[s.name] = time.perf_counter() - t0
-            tqdm.write(f"accuracy: {task}@{length} examples {lo}..{lo + len(batch) - 1}: " +
+            tqdm.write(f"accuracy: {task}@{length} seeds {seeds[lo]}.."
+                       f"{seeds[lo] + len(batch) - 1}: " +
                        ", ".join(f"{k} {v:.1f} s" for k, v in timing.items()))
             bar.update(len(batch))
-        done = cells[:cells.index((task, length)) + 1]
+        done = sorted(cells[:cells.index((task, length)) + 1],
+                      key=lambda c: (tasks.index(c[0]), c[1]))  # the table: task by task
         summary, table = save(name, cfg, checkpoint, examples, records, methods, done,
-                              complete=len(done) == len(cells))
+                              complete=len(done) == len(cells), seeds=seeds)
+        finished = [n for n in lengths if all((t, n) in done for t in tasks)]
+        if finished and finished[-1] == length and task == tasks[-1]:
+            plot(summary, methods, tasks, finished, run_dir(name) / "accuracy.png")
     bar.close()
     print(table)
     out = run_dir(name)
-    plot(summary, methods, tasks, lengths, out / "accuracy.png")
     print(f"wrote {out}/results.json, table.md and accuracy.png")
     return summary
 
 
-def save(name, cfg, checkpoint, examples, records, methods, cells, complete: bool):
+def save(name, cfg, checkpoint, examples, records, methods, cells, complete: bool,
+         seeds: range = range(0)):
     """Writes the results of the finished cells (after every cell: a long run that stops
     early keeps what it measured, marked complete=False)."""
     summary = summarize(records, methods, cells)
@@ -261,14 +325,39 @@ def save(name, cfg, checkpoint, examples, records, methods, cells, complete: boo
     write_results(out, {"model": dataclasses.asdict(cfg), "checkpoint": checkpoint,
                         "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                         "examples_per_cell": examples, "complete": complete,
+                        "evaluation_seeds": [seeds.start, seeds.stop],
+                        "training_seeds": f">= {TRAIN_SEED_BASE}",
+                        "cells": cell_records(summary, methods, cells),
+                        "mcnemar": pair_records(records, methods, cells),
                         "summary": summary, "table": table, "records": records})
     (out / "table.md").write_text(table + "\n")
     return summary, table
 
 
+def cell_records(summary, methods, cells) -> list[dict]:
+    """One record per (task, length, method): exact, n, ci_low, ci_high, similarity, recall."""
+    return [{"task": t, "length": n, "method": m,
+             **{k: summary[f"{t}@{n}"][m][k] for k in ("exact", "n", "ci_low", "ci_high",
+                                                      "similarity", "recall")}}
+            for t, n in cells for m in methods]
+
+
+def pair_records(records, methods, cells) -> list[dict]:
+    """One record per (task, length, method a, method b), a before b in ``methods``: the exact
+    McNemar test of their outcomes on the same examples (a_only: a right and b wrong)."""
+    out = []
+    for t, n in cells:
+        outcome = {m: [r["exact"] for r in sorted(records, key=lambda r: r["seed"])
+                       if r["task"] == t and r["length"] == n and r["method"] == m]
+                   for m in methods}
+        out += [{"task": t, "length": n, "a": a, "b": b, **mcnemar(outcome[a], outcome[b])}
+                for i, a in enumerate(methods) for b in methods[i + 1:]]
+    return out
+
+
 def summarize(records, methods, cells) -> dict:
-    """Per cell and method: exact-match accuracy, similarity, recall; McNemar vs resident
-    (and vs dense) per cell."""
+    """Per cell and method: exact-match accuracy with its Wilson 95% interval, similarity,
+    recall; McNemar vs resident (and vs dense) per cell."""
     out = {}
     for task, length in cells:
         key = f"{task}@{length}"
@@ -277,7 +366,9 @@ def summarize(records, methods, cells) -> dict:
         cell = {}
         for m, rs in mine.items():
             rec = [r["recall"] for r in rs if r["recall"] is not None]
-            cell[m] = {"exact": float(np.mean([r["exact"] for r in rs])),
+            hits = int(sum(r["exact"] for r in rs))
+            lo, hi = wilson(hits, len(rs))
+            cell[m] = {"exact": hits / max(len(rs), 1), "ci_low": lo, "ci_high": hi,
                        "similarity": float(np.mean([r["similarity"] for r in rs])),
                        "recall": float(np.mean(rec)) if rec else None, "n": len(rs)}
             for ref in ("resident", "dense"):
@@ -297,7 +388,7 @@ def format_table(summary, methods, cells) -> str:
         row = []
         for t, n in cells:
             c = summary[f"{t}@{n}"][m]
-            text = f"{100 * c['exact']:.1f}"
+            text = f"{100 * c['exact']:.1f} [{100 * c['ci_low']:.1f}, {100 * c['ci_high']:.1f}]"
             if t == "mrcr":
                 text += f" / {c['similarity']:.2f}"
             if c["recall"] is not None and m != "resident":
@@ -308,8 +399,9 @@ def format_table(summary, methods, cells) -> str:
             row.append(text)
         lines.append(f"| {m} | " + " | ".join(row) + " |")
     lines.append("")
-    lines.append("Cells: exact-match % (MRCR: / mean similarity), (r: indexer recall of "
-                 "resident's top-k under teacher forcing); * = McNemar p < 0.05 vs resident.")
+    lines.append("Cells: exact-match % [Wilson 95% interval] (MRCR: / mean similarity), (r: "
+                 "indexer recall of resident's top-k under teacher forcing); * = McNemar p < "
+                 "0.05 vs resident.")
     return "\n".join(lines)
 
 
@@ -317,13 +409,18 @@ def plot(summary, methods, tasks, lengths, path):
     plt = pyplot()
     fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
     for ax, task in zip(axes[0], tasks):
-        for m in methods:
-            ys = [100 * summary[f"{task}@{n}"][m]["exact"] for n in lengths]
-            ax.plot(lengths, ys, "o-", label=m)
+        for i, m in enumerate(methods):
+            dodge = 2 ** (0.05 * (i - (len(methods) - 1) / 2))  # methods side by side
+            cs = [summary[f"{task}@{n}"][m] for n in lengths]
+            ys = np.array([100 * c["exact"] for c in cs])
+            err = np.array([[y - 100 * c["ci_low"] for y, c in zip(ys, cs)],
+                            [100 * c["ci_high"] - y for y, c in zip(ys, cs)]])
+            ax.errorbar([n * dodge for n in lengths], ys, yerr=err, fmt="o-", capsize=3,
+                        label=m)
         ax.set_xscale("log", base=2)
         ax.set_xticks(lengths, [str(n) for n in lengths])
         ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel("exact match %")
+        ax.set_ylabel("exact match % (Wilson 95%)")
         ax.set_ylim(-2, 102)
         ax.set_title(task)
         ax.legend(fontsize=7)

@@ -25,38 +25,66 @@ from lsparse_jax.config import ModelConfig
 from lsparse_jax.model.presets import fit_max_len
 from lsparse_jax.tasks import TASKS
 from lsparse_jax.training import TrainConfig, save_params, train
+from lsparse_jax.training.trainer import completed_steps
 
 gin.external_configurable(TrainConfig)
 
 
 @gin.configurable
 def train_model(name: str, model=gin.REQUIRED, config: TrainConfig = gin.REQUIRED,
-                export: str | None = None, eval_every: int = 100):
+                export: str | None = None, eval_every: int = 100,
+                max_seconds: float | None = None, recipe: str = ""):
     """export: also copy the final params to this directory (e.g. checkpoints/small; a relative
-    path resolves against the repository root)."""
-    export = check_settings(model, config, export, eval_every)
+    path resolves against the repository root).
+    max_seconds: stop (checkpointed) once a step ends past this many seconds; the run is then
+    unfinished (no export; rerunning the same command resumes), e.g. a time-limited GPU call.
+    recipe: a sentence recorded in the exported meta.json (what the run is and why)."""
+    export, init = check_settings(model, config, export, eval_every, max_seconds)
     out = run_dir(name)
-    params, history = train(model, config, out, eval_every=eval_every)
+    init_tree = None if init is None else v.load_checkpoint(
+        "TrainConfig.init_from", init, fit_max_len(model, config.stage(0)[0]))
+    params, history = train(model, config, out, eval_every=eval_every,
+                            max_seconds=max_seconds, init_params_tree=init_tree)
+    done = completed_steps(out)
+    if done < config.total_steps:
+        write_results(out, {"complete": False, "completed_steps": done, "history": history})
+        print(f"unfinished: {done} of {config.total_steps} steps in {out}/state; rerun the same "
+              "command to resume")
+        return
     meta = {"preset_fields": dataclasses.asdict(model), "train_config": dataclasses.asdict(config),
-            "final": history[-1], "device": jax.devices()[0].device_kind,
-            "jax": jax.__version__}
+            "recipe": recipe, "final": history[-1], "device": jax.devices()[0].device_kind,
+            "jax": jax.__version__,
+            "stage_seconds": stage_seconds(history)}
     save_params(out / "checkpoint", params, meta)
     if export:
         shutil.rmtree(export, ignore_errors=True)
         shutil.copytree(out / "checkpoint", export)
-    write_results(out, {"meta": meta, "history": history})
+    write_results(out, {"complete": True, "meta": meta, "history": history})
     plot(history, out / "loss.png", config.dense_steps)
     print(f"wrote {out}/results.json, loss.png and checkpoint/")
 
 
-def check_settings(model, config, export, eval_every):
-    """Validates every setting before training starts; returns the export path (or None)."""
+def stage_seconds(history) -> dict:
+    """{seq_len: seconds} spent per curriculum length (from the logged rows' clocks; a
+    resumed run's clock restarts, so each call's first row counts from that call's start)."""
+    out, prev = {}, 0.0
+    for h in history:
+        dt = h["seconds"] - prev if h["seconds"] >= prev else h["seconds"]
+        out[str(h.get("seq_len", 0))] = out.get(str(h.get("seq_len", 0)), 0.0) + dt
+        prev = h["seconds"]
+    return out
+
+
+def check_settings(model, config, export, eval_every, max_seconds=None):
+    """Validates every setting before training starts; returns (the export path or None, the
+    init_from checkpoint path or None)."""
     v.instance("train_model.model", model, ModelConfig, "@model_preset()")
     v.instance("train_model.config", config, TrainConfig, "@TrainConfig()")
     v.integer("train_model.eval_every", eval_every)
     for field in ("seq_len", "batch", "warmup", "checkpoint_every"):
         v.integer(f"TrainConfig.{field}", getattr(config, field))
-    for field in ("dense_steps", "sparse_steps", "seed", "extra_queries"):
+    v.number("train_model.max_seconds", max_seconds, lo=1.0, none_ok=True)
+    for field in ("dense_steps", "sparse_steps", "seed", "extra_queries", "mrcr_extra_queries"):
         v.integer(f"TrainConfig.{field}", getattr(config, field), lo=0)
     total = config.dense_steps + config.sparse_steps
     if total < 1 or config.warmup >= total:
@@ -69,8 +97,10 @@ def check_settings(model, config, export, eval_every):
             v.fail("TrainConfig.mix", config.mix, f"entries are (task, weight > 0) with task in "
                                                   f"{TASKS}, e.g. (('niah', 0.8), ('mrcr', 0.2))")
     # the trainer fits max_len to seq_len: record what runs
-    v.derive("model_preset.max_len", fit_max_len(model, config.seq_len).max_len)
-    return None if export is None else v.resolve_path("train_model.export", export, None)
+    v.derive("model_preset.max_len", fit_max_len(model, config.max_seq_len).max_len)
+    init = None if config.init_from is None else v.checkpoint_path("TrainConfig.init_from",
+                                                                    config.init_from)
+    return (None if export is None else v.resolve_path("train_model.export", export, None)), init
 
 
 def plot(history, path, dense_steps: int):

@@ -263,12 +263,17 @@ class LeanSparseConfig:
         candidates' k-th largest minus this many sample standard deviations; None = no filter.
       key_cache_rows: per-request, per-CSA-layer GPU cache of exact FP8 keys (>= C).
       pq_subspace_dim: dims per PQ subvector (one byte each): M = head_dim / this.
+      warm_steps: a request's first decode steps with a cold key cache (admission leaves it
+        empty): during them the miss filter keeps every candidate, whose exact keys are then
+        fetched and fill the cache; 0 = the filter from the first step. Our choice (the paper
+        is silent on admission): README "Cold start".
     """
 
     num_candidates: int = 2048
     miss_filter_offset: float | None = 1.0
     key_cache_rows: int = 4096
     pq_subspace_dim: int = 4
+    warm_steps: int = 1
 
     def __post_init__(self):
         _positive("LeanSparseConfig", num_candidates=self.num_candidates,
@@ -276,6 +281,8 @@ class LeanSparseConfig:
         if self.miss_filter_offset is not None and not self.miss_filter_offset >= 0:
             invalid("LeanSparseConfig", "miss_filter_offset", self.miss_filter_offset,
                   "must be >= 0 or None (no filter)")
+        if not isinstance(self.warm_steps, int) or self.warm_steps < 0:
+            invalid("LeanSparseConfig", "warm_steps", self.warm_steps, "must be an int >= 0")
         if self.key_cache_rows < self.num_candidates:
             invalid("LeanSparseConfig", "key_cache_rows", self.key_cache_rows,
                   f"must be >= num_candidates={self.num_candidates}: one step's candidates "

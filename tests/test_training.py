@@ -111,3 +111,64 @@ def test_train_config_rejects_bad_values():
         TrainConfig(seq_len=0)
     with pytest.raises(ValueError, match="not both 0"):
         TrainConfig(dense_steps=0, sparse_steps=0)
+
+
+@pytest.mark.slow
+def test_curriculum_run_resumes_bit_identically(tmp_path):
+    """A length curriculum (two stages, dense then sparse) started from an exported checkpoint:
+    straight through == stopped by max_seconds after the first step, then resumed (the stage
+    boundary, the init_from params and the optimizer state all survive the restart)."""
+    from lsparse_jax.training import save_params
+    from lsparse_jax.training.trainer import completed_steps
+
+    cfg = tiny(max_len=384)
+    start = init_params(fit_max_len(cfg, 320), 5)
+    save_params(tmp_path / "init", start)
+    tc = TrainConfig(seq_len=320, batch=1, dense_steps=1, sparse_steps=2, warmup=1,
+                     checkpoint_every=10, mix=(("niah", 0.5), ("mrcr", 0.5)), extra_queries=1,
+                     mrcr_extra_queries=1, curriculum=((1, 320, 2), (2, 384, 1)),
+                     init_from=str(tmp_path / "init"))
+    assert [tc.stage(s) for s in range(3)] == [(320, 2), (384, 1), (384, 1)]
+    quiet = dict(progress=False, log=lambda *_: None, eval_batch=2)
+    straight, hist = train(cfg, tc, tmp_path / "a", **quiet)
+    assert [(h["step"], h["phase"], h["seq_len"]) for h in hist] == [(0, "dense", 320),
+                                                                     (2, "sparse", 384)]
+    _, part = train(cfg, tc, tmp_path / "b", max_seconds=1e-9, **quiet)  # stops after 1 step
+    assert completed_steps(tmp_path / "b") == 1 and len(part) == 1
+    resumed, _ = train(cfg, tc, tmp_path / "b", **quiet)
+    assert completed_steps(tmp_path / "b") == 3
+    for x, y in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # init_from took effect: a run stopped before its first step returns `start` itself
+    untouched, _ = train(cfg, tc, tmp_path / "c", stop_at=0, **quiet)
+    for x, y in zip(jax.tree.leaves(start), jax.tree.leaves(untouched)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_curriculum_must_cover_the_schedule():
+    tc = TrainConfig(dense_steps=2, sparse_steps=3, curriculum=((2, 512, 4), (3, 1024, 2)))
+    assert [tc.stage(s) for s in range(5)] == [(512, 4)] * 2 + [(1024, 2)] * 3
+    assert tc.max_seq_len == 1024
+    with pytest.raises(ValueError, match="sum to 3"):
+        TrainConfig(dense_steps=2, sparse_steps=2, curriculum=((3, 256, 2),))
+    with pytest.raises(ValueError, match="positive integers"):
+        TrainConfig(dense_steps=2, sparse_steps=0, curriculum=((2, 256, 0),))
+
+
+def test_mrcr_training_rounds_answer_what_they_ask():
+    """Every answered round of a multi-query MRCR conversation is the body of the ordinal-th
+    'write' round of its kind and topic, and the first answer is the task's own."""
+    import re
+
+    for seed in range(6):
+        seq, answer, real = training_sequence("mrcr", 1025, TRAIN_SEED_BASE + seed, 0,
+                                              mrcr_extra_queries=3)
+        text = tokenizer.decode(seq[real])
+        rounds = re.findall(r"User: write a (\w+) about (\w+)\nBot: ([a-z]+)\n", text)
+        asked = re.findall(r"User: repeat the (\d)\w\w (\w+) about (\w+)\nBot: ", text)
+        spans = np.split(np.flatnonzero(answer),
+                         np.flatnonzero(np.diff(np.flatnonzero(answer)) > 1) + 1)
+        assert len(asked) == len(spans) >= 2
+        for (n, kind, topic), span in zip(asked, spans):
+            bodies = [b for k, t, b in rounds if (k, t) == (kind, topic)]
+            assert tokenizer.decode(seq[span]) == bodies[int(n) - 1] + "\n"

@@ -65,7 +65,9 @@ class CoarseToFineIndex:
           query [1, H, D]; eligible [1, N] bool (causal); the tail holds rows paged ..
           paged+P-1, every earlier row is in host pages with its PQ code on the GPU.
         Steps: (1) coarse scores of the paged rows from PQ codes and their top-C; (2) the miss
-          filter (a candidate is cached if the key cache holds it); (3) the kept candidates
+          filter (a candidate is cached if the key cache holds it; while the cache is cold,
+          its first ``warm_steps`` decode steps, every candidate counts as cached, so all are
+          fetched and fill it); (3) the kept candidates
           and the eligible tail rows go through the key cache (tail, hit, or host copy into
           LRU victims); (4) exact scores of their FP8 keys and top-k.
         """
@@ -93,8 +95,9 @@ class CoarseToFineIndex:
                                   (retained >= 0)[None], implementation=self.implementation)
             return scores[0], (cache, sources)
 
+        cold = state.cache.clock < self.settings.warm_steps  # decode steps it has served
         selected, _, (cache, key_sources) = coarse_to_fine(
-            cand[0], cand_scores[0], cached[jnp.maximum(cand[0], 0)], tail, exact_scores,
+            cand[0], cand_scores[0], cached[jnp.maximum(cand[0], 0)] | cold, tail, exact_scores,
             top_k=self.top_k, filter_offset=self.settings.miss_filter_offset)
         selection = Selection(selected[None], jnp.sum(eligible, -1).astype(jnp.int32),
                               jnp.zeros((1, NUM_SOURCES), jnp.int32), key_sources[None])

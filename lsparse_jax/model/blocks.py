@@ -94,8 +94,13 @@ class AttentionLayer(nn.Module):
 
         if self.kind in ("swa", "csa", "hca"):
             ext, ext_pos, window = extend_window(cache.window, raw, start, num_valid)
-            rel = positions[:, None] - ext_pos[None, :]
-            groups.append((ext[None], (rel >= 0) & (rel < w) & (ext_pos[None, :] >= 0)))
+            if t_len == 1:  # decode: the ring as one shared group (as the kernels read it)
+                rel = positions[:, None] - ext_pos[None, :]
+                groups.append((ext[None], (rel >= 0) & (rel < w) & (ext_pos[None, :] >= 0)))
+            else:  # a chunk: each query's own w rows (banded; a [T, R + T] mask costs T^2)
+                first = ext.shape[0] - t_len - w + 1  # ext row of query 0's oldest position
+                rows = jnp.arange(t_len)[:, None] + first + jnp.arange(w)[None, :]
+                groups.append((ext[rows], ext_pos[rows] >= 0))
             cache = cache.replace(window=window)
 
         num = cfg.num_compressed(self.kind)

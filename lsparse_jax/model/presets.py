@@ -25,6 +25,13 @@ PRESETS: dict[str, ModelConfig] = {
         layer_pattern=("swa", "csa", "hca", "csa"), swa_window=64, csa_ratio=4,
         hca_ratio=128, indexer=IndexerConfig(num_heads=4, head_dim=32, top_k=16, fp8_block=32),
         max_len=8192),
+    # The same weights at top-k 64 (issue 17): k / entries = 1/64 at 16K tokens, the paper's
+    # operating ratio (k = 512 of 32K entries at 128K); the indexer's shapes do not depend on k.
+    "small_k64": ModelConfig(
+        vocab_size=256, hidden=256, num_heads=8, head_dim=64, rope_dim=16, mlp_hidden=768,
+        layer_pattern=("swa", "csa", "hca", "csa"), swa_window=64, csa_ratio=4,
+        hca_ratio=128, indexer=IndexerConfig(num_heads=4, head_dim=32, top_k=64, fp8_block=32),
+        max_len=16384),
     "v4_flash": ModelConfig(
         vocab_size=129280, hidden=4096, num_heads=64, head_dim=512, rope_dim=64,
         mlp_hidden=2048, layer_pattern=_V4_PATTERN, swa_window=128, csa_ratio=4,

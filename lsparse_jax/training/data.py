@@ -4,7 +4,11 @@ Each sequence holds T + 1 tokens; the model reads the first T and predicts the l
 training sequence is a task prompt, its answer, and then up to ``extra_queries`` more
 question/answer pairs about the prompt's other needles (more retrieval events per sequence:
 a single 4-digit answer per 1K tokens is too little signal for a small model to discover
-retrieval); the rest is padding with loss weight 0. Evaluation uses the plain task format.
+retrieval); the rest is padding with loss weight 0. With ``mrcr_extra_queries`` an MRCR training
+sequence is a conversation of 2-6 request rounds (1-4 of the asked kind and topic) whose query
+round is followed by up to that many more "repeat the <n-th> <kind> about <topic>" rounds, each
+answered (every needle round can be asked: one answer per conversation is too little signal).
+Evaluation uses the plain task format.
 Training examples use seeds >= TRAIN_SEED_BASE, evaluation seeds below it, so no evaluation
 example is seen in training.
 """
@@ -17,10 +21,22 @@ import re
 import numpy as np
 
 from lsparse_jax.tasks import TASKS, example, tokenizer
+from lsparse_jax.tasks.mrcr import (
+    BODY_LEN,
+    KINDS,
+    ORDINALS,
+    TOPICS,
+    min_length,
+    mrcr_example,
+    query,
+)
 
 TRAIN_SEED_BASE = 1_000_000_000  # evaluation seeds are < this
 NIAH_DIGITS = 4  # tasks.example's NIAH values
 _NEEDLE = re.compile(r" The magic number for (\S+) is (\d+)\. ")
+_ROUND = re.compile(r"User: write a (\w+) about (\w+)\nBot: ([a-z]+)\n")
+# the longest "repeat" round (query + body + newline) an MRCR training sequence can append
+_MRCR_QA = len(query(len(ORDINALS), max(KINDS, key=len), max(TOPICS, key=len))) + BODY_LEN + 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,9 +63,54 @@ def _qa(key: str, value: str) -> tuple[str, str]:
             f"{key} is ", value)
 
 
-def training_sequence(task: str, length: int, seed: int, extra_queries: int):
+def _padded(parts, flags, length):
+    """(tokens, answer mask, real mask) of the concatenated parts, space-padded to length."""
+    seq = np.concatenate(parts)
+    answer = np.concatenate([np.full(len(p), f) for p, f in zip(parts, flags)])
+    if seq.shape[0] > length:
+        raise AssertionError(f"training sequence of {seq.shape[0]} > {length} tokens")
+    real = np.ones(length, bool)
+    real[seq.shape[0]:] = False
+    pad = length - seq.shape[0]
+    return (np.concatenate([seq, np.full(pad, ord(" "), np.int32)]),
+            np.concatenate([answer, np.zeros(pad, bool)]), real)
+
+
+def mrcr_training_sequence(length: int, seed: int, extra_queries: int):
+    """An MRCR conversation with more answered "repeat" rounds (module docstring).
+
+    Notation: R needle rounds (2..6), S of them share the asked kind and topic (1..min(4, R)).
+    The first query is the task's own; each extra one asks a needle round not yet asked, by
+    its ordinal among the rounds of its (kind, topic) in conversation order.
+    Returns (tokens [length] int32, answer mask [length] bool, weight mask [length] bool).
+    """
+    rng = np.random.default_rng([seed, 1])
+    rounds = int(rng.integers(2, 7))
+    while rounds > 2 and min_length(rounds) + extra_queries * _MRCR_QA + BODY_LEN + 1 > length:
+        rounds -= 1
+    same = int(rng.integers(1, min(len(ORDINALS), rounds) + 1))
+    ex = mrcr_example(length - extra_queries * _MRCR_QA - BODY_LEN - 1, num_rounds=rounds,
+                      num_same=same, seed=seed)
+    found = _ROUND.findall(tokenizer.decode(ex.prompt))
+    asked = []  # (ordinal, kind, topic, body) of every needle round
+    for i, (kind, topic, body) in enumerate(found):
+        ordinal = sum(1 for k, t, _ in found[:i + 1] if (k, t) == (kind, topic))
+        if ordinal <= len(ORDINALS) and body + "\n" != ex.answer:
+            asked.append((ordinal, kind, topic, body))
+    parts, flags = [ex.prompt, tokenizer.encode(ex.answer)], [False, True]
+    for i in rng.permutation(len(asked))[:extra_queries]:
+        ordinal, kind, topic, body = asked[i]
+        parts += [tokenizer.encode(query(ordinal, kind, topic)), tokenizer.encode(body + "\n")]
+        flags += [False, True]
+    return _padded(parts, flags, length)
+
+
+def training_sequence(task: str, length: int, seed: int, extra_queries: int,
+                      mrcr_extra_queries: int = 0):
     """(tokens [length] int32, answer mask [length] bool, weight mask [length] bool)."""
     rng = np.random.default_rng(seed)
+    if task == "mrcr" and mrcr_extra_queries:
+        return mrcr_training_sequence(length, seed, mrcr_extra_queries)
     if task != "niah" or extra_queries == 0:
         ex = task_example(task, length - len(_answer(task)), seed)
         seq = np.concatenate([ex.prompt, tokenizer.encode(ex.answer)])
@@ -68,25 +129,18 @@ def training_sequence(task: str, length: int, seed: int, extra_queries: int):
         q, a = _qa(*pairs[i])
         parts += [tokenizer.encode(q), tokenizer.encode(a)]
         flags += [False, True]
-    seq = np.concatenate(parts)
-    answer = np.concatenate([np.full(len(p), f) for p, f in zip(parts, flags)])
-    real = np.ones(length, bool)
-    if seq.shape[0] > length:
-        raise AssertionError(f"niah training sequence of {seq.shape[0]} > {length} tokens")
-    real[seq.shape[0]:] = False
-    pad = length - seq.shape[0]
-    return (np.concatenate([seq, np.full(pad, ord(" "), np.int32)]),
-            np.concatenate([answer, np.zeros(pad, bool)]), real)
+    return _padded(parts, flags, length)
 
 
 def make_batch(step: int, batch: int, length: int, mix: dict[str, float],
                answer_weight: float, seed: int = 0, held_out: bool = False,
-               extra_queries: int = 0) -> Batch:
+               extra_queries: int = 0, mrcr_extra_queries: int = 0) -> Batch:
     """Batch number ``step`` of a deterministic stream (same arguments, same batch).
 
     mix: {task: probability}; answer_weight: loss weight of answer targets (others weigh 1,
     padding 0); held_out: example seeds below TRAIN_SEED_BASE (evaluation) instead of above;
-    extra_queries: more NIAH question/answer pairs per sequence (0 = the plain task format).
+    extra_queries: more NIAH question/answer pairs per sequence (0 = the plain task format);
+    mrcr_extra_queries: more answered MRCR "repeat" rounds per sequence (0 = plain format).
     """
     for task in mix:
         if task not in TASKS:
@@ -104,7 +158,7 @@ def make_batch(step: int, batch: int, length: int, mix: dict[str, float],
         task = names[rng.choice(len(names), p=probs / probs.sum())]
         ex_seed = base + int(rng.integers(0, TRAIN_SEED_BASE))
         tokens[b], answer[b], real[b] = training_sequence(task, length + 1, ex_seed,
-                                                          extra_queries)
+                                                          extra_queries, mrcr_extra_queries)
     weights = np.where(answer[:, 1:], answer_weight, 1.0) * real[:, 1:]
     return Batch(tokens[:, :-1], tokens[:, 1:], weights.astype(np.float32), answer[:, 1:])
 

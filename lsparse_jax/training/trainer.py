@@ -40,6 +40,13 @@ class TrainConfig:
       extra_queries: NIAH training sequences ask up to this many more needles (data.py).
       seed: parameter init and data stream seed.
       checkpoint_every: steps between orbax checkpoints (resumable).
+      curriculum: length stages ((steps, seq_len, batch), ...) run in order, steps summing to
+        dense_steps + sparse_steps; () = every step at (seq_len, batch). Evaluation batches use
+        the stage's length.
+      init_from: a save_params checkpoint (e.g. "checkpoints/small") the parameters start from
+        (the optimizer starts fresh); None = random init from ``seed``.
+      mrcr_extra_queries: MRCR training sequences ask up to this many more rounds (data.py);
+        0 = the plain task format.
     """
 
     seq_len: int = 1024
@@ -56,6 +63,9 @@ class TrainConfig:
     extra_queries: int = 3  # more NIAH question/answer pairs per training sequence
     seed: int = 0
     checkpoint_every: int = 250
+    curriculum: tuple = ()
+    init_from: str | None = None
+    mrcr_extra_queries: int = 0
 
     def __post_init__(self):
         for name in ("seq_len", "batch", "warmup", "checkpoint_every"):
@@ -63,6 +73,28 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig.{name}={getattr(self, name)} must be > 0")
         if self.dense_steps < 0 or self.sparse_steps < 0 or self.total_steps == 0:
             raise ValueError("TrainConfig: dense_steps and sparse_steps must be >= 0, not both 0")
+        if self.curriculum:
+            for stage in self.curriculum:
+                if len(stage) != 3 or any(not isinstance(v, int) or v <= 0 for v in stage):
+                    raise ValueError(f"TrainConfig.curriculum: stage {stage!r} must be "
+                                     "(steps, seq_len, batch) of positive integers")
+            if sum(s[0] for s in self.curriculum) != self.total_steps:
+                raise ValueError(f"TrainConfig.curriculum: stage steps sum to "
+                                 f"{sum(s[0] for s in self.curriculum)}, not dense_steps + "
+                                 f"sparse_steps = {self.total_steps}")
+
+    def stage(self, step: int) -> tuple[int, int]:
+        """(seq_len, batch) of training step ``step``."""
+        end = 0
+        for steps, seq_len, batch in self.curriculum:
+            end += steps
+            if step < end:
+                return seq_len, batch
+        return self.seq_len, self.batch
+
+    @property
+    def max_seq_len(self) -> int:
+        return max([self.seq_len] + [s[1] for s in self.curriculum])
 
     @property
     def total_steps(self) -> int:
@@ -163,26 +195,56 @@ def load_params(path, cfg: ModelConfig | None = None):
     return jax.tree.map(jnp.asarray, params)
 
 
+def completed_steps(workdir) -> int:
+    """Training steps the orbax state in ``workdir`` holds (0 when none)."""
+    import orbax.checkpoint as ocp
+
+    state = pathlib.Path(os.path.abspath(os.fspath(workdir))) / "state"
+    if not state.is_dir():
+        return 0
+    return ocp.CheckpointManager(state).latest_step() or 0
+
+
 def train(cfg: ModelConfig, tc: TrainConfig, workdir, progress: bool = True,
-          eval_every: int = 100, eval_batch: int = 64, log=print, stop_at: int | None = None):
-    """Trains from scratch, or resumes from ``workdir``'s last checkpoint.
+          eval_every: int = 100, eval_batch: int = 64, log=print, stop_at: int | None = None,
+          max_seconds: float | None = None, init_params_tree=None):
+    """Trains from scratch (or from ``tc.init_from``), or resumes from ``workdir``'s last
+    checkpoint.
 
     stop_at: stop after this many steps (checkpointed; a later call resumes), e.g. to split a
     run across time-limited jobs. The schedule always spans ``tc.total_steps``.
+    max_seconds: stop (checkpointed) after the first step that ends past this many seconds of
+    this call, so a time-limited job exits cleanly; ``completed_steps(workdir)`` then tells
+    whether the run is finished.
+    init_params_tree: the parameters ``tc.init_from`` names, already loaded (else loaded here).
 
     Writes workdir/{state (orbax, resumable), history.json}. Returns (params, history):
-    history is a list of {step, phase, loss, lm, kl, grad_norm, seconds[, eval_<task>]}
-    (eval_<task>: greedy exact match on a fixed batch of held-out examples, sparse model).
+    history is a list of {step, phase, seq_len, loss, lm, kl, grad_norm, seconds[, eval_<task>]}
+    (eval_<task>: greedy exact match on a fixed batch of held-out examples at the stage's
+    length, sparse model; eval_batch is scaled by 1024 / seq_len, at least 8).
     """
     import orbax.checkpoint as ocp
     from tqdm.auto import tqdm
 
-    cfg = fit_max_len(cfg, tc.seq_len)
+    t0 = time.perf_counter()
+    cfgs = {}  # seq_len -> the model with max_len fitted (one compile per stage length)
+
+    def model_for(seq_len):
+        if seq_len not in cfgs:
+            cfgs[seq_len] = fit_max_len(cfg, seq_len)
+        return cfgs[seq_len]
+
     workdir = pathlib.Path(os.path.abspath(os.fspath(workdir)))
     workdir.mkdir(parents=True, exist_ok=True)
     manager = ocp.CheckpointManager(workdir / "state",
                                     options=ocp.CheckpointManagerOptions(max_to_keep=2))
-    params = init_params(cfg, tc.seed)
+    first = model_for(tc.stage(0)[0])
+    if init_params_tree is not None:
+        params = init_params_tree
+    elif tc.init_from:
+        params = load_params(tc.init_from, first)
+    else:
+        params = init_params(first, tc.seed)
     opt_state = make_optimizer(tc).init(params)
     history, start = [], 0
     hist_path = workdir / "history.json"
@@ -195,42 +257,57 @@ def train(cfg: ModelConfig, tc: TrainConfig, workdir, progress: bool = True,
             history = [h for h in json.loads(hist_path.read_text()) if h["step"] < start]
         log(f"resumed from step {start} in {workdir}")
     mix = dict(tc.mix)
-    evals = {task: make_batch(0, eval_batch, tc.seq_len, {task: 1.0}, tc.answer_weight,
-                              tc.seed, held_out=True) for task in mix}  # evaluation seeds
+    evals = {}  # seq_len -> {task: held-out batch} (evaluation seeds)
+
+    def eval_batches(seq_len):
+        if seq_len not in evals:
+            n = max(8, eval_batch * 1024 // seq_len)
+            evals[seq_len] = {task: make_batch(0, n, seq_len, {task: 1.0}, tc.answer_weight,
+                                               tc.seed, held_out=True) for task in mix}
+        return evals[seq_len]
+
     end = tc.total_steps if stop_at is None else min(stop_at, tc.total_steps)
     bar = tqdm(range(start, end), initial=start, total=tc.total_steps,
                desc="train", unit="step", disable=not progress)
-    t0 = time.perf_counter()
     for step in bar:
         dense = step < tc.dense_steps
-        b = make_batch(step, tc.batch, tc.seq_len, mix, tc.answer_weight, tc.seed,
-                       extra_queries=tc.extra_queries)
-        params, opt_state, aux = train_step(params, opt_state, cfg, tc, jnp.asarray(b.tokens),
+        seq_len, batch = tc.stage(step)
+        mcfg = model_for(seq_len)
+        b = make_batch(step, batch, seq_len, mix, tc.answer_weight, tc.seed,
+                       extra_queries=tc.extra_queries, mrcr_extra_queries=tc.mrcr_extra_queries)
+        params, opt_state, aux = train_step(params, opt_state, mcfg, tc, jnp.asarray(b.tokens),
                                             jnp.asarray(b.targets), jnp.asarray(b.weights),
                                             dense)
-        if step % 10 == 0 or step == tc.total_steps - 1:
+        last = step == tc.total_steps - 1
+        stage_end = tc.curriculum and tc.stage(step + 1) != (seq_len, batch)
+        if step % 10 == 0 or last or stage_end:
             row = {k: float(v) for k, v in aux.items()}
-            row.update(step=step, phase="dense" if dense else "sparse",
+            row.update(step=step, phase="dense" if dense else "sparse", seq_len=seq_len,
                        seconds=time.perf_counter() - t0)
-            if step % eval_every == 0 or step == tc.total_steps - 1:
-                for task, eb in evals.items():
-                    logits = eval_logits(params, cfg, jnp.asarray(eb.tokens))
+            if step % eval_every == 0 or last or stage_end:
+                for task, eb in eval_batches(seq_len).items():
+                    logits = eval_logits(params, mcfg, jnp.asarray(eb.tokens))
                     row[f"eval_{task}"] = float(answer_accuracy(
                         logits, jnp.asarray(eb.targets), jnp.asarray(eb.answer_mask)))
-                log(f"step {step} {row['phase']} loss {row['loss']:.3f} lm {row['lm']:.3f} "
-                    f"kl {row['kl']:.3f} " + " ".join(
+                log(f"step {step} {row['phase']} T={seq_len} loss {row['loss']:.3f} "
+                    f"lm {row['lm']:.3f} kl {row['kl']:.3f} " + " ".join(
                         f"{k} {v:.3f}" for k, v in row.items() if k.startswith("eval_"))
                     + f" t {row['seconds']:.0f}s")
             history.append(row)
             bar.set_postfix(loss=f"{row['loss']:.3f}", kl=f"{row['kl']:.3f}")
-        if (step + 1) % tc.checkpoint_every == 0 or step + 1 == end:
+        out_of_time = max_seconds is not None and time.perf_counter() - t0 > max_seconds
+        if (step + 1) % tc.checkpoint_every == 0 or step + 1 == end or out_of_time:
             manager.save(step + 1, args=ocp.args.StandardSave(
                 {"params": params, "opt_state": opt_state}))
             hist_path.write_text(json.dumps(history) + "\n")
+        if out_of_time and step + 1 < end:
+            log(f"stopping at step {step + 1} of {tc.total_steps} after "
+                f"{time.perf_counter() - t0:.0f} s (max_seconds={max_seconds}); rerun to resume")
+            break
     manager.wait_until_finished()
     hist_path.write_text(json.dumps(history) + "\n")
     return params, history
 
 
-__all__ = ["TrainConfig", "train", "train_step", "loss_fn", "eval_logits", "answer_accuracy",
-           "save_params", "load_params"]
+__all__ = ["TrainConfig", "train", "completed_steps", "train_step", "loss_fn", "eval_logits",
+           "answer_accuracy", "save_params", "load_params"]

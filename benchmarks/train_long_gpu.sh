@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Issue 17 on one H200, in device calls of < 9 minutes each:
+#   STEP=train     configs/experiments/train_long.gin (checkpoints/small continued, 2K -> 16K
+#                  curriculum; ~5 min estimated). Stops cleanly after TRAIN_SECONDS (default
+#                  420) with its orbax state in runs/train_long/state; the next call resumes
+#                  (same machine: runs/ stays; a fresh machine: carry runs/train_long, unpacked
+#                  from $OUT/train_long_resume.tar). Finished: exports checkpoints/long and copies
+#                  it to $OUT/checkpoints/long.
+#   STEP=accuracy  configs/experiments/accuracy_long.gin on checkpoints/long (results after
+#                  every cell; ACC_TIMEOUT, default 520 s; ACC_EXTRA adds gin flags), writes
+#                  $OUT/accuracy_long/{results.json, table.md, accuracy.png}.
+#   STEP=coldstart the cold-start measurement on checkpoints/long (100 examples, 4K-16K, both
+#                  tasks, leansparse C64/C128 with warm_steps 0 and 1, per-step recall), writes
+#                  $OUT/cold_start_long/ (~3-4 min estimated).
+# Use through the device tool: carry [".whl"] (plus "checkpoints/long" for STEP=accuracy on a
+# fresh machine), command "STEP=train bash benchmarks/train_long_gpu.sh".
+# CPU smoke (no .whl): PY=/work/main/.venv/bin/python OUT=/tmp/o TRAIN_EXTRA='...' STEP=train ...
+set -uo pipefail
+PY=${PY:-python3}
+if [ -d .whl ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" runs/jaxcache
+# compiled steps survive a restarted call on the same machine (the curriculum compiles 8 shapes)
+export JAX_COMPILATION_CACHE_DIR=$PWD/runs/jaxcache
+case "${STEP:-train}" in
+  train)
+    timeout ${TRAIN_TIMEOUT:-$(( ${TRAIN_SECONDS:-420} + 100 ))} $PY -m experiments.cli run \
+      configs/experiments/train_long.gin "--gin.train_model.max_seconds=${TRAIN_SECONDS:-420}" \
+      ${TRAIN_EXTRA:-} 2>&1 | tr '\r' '\n' | sed -E 's/^train: +[0-9]+%\|[^]]*\]//' \
+      | grep -v '^ *$' | tee "$OUT/train_long.log" | tail -40
+    mkdir -p "$OUT/train_long"
+    cp runs/train_long/results.json runs/train_long/config.gin runs/train_long/loss.png \
+      runs/train_long/history.json "$OUT/train_long/" 2>/dev/null
+    EXPORT=${EXPORT:-checkpoints/long}
+    if grep -q '"complete": true' runs/train_long/results.json 2>/dev/null; then
+      mkdir -p "$OUT/checkpoints" && cp -r "$EXPORT" "$OUT/checkpoints/" && du -sh "$EXPORT"
+      echo "TRAINING FINISHED: checkpoint in \$OUT/checkpoints/$(basename "$EXPORT")"
+    else  # unfinished: the newest state step, in case the next call gets a fresh machine
+      last=$(ls runs/train_long/state | grep -E '^[0-9]+$' | sort -n | tail -1)
+      tar -C runs -cf "$OUT/train_long_resume.tar" "train_long/state/$last" \
+        train_long/history.json
+      echo "TRAINING UNFINISHED at step $last: rerun STEP=train (same machine: resumes from" \
+        "runs/train_long; fresh machine: untar \$OUT/train_long_resume.tar into runs/ and carry" \
+        "runs/train_long)"
+    fi ;;
+  accuracy)
+    timeout ${ACC_TIMEOUT:-520} $PY -m experiments.cli run configs/experiments/accuracy_long.gin \
+      --runs "$OUT" ${ACC_EXTRA:-} 2>&1 | tr '\r' '\n' | grep -v "example/s\]" \
+      | tee "$OUT/accuracy_long.log" | tail -40
+    ls -la "$OUT" ;;
+  coldstart)  # LeanSparse's cold start: warm_steps 0 vs 1, recall by decode step (teacher forced)
+    timeout ${ACC_TIMEOUT:-400} $PY -m experiments.cli run configs/experiments/accuracy_long.gin \
+      --runs "$OUT" "--gin.run.name='cold_start_long'" "--gin.accuracy.lengths=(4096,8192,16384)" \
+      --gin.accuracy.examples=100 --gin.accuracy.num_slots=100 --gin.accuracy.recall=True \
+      "--gin.accuracy.methods=('resident','leansparse_C64_w0','leansparse_C64_w1','leansparse_C128_w0','leansparse_C128_w1')" \
+      ${ACC_EXTRA:-} 2>&1 | tr '\r' '\n' | grep -v "example/s\]" \
+      | tee "$OUT/cold_start_long.log" | tail -25 ;;
+  *) echo "STEP must be train, accuracy or coldstart" >&2; exit 2 ;;
+esac
