@@ -18,8 +18,7 @@ from lsparse_jax.indexing import index_scores
 from lsparse_jax.model.attention import sink_attention
 from lsparse_jax.model.cache import CSACache, DSACache, HCACache, SWACache
 from lsparse_jax.model.compressor import Compressor
-from lsparse_jax.model.layers import (MLP, RMSNorm, dense, extend_window, matmul_precision,
-                                      rope)
+from lsparse_jax.model.layers import MLP, RMSNorm, dense, extend_window, matmul_precision, rope
 from lsparse_jax.model.store import (
     RESIDENT_KV,
     RESIDENT_ROWS,
