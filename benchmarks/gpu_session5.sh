@@ -8,6 +8,11 @@
 #                 long-context model (benchmarks/train_long_gpu.sh, TRAIN_SECONDS); each exported
 #                 checkpoint comes back as one tar in $OUT (checkpoints are folders too deep for
 #                 $OUT), runs/ results beside them
+#   STEP=final    one short slice each (time-limited): device pools vs preallocated at 128K and
+#                 capacity (benchmarks/pools_gpu.py); the speculative experiment on the trained
+#                 model + drafter; sparse_attention v2 / Mosaic core table; the 200-example NIAH
+#                 study on checkpoints/long (shorter lengths first). Everything comes back in
+#                 $OUT/final.tar (more files than $OUT returns)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
@@ -41,5 +46,21 @@ case "${STEP:-prefill}" in
       TRAIN_SECONDS=${TRAIN_SECONDS:-300} bash benchmarks/train_long_gpu.sh
      [ -d checkpoints/long ] && tar -cf "$OUT/long.tar" checkpoints/long)
     rm -rf "$OUT/long/checkpoints" "$OUT/long/train_long/config.gin"; cd "$ROOT" ;;
+  final)
+    echo "== pools"; timeout 110 python3 benchmarks/pools_gpu.py --contexts 131072 \
+      --methods resident,leansparse,hisparse,adaptive --codebooks random --warm 2 --steps 8 \
+      --budget-gb 80 --budget-s 75 --out "$OUT/pools" --tag 128k 2>&1 | tail -30
+    echo "== speculative"; timeout 100 python3 -m experiments.cli run \
+      configs/experiments/speculative.gin \
+      "--gin.speculative.methods=('resident', 'hisparse', 'adaptive', 'leansparse')" \
+      "--gin.speculative.concurrencies=(1, 8, 4, 2)" --gin.speculative.decode_tokens=64 \
+      --gin.speculative.time_limit_s=50 --gin.speculative.results_dir=None 2>&1 \
+      | tr '\r' '\n' | grep -v "it/s\]" | tail -25
+    echo "== sparse_attention"; timeout 120 python3 benchmarks/sparse_attention_v2_gpu.py \
+      --quick --rows bfloat16,fp8 --budget-s 55 --mosaic-timeout-s 50 --out "$OUT/kernels" 2>&1 \
+      | grep -v Deprecation | grep -v "^  File\|^    \|^Traceback" | tail -34
+    echo "== accuracy"; ACC_TIMEOUT=190 ACC_EXTRA="--gin.accuracy.tasks=('niah',)" \
+      STEP=accuracy bash benchmarks/train_long_gpu.sh 2>&1 | tail -30
+    (cd "$OUT" && tar -cf /tmp/final.tar . && find . -mindepth 1 -delete && mv /tmp/final.tar .) ;;
 esac
 ls -la "$OUT" "$OUT"/* 2>/dev/null | head -30
