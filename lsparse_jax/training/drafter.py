@@ -27,6 +27,7 @@ from lsparse_jax.model.drafter import context_kv, draft_logits, init_drafter, ta
 from lsparse_jax.model.presets import fit_max_len
 from lsparse_jax.model.transformer import Transformer
 from lsparse_jax.training.data import make_batch
+from lsparse_jax.training.trainer import resume
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,16 +153,8 @@ def train_drafter(params, cfg: ModelConfig, dcfg: DrafterConfig, tc: DrafterTrai
                                     options=ocp.CheckpointManagerOptions(max_to_keep=2))
     dparams = init_drafter(cfg, dcfg, tc.seed)
     opt_state = make_optimizer(tc).init(dparams)
-    history, start = [], 0
+    dparams, opt_state, history, start = resume(manager, workdir, dparams, opt_state, log)
     hist_path = workdir / "history.json"
-    if manager.latest_step() is not None:
-        start = manager.latest_step()
-        restored = manager.restore(start, args=ocp.args.StandardRestore(
-            {"params": dparams, "opt_state": opt_state}))
-        dparams, opt_state = restored["params"], restored["opt_state"]
-        if hist_path.exists():
-            history = [h for h in json.loads(hist_path.read_text()) if h["step"] < start]
-        log(f"resumed from step {start} in {workdir}")
     mix = dict(tc.mix)
     held_out = jnp.asarray(make_batch(0, eval_batch, tc.seq_len, mix, 1.0, tc.seed,
                                       held_out=True).tokens)

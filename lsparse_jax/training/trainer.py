@@ -195,6 +195,23 @@ def load_params(path, cfg: ModelConfig | None = None):
     return jax.tree.map(jnp.asarray, params)
 
 
+def resume(manager, workdir, params, opt_state, log):
+    """(params, opt_state, history, start): the newest state ``manager`` saved (with the
+    history of workdir/history.json before it) or, if none, the given ones at step 0."""
+    import orbax.checkpoint as ocp
+
+    start = manager.latest_step()
+    if start is None:
+        return params, opt_state, [], 0
+    restored = manager.restore(start, args=ocp.args.StandardRestore(
+        {"params": params, "opt_state": opt_state}))
+    hist_path = pathlib.Path(workdir) / "history.json"
+    history = ([h for h in json.loads(hist_path.read_text()) if h["step"] < start]
+               if hist_path.exists() else [])
+    log(f"resumed from step {start} in {workdir}")
+    return restored["params"], restored["opt_state"], history, start
+
+
 def completed_steps(workdir) -> int:
     """Training steps the orbax state in ``workdir`` holds (0 when none)."""
     import orbax.checkpoint as ocp
@@ -246,16 +263,8 @@ def train(cfg: ModelConfig, tc: TrainConfig, workdir, progress: bool = True,
     else:
         params = init_params(first, tc.seed)
     opt_state = make_optimizer(tc).init(params)
-    history, start = [], 0
+    params, opt_state, history, start = resume(manager, workdir, params, opt_state, log)
     hist_path = workdir / "history.json"
-    if manager.latest_step() is not None:
-        start = manager.latest_step()
-        restored = manager.restore(start, args=ocp.args.StandardRestore(
-            {"params": params, "opt_state": opt_state}))
-        params, opt_state = restored["params"], restored["opt_state"]
-        if hist_path.exists():
-            history = [h for h in json.loads(hist_path.read_text()) if h["step"] < start]
-        log(f"resumed from step {start} in {workdir}")
     mix = dict(tc.mix)
     evals = {}  # seq_len -> {task: held-out batch} (evaluation seeds)
 
