@@ -41,6 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import common
+from pallas_kernels.sparse_attention.triton import combine  # the same partial-softmax merge
 
 MIN_DOT = 16  # smallest dimension of a Triton tl.dot
 LOG2E = math.log2(math.e)
@@ -173,14 +174,6 @@ def _kernel(q_ref, sink_ref, slots_ref, table_ref, window_ref, wmask_ref, *out_r
         acc_ref[...] = acc
         m_ref[...] = m
         den_ref[...] = den
-
-
-def combine(acc: jnp.ndarray, m: jnp.ndarray, den: jnp.ndarray) -> jnp.ndarray:
-    """Merges P partial softmaxes: acc [S, P, H, D], m and den [S, P, H] (m in log2 units) ->
-    out [S, H, D] = sum_j 2^(m_j - M) acc_j / sum_j 2^(m_j - M) den_j, M = max_j m_j."""
-    wgt = jnp.exp2(m - jnp.max(m, axis=1, keepdims=True))         # [S, P, H]
-    num = jnp.sum(wgt[..., None] * acc, axis=1)                    # [S, H, D]
-    return num / jnp.sum(wgt * den, axis=1)[..., None]
 
 
 @functools.partial(jax.jit, static_argnames=("block_h", "block_k", "splits", "num_warps",
