@@ -4,7 +4,8 @@
 #            v2 f32 path); the speculative experiment on the trained model + drafter
 #            (configs/experiments/speculative.gin, time-limited); device pools vs preallocated
 #            decode-step timing at 128K (benchmarks/pools_gpu.py, bf16 matmuls).
-#   STEP=scale1m  experiments/scale.py at 1M tokens (bf16 matmuls) into run scale_long
+#   STEP=scale1m  the per-op profile of a 128K prefill with bf16 matmuls, then
+#            experiments/scale.py at 1M tokens (bf16 matmuls) into run scale_long
 # Everything comes back in $OUT/<step>.tar (more files than $OUT returns).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
@@ -31,6 +32,9 @@ case "$STEP" in
       --precision bf16 --skip-capacity --budget-s 120 --out "$OUT/pools" --tag 128k 2>&1 \
       | quiet | tail -14 ;;
   scale1m)
+    echo "== prefill profile (bf16, 128K)"; timeout 100 python3 benchmarks/prefill_profile_gpu.py \
+      --context 131072 --precision bf16 --out "$OUT/prefill_profile" 2>&1 | tail -22
+    rm -f "$OUT/prefill_profile/prefill_trace.json.gz"
     mkdir -p "$OUT/scale_long" && cp results/scale_long/results.json "$OUT/scale_long/"
     timeout "${SCALE_TIMEOUT:-540}" python3 -m experiments.cli run configs/experiments/scale.gin \
       "--gin.scale.implementation='triton'" "--gin.scale.contexts=(1048576,)" \
