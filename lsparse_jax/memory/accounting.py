@@ -202,6 +202,23 @@ def admission_device_bytes(engine: EngineConfig, context: int | None = None) -> 
             "streamed_peak": decode + buffers, "monolithic_peak": decode + resident}
 
 
+def prefix_host_bytes(engine: EngineConfig, length: int) -> int:
+    """Host bytes of a detached prefix of ``length`` tokens (``serving.prefix.Prefix``).
+
+    Notation: S_l as in ``layer_state_bytes``, m CSA stride, P page rows, N = max_len / m,
+    f = (length // m) // P complete pages, L_c CSA layers, r the bytes of one row in host
+    pages (a KV row, plus an FP8 key for leansparse; 0 without host pages).
+    The saved state is each layer's resident state with the host-paged rows of a CSA layer
+    cut to the P-row tail: sum_l S_l - L_c (N - P) r; the pages: f P r L_c.
+    """
+    cfg, storage, page = engine.model, engine.storage, engine.cache.page_size
+    row = ((KVRowFormat.of(cfg).row_bytes if storage.kv_on_host else 0)
+           + (cfg.indexer.key_bytes if storage.keys_on_host else 0))
+    csa, n = cfg.layer_pattern.count("csa"), cfg.num_compressed("csa")
+    full = (length // cfg.csa_ratio) // page
+    return sum(layer_state_bytes(cfg)) - csa * (n - page) * row + full * page * row * csa
+
+
 def device_page_bytes(engine: EngineConfig, layout: Layout | None = None) -> int:
     """Bytes of one device page id: P rows in every device pool of every CSA layer (KV rows
     unless on the host, exact keys unless on the host, else PQ codes) and P * m / m_hca rows
