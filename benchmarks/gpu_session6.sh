@@ -6,6 +6,12 @@
 #            decode-step timing at 128K (benchmarks/pools_gpu.py, bf16 matmuls).
 #   STEP=scale1m  the per-op profile of a 128K prefill with bf16 matmuls, then
 #            experiments/scale.py at 1M tokens (bf16 matmuls) into run scale_long
+#   STEP=final  one shared call: the parts named in PARTS (default all), each a command run
+#            with a timeout from a branch snapshot in .branches/<part> (carried; made with
+#            `git archive <branch>`), its output under $OUT/<part>: accuracy (the 200-example
+#            study), serving (capacity/loadstep/replay), prefix (streamed admission), kernels
+#            (hot_resolve), and prefill (this tree: 128K bf16 prefill at chunks 4096 / 8192).
+#            The commands are the helpers' GPU_READY lines, recorded in RESULTS.md.
 # Everything comes back in $OUT/<step>.tar (more files than $OUT returns).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
@@ -40,6 +46,22 @@ case "$STEP" in
       "--gin.scale.implementation='triton'" "--gin.scale.contexts=(1048576,)" \
       "--gin.scale.batches=${SCALE_BATCHES:-(1,)}" "--gin.run.name='scale_long'" \
       "--gin.model_preset.matmul_precision='bf16'" 2>&1 | quiet | tail -24 ;;
+  final)
+    ROOT=$PWD
+    part() {  # part NAME SECONDS COMMAND...: from .branches/NAME (or this tree), timed out
+      local name=$1 secs=$2; shift 2
+      case " ${PARTS:-accuracy serving prefix kernels prefill} " in *" $name "*) ;; *) return;; esac
+      echo "== $name ($secs s)"; mkdir -p "$OUT/$name"
+      local dir=$ROOT/.branches/$name; [ -d "$dir" ] || dir=$ROOT
+      (cd "$dir" && export PYTHONPATH=/tmp/site:$dir OUT=$OUT/$name LSPARSE_RUNS=$OUT/$name \
+        && timeout "$secs" bash -c "$*" 2>&1 | quiet | tail -${TAIL:-25})
+      echo "-- $name exit ${PIPESTATUS[0]}"
+    }
+    part kernels 45 "python3 benchmarks/kernels_session6_gpu.py --out \$OUT --budget-s 35 --cells hot_resolve,nosync"
+    part prefill 60 "python3 benchmarks/prefill_precision_gpu.py --contexts 131072 --precisions bf16 --chunk 4096 --out \$OUT/c4096 && python3 benchmarks/prefill_precision_gpu.py --contexts 131072 --precisions bf16 --chunk 8192 --out \$OUT/c8192"
+    part prefix 70 "${PREFIX_CMD:-echo no PREFIX_CMD}"
+    part accuracy 180 "${ACCURACY_CMD:-echo no ACCURACY_CMD}"
+    part serving 255 "${SERVING_CMD:-echo no SERVING_CMD}" ;;
 esac
 (cd "$OUT" && tar -cf "/tmp/$STEP.tar" . && find . -mindepth 1 -delete && mv "/tmp/$STEP.tar" .)
 ls -la "$OUT"
