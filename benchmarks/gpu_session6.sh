@@ -58,7 +58,7 @@ case "$STEP" in
       echo "-- $name exit ${PIPESTATUS[0]}"
     }
     part kernels 45 "python3 benchmarks/kernels_session6_gpu.py --out \$OUT --budget-s 35 --cells hot_resolve,nosync"
-    part prefill 60 "python3 benchmarks/prefill_precision_gpu.py --contexts 131072 --precisions bf16 --chunk 4096 --out \$OUT/c4096 && python3 benchmarks/prefill_precision_gpu.py --contexts 131072 --precisions bf16 --chunk 8192 --out \$OUT/c8192"
+    part prefill 80 "python3 benchmarks/prefill_precision_gpu.py --contexts 131072 --precisions bf16 --chunk 4096 --out \$OUT/c4096 && python3 benchmarks/prefill_precision_gpu.py --contexts 131072 --precisions bf16 --chunk 8192 --out \$OUT/c8192"
     part prefix 70 "${PREFIX_CMD:-echo no PREFIX_CMD}"
     part accuracy 180 "${ACCURACY_CMD:-echo no ACCURACY_CMD}"
     part serving 255 "${SERVING_CMD:-echo no SERVING_CMD}" ;;
