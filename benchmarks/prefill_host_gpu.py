@@ -177,6 +177,8 @@ def run_cell(spec: dict) -> dict:
     engine.release(0)
 
     # 4. today's path: all layers on the device, then state.admit (measured last: larger)
+    if spec.get("no_monolithic"):
+        return rec
     t0 = time.perf_counter()
     engine.admit(Request(short, max_new_tokens=8),
                  prefilled=prefill(params, cfg, short, chunk))
@@ -193,9 +195,9 @@ def run_cell(spec: dict) -> dict:
 
 
 def table(records) -> str:
-    gb = 2**30
-    head = (f"{'method':<11}{'context':>9}{'prefill s':>10}{'mono s':>8}{'extra GB':>9}"
-            f"{'peak GB':>8}{'mono GB':>8}{'2buf GB':>8}{'decode GB':>10}{'reuse s':>8}"
+    mb = 2**20
+    head = (f"{'method':<11}{'context':>9}{'prefill s':>10}{'mono s':>8}{'held MB':>9}"
+            f"{'peak MB':>9}{'mono MB':>9}{'2buf MB':>9}{'decode MB':>10}{'reuse s':>8}"
             f"{'full s':>7}{'equal':>6}")
     lines = [head]
     for r in records:
@@ -203,14 +205,19 @@ def table(records) -> str:
             lines.append(f"{r['method']:<11}{r['context']:>9}  error: {r['error'][:80]}")
             continue
         def g(key, r=r):
-            return f"{r[key] / gb:.2f}" if r.get(key) is not None else "-"
+            return f"{r[key] / mb:.1f}" if r.get(key) is not None else "-"
 
+        mono = r.get("monolithic_prefill_s")
         lines.append(
             f"{r['method']:<11}{r['context']:>9}{r['prefill_s']:>10.2f}"
-            f"{r['monolithic_prefill_s']:>8.2f}{g('sampled_extra_bytes'):>9}"
-            f"{g('peak_extra_bytes'):>8}{g('monolithic_peak_extra_bytes'):>8}"
-            f"{g('layer_buffers_bytes'):>8}{g('decode_bytes'):>10}{r['reuse_s']:>8.2f}"
+            f"{'-' if mono is None else f'{mono:.2f}':>8}{g('sampled_extra_bytes'):>9}"
+            f"{g('peak_extra_bytes'):>9}{g('monolithic_peak_extra_bytes'):>9}"
+            f"{g('layer_buffers_bytes'):>9}{g('decode_bytes'):>10}{r['reuse_s']:>8.2f}"
             f"{r['full_s']:>7.2f}{str(r['reuse_tokens_equal']):>6}")
+    lines.append("held: device bytes_in_use beyond those before the admission, sampled after "
+                 "every layer (the buffers); peak: peak_bytes_in_use - before (with scratch); "
+                 "mono: today's path; 2buf: two layer buffers (accounting); reuse/full: "
+                 "prefix + suffix admission vs the whole prompt from scratch")
     return "\n".join(lines)
 
 
@@ -222,6 +229,8 @@ def main():
     ap.add_argument("--contexts", default=None, help="comma-separated (default 131072,524288)")
     ap.add_argument("--one-m", action="store_true", help="add 1048576 to the contexts")
     ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--no-monolithic", action="store_true",
+                    help="skip step 4 (today's path), to save a full prefill per cell")
     ap.add_argument("--smoke", action="store_true", help="tiny model (checks the script)")
     ap.add_argument("--cell", default=None, help=argparse.SUPPRESS)  # internal: one cell
     args = ap.parse_args()
@@ -250,7 +259,8 @@ def main():
             if left < 30:
                 print(f"budget: skipping {method} at {context} and after", flush=True)
                 break
-            spec = {"context": context, "method": method, "smoke": args.smoke}
+            spec = {"context": context, "method": method, "smoke": args.smoke,
+                    "no_monolithic": args.no_monolithic}
             try:
                 proc = subprocess.run([sys.executable, __file__, "--cell", json.dumps(spec)],
                                       capture_output=True, text=True, timeout=left)
