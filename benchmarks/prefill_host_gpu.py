@@ -5,6 +5,11 @@ Run on the GPU machine (H200, jax 0.11.2), time-limited, resumable (cells alread
 are skipped, so a second call continues the grid):
     python benchmarks/prefill_host_gpu.py --out $OUT --budget-s 540            # 128K, 512K
     python benchmarks/prefill_host_gpu.py --out $OUT --budget-s 540 --one-m    # adds 1M
+One short slot (~70 s wall with compiles): --quick runs the cells in one process (compiles
+shared, params drawn once), without decode steps (the first sampled token is compared) and
+without step 4; the JSON is rewritten after every step, so a kill keeps what was measured:
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 68 python benchmarks/prefill_host_gpu.py \
+        --quick --contexts 131072 --methods leansparse,hisparse,adaptive --budget-s 55
 CPU smoke (tiny model, any backend; checks the script, ~2-4 min on 2 cores):
     JAX_PLATFORMS=cpu python benchmarks/prefill_host_gpu.py --smoke --out /tmp/phg
 
@@ -77,8 +82,42 @@ def random_codebooks(cfg, subspace_dim: int, seed: int) -> dict:
             .astype(np.float32) for i, k in enumerate(cfg.layer_pattern) if k == "csa"}
 
 
-def run_cell(spec: dict) -> dict:
-    """One (context, method) cell in this process (steps 1-4 of the module docstring)."""
+def random_params(cfg, seed: int = 0):
+    """Random params with init_params' tree, drawn on the device leaf by leaf (no eager forward
+    pass, as ``init_params`` runs): norms 1, sinks and biases 0, embedding N(0, 1), kernels
+    N(0, 1/fan_in) (prefill_stream_gpu.py's rules)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from lsparse_jax.model import init_params
+
+    shapes = jax.eval_shape(functools.partial(init_params, cfg, seed))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    out = []
+    for key, (path, leaf) in zip(keys, leaves):
+        name = path[-1].key
+        if name == "scale":
+            out.append(jnp.ones(leaf.shape, leaf.dtype))
+        elif name in ("sink", "pos_bias") or name == "bias":
+            out.append(jnp.zeros(leaf.shape, leaf.dtype))
+        else:
+            std = 1.0 if name == "embedding" else leaf.shape[0] ** -0.5
+            out.append((jax.random.normal(key, leaf.shape, jnp.float32) * std)
+                       .astype(leaf.dtype))
+    return jax.block_until_ready(jax.tree_util.tree_unflatten(treedef, out))
+
+
+_PARAMS: dict = {}  # (smoke, max_len) -> params, shared by the cells of one process
+
+
+def run_cell(spec: dict, save=None, over=lambda: False) -> dict:
+    """One (context, method) cell (steps 1-4 of the module docstring). ``save(record)`` after
+    every step (a killed run keeps what it measured); ``over()`` True: stop before the next
+    step. ``spec["quick"]``: no decode steps (the first sampled token is compared) and no
+    step 4."""
     import jax
     import numpy as np
 
@@ -90,13 +129,13 @@ def run_cell(spec: dict) -> dict:
         method_storage,
     )
     from lsparse_jax.memory.accounting import admission_device_bytes, request_bytes
-    from lsparse_jax.model import init_params
     from lsparse_jax.serving.engine import Engine
     from lsparse_jax.serving.request import Request
     from lsparse_jax.serving.steps import prefill
 
     s, method, context = settings(spec["smoke"]), spec["method"], spec["context"]
-    chunk, suffix = s["chunk"], s["suffix"]
+    chunk, suffix, quick = s["chunk"], s["suffix"], spec.get("quick", False)
+    save = save or (lambda rec: None)
     cfg = model(spec["smoke"], context + suffix + 64)
     dev = jax.devices()[0]
 
@@ -113,7 +152,12 @@ def run_cell(spec: dict) -> dict:
     lean = LeanSparseConfig(s["lean"][0], 1.0, s["lean"][1])
     config = EngineConfig(model=cfg, cache=cache, sampling=SamplingConfig(0.0, 0),
                           method=method, leansparse=lean, implementation=s["implementation"])
-    params = init_params(cfg, 0)
+    t0 = time.perf_counter()
+    key = (spec["smoke"], cfg.max_len)
+    if key not in _PARAMS:
+        _PARAMS.clear()
+        _PARAMS[key] = random_params(cfg, 0)
+    params = _PARAMS[key]
     books = random_codebooks(cfg, lean.pq_subspace_dim, 0) if method_storage(
         method).keys_on_host else None
     rng = np.random.default_rng(context)
@@ -127,14 +171,17 @@ def run_cell(spec: dict) -> dict:
                resident_state_bytes=acc["resident_state"],
                streamed_peak_formula=acc["streamed_peak"],
                monolithic_peak_formula=acc["monolithic_peak"])
+    rec["params_s"] = time.perf_counter() - t0
 
     def greedy(engine, n=4):
+        if quick:  # the token sampled at admission (no decode step to compile)
+            return [engine.requests[0].tokens[0]]
         return [int(engine.step().tokens[0]) for _ in range(n)]
 
     # 1. warm-up (compiles the stream, the per-layer admissions, detach and prefix loads)
     t0 = time.perf_counter()
     engine = Engine(config, params, books)
-    short = prompt[:2 * chunk]
+    short = prompt[:chunk if quick else 2 * chunk]
     engine.admit(Request(short, max_new_tokens=8))
     warm_prefix = engine.detach(0)
     engine.admit(Request(np.concatenate([short, turn[:chunk]]), max_new_tokens=8),
@@ -143,6 +190,9 @@ def run_cell(spec: dict) -> dict:
     engine.release(0)
     jax.block_until_ready(engine.state)
     rec["warmup_s"] = time.perf_counter() - t0
+    save(rec)
+    if over():
+        return rec
 
     # 2. the streamed admission of the whole context
     base, _ = stats()
@@ -157,6 +207,9 @@ def run_cell(spec: dict) -> dict:
         rec["sampled_extra_bytes"] = max(sampled) - base
         rec["peak_extra_bytes"] = peak - base
         rec["bytes_after_admission"] = used
+    save(rec)
+    if over():
+        return rec
 
     # 3. prefix reuse vs a full streamed prefill of the extended prompt
     t0 = time.perf_counter()
@@ -169,15 +222,19 @@ def run_cell(spec: dict) -> dict:
     rec["reuse_s"] = time.perf_counter() - t0
     reused = greedy(engine)
     engine.release(0)
+    save(rec)
+    if over():
+        return rec
     t0 = time.perf_counter()
     engine.admit(Request(extended, max_new_tokens=8))
     rec["full_s"] = time.perf_counter() - t0
     rec["reuse_tokens_equal"] = reused == greedy(engine)
     rec["reuse_speedup"] = rec["full_s"] / rec["reuse_s"]
     engine.release(0)
+    save(rec)
 
     # 4. today's path: all layers on the device, then state.admit (measured last: larger)
-    if spec.get("no_monolithic"):
+    if spec.get("no_monolithic") or quick or over():
         return rec
     t0 = time.perf_counter()
     engine.admit(Request(short, max_new_tokens=8),
@@ -191,6 +248,7 @@ def run_cell(spec: dict) -> dict:
     rec["monolithic_prefill_s"] = time.perf_counter() - t0
     if base is not None:
         rec["monolithic_peak_extra_bytes"] = stats()[1] - base
+    save(rec)
     return rec
 
 
@@ -207,13 +265,15 @@ def table(records) -> str:
         def g(key, r=r):
             return f"{r[key] / mb:.1f}" if r.get(key) is not None else "-"
 
-        mono = r.get("monolithic_prefill_s")
+        def t(key, r=r):
+            return f"{r[key]:.2f}" if r.get(key) is not None else "-"
+
         lines.append(
-            f"{r['method']:<11}{r['context']:>9}{r['prefill_s']:>10.2f}"
-            f"{'-' if mono is None else f'{mono:.2f}':>8}{g('sampled_extra_bytes'):>9}"
+            f"{r['method']:<11}{r['context']:>9}{t('prefill_s'):>10}"
+            f"{t('monolithic_prefill_s'):>8}{g('sampled_extra_bytes'):>9}"
             f"{g('peak_extra_bytes'):>9}{g('monolithic_peak_extra_bytes'):>9}"
-            f"{g('layer_buffers_bytes'):>9}{g('decode_bytes'):>10}{r['reuse_s']:>8.2f}"
-            f"{r['full_s']:>7.2f}{str(r['reuse_tokens_equal']):>6}")
+            f"{g('layer_buffers_bytes'):>9}{g('decode_bytes'):>10}{t('reuse_s'):>8}"
+            f"{t('full_s'):>7}{str(r.get('reuse_tokens_equal', '-')):>6}")
     lines.append("held: device bytes_in_use beyond those before the admission, sampled after "
                  "every layer (the buffers); peak: peak_bytes_in_use - before (with scratch); "
                  "mono: today's path; 2buf: two layer buffers (accounting); reuse/full: "
@@ -231,6 +291,10 @@ def main():
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--no-monolithic", action="store_true",
                     help="skip step 4 (today's path), to save a full prefill per cell")
+    ap.add_argument("--quick", action="store_true",
+                    help="every cell in this process (compiles shared), no decode steps (the "
+                         "first sampled token is compared), no step 4; peak_extra_bytes is "
+                         "then exact for the first cell only (the process peak only grows)")
     ap.add_argument("--smoke", action="store_true", help="tiny model (checks the script)")
     ap.add_argument("--cell", default=None, help=argparse.SUPPRESS)  # internal: one cell
     args = ap.parse_args()
@@ -256,11 +320,26 @@ def main():
             if (context, method) in done:
                 continue
             left = args.budget_s - (time.perf_counter() - t_start)
-            if left < 30:
+            if left < (20 if args.quick else 30):
                 print(f"budget: skipping {method} at {context} and after", flush=True)
                 break
             spec = {"context": context, "method": method, "smoke": args.smoke,
-                    "no_monolithic": args.no_monolithic}
+                    "no_monolithic": args.no_monolithic, "quick": args.quick}
+            if args.quick:
+                def save(rec):
+                    path.write_text(json.dumps(records + [rec], indent=2))
+
+                def over():
+                    return time.perf_counter() - t_start > args.budget_s
+
+                try:
+                    rec = run_cell(spec, save, over)
+                except Exception as err:  # noqa: BLE001  (recorded; the grid goes on)
+                    rec = dict(spec, error=f"{type(err).__name__}: {str(err)[:300]}")
+                records.append(rec)
+                print(json.dumps(rec), flush=True)
+                path.write_text(json.dumps(records, indent=2))
+                continue
             try:
                 proc = subprocess.run([sys.executable, __file__, "--cell", json.dumps(spec)],
                                       capture_output=True, text=True, timeout=left)
