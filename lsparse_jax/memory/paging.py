@@ -11,8 +11,9 @@ from flax import struct
 from lsparse_jax.memory.host_pool import write_host_page
 
 
-def page_out(pool, rows, pages, count, page: int):
-    """Writes rows[j*P:(j+1)*P] to host page pages[j] for j < count (pytrees of rows/pools);
+def page_out(pool, rows, pages, count, page: int, start=0):
+    """Writes rows[j*P:(j+1)*P] to host page pages[j] for start <= j < count (pytrees of
+    rows/pools; pages before ``start`` already hold their rows, e.g. a reused prefix's);
     returns (pool, the next P rows as the tail)."""
     rows = jax.tree.map(lambda r: jnp.concatenate([r, jnp.full((page,) + r.shape[1:], jnp.nan,
                                                                  r.dtype)]), rows)
@@ -21,7 +22,7 @@ def page_out(pool, rows, pages, count, page: int):
         chunk = jax.tree.map(lambda r: jax.lax.dynamic_slice_in_dim(r, j * page, page), rows)
         return jax.tree.map(lambda p, c: write_host_page(p, pages[j], c), pool, chunk)
 
-    pool = jax.lax.fori_loop(0, count, body, pool)
+    pool = jax.lax.fori_loop(start, count, body, pool)
     tail = jax.tree.map(lambda r: jax.lax.dynamic_slice_in_dim(r, count * page, page), rows)
     return pool, tail
 

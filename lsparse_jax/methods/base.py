@@ -82,6 +82,8 @@ class Grant:
     #   (adaptive)
     device: Any = None  # [max_pages] int32 device pool page of each logical page, -1 past the
     #   reservation (CacheConfig.device_pages)
+    written: Any = 0  # int32 leading host pages that already hold their rows (a reused
+    #   prefix's complete pages: ``serving.prefix``); admission writes the pages after them
 
 
 def _no_host_pages(pages) -> None:

@@ -97,7 +97,7 @@ class HiSparse(Method):
         cache, tier = super().admit_layer(layer, cache, empty, tier, grant, full_pages)
         pools = list(tier.kv_pools)
         pools[layer], tail = page_out(pools[layer], cache.kv.entries, grant.pages, full_pages,
-                                      self.engine.cache.page_size)
+                                      self.engine.cache.page_size, grant.written)
         return (cache.replace(kv=empty.kv.replace(tail=tail)),
                 tier.replace(kv_pools=tuple(pools)))
 
@@ -153,7 +153,8 @@ class PagedController(PoolController):
         self.slot_pages[slot] = pages
         table = np.full(self.method.engine.pages_per_slot, -1, np.int32)
         table[:len(pages)] = pages
-        return grant.replace(pages=jnp.asarray(table)), before
+        return grant.replace(pages=jnp.asarray(table),
+                             written=jnp.asarray(len(held), jnp.int32)), before
 
     def keep_pages(self, slot: int, count: int) -> list[int]:
         kept, self.slot_pages[slot] = (self.slot_pages[slot][:count],

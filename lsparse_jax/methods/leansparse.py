@@ -194,7 +194,8 @@ class LeanSparse(HiSparse):
         page = self.engine.cache.page_size
         rows = (cache.keys.values, cache.keys.scales)
         pools = list(tier.key_pools)
-        pools[layer], key_tail = page_out(pools[layer], rows, grant.pages, full_pages, page)
+        pools[layer], key_tail = page_out(pools[layer], rows, grant.pages, full_pages, page,
+                                          grant.written)
         codes = encode_keys(*rows, tier.codebooks[layer])
         paged = jnp.arange(codes.shape[0]) < full_pages * page
         codes = jnp.where(paged[:, None], codes, 0)

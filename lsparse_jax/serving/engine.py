@@ -1,6 +1,8 @@
 """The control plane: admits prompts into slots, runs decode steps, collects metrics.
 
 Host-side Python with small numpy bookkeeping; all caches live in the jitted ``DecodeState``.
+Multi-turn reuse: ``detach`` keeps a finished request's context host-resident as a
+``serving.prefix.Prefix``; ``admit(prefix=)`` prefills only what a new prompt adds to it.
 """
 
 from __future__ import annotations
@@ -165,12 +167,11 @@ class Engine:
         def finish(layer, cache):
             self.state = admit_layer(self.config, self.state, slot, layer, cache, length, grant)
 
-        start = None
+        start, done = None, 0
         if prefix is not None:
             layers = loaders(self.config, prefix, lambda: self.state.tier)
-            start = StreamedPrefix(layers, prefix.length, None)
-        out = stream_prefix(self.params, self.config.model, prompt[0 if start is None
-                                                                   else start.length:],
+            start, done = StreamedPrefix(layers, prefix.length, None), prefix.length
+        out = stream_prefix(self.params, self.config.model, prompt[done:],
                             self.config.cache.prefill_chunk, prefix=start, progress=progress,
                             on_layer=on_layer, finish=finish)
         self.state = admit_done(self.config, self.state, slot, length, grant)

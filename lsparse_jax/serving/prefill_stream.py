@@ -32,9 +32,15 @@ share group, a block's temporaries) and P the parameters.
     allocator because JAX cannot ``device_put`` into an existing buffer, and a jitted copy into
     a donated buffer would run on the compute stream, serialized with the compute it should
     overlap.
-  ``streamed_prefill`` returns device caches (the engine's contract): that final upload
-  materializes sum_l S_l once, the size of the request's resident decode state. ``stream_prefix``
-  keeps the result on the host (a ``StreamedPrefix``) and can extend an existing prefix.
+  ``stream_prefix`` keeps the result on the host (a ``StreamedPrefix``) and can extend an
+  existing prefix, also one held elsewhere (``PrefixLayer``: a detached request's host pages
+  and saved state, ``serving.prefix``). With ``finish`` the last chunk hands each layer's
+  finished state to the caller instead of writing it back: the engine admits it into its slot
+  at once (``serving.state.admit_layer``: paged methods write its complete pages to host pages
+  and PQ codes to the device), so an admission never holds more than the decode state and the
+  two buffers (``memory.accounting.admission_device_bytes``). ``streamed_prefill`` (the
+  ``steps.prefill`` contract, kept for comparisons) uploads every layer at the end instead:
+  that materializes sum_l S_l once.
 Each transfer moves a layer's whole state at its max_len capacity (the paper's buffers at
 configured capacities), not a page plan of the rows the prefix has filled so far.
 
