@@ -57,11 +57,12 @@ case "$STEP" in
         && timeout "$secs" bash -c "$*" 2>&1 | quiet | tail -${TAIL:-25})
       echo "-- $name exit ${PIPESTATUS[0]}"
     }
-    part kernels 45 "python3 benchmarks/kernels_session6_gpu.py --out \$OUT --budget-s 35 --cells hot_resolve,nosync"
-    part prefill 80 "python3 benchmarks/prefill_precision_gpu.py --contexts 131072 --precisions bf16 --chunk 4096 --out \$OUT/c4096 && python3 benchmarks/prefill_precision_gpu.py --contexts 131072 --precisions bf16 --chunk 8192 --out \$OUT/c8192"
-    part prefix 70 "${PREFIX_CMD:-echo no PREFIX_CMD}"
-    part accuracy 180 "${ACCURACY_CMD:-echo no ACCURACY_CMD}"
-    part serving 255 "${SERVING_CMD:-echo no SERVING_CMD}" ;;
+    export ROOT
+    part kernels 45 "python3 benchmarks/kernels_session6_gpu.py --out \$OUT --budget-s 36 --cells hot_resolve,nosync"
+    part prefill 45 "python3 benchmarks/prefill_precision_gpu.py --contexts 131072 --precisions bf16 --chunk 4096 --out \$OUT"
+    part prefix 65 "python3 benchmarks/prefill_host_gpu.py --quick --contexts 131072 --methods leansparse,hisparse,adaptive --budget-s 52 --out \$OUT/prefill_host"
+    part accuracy 178 "mkdir -p checkpoints && cp -r \$ROOT/checkpoints/long checkpoints/ && STEP=accuracy TASKS=\"('niah',)\" METHODS=\"('resident','leansparse_C64','leansparse_C128','direct_pq')\" EXAMPLES=200 SLOTS=100 LENGTHS='(1024,2048,4096,8192,16384)' ACC_TIMEOUT=170 bash benchmarks/train_long_gpu.sh; rm -f \$OUT/jaxcache.tar"
+    part serving 250 "STEP=session bash benchmarks/serving_gpu.sh" ;;
 esac
 (cd "$OUT" && tar -cf "/tmp/$STEP.tar" . && find . -mindepth 1 -delete && mv "/tmp/$STEP.tar" .)
 ls -la "$OUT"
