@@ -213,6 +213,18 @@ def spec_bytes(engine: EngineConfig, drafter: DrafterConfig,
     return {"drafter_ring": ring + 4 * drafter.window, "staging": staging}
 
 
+def shared_pool_bytes(engine: EngineConfig, layout: Layout | None = None) -> int:
+    """Bytes of echo's GPU KV pool shared by all requests (``CacheConfig.shared_pool_rows``
+    entries of row + metadata per CSA layer; 0 for the other methods). Each request's buffer
+    of hot_cache_rows entries lives in it and is also in its ``request_bytes`` (hot_cache), the
+    rest holds prefills' histories."""
+    rows = engine.cache.shared_pool_rows
+    if rows is None:
+        return 0
+    lay = layout or Layout.ours(engine.model)
+    return engine.model.layer_pattern.count("csa") * rows * (lay.kv_row + lay.hot_row_meta)
+
+
 def param_bytes(cfg: ModelConfig) -> int:
     """Bytes of the model's parameters (f32), from shapes alone (nothing is allocated)."""
     from lsparse_jax.model import init_params
@@ -224,7 +236,8 @@ def param_bytes(cfg: ModelConfig) -> int:
 def max_concurrency(engine: EngineConfig, context: int, hbm_bytes: int, weight_bytes: int,
                     layout: Layout | None = None, host_bytes: int | None = None) -> int:
     """Most requests of ``context`` tokens whose GPU state fits beside the weights in
-    ``hbm_bytes`` (and whose host state fits in ``host_bytes`` if given)."""
+    ``hbm_bytes`` (and whose host state fits in ``host_bytes`` if given; echo: and whose
+    buffers fit in its shared pool)."""
     per = request_bytes(engine, context, layout)
     free = hbm_bytes - weight_bytes
     if free < 0:
@@ -233,6 +246,8 @@ def max_concurrency(engine: EngineConfig, context: int, hbm_bytes: int, weight_b
     count = free // per.gpu_total
     if host_bytes is not None and per.host_total:
         count = min(count, host_bytes // per.host_total)
+    if engine.cache.shared_pool_rows is not None:
+        count = min(count, engine.cache.shared_pool_rows // engine.cache.hot_cache_rows)
     return int(count)
 
 

@@ -42,7 +42,7 @@ from lsparse_jax.serving.metrics import request_metrics, summarize
 from lsparse_jax.serving.request import Request
 from lsparse_jax.serving.steps import prefill_chunks
 
-WAIT_REASONS = ("slots", "device_budget", "host_pool", "device_pool")
+WAIT_REASONS = ("slots", "device_budget", "host_pool", "device_pool", "shared_pool")
 
 
 @dataclasses.dataclass
@@ -139,7 +139,8 @@ class Scheduler:
         try:  # the controller reserves before the engine changes anything
             return self.engine.admit(r, prefilled=prefilled)
         except CapacityError as e:
-            pool = "device_pool" if isinstance(e, DeviceCapacityError) else "host_pool"
+            pool = getattr(e, "wait_reason", None) or (
+                "device_pool" if isinstance(e, DeviceCapacityError) else "host_pool")
             if not self.running:
                 raise RuntimeError(f"Scheduler: request {r.id!r} does not fit in the empty "
                                    f"{pool.replace('_', ' ')}; it would wait forever") from None
