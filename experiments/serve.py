@@ -36,20 +36,8 @@ from lsparse_jax.model import init_params
 from lsparse_jax.serving.engine import Engine
 from lsparse_jax.serving.request import Request
 from lsparse_jax.serving.scheduler import Clock, Scheduler
+from lsparse_jax.serving.workloads import poisson_requests
 from lsparse_jax.training import load_params
-
-
-def poisson_requests(n: int, rate: float, prompt_tokens, max_new_tokens, vocab: int,
-                     seed: int, stop_strings=()) -> list[Request]:
-    """n requests, arrivals a Poisson process of ``rate``/s (exponential gaps from 0), prompt
-    and output lengths uniform on the inclusive ranges (lo, hi)."""
-    rng = np.random.default_rng(seed)
-    arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
-    lengths = rng.integers(prompt_tokens[0], prompt_tokens[1] + 1, n)
-    outputs = rng.integers(max_new_tokens[0], max_new_tokens[1] + 1, n)
-    return [Request(rng.integers(0, vocab, int(lengths[i])).astype(np.int32), int(outputs[i]),
-                    stop_strings=tuple(stop_strings), arrival_time=float(arrivals[i]), id=i)
-            for i in range(n)]
 
 
 @gin.configurable
