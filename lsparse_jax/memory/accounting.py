@@ -190,6 +190,30 @@ def pooled_capacity(engine: EngineConfig, context: int) -> int:
     return min(engine.cache.num_slots, engine.cache.device_pages // max(per, 1))
 
 
+def budget_capacity(engine: EngineConfig, context: int, budget_bytes: int,
+                    layout: Layout | None = None) -> int:
+    """Most requests of ``context`` tokens whose whole GPU state (per-slot state plus their
+    device pool pages: ``engine`` needs ``device_pages`` set, any value) fits in
+    ``budget_bytes``. ``budget_pools`` sizes the pools that then admit exactly that many."""
+    if engine.cache.device_pages is None:
+        raise ValueError("budget_capacity: CacheConfig.device_pages is None (no device pools)")
+    return int(budget_bytes // request_bytes(engine, context, layout).gpu_total)
+
+
+def budget_pools(engine: EngineConfig, context: int, budget_bytes: int, slots: int,
+                 layout: Layout | None = None) -> int:
+    """Device pages (``CacheConfig.device_pages``) left in ``budget_bytes`` beside the
+    per-slot state of ``slots`` slots sized for ``context`` tokens (max_len = context)."""
+    per = request_bytes(engine, context, layout)
+    page = device_page_bytes(engine, layout)
+    fixed = per.gpu_total - per.device_pages * page  # per-slot state, not in the pools
+    pages = (budget_bytes - slots * fixed) // page
+    if pages < 1:
+        raise ValueError(f"budget_pools: {slots} slots' state ({slots * fixed} B) leaves no "
+                         f"device page in the budget ({budget_bytes} B)")
+    return int(pages)
+
+
 def spec_bytes(engine: EngineConfig, drafter: DrafterConfig,
                layout: Layout | None = None) -> dict[str, int]:
     """Device bytes one request adds for speculative decoding (``serving.speculative``).
