@@ -2,6 +2,7 @@
 
 from experiments import (  # noqa: F401
     accuracy,
+    capacity,
     common,
     kernel_compare,
     quickstart,
