@@ -7,6 +7,7 @@ from experiments import (  # noqa: F401
     kernel_compare,
     quickstart,
     recall_study,
+    replay,
     residency,
     scale,
     serve,

@@ -23,7 +23,7 @@ import gin
 import numpy as np
 from tqdm.auto import tqdm
 
-from experiments.common import fit_max_len, pyplot, run_dir, write_results
+from experiments.common import cdf_plot, fit_max_len, run_dir, write_results
 from lsparse_jax.config import (
     CacheConfig,
     EngineConfig,
@@ -115,18 +115,6 @@ def serve(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
 
 def plot(records: list[dict], label: str, path):
     """Empirical CDFs of TTFT, TPOT and end-to-end latency (one panel each)."""
-    plt = pyplot()
-    panels = (("ttft_s", "TTFT (s)", 1.0), ("tpot_s", "TPOT (ms)", 1e3),
-              ("e2e_s", "end-to-end (s)", 1.0))
-    fig, axes = plt.subplots(1, 3, figsize=(10, 3))
-    for ax, (key, xlabel, scale) in zip(axes, panels):
-        xs = np.sort([r[key] * scale for r in records if r[key] is not None])
-        ax.step(xs, np.arange(1, xs.size + 1) / max(xs.size, 1), where="post", label=label)
-        ax.set_xlabel(xlabel)
-        ax.set_ylim(0, 1.02)
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("CDF")
-    axes[0].legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    values = {key: [r[key] for r in records] for key in ("ttft_s", "tpot_s", "e2e_s")}
+    cdf_plot({label: values}, (("ttft_s", "TTFT (s)", 1.0), ("tpot_s", "TPOT (ms)", 1e3),
+                               ("e2e_s", "end-to-end (s)", 1.0)), path)
