@@ -232,12 +232,15 @@ def main():
     ap.add_argument("--codebooks", choices=("calibrated", "random"), default="calibrated")
     ap.add_argument("--engine-warmup", action="store_true",
                     help="also run Engine.warmup (prefill and writeback compiles) per cell")
+    ap.add_argument("--precision", choices=("highest", "tf32", "bf16"), default="highest",
+                    help="ModelConfig.matmul_precision of the slice (prefill speed)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no new timing cell after this many seconds (results so far "
                          "are written after every cell)")
     args = ap.parse_args()
     start = time.perf_counter()
     s = settings(args.smoke)
+    s["model"] = dataclasses.replace(s["model"], matmul_precision=args.precision)
     methods = tuple(m for m in args.methods.split(",") if m)
     if set(methods) - set(METHODS):
         ap.error(f"--methods: choose from {METHODS}")

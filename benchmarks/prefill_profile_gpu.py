@@ -30,12 +30,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--context", type=int, default=131072)
     ap.add_argument("--chunk", type=int, default=4096)
+    ap.add_argument("--precision", choices=("highest", "tf32", "bf16"), default="highest",
+                    help="ModelConfig.matmul_precision")
     ap.add_argument("--out", default="/tmp/prefill_profile")
     args = ap.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = fit_max_len(preset("v4_flash", layer_pattern=("swa", "csa", "hca", "csa")),
-                      args.context)
+    cfg = fit_max_len(preset("v4_flash", layer_pattern=("swa", "csa", "hca", "csa"),
+                             matmul_precision=args.precision), args.context)
     params = init_params(cfg, 0)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, args.context), jnp.int32)
     caches, chunk = empty_cache(cfg), args.chunk

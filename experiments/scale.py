@@ -17,7 +17,8 @@ times the batch exceed ``device_budget_gb`` is recorded as skipped, not run.
 Record keys: method, context, batch, layers, step_ms, prefill_s, warmup_s,
 device_bytes_per_request, host_bytes_per_request, host_bytes_per_token, reuse,
 resolved_fraction (tail-or-resident / hot / host), or skipped with the reason, or error (a
-cell that raised; the grid goes on, and a rerun retries it).
+cell that raised; the grid goes on, and a rerun retries it); ``full_model``: the
+extrapolation to the whole model (``extrapolate``) when ``full_pattern`` is given.
 """
 
 from __future__ import annotations
@@ -69,11 +70,12 @@ def scale(name: str, model=gin.REQUIRED, methods=("resident", "hisparse", "leans
           prefill_chunk: int = 4096, hot_cache_rows: int = 4096, page_size: int = 64,
           leansparse=None, calibration_tokens: int = 4096, lent_fraction: float = 0.5,
           device_budget_gb: float = 120.0, implementation: str | None = "xla",
-          profile: tuple = (), seed: int = 0):
+          profile: tuple = (), full_pattern: tuple | None = None, seed: int = 0):
     """Runs the grid; returns the records. ``lent_fraction``: adaptive's optional pages as a
     fraction of the batch's complete prompt pages. ``profile``: (method, context, batch) cells
     whose timed steps are also traced (jax.profiler; a Perfetto trace per cell is copied to
-    runs/<name>/trace_<method>_<context>_<batch>.json.gz)."""
+    runs/<name>/trace_<method>_<context>_<batch>.json.gz). ``full_pattern``: the whole
+    model's layer pattern (e.g. V4-Flash's 43 layers) for ``extrapolate``."""
     _check(methods, contexts, batches, steps)
     lean = leansparse or LeanSparseConfig()
     out = run_dir(name)
@@ -112,6 +114,9 @@ def scale(name: str, model=gin.REQUIRED, methods=("resident", "hisparse", "leans
                 rec = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"}
             rec.update(method=method, context=context, batch=batch, layers=cfg.num_layers,
                        prefill_s=prefill_s)
+            if full_pattern and "step_ms" in rec:
+                rec["full_model"] = extrapolate(cfg, rec, full_pattern, hot_cache_rows,
+                                                page_size, lean)
             if method_storage(method).keys_on_host:
                 rec["calibration_s"] = calibration_s
             records.append(rec)
@@ -172,6 +177,29 @@ def decode_cell(cfg, params, books, pre, prompt, method, batch, steps, warm_step
             "host_bytes_per_request": per.host_total,
             "host_bytes_per_token": m["host_bytes_per_token"],
             "reuse": sel["reuse_fraction"], "resolved_fraction": sel["resolved_fraction"]}
+
+
+def extrapolate(cfg, rec: dict, pattern: tuple, hot_rows: int, page: int, lean) -> dict:
+    """A slice's cell extrapolated to the whole model of layer kinds ``pattern``.
+
+    Bytes per request: exact, ``memory.accounting.request_bytes`` of the whole pattern at the
+    same settings (it is what the allocation would be). Step time: an extrapolation, not a
+    measurement: the slice's step scaled by layers, step_ms * L_full / L_slice, with the
+    slice's mix of layer kinds standing for the model's (V4-Flash: 21 CSA, 20 HCA, 2 SWA of 43;
+    the slice: 2 CSA, 1 HCA, 1 SWA) and its fixed per-step costs (embedding, head, sampling,
+    dispatch) scaled too, so an upper bound where those matter.
+    """
+    full = dataclasses.replace(cfg, layer_pattern=tuple(pattern))
+    storage = method_storage(rec["method"])
+    cache = CacheConfig(rec["batch"], 4096, hot_rows if storage.kv_on_host else None, page,
+                        optional_pages=1 if storage.lent_pages else None)
+    engine = EngineConfig(model=full, cache=cache, method=rec["method"], leansparse=lean)
+    per = request_bytes(engine, full.max_len)
+    return {"layers": full.num_layers, "device_bytes_per_request": per.gpu_total,
+            "host_bytes_per_request": per.host_total,
+            "step_ms_extrapolated": rec["step_ms"] * full.num_layers / cfg.num_layers,
+            "note": "bytes: accounting of the whole pattern (exact); step: the slice's step "
+                    "scaled by layer count (an extrapolation)"}
 
 
 def _write(out, model, records):

@@ -180,3 +180,23 @@ def test_gpu_v4_shape_matches_xla(impl, nb):
     assert np.all(np.asarray(got)[~valid] == -np.inf)
     assert_close(got, want, "bfloat16", mask=valid)
     _check(got, args, "bfloat16")
+
+
+@pytest.mark.parametrize("precision", [jax.lax.Precision.DEFAULT,
+                                       jax.lax.DotAlgorithmPreset.BF16_BF16_F32])
+def test_reduced_precision_head_sum_equals_the_einsum_form(precision):
+    """Below HIGHEST, exact_index_scores sums the heads as a multiply-reduce (no batched
+    GEMV): the same sum of w_h ReLU(q_h . k_n) as the f32 einsum up to the dot's rounding."""
+    from pallas_kernels.index_scores.reference import exact_index_scores
+
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.normal(size=(6, 4, 32)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(6, 4)), jnp.float32)
+    keys = jnp.asarray(rng.normal(size=(50, 32)), jnp.float32)
+    dots = np.einsum("thd,nd->thn", np.asarray(q, np.float64), np.asarray(keys, np.float64))
+    want = np.einsum("th,thn->tn", np.asarray(w, np.float64), np.maximum(dots, 0))
+    got = np.asarray(exact_index_scores(q, w, keys, precision))
+    tol = 1e-5 if precision is jax.lax.Precision.DEFAULT else 3e-2
+    assert np.max(np.abs(got - want)) <= tol * np.max(np.abs(want))
+    exact = np.asarray(exact_index_scores(q, w, keys))  # HIGHEST: the einsum form
+    assert np.max(np.abs(exact - want)) <= 1e-5 * np.max(np.abs(want))

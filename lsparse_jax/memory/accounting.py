@@ -10,11 +10,13 @@ papers' figures. CSA rows are counted in the model's ``kv_dtype`` (``quant.KVRow
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
 
 from lsparse_jax.config import DrafterConfig, EngineConfig, ModelConfig
+from lsparse_jax.model.cache import empty_layer_cache
 from lsparse_jax.quant import KVRowFormat
 
 GPU_COMPONENTS = ("weights_share", "swa_window", "compressor_state", "attention_kv",
@@ -160,6 +162,61 @@ def request_bytes(engine: EngineConfig, context: int, layout: Layout | None = No
     gpu["weights_share"] = weights_share
     return RequestBytes(gpu=gpu, host=host, per_layer=tuple(per_layer),
                         device_pages=csa_pages if pooled else 0)
+
+
+def layer_state_bytes(cfg: ModelConfig) -> tuple[int, ...]:
+    """Bytes of each layer's prefill state S_l: its resident ``LayerCache`` for one request
+    at max_len (what a layer-streamed prefill moves and holds per layer)."""
+    def size(tree):
+        return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
+
+    return tuple(size(jax.eval_shape(functools.partial(empty_layer_cache, cfg, i)))
+                 for i in range(cfg.num_layers))
+
+
+def stream_state_bytes(cfg: ModelConfig) -> int:
+    """The two layer buffers of a layer-streamed prefill: max_l S_l + S_{l+1} (the layer
+    computed and the next one loading)."""
+    s = layer_state_bytes(cfg)
+    return max((a + b for a, b in zip(s, s[1:])), default=s[0])
+
+
+def admission_device_bytes(engine: EngineConfig, context: int | None = None) -> dict[str, int]:
+    """Device bytes one admission needs, by component (the arrays; a chunk's activations
+    and the kernels' scratch come on top).
+
+    Notation: S_l the bytes of layer l's prefill state at max_len (``layer_state_bytes``).
+      decode: the request's decode footprint (``request_bytes(engine, context).gpu_total``,
+        context None: max_len), where it lives from then on;
+      layer_buffers: the layer-streamed admission (``CacheConfig.streamed_prefill``: each
+        layer admitted from the stream as it finishes) holds two layer states at once,
+        max_l S_l + S_{l+1};
+      resident_state: the monolithic admission instead materializes every layer, sum_l S_l
+        (and ``steps.prefill`` holds input and output caches of a chunk, twice that);
+      streamed_peak = decode + layer_buffers; monolithic_peak = decode + resident_state.
+    """
+    context = engine.model.max_len if context is None else context
+    decode = request_bytes(engine, context).gpu_total
+    buffers, resident = stream_state_bytes(engine.model), sum(layer_state_bytes(engine.model))
+    return {"decode": decode, "layer_buffers": buffers, "resident_state": resident,
+            "streamed_peak": decode + buffers, "monolithic_peak": decode + resident}
+
+
+def prefix_host_bytes(engine: EngineConfig, length: int) -> int:
+    """Host bytes of a detached prefix of ``length`` tokens (``serving.prefix.Prefix``).
+
+    Notation: S_l as in ``layer_state_bytes``, m CSA stride, P page rows, N = max_len / m,
+    f = (length // m) // P complete pages, L_c CSA layers, r the bytes of one row in host
+    pages (a KV row, plus an FP8 key for leansparse; 0 without host pages).
+    The saved state is each layer's resident state with the host-paged rows of a CSA layer
+    cut to the P-row tail: sum_l S_l - L_c (N - P) r; the pages: f P r L_c.
+    """
+    cfg, storage, page = engine.model, engine.storage, engine.cache.page_size
+    row = ((KVRowFormat.of(cfg).row_bytes if storage.kv_on_host else 0)
+           + (cfg.indexer.key_bytes if storage.keys_on_host else 0))
+    csa, n = cfg.layer_pattern.count("csa"), cfg.num_compressed("csa")
+    full = (length // cfg.csa_ratio) // page
+    return sum(layer_state_bytes(cfg)) - csa * (n - page) * row + full * page * row * csa
 
 
 def device_page_bytes(engine: EngineConfig, layout: Layout | None = None) -> int:

@@ -98,8 +98,8 @@ class Adaptive(HiSparse):
         return (LentPageView(tier.kv_pools[layer], table, tier.optional_pools[layer], ready),
                 self.pool_view(tier, "keys", layer, rows[-1]))
 
-    def admit(self, state, slot, caches, length, grant: Grant):
-        state = super().admit(state, slot, caches, length, grant)
+    def admit_done(self, state, slot, length, grant: Grant):
+        state = super().admit_done(state, slot, length, grant)
         return state.replace(tier=state.tier.replace(ready=state.tier.ready.at[slot].set(
             grant.lent)))
 
@@ -170,8 +170,8 @@ class AdaptiveController(PagedController):
         self.residency = OptionalResidency(cache.optional_pages, method.engine.pages_per_slot,
                                            cache.refill_pages)
 
-    def reserve(self, slot: int, total_tokens: int, prompt_tokens: int):
-        grant, before = super().reserve(slot, total_tokens, prompt_tokens)
+    def reserve(self, slot: int, total_tokens: int, prompt_tokens: int, held=()):
+        grant, before = super().reserve(slot, total_tokens, prompt_tokens, held)
         engine = self.method.engine
         full = prompt_tokens // engine.model.csa_ratio // engine.cache.page_size
         victims, ready = self.residency.admit(slot, full)

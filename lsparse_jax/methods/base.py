@@ -40,7 +40,7 @@ from lsparse_jax.memory.device_pool import (
     write_completed_tails,
 )
 from lsparse_jax.memory.paging import CompletedPages
-from lsparse_jax.model.cache import CSACache, LayerCache, empty_cache
+from lsparse_jax.model.cache import CSACache, LayerCache, empty_cache, empty_layer_cache
 from lsparse_jax.model.store import RESIDENT_KV, RESIDENT_ROWS, ExactIndex, KeyIndex, KVStore
 from lsparse_jax.quant import KVRowFormat
 
@@ -84,15 +84,32 @@ class Grant:
     #   reservation (CacheConfig.device_pages)
 
 
+def _no_host_pages(pages) -> None:
+    if len(pages):
+        raise ValueError(f"this method keeps no host pages, got {len(pages)} to hold")
+
+
 class Controller:
     """Control plane of a method that keeps no host-side bookkeeping."""
 
-    def reserve(self, slot: int, total_tokens: int,
-                prompt_tokens: int) -> tuple[Grant, list[Update]]:
+    def reserve(self, slot: int, total_tokens: int, prompt_tokens: int,
+                held=()) -> tuple[Grant, list[Update]]:
         """Reserves what a request of ``total_tokens`` needs, or raises before changing
         anything (``memory.HostCapacityError``). Returns the grant and the state updates to
-        run before the admission (e.g. reclaiming other requests' lent pages)."""
+        run before the admission (e.g. reclaiming other requests' lent pages). ``held``: host
+        pages a prefix hands over as the request's first logical pages (``serving.prefix``);
+        they become the slot's only if the reservation succeeds."""
+        _no_host_pages(held)
         return Grant(), []
+
+    def keep_pages(self, slot: int, count: int) -> list[int]:
+        """Takes the slot's first ``count`` host pages out of its reservation (a detached
+        prefix keeps them; ``release`` then frees the rest). No host pages here: []."""
+        return []
+
+    def free_pages(self, pages) -> None:
+        """Frees host pages a prefix held (``Engine.drop``)."""
+        _no_host_pages(pages)
 
     def release(self, slot: int) -> list[Update]:
         """Frees the slot's reservation; returns the state updates that must follow."""
@@ -246,21 +263,39 @@ class Method:
 
     # ------------------------------------------------------------------------------ admission
     def admit(self, state, slot, caches: tuple[LayerCache, ...], length, grant: Grant):
-        """Puts one prefilled request (resident caches, no slot axis) into ``slot``: each CSA
-        layer through ``admit_layer``, then the slot's page-table rows (``with_tables``)."""
-        full_pages = (length // self.engine.model.csa_ratio) // self.engine.cache.page_size
-        tier, out, empty = state.tier, list(caches), self.empty_slot()
-        for i in self.csa_layers:
-            out[i], tier = self.admit_layer(i, caches[i], empty[i], tier, grant, full_pages)
-        if self.pooled:  # HCA rows of the complete pages to their device pages
+        """Puts one prefilled request (resident caches, no slot axis) into ``slot``: each
+        layer through ``admit_one``, then ``admit_done``."""
+        for i, cache in enumerate(caches):
+            state = self.admit_one(state, slot, i, cache, length, grant)
+        return self.admit_done(state, slot, length, grant)
+
+    def admit_one(self, state, slot, layer: int, cache: LayerCache, length, grant: Grant):
+        """One layer of an admission: its finished resident cache (no slot axis) into
+        ``slot`` as the method stores it (CSA layers through ``admit_layer``; with device
+        pools, an HCA layer's complete pages to its device pages). Layers are independent, so
+        a layer-streamed prefill admits each as it finishes (``serving.state.admit_layer``)."""
+        engine = self.engine
+        full_pages = (length // engine.model.csa_ratio) // engine.cache.page_size
+        tier, kind = state.tier, engine.model.layer_pattern[layer]
+        if kind == "csa":
+            empty = empty_layer_cache(engine.model, layer, self.kv_store(), self.key_index(),
+                                      self.hca_store())
+            cache, tier = self.admit_layer(layer, cache, empty, tier, grant, full_pages)
+        elif kind == "hca" and self.pooled:  # HCA rows of the complete pages to device pages
             hca = list(tier.pools.hca)
-            for i in self.hca_layers:
-                hca[i], tail = page_in(hca[i], caches[i].entries, grant.device, full_pages,
+            hca[layer], tail = page_in(hca[layer], cache.entries, grant.device, full_pages,
                                        self.hca_page_rows)
-                out[i] = out[i].replace(entries=PooledRows(tail))
+            cache = cache.replace(entries=PooledRows(tail))
             tier = tier.replace(pools=tier.pools.replace(hca=tuple(hca)))
-        return insert(state.replace(tier=self.with_tables(tier, slot, grant)), slot,
-                      tuple(out), length)
+        caches = list(state.caches)
+        caches[layer] = jax.tree.map(lambda big, one: big.at[slot].set(one), caches[layer],
+                                     cache)
+        return state.replace(caches=tuple(caches), tier=tier)
+
+    def admit_done(self, state, slot, length, grant: Grant):
+        """The end of an admission: ``slot``'s page-table rows (``with_tables``) and length."""
+        return state.replace(tier=self.with_tables(state.tier, slot, grant),
+                             lengths=state.lengths.at[slot].set(length))
 
     def admit_layer(self, layer: int, cache: CSACache, empty: CSACache, tier, grant: Grant,
                     full_pages):
@@ -375,7 +410,8 @@ class PoolController(Controller):
         rows = total_tokens // engine.model.csa_ratio
         return -(-rows // engine.cache.page_size)
 
-    def reserve(self, slot: int, total_tokens: int, prompt_tokens: int):
+    def reserve(self, slot: int, total_tokens: int, prompt_tokens: int, held=()):
+        _no_host_pages(held)  # the paged controllers take them (``PagedController``)
         if self.device is None:
             return Grant(), []
         row = self.device.reserve(slot, self.logical_pages(total_tokens),

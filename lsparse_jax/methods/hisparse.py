@@ -135,11 +135,17 @@ class PagedController(PoolController):
         self.pages = PageAllocator(method.engine.host_pages)
         self.slot_pages: dict[int, list[int]] = {}
 
-    def reserve(self, slot: int, total_tokens: int, prompt_tokens: int):
+    def reserve(self, slot: int, total_tokens: int, prompt_tokens: int, held=()):
+        """As ``PoolController``, and host pages: ``held`` (a prefix's) first, then new ones."""
+        held = [int(p) for p in held]
+        count = self.logical_pages(total_tokens)
+        if len(held) > count:
+            raise ValueError(f"reserve: {len(held)} held pages exceed the {count} pages a "
+                             f"request of {total_tokens} tokens holds")
         grant, before = super().reserve(slot, total_tokens, prompt_tokens)
         try:
-            pages = self.pages.allocate(self.logical_pages(total_tokens),
-                                        what=f"a request of {total_tokens} tokens")
+            pages = held + self.pages.allocate(count - len(held),
+                                               what=f"a request of {total_tokens} tokens")
         except CapacityError:
             if self.device is not None:  # nothing changes: give the device pages back
                 self.device.release(slot)
@@ -148,6 +154,14 @@ class PagedController(PoolController):
         table = np.full(self.method.engine.pages_per_slot, -1, np.int32)
         table[:len(pages)] = pages
         return grant.replace(pages=jnp.asarray(table)), before
+
+    def keep_pages(self, slot: int, count: int) -> list[int]:
+        kept, self.slot_pages[slot] = (self.slot_pages[slot][:count],
+                                       self.slot_pages[slot][count:])
+        return kept
+
+    def free_pages(self, pages) -> None:
+        self.pages.release(pages)
 
     def release(self, slot: int) -> list:
         self.pages.release(self.slot_pages.pop(slot))

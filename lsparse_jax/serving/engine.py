@@ -15,10 +15,18 @@ from lsparse_jax.config import EngineConfig
 from lsparse_jax.methods import policy
 from lsparse_jax.quant import KVRowFormat
 from lsparse_jax.serving import stats
-from lsparse_jax.serving.prefill_stream import streamed_prefill
+from lsparse_jax.serving.prefill_stream import StreamedPrefix, stream_prefix
+from lsparse_jax.serving.prefix import Prefix, export_layer, loaders, tree_bytes
 from lsparse_jax.serving.request import Request
 from lsparse_jax.serving.sampling import sample
-from lsparse_jax.serving.state import DecodeState, admit, empty_state, slot_bytes
+from lsparse_jax.serving.state import (
+    DecodeState,
+    admit,
+    admit_done,
+    admit_layer,
+    empty_state,
+    slot_bytes,
+)
 from lsparse_jax.serving.steps import DecodeOutput, decode_step, prefill, sparse_layers
 
 
@@ -71,14 +79,25 @@ class Engine:
         jax.block_until_ready(self.state)
 
     def admit(self, request: Request | np.ndarray, max_new_tokens: int | None = None,
-              progress=None, prefilled=None) -> int:
+              progress=None, prefilled=None, *, prefix: Prefix | None = None,
+              on_layer=None) -> int:
         """Prefills ``request`` into a free slot and samples its first token; returns the slot.
 
         ``request``: a ``Request`` (or a prompt, with ``max_new_tokens``, made into one).
         The method's controller reserves what prompt + max_new_tokens need (paged methods:
-        host pages) first, so running out of host memory fails here, before anything changes.
+        host pages) first, so running out of host memory fails here (``CapacityError``),
+        before anything changes.
+        With ``CacheConfig.streamed_prefill`` (and always with ``prefix``) the prefill streams
+        layer by layer (``prefill_stream``) and each layer is admitted into the slot as it
+        finishes (``state.admit_layer``): the device never holds more than the decode state
+        and two layer buffers. Otherwise ``steps.prefill`` computes every layer's caches on the
+        device and ``state.admit`` admits them.
         prefilled: (caches, last logits) that ``steps.prefill`` returned for this prompt and
         model, to share one prefill between engines (every method prefills alike).
+        prefix: a ``Prefix`` from ``detach``; ``request.prompt`` must extend its tokens. Only
+        the suffix is prefilled, the prefix state streamed in from the host; the prefix is
+        consumed (its host pages become the request's) unless this raises.
+        on_layer: observer of the stream (``prefill_stream.LayerEvent``), for measurements.
         """
         if not isinstance(request, Request):
             request = Request(request, max_new_tokens)
@@ -90,22 +109,27 @@ class Engine:
         if total > cfg.max_len:
             raise ValueError(f"admit: prompt {len(prompt)} + max_new_tokens {new} "
                              f"exceeds ModelConfig.max_len={cfg.max_len}")
+        held = ()
+        if prefix is not None:
+            self._check_prefix(prefix, prompt, prefilled)
+            held = prefix.pages
         free = np.flatnonzero(~self.active)
         if free.size == 0:
             raise RuntimeError(f"admit: all {self.active.size} slots are busy")
         slot = int(free[0])
-        grant, before = self.control.reserve(slot, total, len(prompt))
+        grant, before = self.control.reserve(slot, total, len(prompt), held=held)
         t0 = time.perf_counter()
         request.admitted_at = t0
-        if prefilled is None:
-            run = streamed_prefill if self.config.cache.streamed_prefill else prefill
-            caches, last = run(self.params, cfg, prompt, self.config.cache.prefill_chunk,
-                               progress=progress)
-        else:
-            caches, last = prefilled
         for update in before:
             self.state = update(self.state)
-        self.state = admit(self.config, self.state, slot, caches, len(prompt), grant)
+        if prefilled is None and (prefix is not None or self.config.cache.streamed_prefill):
+            last = self._stream_admit(slot, prompt, prefix, grant, progress, on_layer)
+        else:
+            if prefilled is None:
+                prefilled = prefill(self.params, cfg, prompt, self.config.cache.prefill_chunk,
+                                    progress=progress)
+            caches, last = prefilled
+            self.state = admit(self.config, self.state, slot, caches, len(prompt), grant)
         self._rng, key = jax.random.split(self._rng)
         first = int(sample(last[None], key, self.config.sampling.temperature)[0])
         jax.block_until_ready(self.state)
@@ -120,6 +144,73 @@ class Engine:
         self.lengths[slot] = len(prompt)
         self.stats = stats.admitted(self.stats, slot)
         return slot
+
+    def _check_prefix(self, prefix: Prefix, prompt: np.ndarray, prefilled) -> None:
+        prefix.check_held(self.control, "admit")
+        if prefilled is not None:
+            raise ValueError("admit: give a prefix or prefilled caches, not both")
+        n = prefix.length
+        if len(prompt) <= n or not np.array_equal(prompt[:n], prefix.tokens):
+            why = ("must be longer than" if np.array_equal(prompt[:n], prefix.tokens)
+                   else "does not start with")
+            raise ValueError(f"admit: the prompt ({len(prompt)} tokens) {why} the prefix's "
+                             f"tokens ({n} tokens)")
+
+    def _stream_admit(self, slot: int, prompt, prefix: Prefix | None, grant, progress,
+                      on_layer):
+        """Layer-streamed prefill of the prompt (past ``prefix``), each layer admitted into
+        ``slot`` as it finishes; returns the last prompt token's logits."""
+        length = len(prompt)
+
+        def finish(layer, cache):
+            self.state = admit_layer(self.config, self.state, slot, layer, cache, length, grant)
+
+        start = None
+        if prefix is not None:
+            layers = loaders(self.config, prefix, lambda: self.state.tier)
+            start = StreamedPrefix(layers, prefix.length, None)
+        out = stream_prefix(self.params, self.config.model, prompt[0 if start is None
+                                                                   else start.length:],
+                            self.config.cache.prefill_chunk, prefix=start, progress=progress,
+                            on_layer=on_layer, finish=finish)
+        self.state = admit_done(self.config, self.state, slot, length, grant)
+        if prefix is not None:  # its pages are the request's now
+            prefix.state, prefix.layers = "consumed", ()
+        return out.last_logits
+
+    def detach(self, slot: int) -> Prefix:
+        """Ends the request in ``slot`` as ``release`` does, but keeps its context (prompt +
+        the generated tokens whose KV was written) host-resident as a ``Prefix``: its complete
+        host pages stay reserved, the rest of its state is saved to pinned_host memory
+        (``serving.prefix``). Admit a request extending it with ``admit(prefix=...)``, or free
+        it with ``drop``."""
+        if not self.active[slot]:
+            raise ValueError(f"detach: slot {slot} is not active")
+        request, length = self.requests[slot], int(self.lengths[slot])
+        written = np.concatenate([request.prompt, np.asarray(request.tokens[:-1], np.int32)])
+        cfg = self.config.model
+        saved = tuple(export_layer(self.config, self.state, slot, i)
+                      for i in range(cfg.num_layers))
+        saved = jax.device_put(saved, jax.memory.Space.Host)
+        full = (length // cfg.csa_ratio) // self.config.cache.page_size
+        pages = self.control.keep_pages(slot, full)
+        host_bytes = tree_bytes(saved) + len(pages) * self._host_page_bytes()
+        self.release(slot)
+        return Prefix(written[:length], host_bytes, tuple(pages), saved, owner=self.control)
+
+    def drop(self, prefix: Prefix) -> None:
+        """Frees a prefix's host memory (its pages and saved state) without admitting it."""
+        prefix.check_held(self.control, "drop")
+        self.control.free_pages(prefix.pages)
+        prefix.state, prefix.layers = "dropped", ()
+
+    def _host_page_bytes(self) -> int:
+        """Bytes of one host page id: its P rows in every host pool (KV rows, and FP8 keys
+        for leansparse) of every CSA layer."""
+        tier = self.state.tier
+        pools = [getattr(tier, name, None) for name in ("kv_pools", "key_pools")]
+        rows = sum(leaf.nbytes // leaf.shape[0] for leaf in jax.tree.leaves(pools))
+        return rows * self.config.cache.page_size
 
     def release(self, slot: int) -> list[int]:
         """Ends a request: frees its slot and what the method reserved; returns its tokens."""

@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import flax.linen as nn
 import jax
@@ -57,6 +58,7 @@ import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
 from lsparse_jax.config import ModelConfig
+from lsparse_jax.memory.accounting import layer_state_bytes, stream_state_bytes
 from lsparse_jax.model.blocks import Block
 from lsparse_jax.model.cache import LayerCache, empty_layer_cache
 from lsparse_jax.model.layers import RMSNorm, dense, matmul_precision
@@ -70,7 +72,8 @@ HOST, DEVICE = "pinned_host", "device"
 class StreamedPrefix:
     """One request's prefix state after a streamed prefill: every layer in host memory.
 
-    caches: per layer a ``LayerCache`` whose leaves are ``pinned_host`` arrays.
+    caches: per layer a ``LayerCache`` whose leaves are ``pinned_host`` arrays (or a
+      ``PrefixLayer``: state held elsewhere, loaded on first use; None after ``finish``).
     length: prompt tokens the state holds. last_logits: [V] f32 logits of the last token.
     """
 
@@ -82,6 +85,16 @@ class StreamedPrefix:
         """The caches copied to ``device`` memory (what ``steps.prefill`` returns)."""
         device = device or _devices(self.caches)
         return jax.device_put(self.caches, SingleDeviceSharding(device, memory_kind=DEVICE))
+
+
+@runtime_checkable
+class PrefixLayer(Protocol):
+    """One layer of a prefix kept outside the stream's own host copies (e.g. a detached
+    request's host pages and saved device state, ``serving.prefix``)."""
+
+    def load(self, sharding) -> LayerCache:
+        """The layer's resident-layout state (``empty_layer_cache``'s shapes) on ``sharding``'s
+        device memory."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,21 +153,6 @@ def _empty(cfg: ModelConfig, layer: int) -> LayerCache:
     return empty_layer_cache(cfg, layer)
 
 
-def layer_state_bytes(cfg: ModelConfig) -> tuple[int, ...]:
-    """Bytes of each layer's state S_l (its ``LayerCache`` for one request)."""
-    def size(tree):
-        return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree))
-
-    return tuple(size(jax.eval_shape(functools.partial(empty_layer_cache, cfg, i)))
-                 for i in range(cfg.num_layers))
-
-
-def stream_state_bytes(cfg: ModelConfig) -> int:
-    """Most layer-state bytes the stream holds on the device at once: max_l S_l + S_{l+1}."""
-    s = layer_state_bytes(cfg)
-    return max((a + b for a, b in zip(s, s[1:])), default=s[0])
-
-
 def _check(cfg: ModelConfig, n: int, chunk: int, start: int):
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
         raise ValueError(f"streamed_prefill: chunk={chunk!r} must be a positive int")
@@ -168,7 +166,8 @@ def _check(cfg: ModelConfig, n: int, chunk: int, start: int):
 def stream_prefix(params, cfg: ModelConfig, tokens, chunk: int, *,
                   prefix: StreamedPrefix | None = None, progress=None, overlap: bool = True,
                   on_layer: Callable[[LayerEvent], None] | None = None,
-                  store: str = HOST) -> StreamedPrefix:
+                  store: str = HOST,
+                  finish: Callable[[int, LayerCache], None] | None = None) -> StreamedPrefix:
     """Layer-streamed chunked prefill; the state stays on the host.
 
     tokens [n] int32 are appended to ``prefix`` (None: an empty context). Chunks of ``chunk``
@@ -178,6 +177,11 @@ def stream_prefix(params, cfg: ModelConfig, tokens, chunk: int, *,
     ``store``: the memory kind the state waits in between layers: "pinned_host" (streaming) or
     "device" (the same per-layer schedule without transfers: the benchmark's compute baseline;
     it consumes ``prefix``'s arrays, which its blocks donate).
+    ``prefix.caches`` may hold ``PrefixLayer``s (a detached request's host pages and saved
+    state, ``serving.prefix``): each is loaded by its ``load`` in the first chunk.
+    ``finish(layer, device cache)``: called with each layer's state when the last chunk has
+    updated it, instead of its writeback (the engine admits the layer into a slot from it);
+    the returned prefix then holds None for every layer.
     """
     if store not in (HOST, DEVICE):
         raise ValueError(f"stream_prefix: store={store!r} must be {HOST!r} or {DEVICE!r}")
@@ -201,6 +205,8 @@ def stream_prefix(params, cfg: ModelConfig, tokens, chunk: int, *,
     def load(layer):
         if host[layer] is None:  # no prefix yet: the empty state is made on the device
             return jax.device_put(_empty(cfg, roles[layer]), on_dev)  # committed, as loads are
+        if isinstance(host[layer], PrefixLayer):  # a detached prefix: its pages + saved state
+            return wait(host[layer].load(on_dev))
         return wait(jax.device_put(host[layer], on_dev))
 
     padded = jnp.pad(tokens, (0, -n % chunk))
@@ -217,7 +223,11 @@ def stream_prefix(params, cfg: ModelConfig, tokens, chunk: int, *,
                                  valid, shared)
             if leaders[layer] == layer and cfg.layer_pattern[layer] == "dsa":
                 selections = {layer: sel}  # a group's selection lives until its next leader
-            host[layer] = wait(jax.device_put(wait(cur), on_host))
+            if finish is not None and offset + chunk >= n:  # the layer is done: admit it
+                finish(layer, cur)
+                host[layer] = None
+            else:
+                host[layer] = wait(jax.device_put(wait(cur), on_host))
             if on_layer is not None:
                 held = {layer: cur} if nxt is None else {layer: cur, layer + 1: nxt}
                 on_layer(LayerEvent(start, layer, held))
@@ -241,5 +251,5 @@ def streamed_prefill(params, cfg: ModelConfig, tokens, chunk: int, *, progress=N
     return prefix.to_device(_devices(params)), prefix.last_logits
 
 
-__all__ = ["LayerEvent", "StreamedPrefix", "layer_state_bytes", "stream_prefix",
+__all__ = ["LayerEvent", "PrefixLayer", "StreamedPrefix", "layer_state_bytes", "stream_prefix",
            "stream_state_bytes", "streamed_prefill"]

@@ -60,4 +60,22 @@ def admit(engine: EngineConfig, state: DecodeState, slot, caches, length,
     return policy(engine).admit(state, slot, caches, length, grant)
 
 
-__all__ = ["DecodeState", "admit", "empty_state", "insert", "slot_bytes"]
+@functools.partial(jax.jit, static_argnames=("engine", "layer"), donate_argnames=("state",))
+def admit_layer(engine: EngineConfig, state: DecodeState, slot, layer: int, cache: LayerCache,
+                length, grant: Grant) -> DecodeState:
+    """One layer of ``admit``: layer ``layer``'s finished resident cache (no slot axis) into
+    ``slot`` as the method stores it (``Method.admit_one``), as soon as a layer-streamed
+    prefill finishes it. ``admit_layer`` for every layer, then ``admit_done``, equals
+    ``admit`` bit for bit (the same functions, one layer at a time)."""
+    return policy(engine).admit_one(state, slot, layer, cache, length, grant)
+
+
+@functools.partial(jax.jit, static_argnames=("engine",), donate_argnames=("state",))
+def admit_done(engine: EngineConfig, state: DecodeState, slot, length,
+               grant: Grant) -> DecodeState:
+    """The end of a layer-by-layer admission: the slot's page tables and length."""
+    return policy(engine).admit_done(state, slot, length, grant)
+
+
+__all__ = ["DecodeState", "admit", "admit_done", "admit_layer", "empty_state", "insert",
+           "slot_bytes"]

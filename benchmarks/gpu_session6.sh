@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU calls of session 6, one device call each (device tool: carry [".whl"]):
+#   STEP=a   GPU tests of the speculative engine and sparse_attention (greedy-exact on the GPU,
+#            v2 f32 path); the speculative experiment on the trained model + drafter
+#            (configs/experiments/speculative.gin, time-limited); device pools vs preallocated
+#            decode-step timing at 128K (benchmarks/pools_gpu.py, bf16 matmuls).
+#   STEP=scale1m  the per-op profile of a 128K prefill with bf16 matmuls, then
+#            experiments/scale.py at 1M tokens (bf16 matmuls) into run scale_long
+# Everything comes back in $OUT/<step>.tar (more files than $OUT returns).
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache  # persistent compile cache within the call
+OUT=${OUT:-/tmp/out}
+export LSPARSE_RUNS=$OUT
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+quiet() { tr '\r' '\n' | grep -v "it/s\]\|tok/s\]\|req/s\]\|Deprecation" ; }
+STEP=${STEP:-a}
+case "$STEP" in
+  a)
+    echo "== gpu tests"; timeout 130 python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/test_speculative.py tests/test_kernel_sparse_attention.py 2>&1 | tail -15
+    echo "== speculative"; timeout 250 python3 -m experiments.cli run \
+      configs/experiments/speculative.gin \
+      "--gin.speculative.methods=('resident', 'hisparse', 'adaptive', 'leansparse')" \
+      "--gin.speculative.concurrencies=(1, 8, 4)" --gin.speculative.decode_tokens=64 \
+      --gin.speculative.time_limit_s=200 --gin.speculative.results_dir=None 2>&1 \
+      | quiet | tail -25
+    echo "== pools"; timeout 150 python3 benchmarks/pools_gpu.py --contexts 131072 \
+      --methods resident,leansparse,hisparse,adaptive --codebooks random --warm 2 --steps 8 \
+      --precision bf16 --skip-capacity --budget-s 120 --out "$OUT/pools" --tag 128k 2>&1 \
+      | quiet | tail -14 ;;
+  scale1m)
+    echo "== prefill profile (bf16, 128K)"; timeout 100 python3 benchmarks/prefill_profile_gpu.py \
+      --context 131072 --precision bf16 --out "$OUT/prefill_profile" 2>&1 | tail -22
+    rm -f "$OUT/prefill_profile/prefill_trace.json.gz"
+    mkdir -p "$OUT/scale_long" && cp results/scale_long/results.json "$OUT/scale_long/"
+    timeout "${SCALE_TIMEOUT:-540}" python3 -m experiments.cli run configs/experiments/scale.gin \
+      "--gin.scale.implementation='triton'" "--gin.scale.contexts=(1048576,)" \
+      "--gin.scale.batches=${SCALE_BATCHES:-(1,)}" "--gin.run.name='scale_long'" \
+      "--gin.model_preset.matmul_precision='bf16'" 2>&1 | quiet | tail -24 ;;
+esac
+(cd "$OUT" && tar -cf "/tmp/$STEP.tar" . && find . -mindepth 1 -delete && mv "/tmp/$STEP.tar" .)
+ls -la "$OUT"
