@@ -1,8 +1,6 @@
 """Workloads (serving.workloads) through the scheduler: closed-loop clients, multi-turn
 sessions, and the prefix-reuse path (against a stand-in engine with the prefix API)."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 
@@ -93,58 +91,38 @@ def test_multi_turn_prompt_is_previous_prompt_response_and_new_turn():
         MultiTurn(**(kw | {"first_prompt_tokens": (10, 62)}))
 
 
-@dataclasses.dataclass(eq=False)  # compared by identity
-class FakePrefix:
-    tokens: np.ndarray
-    host_bytes: int
-
-
-class PrefixEngine(Engine):
-    """The prefix API on the real engine, reusing nothing: detach releases and remembers
-    the context; admit(prefix=) checks the prompt extends it and prefills it whole (so
-    tokens equal plain admission); drop forgets it. Records what the scheduler called."""
+class CountingEngine(Engine):
+    """The engine, recording which requests the scheduler detached and admitted with a
+    prefix."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
         self.calls = []
-        self.live: list[FakePrefix] = []
 
     def detach(self, slot):
-        r = self.requests[slot]
-        tokens = np.concatenate([r.prompt, np.asarray(r.tokens[:-1], np.int32)])
-        self.release(slot)
-        prefix = FakePrefix(tokens, 10 * len(tokens))
-        self.live.append(prefix)
-        self.calls.append(("detach", r.id))
-        return prefix
+        self.calls.append(("detach", self.requests[slot].id))
+        return super().detach(slot)
 
-    def admit(self, request, max_new_tokens=None, progress=None, prefilled=None,
-              prefix=None):
+    def admit(self, request, *a, prefix=None, **kw):
         if prefix is not None:
-            assert any(p is prefix for p in self.live)
-            n = len(prefix.tokens)
-            np.testing.assert_array_equal(request.prompt[:n], prefix.tokens)
-            self.live.remove(prefix)
             self.calls.append(("admit_prefix", request.id))
-        return super().admit(request, max_new_tokens, progress, prefilled)
-
-    def drop(self, prefix):
-        self.live.remove(prefix)
+        return super().admit(request, *a, prefix=prefix, **kw)
 
 
 def test_prefix_reuse_detaches_continuing_sessions_and_admits_with_their_prefix(params):
-    """Three sessions of three calls: every call but a session's last is detached, every call
-    but the first admits with its session's prefix, none is left at the end; tokens equal
-    serving the same calls without reuse; the fixed clock charges the suffix only."""
+    """Three sessions of three calls (resident): every call but a session's last is detached,
+    every call but the first admits with its session's prefix (only the suffix prefilled,
+    the prefix streamed from host), none is left at the end; every call's greedy tokens
+    equal serving the same calls without reuse; the fixed clock charges the suffix only."""
     kw = dict(sessions=3, calls=3, first_prompt_tokens=(16, 24), turn_tokens=(4, 8),
               output_tokens=(3, 5), vocab=CFG.vocab_size, max_len=128, session_rate=4.0,
               tool_wait_s=0.2, seed=3)
-    engine = make_engine(params, slots=2, cls=PrefixEngine)
+    engine = make_engine(params, slots=2, cls=CountingEngine)
     clock = Clock(step_s=0.01, prefill_token_s=1e-3)
     sched = Scheduler(engine, clock=clock, workload=MultiTurn(**kw), prefix_reuse=True)
     sched.run()
     done = sched.finished
-    assert len(done) == 9 and not engine.live and not sched.prefixes
+    assert len(done) == 9 and not sched.prefixes
     detached = {i for op, i in engine.calls if op == "detach"}
     reused = {i for op, i in engine.calls if op == "admit_prefix"}
     assert detached == {r.id for r in done if r.turn < 2}
@@ -167,11 +145,11 @@ def test_prefix_reuse_detaches_continuing_sessions_and_admits_with_their_prefix(
     assert len(sessions) == 3 and all(s["calls"] == 2 for s in sessions)
 
 
-def test_prefix_reuse_needs_the_api_and_whole_prompt_mode(params):
+def test_prefix_reuse_needs_a_workload_and_whole_prompt_mode(params):
     engine = make_engine(params)
     load = MultiTurn(sessions=1, calls=2, first_prompt_tokens=(8, 8), turn_tokens=(2, 2),
                      output_tokens=(2, 2), vocab=256, max_len=128)
-    with pytest.raises(ValueError, match="lacks"):
-        Scheduler(engine, workload=load, prefix_reuse=True)
+    with pytest.raises(ValueError, match="needs a workload"):
+        Scheduler(engine, prefix_reuse=True)
     with pytest.raises(ValueError, match="whole-prompt"):
         Scheduler(engine, workload=load, prefix_reuse=True, prefill_token_budget=32)

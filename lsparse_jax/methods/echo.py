@@ -26,6 +26,9 @@ Simplifications (stated, not hidden):
   lookahead). Outputs are the same by losslessness; only overlap of copies with compute is
   not modelled, which the scheduler's measured clock then charges to the step.
 - ECHO's own prefetch predictor and eviction policy are not reproduced (LRU buffer instead).
+- With prefix reuse (``Engine.admit(prefix=...)``) the engine streams every method's prefix
+  from host layer by layer (one data path); echo's pool still charges the whole history
+  (prefix included) for the admission, as ECHO loads it onto the GPU before prefilling.
 """
 
 from __future__ import annotations
@@ -85,7 +88,7 @@ class EchoController(PagedController):
         """Compressed CSA rows of a prompt (the prefill's history held in the pool)."""
         return prompt_tokens // self.method.engine.model.csa_ratio
 
-    def reserve(self, slot: int, total_tokens: int, prompt_tokens: int):
+    def reserve(self, slot: int, total_tokens: int, prompt_tokens: int, held=()):
         history = self.prefill_rows(prompt_tokens)
         need = self.buffer_rows + history
         if need > self.capacity:
@@ -97,7 +100,7 @@ class EchoController(PagedController):
             raise SharedPoolCapacityError(
                 f"echo shared pool: a prompt of {prompt_tokens} tokens needs {need} entries, "
                 f"{self.capacity - self.in_use} of {self.capacity} are free")
-        grant, before = super().reserve(slot, total_tokens, prompt_tokens)  # host pages
+        grant, before = super().reserve(slot, total_tokens, prompt_tokens, held)  # host pages
         self.buffers[slot], self.prefills[slot] = self.buffer_rows, history
         self.peak = max(self.peak, self.in_use)
         return grant, before

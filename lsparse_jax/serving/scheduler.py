@@ -42,8 +42,6 @@ import itertools
 import time
 from collections.abc import Iterable, Iterator
 
-import numpy as np
-
 from lsparse_jax.memory.accounting import request_bytes
 from lsparse_jax.memory.device_pool import DeviceCapacityError
 from lsparse_jax.memory.host_pool import CapacityError
@@ -101,9 +99,6 @@ class Scheduler:
         if prefix_reuse and prefill_token_budget is not None:
             raise ValueError("Scheduler: prefix_reuse admits through Engine.admit(prefix=...) "
                              "(whole-prompt mode); leave prefill_token_budget None")
-        if prefix_reuse and not hasattr(engine, "detach"):
-            raise ValueError("Scheduler: prefix_reuse needs Engine.detach/admit(prefix=)/drop "
-                             "(the prefix reuse API), which this engine lacks")
         if prefix_reuse and workload is None:
             raise ValueError("Scheduler: prefix_reuse needs a workload whose sessions go on "
                              "(e.g. serving.workloads.MultiTurn)")
@@ -165,12 +160,8 @@ class Scheduler:
         try:  # the controller reserves before the engine changes anything
             if prefix is None:
                 return self.engine.admit(r, prefilled=prefilled)
-            n = len(prefix.tokens)
-            if len(r.prompt) <= n or (r.prompt[:n] != np.asarray(prefix.tokens)).any():
-                raise ValueError(f"Scheduler: request {r.id!r} does not extend its session's "
-                                 f"prefix of {n} tokens")
-            slot = self.engine.admit(r, prefix=prefix)
-            self.reused_tokens += n
+            slot = self.engine.admit(r, prefix=prefix)  # checks r extends the prefix
+            self.reused_tokens += len(prefix.tokens)
             return slot
         except CapacityError as e:
             if prefix is not None:  # not admitted: the session keeps its prefix
