@@ -124,12 +124,8 @@ def replay(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
             continue
         config, books = _engine(cfg, params, method, num_slots, prefill_chunk, hot, page_size,
                                 echo_pool_rows, lean, implementation, seed)
-        warm = Engine(config, params, books)  # compiles every step of a call's life
-        warm.warmup()
-        warm.admit(Request(np.zeros(first_prompt_tokens[0], np.int32), 2))
-        warm.step()
-        warm.release(0)
-        del warm
+        _warm(Engine(config, params, books), first_prompt_tokens[0], turn_tokens[0],
+              prefix_reuse)
         engine = Engine(config, params, books)
         engine.warmup()
         work = MultiTurn(**load, vocab=min(cfg.vocab_size, 256), max_len=cfg.max_len)
@@ -157,6 +153,25 @@ def replay(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
         del engine, sched
     _table(per_method)
     return {m: v["summary"] for m, v in per_method.items()}
+
+
+def _warm(engine: Engine, prompt_tokens: int, turn_tokens: int, prefix_reuse: bool):
+    """Compiles every step of a call's life (jit caches outlive the engine) so that the
+    scheduler's clock never counts compilation: admission, a step, release; with prefix
+    reuse also detach and an admission from the prefix."""
+    engine.warmup()
+    r = Request(np.zeros(prompt_tokens, np.int32), 2)
+    engine.admit(r)
+    engine.step()
+    if not prefix_reuse:
+        engine.release(0)
+        return
+    prefix = engine.detach(0)
+    nxt = np.concatenate([r.prompt, np.asarray(r.tokens, np.int32),
+                          np.zeros(turn_tokens, np.int32)])
+    engine.admit(Request(nxt, 2), prefix=prefix)
+    engine.step()
+    engine.release(0)
 
 
 def _write(out, per_method, cfg, load, settings):
