@@ -101,10 +101,11 @@ def capacity(name: str, model=gin.REQUIRED, predict_model=gin.REQUIRED,
              max_timed_batch: int = 256, equal_concurrency: bool = True, steps: int = 16,
              warm_steps: int = 4, prefill_chunk: int = 4096, calibration_tokens: int = 4096,
              device_budget_gb: float = 120.0, implementation: str | None = "xla",
-             time_steps: bool = True, seed: int = 0):
+             time_steps: bool = True, time_contexts=None, seed: int = 0):
     """Predicts N per (method, context) from one calibrated budget, then times decode at
     min(N, max_timed_batch); returns the records. hot_cache_rows: {method: B} (the paper:
-    HiSparse 4096, LeanSparse 2048)."""
+    HiSparse 4096, LeanSparse 2048). time_contexts: the contexts timed in this call (None:
+    all; one per device call keeps each under its time limit)."""
     lean = leansparse or LeanSparseConfig()
     if isinstance(predict_model, str):
         predict_model = preset(predict_model)
@@ -135,7 +136,9 @@ def capacity(name: str, model=gin.REQUIRED, predict_model=gin.REQUIRED,
     save()
     print(json.dumps(facts), flush=True)
     if time_steps:
-        for c in contexts:
+        for c in contexts if time_contexts is None else time_contexts:
+            if c not in contexts:
+                raise ValueError(f"capacity.time_contexts: {c} is not in capacity.contexts")
             todo = [r for r in records if r["context"] == c and "step_ms" not in r
                     and r["max_concurrency"] > 0]
             cal_n = pred.get((calibrate[0], c), (0,))[0]
