@@ -182,3 +182,9 @@ def test_residency_experiment_cli(tmp_path, monkeypatch):
     assert series["adaptive"]["optional_pages"][0] == 8 and (tmp_path / "res" /
                                                              "residency.png").exists()
     assert series["adaptive"]["active"] == series["hisparse"]["active"]
+    for m in ("hisparse", "adaptive"):  # the resolver's three steps account for every row
+        total = (np.asarray(series[m]["step1_fraction"]) + series[m]["step2_fraction"]
+                 + series[m]["host_fraction"])
+        np.testing.assert_allclose(total, 1.0, atol=1e-9)
+        by = out["summary"][m]["resolver_by_load"]
+        assert by["1"]["host"] == out["summary"][m]["host_fraction_by_load"]["1"]
