@@ -225,6 +225,12 @@ class CacheConfig:
         shared by all requests (ECHO; 256K in the LeanSparse paper's replay). Each decoding
         request holds its buffer of hot_cache_rows entries in it and each prefill the
         compressed rows of its whole prompt until it enters decode (``methods.echo``).
+      shared_budget_bytes: adaptive only: device bytes that the admitted requests' required
+        state (``memory.accounting.request_bytes`` at prompt + max_new_tokens) and the lent
+        optional pages share (required + optional <= budget). An admission that leaves a
+        deficit reclaims whole requests' optional pages in reclaim order, and waits if all of
+        them cannot cover it; new and refilled pages are lent only from spare bytes. None:
+        the optional pages are a separate allocation, lent whenever one is free.
     """
 
     num_slots: int = 1
@@ -237,12 +243,13 @@ class CacheConfig:
     refill_pages: int = 4
     device_pages: int | None = None
     shared_pool_rows: int | None = None
+    shared_budget_bytes: int | None = None
 
     def __post_init__(self):
         _positive("CacheConfig", num_slots=self.num_slots, prefill_chunk=self.prefill_chunk,
                   page_size=self.page_size, refill_pages=self.refill_pages)
         for name in ("hot_cache_rows", "host_pages", "optional_pages", "device_pages",
-                     "shared_pool_rows"):
+                     "shared_pool_rows", "shared_budget_bytes"):
             if getattr(self, name) is not None:
                 _positive("CacheConfig", **{name: getattr(self, name)})
 

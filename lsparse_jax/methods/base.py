@@ -151,6 +151,10 @@ class Method:
             invalid("EngineConfig", "cache.optional_pages", engine.cache.optional_pages,
                     "the adaptive method needs it (device pages lent to imported history); "
                     "other methods must leave it None")
+        if engine.cache.shared_budget_bytes is not None and not cls.storage.lent_pages:
+            invalid("EngineConfig", "cache.shared_budget_bytes",
+                    engine.cache.shared_budget_bytes,
+                    "only the adaptive method shares a budget with lent pages; leave it None")
         if (engine.cache.shared_pool_rows is not None) != cls.shared_pool:
             invalid("EngineConfig", "cache.shared_pool_rows", engine.cache.shared_pool_rows,
                     "the echo method needs it (its GPU KV pool shared across requests); "

@@ -50,7 +50,8 @@ from lsparse_jax.serving.metrics import request_metrics, summarize
 from lsparse_jax.serving.request import Request
 from lsparse_jax.serving.steps import prefill_chunks
 
-WAIT_REASONS = ("slots", "device_budget", "host_pool", "device_pool", "shared_pool")
+WAIT_REASONS = ("slots", "device_budget", "host_pool", "device_pool", "shared_pool",
+                "shared_budget")
 
 
 @dataclasses.dataclass
