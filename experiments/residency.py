@@ -35,7 +35,7 @@ from lsparse_jax.training.data import task_example
 
 
 def _engine(method, cfg, params, slots, chunk, hot_rows, page, optional, refill,
-            host_pages=None, implementation="xla"):
+            host_pages=None, implementation="xla", shared_budget_bytes=None):
     storage = method_storage(method)
     return Engine(EngineConfig(
         model=cfg, method=method, sampling=SamplingConfig(0.0, 0),
@@ -43,7 +43,9 @@ def _engine(method, cfg, params, slots, chunk, hot_rows, page, optional, refill,
         cache=CacheConfig(slots, chunk, hot_rows if storage.kv_on_host else None, page,
                           host_pages=host_pages if storage.kv_on_host else None,
                           optional_pages=optional if storage.lent_pages else None,
-                          refill_pages=refill)), params)
+                          refill_pages=refill,
+                          shared_budget_bytes=shared_budget_bytes if storage.lent_pages
+                          else None)), params)
 
 
 IMPLEMENTATIONS = ("xla", "triton", "jax_triton", "mosaic", None)
@@ -77,10 +79,14 @@ def residency(name: str, model=gin.REQUIRED, checkpoint: str | None = gin.REQUIR
               decode_tokens: int = 40, num_slots: int = 8, prefill_chunk: int = 1024,
               hot_cache_rows: int = 64, page_size: int = 16, optional_pages: int = 64,
               refill_pages: int = 4, host_pages: int | None = None,
-              implementation: str | None = "xla", seed: int = 0):
+              implementation: str | None = "xla", shared_budget_bytes: int | None = None,
+              seed: int = 0):
     """Runs the schedule on resident, hisparse and adaptive; returns the per-step series.
     host_pages: CacheConfig.host_pages (None = enough for every slot). checkpoint None:
-    random weights from ``seed``."""
+    random weights from ``seed``. shared_budget_bytes: adaptive's required state and lent
+    pages share this budget (``CacheConfig.shared_budget_bytes``; None: separate pools); it
+    must hold num_slots requests' required bytes (this schedule never waits), so it bounds
+    only what is lent."""
     cfg, path = check_settings(model, checkpoint, prompt_tokens, requests, arrival_steps,
                                decode_tokens, num_slots, prefill_chunk, hot_cache_rows,
                                page_size, optional_pages, refill_pages, host_pages,
@@ -90,7 +96,8 @@ def residency(name: str, model=gin.REQUIRED, checkpoint: str | None = gin.REQUIR
     prompts = [task_example("niah", prompt_tokens, seed).prompt for seed in range(requests)]
     methods = ("resident", "hisparse", "adaptive")
     engines = {m: _engine(m, cfg, params, num_slots, prefill_chunk, hot_cache_rows, page_size,
-                          optional_pages, refill_pages, host_pages, implementation)
+                          optional_pages, refill_pages, host_pages, implementation,
+                          shared_budget_bytes)
                for m in methods}
     for e in engines.values():
         e.warmup()
