@@ -76,12 +76,13 @@ def replay_summary(records: list[dict]) -> dict:
 
 
 def _engine(cfg, params, method, slots, chunk, hot_cache_rows, page_size, echo_pool_rows,
-            lean, implementation, seed):
+            lean, implementation, seed, host_pages=None):
     storage = method_storage(method)
     if storage.kv_on_host and method not in hot_cache_rows:
         raise ValueError(f"replay.hot_cache_rows has no entry for {method!r}")
     cache = CacheConfig(slots, chunk, hot_cache_rows.get(method) if storage.kv_on_host
-                        else None, page_size, streamed_prefill=method == "leansparse",
+                        else None, page_size, host_pages=host_pages,
+                        streamed_prefill=method == "leansparse",
                         shared_pool_rows=echo_pool_rows if method == "echo" else None)
     config = EngineConfig(model=cfg, method=method, cache=cache, leansparse=lean,
                           sampling=SamplingConfig(0.0, seed), implementation=implementation)
@@ -122,8 +123,11 @@ def replay(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
     for method in methods:
         if method in per_method:
             continue
+        # host pages for every session's held prefix beside the running calls, at max_len
+        per_slot = -(-(cfg.max_len // cfg.csa_ratio) // page_size)
         config, books = _engine(cfg, params, method, num_slots, prefill_chunk, hot, page_size,
-                                echo_pool_rows, lean, implementation, seed)
+                                echo_pool_rows, lean, implementation, seed,
+                                host_pages=(num_slots + sessions) * per_slot)
         _warm(Engine(config, params, books), first_prompt_tokens[0], turn_tokens[0],
               prefix_reuse)
         engine = Engine(config, params, books)

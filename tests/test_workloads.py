@@ -153,3 +153,32 @@ def test_prefix_reuse_needs_a_workload_and_whole_prompt_mode(params):
         Scheduler(engine, prefix_reuse=True)
     with pytest.raises(ValueError, match="whole-prompt"):
         Scheduler(engine, workload=load, prefix_reuse=True, prefill_token_budget=32)
+
+
+@pytest.mark.slow
+def test_prefixes_are_evicted_for_host_pages_and_tokens_do_not_change(params):
+    """hisparse with 3 host pages of 8 rows and one slot: three sessions' held prefixes and
+    the running call do not fit together, so admissions evict the oldest other session's
+    prefix (that session's next call prefills its whole prompt) instead of waiting forever;
+    every call's greedy tokens equal those served without reuse."""
+    kw = dict(sessions=3, calls=3, first_prompt_tokens=(36, 40), turn_tokens=(4, 6),
+              output_tokens=(3, 4), vocab=CFG.vocab_size, max_len=128, session_rate=50.0,
+              tool_wait_s=0.01, seed=5)
+
+    def run(reuse):
+        engine = Engine(EngineConfig(model=CFG, method="hisparse", sampling=SamplingConfig(0.0),
+                                     cache=CacheConfig(num_slots=1, prefill_chunk=32,
+                                                       hot_cache_rows=16, page_size=8,
+                                                       host_pages=3)), params)
+        sched = Scheduler(engine, clock=Clock(step_s=0.01), workload=MultiTurn(**kw),
+                          prefix_reuse=reuse)
+        sched.run()
+        assert engine.control.pages.free + sum(len(p.pages) for p in
+                                               sched.prefixes.values()) == 3
+        return sched
+
+    reused, plain = run(True), run(False)
+    assert reused.prefix_drops > 0 and reused.reused_tokens > 0
+    assert len(reused.finished) == 9
+    assert {r.id: r.tokens for r in reused.finished} == {r.id: r.tokens
+                                                          for r in plain.finished}

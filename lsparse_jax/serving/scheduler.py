@@ -28,7 +28,10 @@ call of a multi-turn session after its tool wait). Prefix reuse (``prefix_reuse`
 mode): a finished call whose session goes on is detached (``Engine.detach``: its context stays
 host-resident as a ``Prefix``) instead of released, and the session's next call is admitted
 with it (``Engine.admit(request, prefix=...)``: only the new suffix is prefilled, the prefix
-streamed from host); the fixed clock then charges prefill for the suffix only.
+streamed from host); the fixed clock then charges prefill for the suffix only. Held
+prefixes keep host pages: an admission the host pool cannot hold evicts the oldest other
+session's prefix (``Engine.drop``; that session's next call prefills its whole prompt) and
+retries at the next iteration.
 
 Time is the scheduler's ``Clock``, starting at 0: arrivals are read on it and every timestamp
 of a ``Request`` is restamped on it. It advances by each admission's and step's measured wall
@@ -118,6 +121,7 @@ class Scheduler:
         self.workload, self.prefix_reuse = workload, prefix_reuse
         self.prefixes: dict = {}  # session -> the host-resident Prefix of its last call
         self.reused_tokens = 0  # prompt tokens admitted from a prefix (not prefilled)
+        self.prefix_drops = 0  # prefixes evicted for host pages
         if workload is not None:
             self.submit(workload.initial())
 
@@ -169,7 +173,11 @@ class Scheduler:
                 self.prefixes[r.session] = prefix
             pool = getattr(e, "wait_reason", None) or (
                 "device_pool" if isinstance(e, DeviceCapacityError) else "host_pool")
-            if not self.running:
+            others = [s for s in self.prefixes if s != r.session]
+            if pool == "host_pool" and others:  # evict the oldest other session's prefix
+                self.engine.drop(self.prefixes.pop(others[0]))  # (its next call prefills
+                self.prefix_drops += 1  # the whole prompt again); r retries next iteration
+            elif not self.running:
                 raise RuntimeError(f"Scheduler: request {r.id!r} does not fit in the empty "
                                    f"{pool.replace('_', ' ')}; it would wait forever") from None
             self._wait(r, pool)
@@ -307,7 +315,7 @@ class Scheduler:
         """Aggregates (``metrics.summarize``) plus admission waits, iterations and the peak of
         the device bytes in use."""
         return summarize(self.records()) | {
-            "reused_prefix_tokens": self.reused_tokens,
+            "reused_prefix_tokens": self.reused_tokens, "prefix_drops": self.prefix_drops,
             "admission_waits": self.admission_waits, "waits_by": dict(self.waits_by),
             "iterations": len(self.trace), "device_budget_bytes": self.budget,
             "peak_device_bytes": max((t["device_bytes"] for t in self.trace), default=0)}
