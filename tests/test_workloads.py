@@ -162,8 +162,8 @@ def test_prefixes_are_evicted_for_host_pages_and_tokens_do_not_change(params):
     prefix (that session's next call prefills its whole prompt) instead of waiting forever;
     every call's greedy tokens equal those served without reuse."""
     kw = dict(sessions=3, calls=3, first_prompt_tokens=(36, 40), turn_tokens=(4, 6),
-              output_tokens=(3, 4), vocab=CFG.vocab_size, max_len=128, session_rate=50.0,
-              tool_wait_s=0.01, seed=5)
+              output_tokens=(3, 4), vocab=CFG.vocab_size, max_len=128, session_rate=1000.0,
+              tool_wait_s=1.0, seed=5)  # first calls at once, next calls after all of them
 
     def run(reuse):
         engine = Engine(EngineConfig(model=CFG, method="hisparse", sampling=SamplingConfig(0.0),
