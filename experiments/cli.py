@@ -27,6 +27,8 @@ EXPERIMENTS = {  # gin name -> what it does (experiments/<module>.py)
     "kernel_compare": "XLA vs Triton vs jax-triton kernel timings (GPU)",
     "scale": "every method at V4-Flash shapes by context and batch (GPU)",
     "train_model": "trains the small model and exports checkpoints/small (GPU)",
+    "capacity": "max concurrency per method under one calibrated budget, decode throughput",
+    "replay": "multi-turn sessions: leansparse vs echo vs hisparse TTFT/TPOT/session CDFs",
 }
 
 OVERRIDES = """\

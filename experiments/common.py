@@ -27,6 +27,37 @@ def pyplot():
     return plt
 
 
+def cdf_plot(series: dict, panels, path, marks: bool = False):
+    """Empirical CDFs, one panel per (key, x label, scale) of ``panels``, one line per label
+    of ``series`` ({label: {key: values}}; None values skipped); ``marks``: p50 and p95
+    ticks with their values (as the LeanSparse paper's Figure 10)."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.4 * len(panels), 3))
+    for ax, (key, xlabel, scale) in zip(np.atleast_1d(axes), panels):
+        for label, values in series.items():
+            xs = np.sort([v * scale for v in values.get(key, []) if v is not None])
+            if not xs.size:
+                continue
+            line, = ax.step(xs, np.arange(1, xs.size + 1) / xs.size, where="post",
+                            label=label)
+            if marks:
+                for q in (50, 95):
+                    x = float(np.percentile(xs, q))
+                    ax.plot([x], [q / 100], "|", color=line.get_color(), markersize=10)
+                    ax.annotate(f"p{q} {x:.3g}", (x, q / 100), fontsize=6,
+                                color=line.get_color(), xytext=(3, -9 if q == 50 else 3),
+                                textcoords="offset points")
+        ax.set_xlabel(xlabel)
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    first = np.atleast_1d(axes)[0]
+    first.set_ylabel("CDF")
+    first.legend(loc="lower right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 @gin.configurable
 def model_preset(name: str = gin.REQUIRED, **overrides) -> ModelConfig:
     """A model preset by name (``tiny``, ``v4_flash``, ``glm5``) with field overrides."""

@@ -2,10 +2,12 @@
 
 from experiments import (  # noqa: F401
     accuracy,
+    capacity,
     common,
     kernel_compare,
     quickstart,
     recall_study,
+    replay,
     residency,
     scale,
     serve,

@@ -1,16 +1,21 @@
 """Load-step study of Adaptive DHiSparse's optional residency vs HiSparse's fixed hot cache.
 
-Gin header -- must be set: run.experiment, run.name, residency.model, residency.checkpoint.
-Run: lsparse run configs/experiments/residency.gin
+Gin header -- must be set: run.experiment, run.name, residency.model, residency.checkpoint
+(None: random weights, seeded; e.g. the V4-shape load step of configs/experiments/loadstep.gin).
+Run: lsparse run configs/experiments/residency.gin (or loadstep_smoke.gin, loadstep.gin)
 Writes runs/<name>/{config.gin, results.json, residency.png}.
 
 Requests (held-out NIAH prompts) arrive one every ``arrival_steps`` decode steps, each decodes
 ``decode_tokens`` tokens and leaves: the load ramps up, holds, and drains. ``hisparse`` and
 ``adaptive`` (and ``resident``, the reference) serve the same schedule; greedy tokens must be
-identical (both are exact). Per step: active requests, the fraction of selected rows copied
-from the host, and adaptive's optional pages in use. The paper's claim, qualitatively: optional
-residency cuts host-fetched selections at low load, releases pages under pressure (newcomers
-reclaim the oldest requests' pages), and repopulates them as requests drain.
+identical (both are exact). Per step: active requests, the resolver's fractions of selected
+rows (step 1: tail, resident or ready optional pages; step 2: hot cache; host copy), and
+adaptive's optional pages in use; per method the step-to-step selection reuse. The summary
+gives the fractions by number of active requests (the load step: at C = num_slots, the
+paper's C8 row: 69.7% step 1, 30.3% step 2, 0.05% host on GLM-5.3). The paper's claim,
+qualitatively: optional residency cuts host-fetched selections at low load, releases pages
+under pressure (newcomers reclaim the oldest requests' pages), and repopulates them as
+requests drain.
 """
 
 from __future__ import annotations
@@ -24,12 +29,13 @@ from tqdm.auto import tqdm
 from experiments import validate as v
 from experiments.common import pyplot, run_dir, write_results
 from lsparse_jax.config import CacheConfig, EngineConfig, SamplingConfig, method_storage
+from lsparse_jax.model import init_params
 from lsparse_jax.serving.engine import Engine
 from lsparse_jax.training.data import task_example
 
 
 def _engine(method, cfg, params, slots, chunk, hot_rows, page, optional, refill,
-            host_pages=None, implementation="xla"):
+            host_pages=None, implementation="xla", shared_budget_bytes=None):
     storage = method_storage(method)
     return Engine(EngineConfig(
         model=cfg, method=method, sampling=SamplingConfig(0.0, 0),
@@ -37,7 +43,9 @@ def _engine(method, cfg, params, slots, chunk, hot_rows, page, optional, refill,
         cache=CacheConfig(slots, chunk, hot_rows if storage.kv_on_host else None, page,
                           host_pages=host_pages if storage.kv_on_host else None,
                           optional_pages=optional if storage.lent_pages else None,
-                          refill_pages=refill)), params)
+                          refill_pages=refill,
+                          shared_budget_bytes=shared_budget_bytes if storage.lent_pages
+                          else None)), params)
 
 
 IMPLEMENTATIONS = ("xla", "triton", "jax_triton", "mosaic", None)
@@ -60,31 +68,41 @@ def check_settings(model, checkpoint, prompt_tokens, requests, arrival_steps, de
     v.integer("residency.hot_cache_rows", hot_cache_rows, lo=cfg.indexer.top_k)
     v.host_pages("residency.host_pages", host_pages, cfg, tokens, page_size,
                  min(num_slots, requests))
+    if checkpoint is None:  # random weights
+        return cfg, None
     return cfg, v.checkpoint_path("residency.checkpoint", checkpoint)
 
 
 @gin.configurable
-def residency(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
+def residency(name: str, model=gin.REQUIRED, checkpoint: str | None = gin.REQUIRED,
               prompt_tokens: int = 2048, requests: int = 12, arrival_steps: int = 4,
               decode_tokens: int = 40, num_slots: int = 8, prefill_chunk: int = 1024,
               hot_cache_rows: int = 64, page_size: int = 16, optional_pages: int = 64,
               refill_pages: int = 4, host_pages: int | None = None,
-              implementation: str | None = "xla"):
+              implementation: str | None = "xla", shared_budget_bytes: int | None = None,
+              seed: int = 0):
     """Runs the schedule on resident, hisparse and adaptive; returns the per-step series.
-    host_pages: CacheConfig.host_pages (None = enough for every slot)."""
+    host_pages: CacheConfig.host_pages (None = enough for every slot). checkpoint None:
+    random weights from ``seed``. shared_budget_bytes: adaptive's required state and lent
+    pages share this budget (``CacheConfig.shared_budget_bytes``; None: separate pools); it
+    must hold num_slots requests' required bytes (this schedule never waits), so it bounds
+    only what is lent."""
     cfg, path = check_settings(model, checkpoint, prompt_tokens, requests, arrival_steps,
                                decode_tokens, num_slots, prefill_chunk, hot_cache_rows,
                                page_size, optional_pages, refill_pages, host_pages,
                                implementation)
-    params = v.load_checkpoint("residency.checkpoint", path, cfg)
+    params = (init_params(cfg, seed) if path is None
+              else v.load_checkpoint("residency.checkpoint", path, cfg))
     prompts = [task_example("niah", prompt_tokens, seed).prompt for seed in range(requests)]
     methods = ("resident", "hisparse", "adaptive")
     engines = {m: _engine(m, cfg, params, num_slots, prefill_chunk, hot_cache_rows, page_size,
-                          optional_pages, refill_pages, host_pages, implementation)
+                          optional_pages, refill_pages, host_pages, implementation,
+                          shared_budget_bytes)
                for m in methods}
     for e in engines.values():
         e.warmup()
-    series = {m: {"active": [], "host_fraction": [], "optional_pages": []} for m in methods}
+    series = {m: {"active": [], "host_fraction": [], "step1_fraction": [],
+                  "step2_fraction": [], "optional_pages": []} for m in methods}
     slots = {m: {} for m in methods}  # request -> slot
     left = {}  # request -> tokens still to decode
     texts = {m: {} for m in methods}
@@ -100,7 +118,9 @@ def residency(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
                 out = e.step()
                 src = np.asarray(out.sources)[e.active].sum(axis=(0, 1))
                 series[m]["active"].append(int(e.active.sum()))
-                series[m]["host_fraction"].append(float(src[2] / max(src.sum(), 1)))
+                for key, i in (("step1_fraction", 0), ("step2_fraction", 1),
+                               ("host_fraction", 2)):
+                    series[m][key].append(float(src[i] / max(src.sum(), 1)))
                 series[m]["optional_pages"].append(
                     e.metrics().get("optional_pages_in_use", 0))
             for r in list(left):
@@ -116,16 +136,23 @@ def residency(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
             raise AssertionError(f"residency: {m} generated different tokens than resident "
                                  "(exact methods must agree)")
     summary = {m: {"host_fraction_mean": float(np.mean(series[m]["host_fraction"])),
-                   "host_fraction_by_load": _by_load(series[m])} for m in methods}
+                   "host_fraction_by_load": _by_load(series[m]),
+                   "resolver_by_load": _resolver_by_load(series[m]),
+                   "reuse": engines[m].metrics()["selection"]["reuse_fraction"]}
+               for m in methods}
     out = run_dir(name)
-    write_results(out, {"model": dataclasses.asdict(cfg), "checkpoint": checkpoint, "steps": step,
+    write_results(out, {"model": dataclasses.asdict(cfg), "checkpoint": checkpoint,
+                        "weights": "random (seeded)" if path is None else "checkpoint",
+                        "implementation": implementation, "steps": step,
                         "tokens_identical_to_resident": True, "summary": summary,
                         "series": series})
     plot(series, cfg, out / "residency.png")
     for m in ("hisparse", "adaptive"):
+        full = summary[m]["resolver_by_load"].get(num_slots)
         print(f"{m}: mean host-copied fraction of selected rows "
               f"{summary[m]['host_fraction_mean']:.3f}; by active requests "
-              f"{summary[m]['host_fraction_by_load']}")
+              f"{summary[m]['host_fraction_by_load']}; reuse {summary[m]['reuse']:.3f}; "
+              f"resolver at C{num_slots}: {full}")
     print(f"wrote {out}/results.json and residency.png")
     return summary
 
@@ -134,6 +161,14 @@ def _by_load(s) -> dict:
     """Mean host-copied fraction per number of active requests."""
     active, frac = np.asarray(s["active"]), np.asarray(s["host_fraction"])
     return {int(a): round(float(frac[active == a].mean()), 4) for a in np.unique(active)}
+
+
+def _resolver_by_load(s) -> dict:
+    """Per number of active requests: the mean fractions of selected rows resolved in step 1
+    (tail / resident / ready optional pages), step 2 (hot cache) and from the host."""
+    active = np.asarray(s["active"])
+    return {int(a): {k: round(float(np.asarray(s[f"{k}_fraction"])[active == a].mean()), 4)
+                     for k in ("step1", "step2", "host")} for a in np.unique(active)}
 
 
 def plot(series, cfg, path):

@@ -107,9 +107,9 @@ def scale(name: str, model=gin.REQUIRED, methods=("resident", "hisparse", "leans
             trace = (out / f"trace_{method}_{context}_{batch}"
                      if (method, context, batch) in set(map(tuple, profile)) else None)
             try:
-                rec = _cell(cfg, params, books, pre, prompt, method, batch, steps, warm_steps,
-                            prefill_chunk, hot_cache_rows, page_size, lean, lent_fraction,
-                            device_budget_gb, implementation, trace)
+                rec = decode_cell(cfg, params, books, pre, prompt, method, batch, steps,
+                                  warm_steps, prefill_chunk, hot_cache_rows, page_size, lean,
+                                  lent_fraction, device_budget_gb, implementation, trace)
             except Exception as err:  # noqa: BLE001  (recorded, the grid goes on)
                 rec = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"}
             rec.update(method=method, context=context, batch=batch, layers=cfg.num_layers,
@@ -129,8 +129,12 @@ def scale(name: str, model=gin.REQUIRED, methods=("resident", "hisparse", "leans
     return records
 
 
-def _cell(cfg, params, books, pre, prompt, method, batch, steps, warm_steps, chunk, hot_rows,
-          page, lean, lent_fraction, budget_gb, implementation, trace=None) -> dict:
+def decode_cell(cfg, params, books, pre, prompt, method, batch, steps, warm_steps, chunk,
+                hot_rows, page, lean, lent_fraction, budget_gb, implementation,
+                trace=None) -> dict:
+    """``batch`` copies of one prefill (``pre`` of ``prompt``) decoded by ``method``: the
+    mean of ``steps`` decode steps after ``warm_steps``, with the selection statistics (also
+    the capacity experiment's timing)."""
     storage = method_storage(method)
     pages = len(prompt) // cfg.csa_ratio // page
     cache = CacheConfig(batch, chunk, hot_rows if storage.kv_on_host else None, page,

@@ -6,11 +6,12 @@ Writes runs/<name>/{config.gin, results.json, latency_cdf.png}.
 
 Requests with uniformly drawn prompt and output lengths (random token ids: with random weights
 the text means nothing, the lengths and timings do) arrive as a Poisson process of
-``arrival_rate`` per second from a seeded generator. The scheduler (lsparse_jax.serving.
-scheduler) admits them first come, first served under ``num_slots`` and
-``device_budget_bytes``, prefills each prompt (whole, or in chunks of a per-iteration token
-budget beside the decode step), decodes the active set one step per iteration and releases
-finished requests at once. results.json: the aggregates
+``arrival_rate`` per second from a seeded generator (or come from ``clients`` closed-loop
+clients). The scheduler (lsparse_jax.serving.scheduler) admits them first come, first served
+under ``num_slots`` and ``device_budget_bytes``, prefills each prompt (whole, or in chunks of a
+per-iteration token budget beside the decode step), decodes the active set one step per
+iteration and releases finished requests at once.
+results.json: the aggregates
 (``completed``, ``ttft_p50_s``, ``tpot_p50_s``, ``throughput_tok_s``, ``admission_waits``, ...),
 per-request records, the per-iteration trace and the configuration.
 """
@@ -23,7 +24,7 @@ import gin
 import numpy as np
 from tqdm.auto import tqdm
 
-from experiments.common import fit_max_len, pyplot, run_dir, write_results
+from experiments.common import cdf_plot, fit_max_len, run_dir, write_results
 from lsparse_jax.config import (
     CacheConfig,
     EngineConfig,
@@ -36,20 +37,8 @@ from lsparse_jax.model import init_params
 from lsparse_jax.serving.engine import Engine
 from lsparse_jax.serving.request import Request
 from lsparse_jax.serving.scheduler import Clock, Scheduler
+from lsparse_jax.serving.workloads import ClosedLoop, OpenLoop, poisson_requests
 from lsparse_jax.training import load_params
-
-
-def poisson_requests(n: int, rate: float, prompt_tokens, max_new_tokens, vocab: int,
-                     seed: int, stop_strings=()) -> list[Request]:
-    """n requests, arrivals a Poisson process of ``rate``/s (exponential gaps from 0), prompt
-    and output lengths uniform on the inclusive ranges (lo, hi)."""
-    rng = np.random.default_rng(seed)
-    arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
-    lengths = rng.integers(prompt_tokens[0], prompt_tokens[1] + 1, n)
-    outputs = rng.integers(max_new_tokens[0], max_new_tokens[1] + 1, n)
-    return [Request(rng.integers(0, vocab, int(lengths[i])).astype(np.int32), int(outputs[i]),
-                    stop_strings=tuple(stop_strings), arrival_time=float(arrivals[i]), id=i)
-            for i in range(n)]
 
 
 @gin.configurable
@@ -60,8 +49,14 @@ def serve(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
           prefill_token_budget: int | None = None,
           hot_cache_rows: int = 32, page_size: int = 16, host_pages: int | None = None,
           optional_pages: int = 32, step_s: float | None = None, prefill_token_s: float = 0.0,
-          stop_strings=(), leansparse=None, seed: int = 0):
+          stop_strings=(), leansparse=None, clients: int | None = None,
+          think_s: float = 0.0, echo_pool_rows: int = 4096, seed: int = 0):
     """Serves ``requests`` Poisson arrivals with ``method``; returns the summary.
+
+    clients: a closed loop instead (``serving.workloads.ClosedLoop``): C clients at fixed
+    lengths (prompt_tokens[1] in, max_new_tokens[1] out), each sending its next request
+    ``think_s`` after its previous one finishes, requests // clients each (arrival_rate
+    unused). echo_pool_rows: echo's shared GPU KV pool entries per CSA layer.
 
     checkpoint: None serves random weights (seeded). prefill_token_budget: None prefills
     each prompt whole at admission (decode stalls); a value prefills that many prompt tokens
@@ -74,7 +69,8 @@ def serve(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
     storage = method_storage(method)
     cache = CacheConfig(num_slots, prefill_chunk, hot_cache_rows if storage.kv_on_host else None,
                         page_size, host_pages,
-                        optional_pages=optional_pages if storage.lent_pages else None)
+                        optional_pages=optional_pages if storage.lent_pages else None,
+                        shared_pool_rows=echo_pool_rows if method == "echo" else None)
     config = EngineConfig(model=cfg, method=method, cache=cache,
                           sampling=SamplingConfig(0.0, seed),
                           leansparse=leansparse or LeanSparseConfig())
@@ -92,11 +88,17 @@ def serve(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
     del warm
     engine = Engine(config, params, codebooks)
     engine.warmup()
-    work = poisson_requests(requests, arrival_rate, prompt_tokens, max_new_tokens,
-                            cfg.vocab_size, seed, stop_strings)
+    if clients is None:
+        work = OpenLoop(poisson_requests(requests, arrival_rate, prompt_tokens, max_new_tokens,
+                                         cfg.vocab_size, seed, stop_strings))
+    else:
+        if stop_strings:
+            raise ValueError("serve.stop_strings: not supported with serve.clients")
+        work = ClosedLoop(clients, prompt_tokens[1], max_new_tokens[1], requests // clients,
+                          cfg.vocab_size, think_s, seed)
+        requests = clients * (requests // clients)
     sched = Scheduler(engine, device_budget_bytes, Clock(step_s, prefill_token_s),
-                      prefill_token_budget)
-    sched.submit(work)
+                      prefill_token_budget, workload=work)
     with tqdm(total=requests, desc=f"serve {method}", unit="req") as bar:
         sched.run(bar)
     summary = sched.summary()
@@ -107,6 +109,7 @@ def serve(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
         "config": {"model": dataclasses.asdict(cfg), "checkpoint": checkpoint,
                    "cache": dataclasses.asdict(cache), "requests": requests,
                    "arrival_rate": arrival_rate, "prompt_tokens": list(prompt_tokens),
+                   "clients": clients, "think_s": think_s,
                    "max_new_tokens": list(max_new_tokens), "stop_strings": list(stop_strings),
                    "device_budget_bytes": device_budget_bytes,
                    "prefill_token_budget": prefill_token_budget,
@@ -127,18 +130,6 @@ def serve(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
 
 def plot(records: list[dict], label: str, path):
     """Empirical CDFs of TTFT, TPOT and end-to-end latency (one panel each)."""
-    plt = pyplot()
-    panels = (("ttft_s", "TTFT (s)", 1.0), ("tpot_s", "TPOT (ms)", 1e3),
-              ("e2e_s", "end-to-end (s)", 1.0))
-    fig, axes = plt.subplots(1, 3, figsize=(10, 3))
-    for ax, (key, xlabel, scale) in zip(axes, panels):
-        xs = np.sort([r[key] * scale for r in records if r[key] is not None])
-        ax.step(xs, np.arange(1, xs.size + 1) / max(xs.size, 1), where="post", label=label)
-        ax.set_xlabel(xlabel)
-        ax.set_ylim(0, 1.02)
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("CDF")
-    axes[0].legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    values = {key: [r[key] for r in records] for key in ("ttft_s", "tpot_s", "e2e_s")}
+    cdf_plot({label: values}, (("ttft_s", "TTFT (s)", 1.0), ("tpot_s", "TPOT (ms)", 1e3),
+                               ("e2e_s", "end-to-end (s)", 1.0)), path)

@@ -221,6 +221,16 @@ class CacheConfig:
         ``memory.accounting.pool_pages`` converts a byte budget. None: every slot holds that
         state at max_len (the preallocated layout). num_slots stays the cap of concurrent
         requests (per-slot state: SWA window, tails, hot caches, page-table rows).
+      shared_pool_rows: echo only: compressed KV entries per CSA layer of the GPU KV pool
+        shared by all requests (ECHO; 256K in the LeanSparse paper's replay). Each decoding
+        request holds its buffer of hot_cache_rows entries in it and each prefill the
+        compressed rows of its whole prompt until it enters decode (``methods.echo``).
+      shared_budget_bytes: adaptive only: device bytes that the admitted requests' required
+        state (``memory.accounting.request_bytes`` at prompt + max_new_tokens) and the lent
+        optional pages share (required + optional <= budget). An admission that leaves a
+        deficit reclaims whole requests' optional pages in reclaim order, and waits if all of
+        them cannot cover it; new and refilled pages are lent only from spare bytes. None:
+        the optional pages are a separate allocation, lent whenever one is free.
     """
 
     num_slots: int = 1
@@ -232,11 +242,14 @@ class CacheConfig:
     optional_pages: int | None = None
     refill_pages: int = 4
     device_pages: int | None = None
+    shared_pool_rows: int | None = None
+    shared_budget_bytes: int | None = None
 
     def __post_init__(self):
         _positive("CacheConfig", num_slots=self.num_slots, prefill_chunk=self.prefill_chunk,
                   page_size=self.page_size, refill_pages=self.refill_pages)
-        for name in ("hot_cache_rows", "host_pages", "optional_pages", "device_pages"):
+        for name in ("hot_cache_rows", "host_pages", "optional_pages", "device_pages",
+                     "shared_pool_rows", "shared_budget_bytes"):
             if getattr(self, name) is not None:
                 _positive("CacheConfig", **{name: getattr(self, name)})
 

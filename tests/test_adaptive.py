@@ -182,3 +182,58 @@ def test_residency_experiment_cli(tmp_path, monkeypatch):
     assert series["adaptive"]["optional_pages"][0] == 8 and (tmp_path / "res" /
                                                              "residency.png").exists()
     assert series["adaptive"]["active"] == series["hisparse"]["active"]
+    for m in ("hisparse", "adaptive"):  # the resolver's three steps account for every row
+        total = (np.asarray(series[m]["step1_fraction"]) + series[m]["step2_fraction"]
+                 + series[m]["host_fraction"])
+        np.testing.assert_allclose(total, 1.0, atol=1e-9)
+        by = out["summary"][m]["resolver_by_load"]
+        assert by["1"]["host"] == out["summary"][m]["host_fraction_by_load"]["1"]
+
+
+@pytest.mark.slow
+def test_shared_budget_reclaims_whole_requests_or_waits():
+    """Required state and lent pages share ``shared_budget_bytes`` (3 requests' required
+    bytes + 3 optional pages); prompts of 70 tokens hold 2 complete pages. r0 and r1 are
+    lent both pages from spare bytes; r2's required bytes leave a one-page deficit: r0's
+    pages (a whole request, the oldest) are reclaimed, r1 keeps its own, r2 is lent the
+    one spare page; a fourth admission cannot be covered by every lent page: it raises
+    SharedBudgetError and changes nothing. Required + lent never exceed the budget; a
+    release makes room and the refill lends only from spare bytes; tokens equal resident."""
+    from lsparse_jax.memory.accounting import request_bytes
+    from lsparse_jax.methods.adaptive import SharedBudgetError
+
+    cfg = tiny(max_len=128)
+    params, _ = model_and_tokens(cfg, 1, seed=4)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 256, 70).astype(np.int32) for _ in range(4)]
+    probe = make(cfg, params, "adaptive", optional=8, slots=4)
+    need = request_bytes(probe.config, 80).gpu_total
+    page = probe.control.page_bytes
+    budget = 3 * need + 3 * page
+    e = Engine(EngineConfig(model=cfg, method="adaptive", cache=CacheConfig(
+        num_slots=4, prefill_chunk=32, hot_cache_rows=16, page_size=PAGE, optional_pages=8,
+        refill_pages=2, shared_budget_bytes=budget)), params)
+    resident = make(cfg, params, "resident", slots=4)
+    lent = lambda: {s: len(v) for s, v in e.control.residency.lent.items()}  # noqa: E731
+    for i in range(3):
+        e.admit(prompts[i], max_new_tokens=10)
+        resident.admit(prompts[i], max_new_tokens=10)
+        assert e.control.spare() >= 0  # required + lent within the budget
+        if i < 2:
+            check_step(resident, e)
+    assert lent() == {0: 0, 1: 2, 2: 1}
+    free = (e.control.pages.free, e.control.residency.pages.free)
+    with pytest.raises(SharedBudgetError, match="cannot cover"):
+        e.admit(prompts[3], max_new_tokens=10)
+    assert lent() == {0: 0, 1: 2, 2: 1} and not e.active[3]
+    assert (e.control.pages.free, e.control.residency.pages.free) == free
+    check_step(resident, e)
+    for engine in (e, resident):
+        engine.release(1)
+    assert e.control.spare() == need + 2 * page
+    check_step(resident, e)  # the refill lends missing pages from spare bytes, one per slot
+    assert lent() == {0: 1, 2: 2} and e.control.spare() >= 0
+    check_step(resident, e)
+    assert lent() == {0: 2, 2: 2} and e.control.spare() >= 0
+    check_step(resident, e)
+    assert [e.generated[s] for s in (0, 2)] == [resident.generated[s] for s in (0, 2)]

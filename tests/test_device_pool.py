@@ -12,14 +12,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lsparse_jax.config import CacheConfig, EngineConfig
+from lsparse_jax.config import CacheConfig, EngineConfig, LeanSparseConfig
 from lsparse_jax.memory.accounting import (
+    budget_capacity,
+    budget_pools,
     device_page_bytes,
     pool_pages,
     pooled_capacity,
     request_bytes,
 )
 from lsparse_jax.memory.device_pool import DeviceCapacityError, PoolView, gather_slot_rows
+from lsparse_jax.methods.base import pool_bytes
 from lsparse_jax.serving.engine import Engine
 from lsparse_jax.serving.steps import prefill
 from tests.helpers import model_and_tokens, tiny
@@ -153,3 +156,50 @@ def test_gather_slot_rows_reads_tail_own_pages_and_poisons_the_rest():
     want = [p[32], p[39], p[8], p[15], np.asarray(tail)[0], np.asarray(tail)[7]]
     np.testing.assert_array_equal(got[:6], np.stack(want))
     assert np.isnan(got[6:]).all()  # -1, and logical pages 3 and 5 (not reserved)
+
+
+@pytest.mark.parametrize("method", ["resident"] + [
+    pytest.param(m, marks=pytest.mark.slow) for m in ("hisparse", "leansparse", "echo")])
+def test_budget_capacity_is_what_the_pools_admit(method):
+    """One byte budget holds slots' state and device pools; requests of 128 tokens (max_len).
+    ``budget_capacity`` says N fit: pools sized from the budget beside N slots
+    (``budget_pools``) admit all N and the allocated arrays (N slots' state + pools) fit the
+    budget; carved for N + 1 slots, the pools cannot hold N + 1 requests (an admission raises
+    DeviceCapacityError, or no request fits at all)."""
+    cfg = tiny(max_len=128)
+    params, prompt = model_and_tokens(cfg, 124, seed=7)
+    prefilled = prefill(params, cfg, prompt, 32)
+    books = {1: np.zeros((8, 16, 4), np.float32), 3: np.zeros((8, 16, 4), np.float32)}
+    rows = None if method == "resident" else 16
+    probe = EngineConfig(model=cfg, method=method, cache=CacheConfig(
+        page_size=PAGE, hot_cache_rows=rows, device_pages=1,
+        shared_pool_rows=64 if method == "echo" else None),
+        leansparse=LeanSparseConfig(num_candidates=32, key_cache_rows=48))
+    budget = 3 * request_bytes(EngineConfig(model=cfg, cache=CacheConfig(
+        page_size=PAGE, device_pages=1)), 128).gpu_total + 1000  # three resident requests
+    n = budget_capacity(probe, 128, budget)
+    assert n == 3 if method == "resident" else n >= 1
+    for slots in (n, n + 1):
+        try:
+            pages = budget_pools(probe, 128, budget, slots)
+        except ValueError:  # N + 1 slots' state alone leaves no page
+            assert slots == n + 1
+            continue
+        e = Engine(dataclasses.replace(probe, cache=dataclasses.replace(
+            probe.cache, num_slots=slots, device_pages=pages,
+            shared_pool_rows=16 * slots + 31 if method == "echo" else None)), params, books)
+        admitted = 0
+        try:
+            while admitted < slots:
+                e.admit(prompt, max_new_tokens=4, prefilled=prefilled)
+                admitted += 1
+                e.step()  # echo: the prefill's history leaves the shared pool
+        except DeviceCapacityError:
+            pass
+        except ValueError as err:  # a pool smaller than one request
+            assert slots == n + 1 and "can never fit" in str(err)
+        if slots == n:
+            assert admitted == n, method
+            assert n * e.slot_bytes + pool_bytes(e.state.tier.pools) <= budget
+        else:
+            assert admitted < slots, method

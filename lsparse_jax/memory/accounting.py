@@ -247,6 +247,30 @@ def pooled_capacity(engine: EngineConfig, context: int) -> int:
     return min(engine.cache.num_slots, engine.cache.device_pages // max(per, 1))
 
 
+def budget_capacity(engine: EngineConfig, context: int, budget_bytes: int,
+                    layout: Layout | None = None) -> int:
+    """Most requests of ``context`` tokens whose whole GPU state (per-slot state plus their
+    device pool pages: ``engine`` needs ``device_pages`` set, any value) fits in
+    ``budget_bytes``. ``budget_pools`` sizes the pools that then admit exactly that many."""
+    if engine.cache.device_pages is None:
+        raise ValueError("budget_capacity: CacheConfig.device_pages is None (no device pools)")
+    return int(budget_bytes // request_bytes(engine, context, layout).gpu_total)
+
+
+def budget_pools(engine: EngineConfig, context: int, budget_bytes: int, slots: int,
+                 layout: Layout | None = None) -> int:
+    """Device pages (``CacheConfig.device_pages``) left in ``budget_bytes`` beside the
+    per-slot state of ``slots`` slots sized for ``context`` tokens (max_len = context)."""
+    per = request_bytes(engine, context, layout)
+    page = device_page_bytes(engine, layout)
+    fixed = per.gpu_total - per.device_pages * page  # per-slot state, not in the pools
+    pages = (budget_bytes - slots * fixed) // page
+    if pages < 1:
+        raise ValueError(f"budget_pools: {slots} slots' state ({slots * fixed} B) leaves no "
+                         f"device page in the budget ({budget_bytes} B)")
+    return int(pages)
+
+
 def spec_bytes(engine: EngineConfig, drafter: DrafterConfig,
                layout: Layout | None = None) -> dict[str, int]:
     """Device bytes one request adds for speculative decoding (``serving.speculative``).
@@ -270,6 +294,18 @@ def spec_bytes(engine: EngineConfig, drafter: DrafterConfig,
     return {"drafter_ring": ring + 4 * drafter.window, "staging": staging}
 
 
+def shared_pool_bytes(engine: EngineConfig, layout: Layout | None = None) -> int:
+    """Bytes of echo's GPU KV pool shared by all requests (``CacheConfig.shared_pool_rows``
+    entries of row + metadata per CSA layer; 0 for the other methods). Each request's buffer
+    of hot_cache_rows entries lives in it and is also in its ``request_bytes`` (hot_cache), the
+    rest holds prefills' histories."""
+    rows = engine.cache.shared_pool_rows
+    if rows is None:
+        return 0
+    lay = layout or Layout.ours(engine.model)
+    return engine.model.layer_pattern.count("csa") * rows * (lay.kv_row + lay.hot_row_meta)
+
+
 def param_bytes(cfg: ModelConfig) -> int:
     """Bytes of the model's parameters (f32), from shapes alone (nothing is allocated)."""
     from lsparse_jax.model import init_params
@@ -281,7 +317,8 @@ def param_bytes(cfg: ModelConfig) -> int:
 def max_concurrency(engine: EngineConfig, context: int, hbm_bytes: int, weight_bytes: int,
                     layout: Layout | None = None, host_bytes: int | None = None) -> int:
     """Most requests of ``context`` tokens whose GPU state fits beside the weights in
-    ``hbm_bytes`` (and whose host state fits in ``host_bytes`` if given)."""
+    ``hbm_bytes`` (and whose host state fits in ``host_bytes`` if given; echo: and whose
+    buffers fit in its shared pool)."""
     per = request_bytes(engine, context, layout)
     free = hbm_bytes - weight_bytes
     if free < 0:
@@ -290,6 +327,8 @@ def max_concurrency(engine: EngineConfig, context: int, hbm_bytes: int, weight_b
     count = free // per.gpu_total
     if host_bytes is not None and per.host_total:
         count = min(count, host_bytes // per.host_total)
+    if engine.cache.shared_pool_rows is not None:
+        count = min(count, engine.cache.shared_pool_rows // engine.cache.hot_cache_rows)
     return int(count)
 
 

@@ -10,6 +10,11 @@ all slots share (``CacheConfig.optional_pages`` per CSA layer), on top of the fi
     admission, so nothing is lost);
   - refill: after pages come free (a request leaves), at most ``refill_pages`` pages per decode
     step go back to requests missing some, round-robin over slots.
+With ``CacheConfig.shared_budget_bytes`` required state and lent pages share one budget (the
+paper's required + optional <= capacity): an admission's required bytes that leave a deficit
+reclaim whole requests' optional pages in reclaim order until it is covered, and if all lent
+pages cannot cover it the admission waits (``SharedBudgetError``, nothing changed); the
+newcomer and the refill are lent pages only from spare bytes.
 The resolver reads the ready map before the hot-cache scan (the paper's step 1), so outputs
 equal ``resident``'s bit for bit (identity 3). Pages generated during decoding always follow
 hot-cache rules. Control plane: ``OptionalResidency`` (which pages each slot holds);
@@ -28,8 +33,9 @@ import numpy as np
 from flax import struct
 
 from lsparse_jax.config import Storage
+from lsparse_jax.memory.accounting import request_bytes
 from lsparse_jax.memory.device_pool import DevicePools
-from lsparse_jax.memory.host_pool import PageAllocator, read_host_rows
+from lsparse_jax.memory.host_pool import CapacityError, PageAllocator, read_host_rows
 from lsparse_jax.memory.paged_kv import PagedKVStore
 from lsparse_jax.memory.paging import put_pages
 from lsparse_jax.methods.base import Grant, register
@@ -161,43 +167,89 @@ def refill(method: Adaptive, state, slot, logical, lent):
                                            ready=ready))
 
 
+class SharedBudgetError(CapacityError):
+    """An admission's required bytes exceed the shared budget's spare bytes plus every lent
+    optional page (it waits)."""
+
+    wait_reason = "shared_budget"
+
+
 class AdaptiveController(PagedController):
-    """Host pages as hisparse, plus which optional pages each slot holds."""
+    """Host pages as hisparse, plus which optional pages each slot holds (and, with
+    ``shared_budget_bytes``, the required bytes each admitted request holds)."""
 
     def __init__(self, method: Adaptive):
         super().__init__(method)
-        cache = method.engine.cache
-        self.residency = OptionalResidency(cache.optional_pages, method.engine.pages_per_slot,
+        engine = method.engine
+        cache = engine.cache
+        self.residency = OptionalResidency(cache.optional_pages, engine.pages_per_slot,
                                            cache.refill_pages)
+        self.budget = cache.shared_budget_bytes
+        self.required: dict[int, int] = {}  # slot -> required device bytes (with a budget)
+        # one optional page id = P rows in every CSA layer's optional pool
+        self.page_bytes = (cache.page_size * KVRowFormat.of(engine.model).row_bytes
+                           * len(method.csa_layers))
+
+    def spare(self) -> int:
+        """Bytes of the shared budget neither required nor lent."""
+        return (self.budget - sum(self.required.values())
+                - self.residency.in_use() * self.page_bytes)
 
     def reserve(self, slot: int, total_tokens: int, prompt_tokens: int, held=()):
-        grant, before = super().reserve(slot, total_tokens, prompt_tokens, held)
         engine = self.method.engine
         full = prompt_tokens // engine.model.csa_ratio // engine.cache.page_size
-        victims, ready = self.residency.admit(slot, full)
+        if self.budget is None:
+            grant, before = super().reserve(slot, total_tokens, prompt_tokens, held)
+            victims, ready = self.residency.admit(slot, full)
+        else:
+            need = request_bytes(engine, total_tokens).gpu_total
+            if need > self.budget:
+                raise ValueError(f"adaptive: a request of {total_tokens} tokens needs {need} "
+                                 f"required bytes, more than CacheConfig.shared_budget_bytes="
+                                 f"{self.budget}: it can never be admitted")
+            deficit = need - self.spare()
+            victims = (self.residency.victims_for(-(-deficit // self.page_bytes))
+                       if deficit > 0 else [])
+            if victims is None:
+                raise SharedBudgetError(
+                    f"adaptive shared budget: {need} required bytes leave a deficit of "
+                    f"{deficit} that the lent pages ({self.residency.in_use()} x "
+                    f"{self.page_bytes} B) cannot cover")
+            grant, before = super().reserve(slot, total_tokens, prompt_tokens, held)
+            for victim in victims:
+                self.residency.take_back(victim)
+            self.required[slot] = need
+            _, ready = self.residency.admit(slot, full,
+                                            limit=max(self.spare(), 0) // self.page_bytes)
         before += [functools.partial(reclaim, self.method, slot=victim) for victim in victims]
         return grant.replace(lent=jnp.asarray(ready)), before
 
     def release(self, slot: int) -> list:
         updates = []
+        self.required.pop(slot, None)
         if self.residency.release(slot):
             updates.append(functools.partial(reclaim, self.method, slot=slot))
         return updates + super().release(slot)
 
     def before_step(self) -> list:
-        """The bounded round-robin refill of lent pages."""
+        """The bounded round-robin refill of lent pages (from spare bytes, with a budget)."""
+        limit = None if self.budget is None else max(self.spare(), 0) // self.page_bytes
         return [functools.partial(refill, self.method, slot=slot, logical=jnp.asarray(logical),
                                   lent=jnp.asarray(lent))
-                for slot, logical, lent in self.residency.plan_refill()]
+                for slot, logical, lent in self.residency.plan_refill(limit)]
 
     def warmup(self, state):
         none = jnp.full((self.residency.refill_pages,), -1, jnp.int32)  # an all -1 plan
         return refill(self.method, super().warmup(state), 0, none, none)
 
     def metrics(self, state) -> dict:
-        return super().metrics(state) | {"optional_pages_in_use": self.residency.in_use(),
-                "optional_pool_bytes": sum(o.nbytes for o in
-                                           jax.tree.leaves(state.tier.optional_pools))}
+        out = super().metrics(state) | {
+            "optional_pages_in_use": self.residency.in_use(),
+            "optional_pool_bytes": sum(o.nbytes for o in
+                                       jax.tree.leaves(state.tier.optional_pools))}
+        if self.budget is not None:
+            out["shared_budget_bytes_in_use"] = self.budget - self.spare()
+        return out
 
 
 class OptionalResidency:
@@ -215,21 +267,41 @@ class OptionalResidency:
     def in_use(self) -> int:
         return self.pages.num_pages - self.pages.free
 
-    def admit(self, slot: int, full_pages: int) -> tuple[list[int], np.ndarray]:
+    def admit(self, slot: int, full_pages: int,
+              limit: int | None = None) -> tuple[list[int], np.ndarray]:
         """A request with ``full_pages`` complete prompt pages enters ``slot``: returns (slots
-        whose optional pages must be reclaimed first, in order; its ready row [max_pages])."""
+        whose optional pages must be reclaimed first, in order; its ready row [max_pages]).
+        limit: lend at most this many pages and reclaim nobody's (the shared budget's spare
+        pages); None: reclaim whole requests' pages until ``full_pages`` are free."""
         victims = []
-        for other in self.order:
+        for other in self.order if limit is None else ():
             if self.pages.free >= full_pages:
                 break
             if self.lent.get(other):
                 victims.append(other)
                 self._take_back(other)
-        grant = self.pages.allocate(min(full_pages, self.pages.free), what="optional pages")
+        count = min(full_pages, self.pages.free, full_pages if limit is None else limit)
+        grant = self.pages.allocate(count, what="optional pages")
         self.lent[slot] = dict(enumerate(grant))
         self.imported[slot] = full_pages
         self.order.append(slot)
         return victims, self.ready_row(slot)
+
+    def victims_for(self, pages: int) -> list[int] | None:
+        """The requests, in reclaim order, whose whole optional pages together cover
+        ``pages`` (the fewest from the front), or None if all lent pages cannot."""
+        victims, got = [], 0
+        for other in self.order:
+            if got >= pages:
+                break
+            if self.lent.get(other):
+                victims.append(other)
+                got += len(self.lent[other])
+        return victims if got >= pages else None
+
+    def take_back(self, slot: int) -> None:
+        """Reclaims all of ``slot``'s optional pages (the caller runs ``reclaim``)."""
+        self._take_back(slot)
 
     def release(self, slot: int) -> bool:
         """The request in ``slot`` ends; returns whether it held optional pages to reclaim."""
@@ -240,11 +312,13 @@ class OptionalResidency:
         self.order.remove(slot)
         return held
 
-    def plan_refill(self) -> list[tuple[int, np.ndarray, np.ndarray]]:
-        """At most ``refill_pages`` free pages for slots missing some of their prompt pages,
-        one page per slot per round, round-robin from where the last refill stopped:
-        [(slot, logical [R], lent [R])], -1 padded to R = refill_pages (one compilation)."""
-        budget = min(self.refill_pages, self.pages.free)
+    def plan_refill(self, limit: int | None = None) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """At most ``refill_pages`` free pages (and at most ``limit``) for slots missing some
+        of their prompt pages, one page per slot per round, round-robin from where the last
+        refill stopped: [(slot, logical [R], lent [R])], -1 padded to R = refill_pages (one
+        compilation)."""
+        budget = min(self.refill_pages, self.pages.free,
+                     self.refill_pages if limit is None else limit)
         slots = sorted(self.imported)
         new: dict[int, list[int]] = {}  # slot -> logical pages lent now, in order
         if slots:
@@ -283,5 +357,5 @@ class OptionalResidency:
         self.lent[slot] = {}
 
 
-__all__ = ["Adaptive", "AdaptiveController", "AdaptiveTier", "LentPageView",
+__all__ = ["Adaptive", "AdaptiveController", "AdaptiveTier", "LentPageView", "SharedBudgetError",
            "LentPagedKVStore", "OptionalResidency", "reclaim", "refill"]

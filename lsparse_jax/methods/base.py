@@ -144,6 +144,7 @@ class Method:
     name: ClassVar[str] = "resident"
     exact: ClassVar[bool] = True  # selections equal resident's (identity 3)
     storage: ClassVar[Storage] = Storage()  # where KV rows and keys live (memory accounting)
+    shared_pool: ClassVar[bool] = False  # needs CacheConfig.shared_pool_rows (echo)
 
     @classmethod
     def validate(cls, engine: EngineConfig) -> None:
@@ -151,6 +152,14 @@ class Method:
         if (engine.cache.optional_pages is not None) != cls.storage.lent_pages:
             invalid("EngineConfig", "cache.optional_pages", engine.cache.optional_pages,
                     "the adaptive method needs it (device pages lent to imported history); "
+                    "other methods must leave it None")
+        if engine.cache.shared_budget_bytes is not None and not cls.storage.lent_pages:
+            invalid("EngineConfig", "cache.shared_budget_bytes",
+                    engine.cache.shared_budget_bytes,
+                    "only the adaptive method shares a budget with lent pages; leave it None")
+        if (engine.cache.shared_pool_rows is not None) != cls.shared_pool:
+            invalid("EngineConfig", "cache.shared_pool_rows", engine.cache.shared_pool_rows,
+                    "the echo method needs it (its GPU KV pool shared across requests); "
                     "other methods must leave it None")
         cfg, page = engine.model, engine.cache.page_size
         if engine.cache.device_pages is not None and "hca" in cfg.layer_pattern \

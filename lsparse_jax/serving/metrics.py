@@ -23,7 +23,8 @@ def request_metrics(r: Request) -> dict:
         raise ValueError(f"request_metrics: request {r.id!r} has not finished")
     n = len(r.tokens)
     return {
-        "id": r.id, "prompt_tokens": int(len(r.prompt)), "output_tokens": n,
+        "id": r.id, "session": r.session, "turn": r.turn,
+        "prompt_tokens": int(len(r.prompt)), "output_tokens": n,
         "finish_reason": r.finish_reason, "admission_waits": r.admission_waits,
         "arrival_s": r.arrival_time, "admitted_s": r.admitted_at,
         "first_token_s": r.first_token_at, "finished_s": r.finished_at,

@@ -28,6 +28,8 @@ class Request:
       arrival_time: when the request arrived (seconds, the caller's clock; a scheduler's
         queue orders by it).
       id: a caller-chosen identifier (default: a process-wide counter).
+      session: the multi-turn session the request is a call of (None: a single request);
+        turn: its call index in the session (``serving.workloads``).
     Filled by the engine (``time.perf_counter`` seconds): admitted_at, first_token_at,
     finished_at; ``tokens`` the generated ids; ``token_times`` the time each was produced.
     A scheduler (``serving.scheduler``) restamps them on its clock and fills admission_waits
@@ -40,6 +42,8 @@ class Request:
     stop_strings: tuple[str, ...] = ()
     arrival_time: float = 0.0
     id: int | str = dataclasses.field(default_factory=lambda: next(_IDS))
+    session: int | str | None = None
+    turn: int = 0
     admitted_at: float | None = None
     first_token_at: float | None = None
     finished_at: float | None = None

@@ -22,6 +22,17 @@ decode step, not fused into one mixed batch, and the same chunking as ``steps.pr
 the tokens equal those of whole-prompt admission. Host pages are reserved only then: a
 prefilled request the host pool cannot hold yet waits, holding its slot and bytes.
 
+Workloads (``serving.workloads``): ``workload`` submits its ``initial()`` requests and, as
+each request finishes, those ``on_finish(request, now)`` returns (closed-loop clients, the next
+call of a multi-turn session after its tool wait). Prefix reuse (``prefix_reuse``, whole-prompt
+mode): a finished call whose session goes on is detached (``Engine.detach``: its context stays
+host-resident as a ``Prefix``) instead of released, and the session's next call is admitted
+with it (``Engine.admit(request, prefix=...)``: only the new suffix is prefilled, the prefix
+streamed from host); the fixed clock then charges prefill for the suffix only. Held
+prefixes keep host pages: an admission the host pool cannot hold evicts the oldest other
+session's prefix (``Engine.drop``; that session's next call prefills its whole prompt) and
+retries at the next iteration.
+
 Time is the scheduler's ``Clock``, starting at 0: arrivals are read on it and every timestamp
 of a ``Request`` is restamped on it. It advances by each admission's and step's measured wall
 time, or by fixed costs (deterministic metrics), and jumps to the next arrival when idle.
@@ -42,7 +53,8 @@ from lsparse_jax.serving.metrics import request_metrics, summarize
 from lsparse_jax.serving.request import Request
 from lsparse_jax.serving.steps import prefill_chunks
 
-WAIT_REASONS = ("slots", "device_budget", "host_pool", "device_pool")
+WAIT_REASONS = ("slots", "device_budget", "host_pool", "device_pool", "shared_pool",
+                "shared_budget")
 
 
 @dataclasses.dataclass
@@ -83,10 +95,17 @@ class Scheduler:
     """
 
     def __init__(self, engine: Engine, device_budget_bytes: int | None = None,
-                 clock: Clock | None = None, prefill_token_budget: int | None = None):
+                 clock: Clock | None = None, prefill_token_budget: int | None = None,
+                 workload=None, prefix_reuse: bool = False):
         if prefill_token_budget is not None and engine.config.cache.streamed_prefill:
             raise ValueError("Scheduler: chunked prefill (prefill_token_budget) does not "
                              "stream layers; use streamed_prefill with whole-prompt prefill")
+        if prefix_reuse and prefill_token_budget is not None:
+            raise ValueError("Scheduler: prefix_reuse admits through Engine.admit(prefix=...) "
+                             "(whole-prompt mode); leave prefill_token_budget None")
+        if prefix_reuse and workload is None:
+            raise ValueError("Scheduler: prefix_reuse needs a workload whose sessions go on "
+                             "(e.g. serving.workloads.MultiTurn)")
         self.engine, self.budget = engine, device_budget_bytes
         self.clock = clock or Clock()
         self.prefill_token_budget = prefill_token_budget
@@ -99,6 +118,12 @@ class Scheduler:
         self.waits_by = dict.fromkeys(WAIT_REASONS, 0)
         self.trace: list[dict] = []
         self._bytes: dict[int, int] = {}  # context tokens -> device bytes of one request
+        self.workload, self.prefix_reuse = workload, prefix_reuse
+        self.prefixes: dict = {}  # session -> the host-resident Prefix of its last call
+        self.reused_tokens = 0  # prompt tokens admitted from a prefix (not prefilled)
+        self.prefix_drops = 0  # prefixes evicted for host pages
+        if workload is not None:
+            self.submit(workload.initial())
 
     def device_bytes(self, request: Request) -> int:
         """Device bytes ``request`` holds: its slot sized to prompt + max_new_tokens."""
@@ -136,11 +161,23 @@ class Scheduler:
     def _engine_admit(self, r: Request, prefilled=None) -> int | None:
         """``engine.admit``, or None when the host pool or the device pools cannot hold
         ``r`` now (it waits)."""
+        prefix = self.prefixes.pop(r.session, None) if r.session is not None else None
         try:  # the controller reserves before the engine changes anything
-            return self.engine.admit(r, prefilled=prefilled)
+            if prefix is None:
+                return self.engine.admit(r, prefilled=prefilled)
+            slot = self.engine.admit(r, prefix=prefix)  # checks r extends the prefix
+            self.reused_tokens += len(prefix.tokens)
+            return slot
         except CapacityError as e:
-            pool = "device_pool" if isinstance(e, DeviceCapacityError) else "host_pool"
-            if not self.running:
+            if prefix is not None:  # not admitted: the session keeps its prefix
+                self.prefixes[r.session] = prefix
+            pool = getattr(e, "wait_reason", None) or (
+                "device_pool" if isinstance(e, DeviceCapacityError) else "host_pool")
+            others = [s for s in self.prefixes if s != r.session]
+            if pool == "host_pool" and others:  # evict the oldest other session's prefix
+                self.engine.drop(self.prefixes.pop(others[0]))  # (its next call prefills
+                self.prefix_drops += 1  # the whole prompt again); r retries next iteration
+            elif not self.running:
                 raise RuntimeError(f"Scheduler: request {r.id!r} does not fit in the empty "
                                    f"{pool.replace('_', ' ')}; it would wait forever") from None
             self._wait(r, pool)
@@ -168,11 +205,13 @@ class Scheduler:
             if reason := self._blocked(r):
                 return self._wait(r, reason)
             start, t0 = self.clock.now, time.perf_counter()
+            reused = self.reused_tokens
             if (slot := self._engine_admit(r)) is None:
                 return
             self.waiting.pop(0)
+            prefilled = len(r.prompt) - (self.reused_tokens - reused)  # the suffix, if reused
             now = self.clock.charge(time.perf_counter() - t0,
-                                    self.clock.prefill_token_s * len(r.prompt))
+                                    self.clock.prefill_token_s * prefilled)
             self.device_bytes_in_use += self.device_bytes(r)
             self._started(slot, r, start, now)
 
@@ -210,12 +249,20 @@ class Scheduler:
             self._started(slot, job.request, job.started, now)
 
     def _finish(self, slot: int) -> None:
+        """Ends the request in ``slot`` (released, or detached when its session goes on with
+        prefix reuse) and submits what the workload sends next."""
         r = self.running.pop(slot)
         r.finish_reason = self._stop_reason(r)
-        self.engine.release(slot)
+        nxt = [] if self.workload is None else self.workload.on_finish(r, self.clock.now)
+        if self.prefix_reuse and r.session is not None \
+                and any(n.session == r.session for n in nxt):
+            self.prefixes[r.session] = self.engine.detach(slot)
+        else:
+            self.engine.release(slot)
         r.finished_at = self.clock.now
         self.device_bytes_in_use -= self.device_bytes(r)
         self.finished.append(r)
+        self.submit(nxt)
 
     def iterate(self) -> None:
         """One scheduler iteration: admissions (and prefill chunks), one decode step,
@@ -239,7 +286,9 @@ class Scheduler:
                            "prefilling": len(self.prefilling),
                            "waiting": sum(1 for _ in itertools.takewhile(  # arrived ones
                                lambda r: r.arrival_time <= self.clock.now, self.waiting)),
-                           "device_bytes": in_use})
+                           "device_bytes": in_use,
+                           "prefix_host_bytes": sum(p.host_bytes
+                                                    for p in self.prefixes.values())})
 
     def run(self, progress=None) -> list[Request]:
         """Iterates until every submitted request finished; returns them in finishing order.
@@ -266,6 +315,7 @@ class Scheduler:
         """Aggregates (``metrics.summarize``) plus admission waits, iterations and the peak of
         the device bytes in use."""
         return summarize(self.records()) | {
+            "reused_prefix_tokens": self.reused_tokens, "prefix_drops": self.prefix_drops,
             "admission_waits": self.admission_waits, "waits_by": dict(self.waits_by),
             "iterations": len(self.trace), "device_budget_bytes": self.budget,
             "peak_device_bytes": max((t["device_bytes"] for t in self.trace), default=0)}

@@ -1,0 +1,53 @@
+"""The serving experiments' arithmetic (no model runs): capacity's calibrated budget and
+predictions, replay's statistics from request records."""
+
+import pytest
+
+from experiments.capacity import engine_for, predict
+from experiments.replay import replay_summary
+from lsparse_jax.config import LeanSparseConfig
+from lsparse_jax.memory.accounting import Layout, request_bytes
+from lsparse_jax.model import preset
+
+
+def test_capacity_budget_holds_exactly_the_calibrated_count():
+    """The budget calibrated on hisparse at 200K holds exactly 76 of its requests (76 x bytes
+    <= budget < 77 x bytes); every prediction is floor(budget / bytes per request), and a
+    method holding fewer bytes per request fits at least as many."""
+    model = preset("v4_flash")
+    lean = LeanSparseConfig(num_candidates=2048, key_cache_rows=4096)
+    hot = {"hisparse": 4096, "leansparse": 2048}
+    facts, pred = predict(model, ("hisparse", "leansparse"), (204800, 972800),
+                          ("hisparse", 204800, 76), hot, 64, lean, Layout.v4_serving())
+    n, per = pred[("hisparse", 204800)]
+    assert n == 76 and 76 * per <= facts["budget_bytes"] < 77 * per
+    assert facts["per_layer_budget_mib"] == pytest.approx(
+        facts["budget_bytes"] / 43 / 2**20)
+    for count, bytes_ in pred.values():
+        assert count == facts["budget_bytes"] // bytes_
+        assert count * bytes_ <= facts["budget_bytes"] < (count + 1) * bytes_
+    assert pred[("leansparse", 204800)][1] < per  # PQ codes instead of exact keys on the GPU
+    assert pred[("leansparse", 204800)][0] > 76
+    eng = engine_for(model, "hisparse", hot, 64, lean)
+    assert request_bytes(eng, 204800, Layout.v4_serving()).gpu_total == per
+
+
+def _rec(session, turn, arrival, first, finished, tokens):
+    return {"session": session, "turn": turn, "arrival_s": arrival, "first_token_s": first,
+            "finished_s": finished, "output_tokens": tokens, "ttft_s": first - arrival,
+            "tpot_s": (finished - first) / (tokens - 1) if tokens > 1 else None}
+
+
+def test_replay_summary_follows_the_papers_definitions():
+    """Turn 0 is warmup (not measured); TTFT/TPOT over turns >= 2; session time from the
+    first measured call's arrival to the last finish; throughput over turns >= 1."""
+    recs = [_rec(0, 0, 0.0, 1.0, 2.0, 5), _rec(0, 1, 3.0, 3.5, 4.5, 3),
+            _rec(0, 2, 5.0, 6.0, 8.0, 5), _rec(1, 0, 1.0, 1.5, 2.0, 2),
+            _rec(1, 1, 2.5, 3.0, 3.5, 2), _rec(1, 2, 4.0, 4.2, 4.2, 1)]
+    s = replay_summary(recs)
+    assert s["continuation_calls"] == 2 and s["sessions"] == 2
+    assert s["ttft_p50_s"] == pytest.approx((1.0 + 0.2) / 2)
+    assert s["tpot_p50_s"] == pytest.approx(0.5)  # the 1-token call has no TPOT
+    assert s["session_p50_s"] == pytest.approx(((8.0 - 3.0) + (4.2 - 2.5)) / 2)
+    assert s["output_tokens"] == 3 + 5 + 2 + 1
+    assert s["throughput_tok_s"] == pytest.approx(11 / (8.0 - 2.5))

@@ -1,0 +1,184 @@
+"""Workloads (serving.workloads) through the scheduler: closed-loop clients, multi-turn
+sessions, and the prefix-reuse path (against a stand-in engine with the prefix API)."""
+
+import numpy as np
+import pytest
+
+from lsparse_jax.config import CacheConfig, EngineConfig, SamplingConfig
+from lsparse_jax.serving.engine import Engine
+from lsparse_jax.serving.request import Request
+from lsparse_jax.serving.scheduler import Clock, Scheduler
+from lsparse_jax.serving.workloads import ClosedLoop, MultiTurn, session_records
+from tests.helpers import model_and_tokens, tiny
+
+CFG = tiny(max_len=128)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return model_and_tokens(CFG, 1, seed=3)[0]
+
+
+def make_engine(params, slots=3, cls=Engine):
+    engine = cls(EngineConfig(model=CFG, method="resident", sampling=SamplingConfig(0.0),
+                              cache=CacheConfig(num_slots=slots, prefill_chunk=32)), params)
+    return engine
+
+
+def alone(engine, prompt, new):
+    r = Request(prompt, new)
+    slot = engine.admit(r)
+    while not r.done:
+        engine.step()
+    return engine.release(slot)
+
+
+@pytest.mark.slow
+def test_closed_loop_keeps_c_requests_and_submits_after_each_finish(params):
+    """Two clients, three requests each, 0.05 s think time, fixed clock: never more than two
+    requests in the system, each client's next request arrives exactly think_s after its
+    previous one finished, and every request's greedy tokens equal those it gets alone."""
+    engine = make_engine(params, slots=3)
+    load = ClosedLoop(clients=2, input_tokens=24, output_tokens=5, requests_per_client=3,
+                      vocab=CFG.vocab_size, think_s=0.05, seed=1)
+    sched = Scheduler(engine, clock=Clock(step_s=0.01), workload=load)
+    sched.run()
+    done = sched.finished
+    assert len(done) == 6 and max(t["active"] for t in sched.trace) == 2
+    for client in range(2):
+        mine = sorted((r for r in done if r.session == client), key=lambda r: r.turn)
+        assert [r.turn for r in mine] == [0, 1, 2] and mine[0].arrival_time == 0.0
+        for prev, nxt in zip(mine, mine[1:]):
+            assert nxt.arrival_time == pytest.approx(prev.finished_at + 0.05)
+    for r in done:
+        assert r.tokens == alone(engine, r.prompt, 5), r.id
+
+
+def test_multi_turn_prompt_is_previous_prompt_response_and_new_turn():
+    """Call i's prompt starts with call i-1's prompt + its response; turns, lengths and waits
+    come from per-session generators (finishing order does not change them); a session
+    stops before a call that would not fit max_len."""
+    kw = dict(sessions=2, calls=4, first_prompt_tokens=(10, 20), turn_tokens=(5, 8),
+              output_tokens=(3, 4), vocab=256, max_len=64, session_rate=1.0, tool_wait_s=0.5)
+    a, b = MultiTurn(**kw, seed=7), MultiTurn(**kw, seed=7)
+    first_a, first_b = a.initial(), b.initial()
+    assert [r.arrival_time for r in first_a][0] == 0.0
+    for r in first_a + first_b:
+        r.tokens[:] = list(range(r.max_new_tokens))  # stand-in responses
+    # a finishes session 0 then 1; b in the other order: the same next calls
+    na = a.on_finish(first_a[0], 1.0) + a.on_finish(first_a[1], 2.0)
+    nb = b.on_finish(first_b[1], 2.0) + b.on_finish(first_b[0], 1.0)
+    nb = nb[::-1]
+    for x, y, prev in zip(na, nb, first_a):
+        np.testing.assert_array_equal(x.prompt, y.prompt)
+        assert x.arrival_time == y.arrival_time and x.max_new_tokens == y.max_new_tokens
+        n = len(prev.prompt) + len(prev.tokens)
+        np.testing.assert_array_equal(x.prompt[:n], np.concatenate([prev.prompt,
+                                                                    prev.tokens]))
+        assert 5 <= len(x.prompt) - n <= 8 and x.turn == 1 and x.session == prev.session
+        assert x.arrival_time > (1.0 if prev.session == 0 else 2.0)
+    call, ends = na[0], 0
+    while True:  # the session grows until the next call would exceed max_len
+        call.tokens[:] = [1] * call.max_new_tokens
+        nxt = a.on_finish(call, 0.0)
+        if not nxt:
+            break
+        call = nxt[0]
+        assert len(call.prompt) + call.max_new_tokens <= 64
+    ends = a.truncated + (call.turn == 3)
+    assert ends == 1
+    with pytest.raises(ValueError, match="exceeds max_len"):
+        MultiTurn(**(kw | {"first_prompt_tokens": (10, 62)}))
+
+
+class CountingEngine(Engine):
+    """The engine, recording which requests the scheduler detached and admitted with a
+    prefix."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.calls = []
+
+    def detach(self, slot):
+        self.calls.append(("detach", self.requests[slot].id))
+        return super().detach(slot)
+
+    def admit(self, request, *a, prefix=None, **kw):
+        if prefix is not None:
+            self.calls.append(("admit_prefix", request.id))
+        return super().admit(request, *a, prefix=prefix, **kw)
+
+
+def test_prefix_reuse_detaches_continuing_sessions_and_admits_with_their_prefix(params):
+    """Three sessions of three calls (resident): every call but a session's last is detached,
+    every call but the first admits with its session's prefix (only the suffix prefilled,
+    the prefix streamed from host), none is left at the end; every call's greedy tokens
+    equal serving the same calls without reuse; the fixed clock charges the suffix only."""
+    kw = dict(sessions=3, calls=3, first_prompt_tokens=(16, 24), turn_tokens=(4, 8),
+              output_tokens=(3, 5), vocab=CFG.vocab_size, max_len=128, session_rate=4.0,
+              tool_wait_s=0.2, seed=3)
+    engine = make_engine(params, slots=2, cls=CountingEngine)
+    clock = Clock(step_s=0.01, prefill_token_s=1e-3)
+    sched = Scheduler(engine, clock=clock, workload=MultiTurn(**kw), prefix_reuse=True)
+    sched.run()
+    done = sched.finished
+    assert len(done) == 9 and not sched.prefixes
+    detached = {i for op, i in engine.calls if op == "detach"}
+    reused = {i for op, i in engine.calls if op == "admit_prefix"}
+    assert detached == {r.id for r in done if r.turn < 2}
+    assert reused == {r.id for r in done if r.turn > 0}
+    by_id = {r.id: r for r in done}
+    for r in done:  # prefix = previous prompt + response minus its last token
+        if r.turn:
+            prev = by_id[f"s{r.session}.{r.turn - 1}"]
+            n = len(prev.prompt) + len(prev.tokens) - 1
+            assert r.first_token_at - r.admitted_at == pytest.approx(
+                1e-3 * (len(r.prompt) - n))
+    assert sched.summary()["reused_prefix_tokens"] == sum(
+        len(by_id[f"s{r.session}.{r.turn - 1}"].prompt)
+        + len(by_id[f"s{r.session}.{r.turn - 1}"].tokens) - 1 for r in done if r.turn)
+    plain = Scheduler(make_engine(params, slots=2), clock=Clock(step_s=0.01),
+                      workload=MultiTurn(**kw))
+    plain.run()
+    assert {r.id: r.tokens for r in plain.finished} == {r.id: r.tokens for r in done}
+    sessions = session_records(sched.records(), from_turn=1)
+    assert len(sessions) == 3 and all(s["calls"] == 2 for s in sessions)
+
+
+def test_prefix_reuse_needs_a_workload_and_whole_prompt_mode(params):
+    engine = make_engine(params)
+    load = MultiTurn(sessions=1, calls=2, first_prompt_tokens=(8, 8), turn_tokens=(2, 2),
+                     output_tokens=(2, 2), vocab=256, max_len=128)
+    with pytest.raises(ValueError, match="needs a workload"):
+        Scheduler(engine, prefix_reuse=True)
+    with pytest.raises(ValueError, match="whole-prompt"):
+        Scheduler(engine, workload=load, prefix_reuse=True, prefill_token_budget=32)
+
+
+@pytest.mark.slow
+def test_prefixes_are_evicted_for_host_pages_and_tokens_do_not_change(params):
+    """hisparse with 3 host pages of 8 rows and one slot: three sessions' held prefixes and
+    the running call do not fit together, so admissions evict the oldest other session's
+    prefix (that session's next call prefills its whole prompt) instead of waiting forever;
+    every call's greedy tokens equal those served without reuse."""
+    kw = dict(sessions=3, calls=3, first_prompt_tokens=(36, 40), turn_tokens=(4, 6),
+              output_tokens=(3, 4), vocab=CFG.vocab_size, max_len=128, session_rate=1000.0,
+              tool_wait_s=1.0, seed=5)  # first calls at once, next calls after all of them
+
+    def run(reuse):
+        engine = Engine(EngineConfig(model=CFG, method="hisparse", sampling=SamplingConfig(0.0),
+                                     cache=CacheConfig(num_slots=1, prefill_chunk=32,
+                                                       hot_cache_rows=16, page_size=8,
+                                                       host_pages=3)), params)
+        sched = Scheduler(engine, clock=Clock(step_s=0.01), workload=MultiTurn(**kw),
+                          prefix_reuse=reuse)
+        sched.run()
+        assert engine.control.pages.free + sum(len(p.pages) for p in
+                                               sched.prefixes.values()) == 3
+        return sched
+
+    reused, plain = run(True), run(False)
+    assert reused.prefix_drops > 0 and reused.reused_tokens > 0
+    assert len(reused.finished) == 9
+    assert {r.id: r.tokens for r in reused.finished} == {r.id: r.tokens
+                                                          for r in plain.finished}
