@@ -7,12 +7,14 @@ prefill is a chunk of many; the cache makes chunking invisible.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from lsparse_jax import parallel
 from lsparse_jax.config import ModelConfig
 from lsparse_jax.indexing import index_scores
 from lsparse_jax.model.attention import sink_attention
@@ -190,8 +192,10 @@ class AttentionLayer(nn.Module):
                 iq, iw, krows, kval, kscale, kids, kok, num, eligible, attended, probs[-1]))
         elif kernel_decode:
             ((window_rows, window_mask),) = groups
-            out = sparse_attention(q, view.table, view.slots, window_rows, window_mask, sink,
-                                   implementation=self.implementation)
+            attend = functools.partial(sparse_attention, implementation=self.implementation)
+            # tp > 1: each device attends with its query heads (q [1, H, D], sink [H])
+            out = parallel.per_head(attend, (1, None, None, None, None, 0), 1)(
+                q, view.table, view.slots, window_rows, window_mask, sink)
         else:
             out = sink_attention(q, groups, sink)
         y = dense(cfg.hidden, "wo")(out.reshape(t_len, h * d))

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lsparse_jax import parallel
 from lsparse_jax.config import EngineConfig
 from lsparse_jax.methods import policy
 from lsparse_jax.quant import KVRowFormat
@@ -31,7 +32,11 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig, params, codebooks: dict | None = None):
-        """codebooks: {CSA layer: [M, K, D_I/M]} PQ codebooks, needed by leansparse."""
+        """codebooks: {CSA layer: [M, K, D_I/M]} PQ codebooks, needed by leansparse.
+        With ``config.tp`` > 1 the parameters are split over the mesh (``lsparse_jax.parallel``)."""
+        self.mesh = parallel.engine_mesh(config)
+        if self.mesh is not None:
+            params = parallel.shard_params(params, self.mesh)
         self.config, self.params = config, params
         self.method = policy(config)
         self.control = self.method.controller()
@@ -45,6 +50,8 @@ class Engine:
         self.lengths = np.zeros(slots, np.int64)  # host mirror of state.lengths (no reads)
         self.stats = stats.SelectionStats.empty(slots, len(sparse_layers(config.model)),
                                                 config.model.indexer.top_k)
+        if self.mesh is not None:  # beside the replicated outputs of the decode step
+            self.stats = parallel.replicate(self.stats, self.mesh)
         self.prefill_seconds = 0.0
         self.decode_seconds = 0.0
         self.decode_tokens = 0

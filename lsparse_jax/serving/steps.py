@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from lsparse_jax import parallel
 from lsparse_jax.config import EngineConfig, ModelConfig
 from lsparse_jax.methods import policy
 from lsparse_jax.model.cache import empty_cache
@@ -113,8 +114,9 @@ def decode_step(params, engine: EngineConfig, state: DecodeState, tokens, active
         return (logits[0], caches, stack("positions", (0, k)), stack("eligible", (0,)),
                 stack("sources", (0, NUM_SOURCES)), stack("key_sources", (0, NUM_SOURCES)))
 
-    logits, caches, positions, eligible, sources, key_sources = jax.vmap(one)(
-        state.caches, method.slot_rows(state.tier), tokens, state.lengths, active)
+    with parallel.mesh_scope(parallel.engine_mesh(engine)):  # kernels per head shard (tp > 1)
+        logits, caches, positions, eligible, sources, key_sources = jax.vmap(one)(
+            state.caches, method.slot_rows(state.tier), tokens, state.lengths, active)
     rng, key = jax.random.split(state.rng)
     next_tokens = sample(logits, key, engine.sampling.temperature)
     new = state.replace(caches=caches, lengths=state.lengths + active.astype(jnp.int32), rng=rng)
