@@ -40,6 +40,7 @@ import functools
 from collections.abc import Callable
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -101,12 +102,26 @@ def param_spec(path: tuple[str, ...]) -> P:
     return P()
 
 
+def put(a, sharding: NamedSharding) -> jax.Array:
+    """``a`` (a local or fully replicated array, the same value in every process) placed with
+    ``sharding``. One process: ``device_put``. Several (``init_distributed``): each process
+    fills its own devices' shards from its copy (``device_put`` would compare the processes'
+    values first, and NaN poison never compares equal)."""
+    if jax.process_count() == 1:
+        return jax.device_put(a, sharding)
+    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):  # typed keys: place their data
+        return jax.random.wrap_key_data(put(jax.random.key_data(a), sharding),
+                                        impl=jax.random.key_impl(a))
+    host = np.asarray(a)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def shard_params(params, mesh: Mesh):
     """Places the model parameters on ``mesh``: heads (and MLP width) split, the rest
     replicated."""
     def place(path, leaf):
         keys = tuple(getattr(k, "key", str(k)) for k in path)
-        return jax.device_put(leaf, NamedSharding(mesh, param_spec(keys)))
+        return put(leaf, NamedSharding(mesh, param_spec(keys)))
 
     return jax.tree_util.tree_map_with_path(place, params)
 
@@ -118,8 +133,7 @@ def replicated(mesh: Mesh, memory_kind: str | None = None) -> NamedSharding:
 def replicate(tree, mesh: Mesh):
     """A full copy of every array of ``tree`` on each device of ``mesh``, each in the memory
     kind it is in now (device or pinned_host)."""
-    return jax.tree.map(lambda a: jax.device_put(a, replicated(mesh, a.sharding.memory_kind)),
-                        tree)
+    return jax.tree.map(lambda a: put(a, replicated(mesh, a.sharding.memory_kind)), tree)
 
 
 @contextlib.contextmanager
@@ -156,18 +170,21 @@ def per_head(fn: Callable, head_axes: tuple, out_head_axis: int) -> Callable:
     return shard_map(fn, mesh, _head_specs(head_axes), _head_specs((out_head_axis,))[0])
 
 
-def head_sum(fn: Callable, head_axes: tuple) -> Callable:
+def head_sum(fn: Callable, head_axes: tuple, then: Callable | None = None) -> Callable:
     """``fn`` (a sum over heads, e.g. index scores) run per device on its heads, the partial
-    results summed over the devices (``psum``), replicated on each. Outside a ``mesh_scope``
-    it is ``fn``.
+    results summed over the devices (``psum``), then ``then(sum, *args)`` (e.g. a top-k
+    kernel; it gets the arguments too) on every device; the result is replicated. Outside a
+    ``mesh_scope`` it is ``then(fn(*args), *args)`` (``fn`` if ``then`` is None) on all heads.
 
     Notation: fn(args with H heads) = sum_h f_h. Per device d holding heads H_d:
-      partial_d = fn(args restricted to H_d); result = psum_d partial_d.
+      partial_d = fn(args restricted to H_d); result = then(psum_d partial_d).
     """
+    after = then or (lambda total, *_: total)
     mesh = current_mesh()
     if mesh is None:
-        return fn
-    return shard_map(lambda *a: jax.lax.psum(fn(*a), AXIS), mesh, _head_specs(head_axes), P())
+        return lambda *a: after(fn(*a), *a)
+    return shard_map(lambda *a: after(jax.lax.psum(fn(*a), AXIS), *a), mesh,
+                     _head_specs(head_axes), P())
 
 
 def init_distributed(coordinator: str, num_processes: int, process_id: int,
@@ -184,5 +201,5 @@ def init_distributed(coordinator: str, num_processes: int, process_id: int,
 
 
 __all__ = ["AXIS", "current_mesh", "engine_mesh", "head_sum", "init_distributed",
-           "make_mesh", "mesh_scope", "param_spec", "per_head", "replicate", "replicated",
+           "make_mesh", "mesh_scope", "param_spec", "per_head", "put", "replicate", "replicated",
            "shard_map", "shard_params"]

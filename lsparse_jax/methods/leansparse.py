@@ -54,9 +54,11 @@ def coarse_topc(q, w, codes, codebooks, lengths, num_candidates: int,
     if parallel.current_mesh() is None:
         return pq_topc(q, w, codes, codebooks, lengths, num_candidates=num_candidates,
                        implementation=implementation)
-    scores = parallel.head_sum(masked_coarse_scores, (1, 1, None, None, None))(
+    def pick(scores, *args):  # args[-1]: lengths
+        return topk(scores, args[-1], num_candidates, implementation=implementation)
+
+    return parallel.head_sum(masked_coarse_scores, (1, 1, None, None, None), pick)(
         q, w.astype(jnp.float32), codes, codebooks.astype(jnp.float32), lengths)
-    return topk(scores, lengths, num_candidates, implementation=implementation)
 
 
 @dataclasses.dataclass(frozen=True)
