@@ -35,7 +35,6 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from experiments.common import fit_max_len, pyplot, run_dir, write_results
-from lsparse_jax import parallel
 from lsparse_jax.config import (
     CacheConfig,
     EngineConfig,
@@ -47,6 +46,7 @@ from lsparse_jax.config import (
 from lsparse_jax.memory.accounting import request_bytes
 from lsparse_jax.methods.leansparse import calibrate_codebooks
 from lsparse_jax.model import init_params
+from lsparse_jax.parallel import param_spec, replicate
 from lsparse_jax.serving.engine import Engine
 from lsparse_jax.serving.request import Request
 from lsparse_jax.serving.steps import prefill
@@ -67,11 +67,11 @@ def _check(methods, devices, contexts, batches, steps):
 
 def param_bytes_per_device(params, tp: int) -> int:
     """Bytes of the parameters one device holds when ``tp`` devices split them
-    (``parallel.param_spec``: split arrays hold 1/tp each, the rest a full copy)."""
+    (``param_spec``: split arrays hold 1/tp each, the rest a full copy)."""
     total = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         keys = tuple(getattr(k, "key", str(k)) for k in path)
-        split = parallel.param_spec(keys) != PartitionSpec()
+        split = param_spec(keys) != PartitionSpec()
         total += leaf.nbytes // tp if split else leaf.nbytes
     return total
 
@@ -151,7 +151,7 @@ def _cell(cfg, params, books, pre, prompt, method, batch, n, steps, warm_steps, 
         return {**rec, "skipped": f"batch {batch} > max_concurrency {capacity} at "
                                   f"{budget_gb} GiB per device"}
     eng = Engine(engine, params, books)
-    prefilled = pre if eng.mesh is None else parallel.replicate(pre, eng.mesh)
+    prefilled = pre if eng.mesh is None else replicate(pre, eng.mesh)
     t0 = time.perf_counter()
     eng.warmup()
     warmup_s = time.perf_counter() - t0

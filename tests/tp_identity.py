@@ -1,6 +1,7 @@
 """Identity 11 run in its own process: engines with tp = 1 and tp = 2 on the same prompts.
 
-Run as ``python -m tests.tp_identity METHOD... [--implementation xla|triton] [--steps N]``
+Run as ``python -m tests.tp_identity METHOD... [--implementation xla|triton] [--steps N]
+[--layers swa,csa,hca,csa]``
 with ``XLA_FLAGS=--xla_force_host_platform_device_count=2`` (set here if absent: it must be set
 before jax starts, so the tests start this module in a subprocess and the rest of the suite
 keeps one CPU device). Prints one JSON line: per method the greedy tokens of both engines, the
@@ -67,11 +68,12 @@ def main(argv=None) -> None:
     parser.add_argument("methods", nargs="+")
     parser.add_argument("--implementation", default="xla")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--layers", default="swa,csa,hca,csa", help="the layer pattern")
     args = parser.parse_args(argv)
     if jax.device_count() < 2:
         raise SystemExit(f"tp_identity needs 2 devices, found {jax.device_count()}: set "
                          "XLA_FLAGS=--xla_force_host_platform_device_count=2 before jax starts")
-    cfg = tiny(max_len=128)
+    cfg = tiny(max_len=128, layer_pattern=tuple(args.layers.split(",")))
     params, calib = model_and_tokens(cfg, 128, seed=3)
     coarse = {"leansparse", "direct_pq"} & set(args.methods)  # PQ methods need codebooks
     books = calibrate_codebooks(params, cfg, calib, iters=2) if coarse else None

@@ -1,7 +1,7 @@
 """One process of the two-process tensor-parallel check (the multi-host path on one machine).
 
 Run as ``python -m tests.tp_multiprocess PROCESS_ID NUM_PROCESSES COORDINATOR_PORT``, one
-process per "host", each with one CPU device: ``parallel.init_distributed`` joins them (gloo
+process per "host", each with one CPU device: ``init_distributed`` joins them (gloo
 collectives), then every process runs the same engine code with tp = NUM_PROCESSES over the
 global mesh. Each process also serves the same prompt alone on its own device (tp = 1, before
 joining; a tp = 1 engine never leaves the local device). Prints one JSON line: the greedy
@@ -16,8 +16,8 @@ import sys
 import jax
 import numpy as np
 
-from lsparse_jax import parallel
 from lsparse_jax.config import CacheConfig, EngineConfig
+from lsparse_jax.parallel import init_distributed
 from lsparse_jax.serving.engine import Engine
 from lsparse_jax.serving.request import Request
 from tests.helpers import model_and_tokens, tiny
@@ -36,7 +36,7 @@ def serve(tp: int, params, cfg, prompt) -> tuple[list[int], list]:
 
 def main() -> None:
     pid, num, port = (int(a) for a in sys.argv[1:4])
-    parallel.init_distributed(f"localhost:{port}", num, pid)
+    init_distributed(f"localhost:{port}", num, pid)
     cfg = tiny(max_len=128)
     params, prompt = model_and_tokens(cfg, 40, seed=5)
     alone = serve(1, params, cfg, prompt)  # this process's own device only

@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from lsparse_jax import parallel
 from lsparse_jax.config import EngineConfig, LeanSparseConfig, ModelConfig, Storage, invalid
 from lsparse_jax.indexing.coarse_to_fine import coarse_to_fine
 from lsparse_jax.memory.device_pool import (
@@ -34,6 +33,7 @@ from lsparse_jax.methods.base import register
 from lsparse_jax.methods.hisparse import HiSparse
 from lsparse_jax.model.store import NUM_SOURCES, IndexerQuery, Selection
 from lsparse_jax.model.traces import indexer_traces
+from lsparse_jax.parallel import current_mesh, head_sum
 from lsparse_jax.quant import dequantize_index_keys
 from lsparse_jax.quant.pq import encode, train_codebooks
 from pallas_kernels.index_scores.api import index_scores
@@ -46,18 +46,19 @@ def coarse_topc(q, w, codes, codebooks, lengths, num_candidates: int,
                 implementation: str | None):
     """Step 1 of the selection: the top-C positions by PQ coarse score (``pq_topc``).
 
-    Under tensor parallelism (a ``parallel.mesh_scope``) each device scores the codes with its
-    indexer heads, the partial scores are summed over devices, then the ``topk`` op picks C:
-    the fused Triton ``pq_topc`` (scores and top-C in one kernel) has no point between the
-    head sum and the top-C where the devices' partial sums could meet.
+    Under tensor parallelism (inside ``lsparse_jax.parallel.mesh_scope``) each device scores
+    the codes with its indexer heads, the partial scores are summed over devices, then the
+    ``topk`` op picks C: the fused Triton ``pq_topc`` (scores and top-C in one kernel) has no
+    point between the head sum and the top-C where the devices' partial sums could meet.
     """
-    if parallel.current_mesh() is None:
+    if current_mesh() is None:
         return pq_topc(q, w, codes, codebooks, lengths, num_candidates=num_candidates,
                        implementation=implementation)
+
     def pick(scores, *args):  # args[-1]: lengths
         return topk(scores, args[-1], num_candidates, implementation=implementation)
 
-    return parallel.head_sum(masked_coarse_scores, (1, 1, None, None, None), pick)(
+    return head_sum(masked_coarse_scores, (1, 1, None, None, None), pick)(
         q, w.astype(jnp.float32), codes, codebooks.astype(jnp.float32), lengths)
 
 
@@ -114,7 +115,7 @@ class CoarseToFineIndex:
                 state.cache, retained, state.tail, paged, context.page_table, context.pool,
                 self.implementation)
             # tp > 1: each device scores with its heads, partial scores summed before top-k
-            exact = parallel.head_sum(functools.partial(
+            exact = head_sum(functools.partial(
                 index_scores, implementation=self.implementation), (1, 1, None, None, None))
             scores = exact(q[None], w[None], values[None], scales[None], (retained >= 0)[None])
             return scores[0], (cache, sources)

@@ -14,7 +14,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lsparse_jax import parallel
 from lsparse_jax.config import ModelConfig
 from lsparse_jax.indexing import index_scores
 from lsparse_jax.model.attention import sink_attention
@@ -32,6 +31,7 @@ from lsparse_jax.model.store import (
     exact_selection,
     write_rows,
 )
+from lsparse_jax.parallel import per_head
 from lsparse_jax.quant import KVRowFormat, dequantize_index_keys, quantize_index_keys
 from pallas_kernels.sparse_attention.api import sparse_attention
 
@@ -194,7 +194,7 @@ class AttentionLayer(nn.Module):
             ((window_rows, window_mask),) = groups
             attend = functools.partial(sparse_attention, implementation=self.implementation)
             # tp > 1: each device attends with its query heads (q [1, H, D], sink [H])
-            out = parallel.per_head(attend, (1, None, None, None, None, 0), 1)(
+            out = per_head(attend, (1, None, None, None, None, 0), 1)(
                 q, view.table, view.slots, window_rows, window_mask, sink)
         else:
             out = sink_attention(q, groups, sink)

@@ -33,9 +33,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from lsparse_jax import parallel
 from lsparse_jax.indexing import topk_positions
 from lsparse_jax.model.layers import precision
+from lsparse_jax.parallel import head_sum
 from lsparse_jax.quant import KVRowFormat, dequantize_index_keys
 from pallas_kernels.index_scores.reference import exact_index_scores
 
@@ -141,7 +141,7 @@ def exact_selection(query: IndexerQuery, values, scales, eligible, top_k: int,
     keys = dequantize_index_keys(values, scales)  # [N, D] f32
 
     # tp > 1: each device scores with its heads; the partial scores are summed before top-k
-    scores = parallel.head_sum(functools.partial(exact_index_scores, precision=precision()),
+    scores = head_sum(functools.partial(exact_index_scores, precision=precision()),
                                (1, 1, None))
 
     def select(q, w, ok):

@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from lsparse_jax import parallel
 from lsparse_jax.config import EngineConfig
 from lsparse_jax.methods import policy
 from lsparse_jax.methods.base import Grant, insert
 from lsparse_jax.model.cache import LayerCache
+from lsparse_jax.parallel import engine_mesh, replicate
 
 
 @struct.dataclass
@@ -43,9 +43,9 @@ def empty_state(engine: EngineConfig, codebooks: dict | None = None) -> DecodeSt
     # Commit every array to its memory now: jitted steps return committed arrays, and a jit
     # called with uncommitted inputs first would compile a second time. With tp > 1 every
     # device holds a copy (the state has no head axis: ``lsparse_jax.parallel``).
-    mesh = parallel.engine_mesh(engine)
+    mesh = engine_mesh(engine)
     if mesh is not None:
-        return parallel.replicate(state, mesh)
+        return replicate(state, mesh)
     return jax.tree.map(lambda a: jax.device_put(a, a.sharding), state)
 
 

@@ -8,12 +8,12 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from lsparse_jax import parallel
 from lsparse_jax.config import EngineConfig, ModelConfig
 from lsparse_jax.methods import policy
 from lsparse_jax.model.cache import empty_cache
 from lsparse_jax.model.store import NUM_SOURCES
 from lsparse_jax.model.transformer import Transformer
+from lsparse_jax.parallel import engine_mesh, mesh_scope
 from lsparse_jax.serving.sampling import sample
 from lsparse_jax.serving.state import DecodeState
 
@@ -114,7 +114,7 @@ def decode_step(params, engine: EngineConfig, state: DecodeState, tokens, active
         return (logits[0], caches, stack("positions", (0, k)), stack("eligible", (0,)),
                 stack("sources", (0, NUM_SOURCES)), stack("key_sources", (0, NUM_SOURCES)))
 
-    with parallel.mesh_scope(parallel.engine_mesh(engine)):  # kernels per head shard (tp > 1)
+    with mesh_scope(engine_mesh(engine)):  # kernels per head shard (tp > 1)
         logits, caches, positions, eligible, sources, key_sources = jax.vmap(one)(
             state.caches, method.slot_rows(state.tier), tokens, state.lengths, active)
     rng, key = jax.random.split(state.rng)
