@@ -199,7 +199,7 @@ def _write(out, model, records):
         ax_t.bar(xs, [by.get(c, {}).get("step_ms", 0.0) for c in cells], width, label=f"{n} dev")
         ax_c.bar(xs, [by.get(c, {}).get("max_concurrency", 0) for c in cells], width,
                  label=f"{n} dev")
-    labels = [f"{m}\n{c // 1024}K B={b}" for m, c, b in cells]
+    labels = [f"{m}\n{f'{c // 1024}K' if c >= 1024 else c} B={b}" for m, c, b in cells]
     for ax, title in ((ax_t, "decode step (ms)"), (ax_c, "max concurrency per device budget")):
         ax.set_xticks(np.arange(len(cells)) + width * (len(counts) - 1) / 2, labels, fontsize=6)
         ax.set_title(title, fontsize=9)

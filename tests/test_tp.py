@@ -132,3 +132,31 @@ def test_two_processes_equal_one_device():
                    for a, b in zip(ra, rb))
         assert diff <= LOGIT_ATOL
     assert outs[0]["tokens"] == outs[1]["tokens"]
+
+
+@pytest.mark.slow
+def test_tp_study_smoke(tmp_path):
+    """experiments/tp.py end to end on two CPU devices (configs/experiments/tp_smoke.gin, two
+    methods): a record per (method, devices), 2 devices hold more requests in the same budget
+    (the split parameters), the ratios are written, and a rerun adds nothing."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), LSPARSE_RUNS=str(tmp_path),
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    args = [sys.executable, "-m", "experiments.cli", "run", "configs/experiments/tp_smoke.gin",
+            "--gin.tp.methods=('resident', 'leansparse')"]
+    for _ in range(2):
+        done = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=1800)
+        assert done.returncode == 0, done.stderr[-4000:]
+    results = json.loads((tmp_path / "tp_smoke" / "results.json").read_text())
+    records = results["records"]
+    assert sorted((r["method"], r["devices"]) for r in records) == [
+        ("leansparse", 1), ("leansparse", 2), ("resident", 1), ("resident", 2)]
+    by = {(r["method"], r["devices"]): r for r in records}
+    for method in ("resident", "leansparse"):
+        one, two = by[(method, 1)], by[(method, 2)]
+        assert one["step_ms"] > 0 and two["step_ms"] > 0
+        assert one["device_bytes_per_request"] == two["device_bytes_per_request"]
+        assert two["param_bytes_per_device"] < one["param_bytes_per_device"]
+        assert two["max_concurrency"] >= one["max_concurrency"]
+    assert {s["method"] for s in results["scaling"]} == {"resident", "leansparse"}
+    assert (tmp_path / "tp_smoke" / "tp.png").exists()
