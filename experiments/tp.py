@@ -18,7 +18,8 @@ holds a full copy of each request's state (the state has no head axis), so only 
 parameters free room. A cell whose batch exceeds max_concurrency is recorded as skipped.
 
 Record keys: method, devices, context, batch, step_ms, max_concurrency,
-param_bytes_per_device, device_bytes_per_request, warmup_s, prefill_s; or skipped / error.
+param_bytes_per_device, device_bytes_per_request, warmup_s, admit_s, prefill_s, prefill
+("model", or "random": ``random_caches``); or skipped / error.
 results.json also holds ``scaling``: per (method, context, batch) with both 1 and N devices,
 step_ratio = step_ms(N) / step_ms(1) and capacity_ratio = max_concurrency(N) / (1).
 """
@@ -31,6 +32,7 @@ import time
 
 import gin
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
@@ -46,6 +48,7 @@ from lsparse_jax.config import (
 from lsparse_jax.memory.accounting import request_bytes
 from lsparse_jax.methods.leansparse import calibrate_codebooks
 from lsparse_jax.model import init_params
+from lsparse_jax.model.cache import empty_cache
 from lsparse_jax.parallel import param_spec, replicate
 from lsparse_jax.serving.engine import Engine
 from lsparse_jax.serving.request import Request
@@ -82,10 +85,13 @@ def tp(name: str, model=gin.REQUIRED, methods=("resident", "hisparse", "leanspar
        prefill_chunk: int = 4096, hot_cache_rows: int = 4096, page_size: int = 64,
        leansparse=None, calibration_tokens: int = 4096, lent_fraction: float = 0.5,
        device_budget_gb: float = 100.0, implementation: str | None = "xla",
-       time_limit_s: float | None = None, seed: int = 0):
+       time_limit_s: float | None = None, random_caches: bool = False, seed: int = 0):
     """Runs the grid (cells in the order context, method, batch, devices); returns the
     records. ``time_limit_s``: no new cell starts after this many seconds (the rest are
-    left for a rerun, which resumes)."""
+    left for a rerun, which resumes). ``random_caches``: admit random caches of the context's
+    shapes instead of prefilling the prompt (``random_prefill``: the 512K prefill takes ~70 s
+    on an H200; decode time does not depend on the cached values, which with random weights
+    select nearly at random either way); records then say prefill "random"."""
     _check(methods, devices, contexts, batches, steps)
     start = time.perf_counter()
     lean = leansparse or LeanSparseConfig()
@@ -104,7 +110,10 @@ def tp(name: str, model=gin.REQUIRED, methods=("resident", "hisparse", "leanspar
         prompt = np.random.default_rng(seed + context).integers(
             0, min(cfg.vocab_size, 256), context).astype(np.int32)
         t0 = time.perf_counter()
-        pre = jax.block_until_ready(prefill(params, cfg, prompt, prefill_chunk))
+        if random_caches:
+            pre = jax.block_until_ready(random_prefill(cfg, seed))
+        else:
+            pre = jax.block_until_ready(prefill(params, cfg, prompt, prefill_chunk))
         prefill_s = time.perf_counter() - t0  # includes the chunk's compile
         books = None
         if any(method_storage(m).keys_on_host for m, _, _ in todo):
@@ -122,7 +131,8 @@ def tp(name: str, model=gin.REQUIRED, methods=("resident", "hisparse", "leanspar
             except Exception as err:  # noqa: BLE001  (recorded, the grid goes on)
                 rec = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"}
             rec.update(method=method, devices=n, context=context, batch=batch,
-                       layers=cfg.num_layers, prefill_s=prefill_s)
+                       layers=cfg.num_layers, prefill_s=prefill_s,
+                       prefill="random" if random_caches else "model")
             records.append(rec)
             _write(out, model, records)
             print(json.dumps({k: rec[k] for k in ("method", "devices", "context", "batch",
@@ -131,6 +141,23 @@ def tp(name: str, model=gin.REQUIRED, methods=("resident", "hisparse", "leanspar
         del pre
     _write(out, model, records)
     return records
+
+
+def random_prefill(cfg, seed: int):
+    """What ``steps.prefill`` returns for a prompt of ``cfg.max_len`` tokens, with random
+    values: (caches, last logits [V]); every cache leaf standard normal in its dtype."""
+    leaves, tree = jax.tree.flatten(empty_cache(cfg))
+    keys = jax.random.split(jax.random.key(seed), len(leaves) + 1)
+
+    @jax.jit
+    def fill(keys):
+        vals = [jnp.abs(jax.random.normal(k, a.shape, jnp.float32)).astype(a.dtype)  # e8m0
+                if a.dtype == jnp.float8_e8m0fnu else  # scales have no sign
+                jax.random.normal(k, a.shape, jnp.float32).astype(a.dtype)
+                for k, a in zip(keys[1:], leaves)]
+        return jax.tree.unflatten(tree, vals), jax.random.normal(keys[0], (cfg.vocab_size,))
+
+    return fill(keys)
 
 
 def _cell(cfg, params, books, pre, prompt, method, batch, n, steps, warm_steps, chunk,
@@ -155,8 +182,10 @@ def _cell(cfg, params, books, pre, prompt, method, batch, n, steps, warm_steps, 
     t0 = time.perf_counter()
     eng.warmup()
     warmup_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
     for _ in range(batch):
         eng.admit(Request(prompt, max_new_tokens=steps + warm_steps + 1), prefilled=prefilled)
+    admit_s = time.perf_counter() - t0
     for _ in range(warm_steps):
         eng.step()
     jax.block_until_ready(eng.state)
@@ -164,7 +193,8 @@ def _cell(cfg, params, books, pre, prompt, method, batch, n, steps, warm_steps, 
     for _ in range(steps):
         eng.step()
     jax.block_until_ready(eng.state)
-    return {**rec, "step_ms": (time.perf_counter() - t0) / steps * 1e3, "warmup_s": warmup_s}
+    return {**rec, "step_ms": (time.perf_counter() - t0) / steps * 1e3, "warmup_s": warmup_s,
+            "admit_s": admit_s}
 
 
 def scaling(records) -> list[dict]:

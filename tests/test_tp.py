@@ -30,7 +30,11 @@ def run_identity(*args: str, timeout: int = 900) -> dict:
     done = subprocess.run([sys.executable, "-m", "tests.tp_identity", *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    results = {}
+    for line in done.stdout.strip().splitlines():
+        if line.startswith("{"):
+            results.update(json.loads(line))
+    return results
 
 
 def check(results: dict, methods) -> None:

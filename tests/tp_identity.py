@@ -4,7 +4,7 @@ Run as ``python -m tests.tp_identity METHOD... [--implementation xla|triton] [--
 [--layers swa,csa,hca,csa]``
 with ``XLA_FLAGS=--xla_force_host_platform_device_count=2`` (set here if absent: it must be set
 before jax starts, so the tests start this module in a subprocess and the rest of the suite
-keeps one CPU device). Prints one JSON line: per method the greedy tokens of both engines, the
+keeps one CPU device). Prints a JSON line per method: the greedy tokens of both engines, the
 largest |logit difference| per step, whether every step's selections are equal, and where the
 tp = 2 state lives (every leaf replicated on both devices, host pools still pinned_host).
 """
@@ -77,8 +77,9 @@ def main(argv=None) -> None:
     params, calib = model_and_tokens(cfg, 128, seed=3)
     coarse = {"leansparse", "direct_pq"} & set(args.methods)  # PQ methods need codebooks
     books = calibrate_codebooks(params, cfg, calib, iters=2) if coarse else None
-    print(json.dumps({m: compare(m, args.implementation, args.steps, params, cfg, books)
-                      for m in args.methods}))
+    for m in args.methods:  # a line per method as it finishes (a timeout keeps the done ones)
+        print(json.dumps({m: compare(m, args.implementation, args.steps, params, cfg, books)}),
+              flush=True)
 
 
 if __name__ == "__main__":
