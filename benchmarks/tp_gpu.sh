@@ -11,7 +11,7 @@
 # results.json is rewritten after every cell (a part cut by its timeout keeps its cells; a
 # rerun resumes). The last lines printed are a table of every cell and the 2-vs-1 ratios.
 # Knobs: TP_METHODS, TP_BATCHES, TP_CONTEXTS (gin tuples), TP_IMPL (default triton),
-# TP_IDENTITY_S / TP_STUDY_S (part timeouts, default 55 / 115 s).
+# TP_IDENTITY_S / TP_STUDY_S (part timeouts, default 50 / 110 s).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
@@ -24,12 +24,12 @@ METHODS=${TP_METHODS:-"('leansparse', 'hisparse', 'resident', 'adaptive')"}
 BATCHES=${TP_BATCHES:-"(64,)"}
 CONTEXTS=${TP_CONTEXTS:-"(524288,)"}
 IMPL=${TP_IMPL:-triton}
-STUDY_S=${TP_STUDY_S:-115}
+STUDY_S=${TP_STUDY_S:-110}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 
 echo "== 1. identity tp=2 vs tp=1 ($IMPL kernels)"
-timeout "${TP_IDENTITY_S:-55}" python3 -m tests.tp_identity leansparse hisparse resident \
+timeout "${TP_IDENTITY_S:-50}" python3 -m tests.tp_identity leansparse hisparse resident \
   adaptive --implementation "$IMPL" --steps 3 > "$OUT/tp_identity.json" \
   2> "$OUT/tp_identity.err" || { echo "identity: exit $?"; grep -v Warning "$OUT/tp_identity.err" | tail -4; }
 

@@ -187,15 +187,12 @@ def head_sum(fn: Callable, head_axes: tuple, then: Callable | None = None) -> Ca
                      _head_specs(head_axes), P())
 
 
-def init_distributed(coordinator: str, num_processes: int, process_id: int,
-                     local_devices: int | None = None) -> None:
+def init_distributed(coordinator: str, num_processes: int, process_id: int) -> None:
     """Joins a multi-process JAX run (one process per host): afterwards ``jax.devices()``
     lists every process's devices and ``make_mesh`` spans them. On CPU the collectives go
     through gloo. Call it before anything else touches jax's backends."""
     if (jax.config.jax_platforms or "").startswith("cpu"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if local_devices is not None:
-        jax.config.update("jax_num_cpu_devices", local_devices)
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                process_id=process_id)
 
