@@ -23,7 +23,9 @@ so one device runs exactly the unsharded program):
   per-head ops ask ``per_head`` (sparse attention: each device attends with its heads) or
   ``head_sum`` (indexer scores: each device scores with its heads, the partial scores are
   summed with ``psum`` before any top-k, so every device selects the same positions).
-  Outside the scope (tp = 1, prefill, tests of the ops) both call the op unchanged.
+  Outside the scope (tp = 1, prefill, tests of the ops) both call the op unchanged. Kernels
+  over the replicated state alone (``hot_resolve``, ``gather_rows``) are left to XLA, which
+  runs a custom call whose operands are replicated on every device, each on its own copy.
 - Several hosts: ``jax.distributed.initialize`` first (``init_distributed``), one process per
   host; ``jax.devices()`` is then the global device list, and the same mesh code spans hosts.
 
