@@ -83,6 +83,14 @@ def test_tp_must_divide_heads():
         EngineConfig(model=tiny(), tp=2, cache=CacheConfig(streamed_prefill=True))
 
 
+def test_speculative_decoding_refuses_tp():
+    from lsparse_jax.config import DrafterConfig
+    from lsparse_jax.serving.speculative import check_spec
+
+    with pytest.raises(ValueError, match=r"EngineConfig.tp=2 .*speculative decoding"):
+        check_spec(EngineConfig(model=tiny(), tp=2), DrafterConfig())
+
+
 def test_tp_beyond_the_visible_devices_names_the_setting():
     n = jax.device_count()
     with pytest.raises(ValueError, match=rf"EngineConfig.tp={n + 1} .*only {n} devices"):
