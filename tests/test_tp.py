@@ -45,6 +45,7 @@ def check(results: dict, methods) -> None:
         assert max(r["logit_diff"]) <= LOGIT_ATOL, (method, r["logit_diff"])
         assert r["same_selection"], f"{method}: selections differ"
         assert r["replicated"], f"{method}: tp=2 state not replicated on both devices"
+        assert r["recompiles"] == 0, f"{method}: the decode step compiled again"
 
 
 def test_tp2_equals_tp1_resident():

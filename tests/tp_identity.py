@@ -24,6 +24,7 @@ from lsparse_jax.config import CacheConfig, EngineConfig, LeanSparseConfig  # no
 from lsparse_jax.methods.leansparse import calibrate_codebooks  # noqa: E402
 from lsparse_jax.serving.engine import Engine  # noqa: E402
 from lsparse_jax.serving.request import Request  # noqa: E402
+from lsparse_jax.serving.steps import decode_step  # noqa: E402
 from tests.helpers import model_and_tokens, tiny  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py
@@ -54,13 +55,15 @@ def compare(method: str, implementation: str, steps: int, params, cfg, books) ->
         prompt = rng.integers(0, cfg.vocab_size, length).astype(np.int32)
         for e in (one, two):
             e.admit(Request(prompt, max_new_tokens=steps + 1))
-    logit_diff, same_selection = [], True
+    logit_diff, same_selection, compiled = [], True, []
     for _ in range(steps):
         a, b = one.step(), two.step()
+        compiled.append(decode_step._cache_size())
         logit_diff.append(float(np.max(np.abs(np.asarray(a.logits) - np.asarray(b.logits)))))
         same_selection &= bool(np.array_equal(np.asarray(a.selected), np.asarray(b.selected)))
     return {"tokens": [one.generated, two.generated], "logit_diff": logit_diff,
-            "same_selection": same_selection, **placement(two.state)}
+            "same_selection": same_selection, **placement(two.state),
+            "recompiles": compiled[-1] - compiled[0]}  # after the first step: none expected
 
 
 def main(argv=None) -> None:
