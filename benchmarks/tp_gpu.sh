@@ -11,7 +11,10 @@
 # results.json is rewritten after every cell (a part cut by its timeout keeps its cells; a
 # rerun resumes). The last lines printed are a table of every cell and the 2-vs-1 ratios.
 # Knobs: TP_METHODS, TP_BATCHES, TP_CONTEXTS (gin tuples), TP_IMPL (default triton),
-# TP_IDENTITY_S / TP_STUDY_S (part timeouts, default 50 / 110 s).
+# TP_IDENTITY_S / TP_STUDY_S (part timeouts, default 50 / 110 s), TP_EXTRA (more --gin.X=Y
+# arguments of the study, split on spaces; a CPU dry run: TP_EXTRA="--gin.model_preset.name='tiny'
+# --gin.tp.hot_cache_rows=32 --gin.tp.page_size=8 --gin.tp.prefill_chunk=128
+# --gin.LeanSparseConfig.num_candidates=32 --gin.LeanSparseConfig.key_cache_rows=48").
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
@@ -37,7 +40,7 @@ echo "== 2. study: $CONTEXTS B=$BATCHES"
 timeout "$STUDY_S" python3 -m experiments.cli run configs/experiments/tp.gin \
   "--gin.tp.implementation='$IMPL'" "--gin.tp.contexts=$CONTEXTS" "--gin.tp.batches=$BATCHES" \
   "--gin.tp.methods=$METHODS" "--gin.tp.time_limit_s=$((STUDY_S - 30))" \
-  --gin.tp.random_caches=True --gin.tp.calibration_tokens=2048 2>&1 \
+  --gin.tp.random_caches=True --gin.tp.calibration_tokens=2048 ${TP_EXTRA:-} 2>&1 \
   | tr '\r' '\n' | grep -v "it/s\]\|tok/s\]" | grep '^{\|rror' | tail -12 || echo "study: exit $?"
 
 echo "== summary"
