@@ -26,6 +26,7 @@ EXPERIMENTS = {  # gin name -> what it does (experiments/<module>.py)
     "recall_study": "recall of exact indexer top-k by PQ and coarse-to-fine selection",
     "kernel_compare": "XLA vs Triton vs jax-triton kernel timings (GPU)",
     "scale": "every method at V4-Flash shapes by context and batch (GPU)",
+    "tp": "tensor parallelism: step time and capacity, 1 vs 2 devices, per method (GPU)",
     "train_model": "trains the small model and exports checkpoints/small (GPU)",
     "capacity": "max concurrency per method under one calibrated budget, decode throughput",
     "replay": "multi-turn sessions: leansparse vs echo vs hisparse TTFT/TPOT/session CDFs",

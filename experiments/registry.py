@@ -12,6 +12,7 @@ from experiments import (  # noqa: F401
     scale,
     serve,
     speculative,
+    tp,
     train,
     train_drafter,
 )

@@ -313,8 +313,19 @@ class EngineConfig:
     leansparse: LeanSparseConfig = dataclasses.field(default_factory=LeanSparseConfig)
     implementation: str | None = "xla"  # kernels of the decode step: "xla" (reference),
     #   "triton" (Pallas; interpret mode on CPU), "jax_triton", or None = fastest available
+    tp: int = 1  # tensor parallelism: devices of the ``model`` mesh axis that split the
+    #   attention heads, indexer heads and MLP width (``lsparse_jax.parallel``); 1 = one device
 
     def __post_init__(self):
+        _positive("EngineConfig", tp=self.tp)
+        for what, n in (("model.num_heads", self.model.num_heads),
+                        ("model.indexer.num_heads", self.model.indexer.num_heads),
+                        ("model.mlp_hidden", self.model.mlp_hidden)):
+            if n % self.tp:
+                invalid("EngineConfig", "tp", self.tp, f"must divide {what}={n}")
+        if self.tp > 1 and self.cache.streamed_prefill:
+            invalid("EngineConfig", "tp", self.tp, "cache.streamed_prefill runs on one device; "
+                    "use tp=1 or the monolithic prefill")
         if self.implementation not in (None, "xla", "triton", "jax_triton", "mosaic"):
             invalid("EngineConfig", "implementation", self.implementation,
                   "allowed: 'xla', 'triton', 'jax_triton', 'mosaic' or None")

@@ -10,6 +10,7 @@ C >= the eligible length it equals ``resident`` (identity 6).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import jax
@@ -32,10 +33,33 @@ from lsparse_jax.methods.base import register
 from lsparse_jax.methods.hisparse import HiSparse
 from lsparse_jax.model.store import NUM_SOURCES, IndexerQuery, Selection
 from lsparse_jax.model.traces import indexer_traces
+from lsparse_jax.parallel import current_mesh, head_sum
 from lsparse_jax.quant import dequantize_index_keys
 from lsparse_jax.quant.pq import encode, train_codebooks
 from pallas_kernels.index_scores.api import index_scores
 from pallas_kernels.pq_topc.api import pq_topc
+from pallas_kernels.pq_topc.reference import masked_coarse_scores
+from pallas_kernels.topk.api import topk
+
+
+def coarse_topc(q, w, codes, codebooks, lengths, num_candidates: int,
+                implementation: str | None):
+    """Step 1 of the selection: the top-C positions by PQ coarse score (``pq_topc``).
+
+    Under tensor parallelism (inside ``lsparse_jax.parallel.mesh_scope``) each device scores
+    the codes with its indexer heads, the partial scores are summed over devices, then the
+    ``topk`` op picks C: the fused Triton ``pq_topc`` (scores and top-C in one kernel) has no
+    point between the head sum and the top-C where the devices' partial sums could meet.
+    """
+    if current_mesh() is None:
+        return pq_topc(q, w, codes, codebooks, lengths, num_candidates=num_candidates,
+                       implementation=implementation)
+
+    def pick(scores, *args):  # args[-1]: lengths
+        return topk(scores, args[-1], num_candidates, implementation=implementation)
+
+    return head_sum(masked_coarse_scores, (1, 1, None, None, None), pick)(
+        q, w.astype(jnp.float32), codes, codebooks.astype(jnp.float32), lengths)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,10 +102,9 @@ class CoarseToFineIndex:
         paged = paged_rows(self.page_size, completed)
         codes = state.codes if context.codes is None else gather_slot_rows(
             context.codes, jnp.arange(n), None, paged, self.page_size)  # one gather
-        cand, cand_scores = pq_topc(q[None], w[None], codes[None], context.codebooks,
-                                    jnp.reshape(paged, (1,)).astype(jnp.int32),
-                                    num_candidates=self.settings.num_candidates,
-                                    implementation=self.implementation)
+        cand, cand_scores = coarse_topc(q[None], w[None], codes[None], context.codebooks,
+                                        jnp.reshape(paged, (1,)).astype(jnp.int32),
+                                        self.settings.num_candidates, self.implementation)
         held = state.cache.positions
         cached = jnp.zeros((n,), bool).at[jnp.where(held >= 0, held, n)].set(True, mode="drop")
         tail = paged + jnp.arange(self.page_size)
@@ -91,8 +114,10 @@ class CoarseToFineIndex:
             (values, scales), cache, sources = resolve(
                 state.cache, retained, state.tail, paged, context.page_table, context.pool,
                 self.implementation)
-            scores = index_scores(q[None], w[None], values[None], scales[None],
-                                  (retained >= 0)[None], implementation=self.implementation)
+            # tp > 1: each device scores with its heads, partial scores summed before top-k
+            exact = head_sum(functools.partial(
+                index_scores, implementation=self.implementation), (1, 1, None, None, None))
+            scores = exact(q[None], w[None], values[None], scales[None], (retained >= 0)[None])
             return scores[0], (cache, sources)
 
         cold = state.cache.clock < self.settings.warm_steps  # decode steps it has served

@@ -7,6 +7,7 @@ prefill is a chunk of many; the cache makes chunking invisible.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -30,6 +31,7 @@ from lsparse_jax.model.store import (
     exact_selection,
     write_rows,
 )
+from lsparse_jax.parallel import per_head
 from lsparse_jax.quant import KVRowFormat, dequantize_index_keys, quantize_index_keys
 from pallas_kernels.sparse_attention.api import sparse_attention
 
@@ -190,8 +192,10 @@ class AttentionLayer(nn.Module):
                 iq, iw, krows, kval, kscale, kids, kok, num, eligible, attended, probs[-1]))
         elif kernel_decode:
             ((window_rows, window_mask),) = groups
-            out = sparse_attention(q, view.table, view.slots, window_rows, window_mask, sink,
-                                   implementation=self.implementation)
+            attend = functools.partial(sparse_attention, implementation=self.implementation)
+            # tp > 1: each device attends with its query heads (q [1, H, D], sink [H])
+            out = per_head(attend, (1, None, None, None, None, 0), 1)(
+                q, view.table, view.slots, window_rows, window_mask, sink)
         else:
             out = sink_attention(q, groups, sink)
         y = dense(cfg.hidden, "wo")(out.reshape(t_len, h * d))

@@ -26,6 +26,7 @@ jit. ``RESIDENT_KV`` and ``EXACT_INDEX`` are the model's native layout (training
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Protocol
 
 import jax
@@ -34,6 +35,7 @@ from flax import struct
 
 from lsparse_jax.indexing import topk_positions
 from lsparse_jax.model.layers import precision
+from lsparse_jax.parallel import head_sum
 from lsparse_jax.quant import KVRowFormat, dequantize_index_keys
 from pallas_kernels.index_scores.reference import exact_index_scores
 
@@ -138,8 +140,12 @@ def exact_selection(query: IndexerQuery, values, scales, eligible, top_k: int,
     """
     keys = dequantize_index_keys(values, scales)  # [N, D] f32
 
+    # tp > 1: each device scores with its heads; the partial scores are summed before top-k
+    scores = head_sum(functools.partial(exact_index_scores, precision=precision()),
+                               (1, 1, None))
+
     def select(q, w, ok):
-        return topk_positions(exact_index_scores(q, w, keys, precision()), ok, top_k)[0]
+        return topk_positions(scores(q, w, keys), ok, top_k)[0]
 
     num, heads = query.q.shape[:2]
     tile = query_tile(num, heads * keys.shape[0] * 4, tile_bytes)

@@ -15,6 +15,7 @@ import numpy as np
 
 from lsparse_jax.config import EngineConfig
 from lsparse_jax.methods import policy
+from lsparse_jax.parallel import engine_mesh, replicate, shard_params
 from lsparse_jax.quant import KVRowFormat
 from lsparse_jax.serving import stats
 from lsparse_jax.serving.prefill_stream import StreamedPrefix, stream_prefix
@@ -41,7 +42,11 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig, params, codebooks: dict | None = None):
-        """codebooks: {CSA layer: [M, K, D_I/M]} PQ codebooks, needed by leansparse."""
+        """codebooks: {CSA layer: [M, K, D_I/M]} PQ codebooks, needed by leansparse.
+        With ``config.tp`` > 1 the parameters are split over the mesh (``lsparse_jax.parallel``)."""
+        self.mesh = engine_mesh(config)
+        if self.mesh is not None:
+            params = shard_params(params, self.mesh)
         self.config, self.params = config, params
         self.method = policy(config)
         self.control = self.method.controller()
@@ -55,6 +60,8 @@ class Engine:
         self.lengths = np.zeros(slots, np.int64)  # host mirror of state.lengths (no reads)
         self.stats = stats.SelectionStats.empty(slots, len(sparse_layers(config.model)),
                                                 config.model.indexer.top_k)
+        if self.mesh is not None:  # beside the replicated outputs of the decode step
+            self.stats = replicate(self.stats, self.mesh)
         self.prefill_seconds = 0.0
         self.decode_seconds = 0.0
         self.decode_tokens = 0

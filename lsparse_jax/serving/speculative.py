@@ -371,6 +371,9 @@ def prefill_features(params, cfg: ModelConfig, tokens, chunk: int, layers: tuple
 # ---------------------------------------------------------------------------------- the engine
 def check_spec(engine: EngineConfig, dcfg: DrafterConfig) -> None:
     """Raises ValueError if speculative decoding with ``dcfg`` cannot serve ``engine``."""
+    if engine.tp != 1:
+        invalid("EngineConfig", "tp", engine.tp, "speculative decoding runs on one device "
+                "(tp=1); its drafter and verification step are not split over a mesh")
     dcfg.check(engine.model)
     rows, k = engine.cache.hot_cache_rows, engine.model.indexer.top_k
     if rows is not None and rows < (dcfg.gamma + 1) * k:

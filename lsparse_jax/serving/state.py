@@ -14,6 +14,7 @@ from lsparse_jax.config import EngineConfig
 from lsparse_jax.methods import policy
 from lsparse_jax.methods.base import Grant, insert
 from lsparse_jax.model.cache import LayerCache
+from lsparse_jax.parallel import engine_mesh, replicate
 
 
 @struct.dataclass
@@ -40,7 +41,11 @@ def empty_state(engine: EngineConfig, codebooks: dict | None = None) -> DecodeSt
                         rng=jax.random.key(engine.sampling.seed),
                         tier=method.empty_tier(codebooks))
     # Commit every array to its memory now: jitted steps return committed arrays, and a jit
-    # called with uncommitted inputs first would compile a second time.
+    # called with uncommitted inputs first would compile a second time. With tp > 1 every
+    # device holds a copy (the state has no head axis: ``lsparse_jax.parallel``).
+    mesh = engine_mesh(engine)
+    if mesh is not None:
+        return replicate(state, mesh)
     return jax.tree.map(lambda a: jax.device_put(a, a.sharding), state)
 
 

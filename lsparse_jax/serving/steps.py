@@ -13,6 +13,7 @@ from lsparse_jax.methods import policy
 from lsparse_jax.model.cache import empty_cache
 from lsparse_jax.model.store import NUM_SOURCES
 from lsparse_jax.model.transformer import Transformer
+from lsparse_jax.parallel import engine_mesh, mesh_scope
 from lsparse_jax.serving.sampling import sample
 from lsparse_jax.serving.state import DecodeState
 
@@ -113,8 +114,9 @@ def decode_step(params, engine: EngineConfig, state: DecodeState, tokens, active
         return (logits[0], caches, stack("positions", (0, k)), stack("eligible", (0,)),
                 stack("sources", (0, NUM_SOURCES)), stack("key_sources", (0, NUM_SOURCES)))
 
-    logits, caches, positions, eligible, sources, key_sources = jax.vmap(one)(
-        state.caches, method.slot_rows(state.tier), tokens, state.lengths, active)
+    with mesh_scope(engine_mesh(engine)):  # kernels per head shard (tp > 1)
+        logits, caches, positions, eligible, sources, key_sources = jax.vmap(one)(
+            state.caches, method.slot_rows(state.tier), tokens, state.lengths, active)
     rng, key = jax.random.split(state.rng)
     next_tokens = sample(logits, key, engine.sampling.temperature)
     new = state.replace(caches=caches, lengths=state.lengths + active.astype(jnp.int32), rng=rng)
