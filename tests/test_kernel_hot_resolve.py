@@ -24,7 +24,7 @@ from pallas_kernels import common
 from pallas_kernels.hot_resolve import hot_resolve
 from tests.helpers import assert_resolved_rows
 
-IMPLS = ["xla", "triton"]
+IMPLS = ["xla", "triton", "triton_fused"]
 HOST = jax.memory.Space.Host  # pinned_host
 
 
@@ -177,8 +177,9 @@ def _run_case(world: World, steps: int, pytree: bool):
             _check_step(world, models, step, sel, before, out, want)
             outs[impl] = out
             state[impl] = out[1:5] + (table, pool)
-        for a, b in zip(jax.tree.leaves(outs["xla"]), jax.tree.leaves(outs["triton"])):
-            assert _bytes(a) == _bytes(b), "triton differs from xla"
+        for impl in IMPLS[1:]:
+            for a, b in zip(jax.tree.leaves(outs["xla"]), jax.tree.leaves(outs[impl])):
+                assert _bytes(a) == _bytes(b), f"{impl} differs from xla"
     assert totals.min() > 0, f"the sequence needs hits and misses, got {totals}"
 
 
@@ -291,6 +292,56 @@ def test_triton_lowers_for_cuda_pytree():
         s((b,), jnp.int32), s((b,), jnp.int32), s((), jnp.int32), s((64,), jnp.int32),
         (s((4096, 128), jnp.float8_e4m3fn), s((4096, 1), jnp.float32)))
     assert text.count(common.TRITON_CALL_TARGET) == 2
+
+
+def test_fused_lowers_for_cuda_under_vmap():
+    """triton_fused at the benchmark shape (64 requests, k = 512, B = 2048, D = 512 f32) and a
+    pytree of FP8 keys + f32 scales: four Triton calls (map, control, order, apply) for all
+    requests and leaves, no XLA sort or while loop, rows / positions / stamps aliased."""
+    s = jax.ShapeDtypeStruct
+    req, k, b, d, page = 64, 512, 2048, 512, 64
+
+    def fn(sel, rows, pos, stamps, clock, table, pool):
+        one = lambda *a: hot_resolve(*a, pool, page_size=page,  # noqa: E731
+                                     implementation="triton_fused")
+        return jax.vmap(one)(sel, rows, pos, stamps, clock, table)
+
+    text = common.lower_for_cuda(
+        fn, s((req, k), jnp.int32), (s((req, b, d), jnp.float32), s((req, b, 1), jnp.float32)),
+        s((req, b), jnp.int32), s((req, b), jnp.int32), s((req,), jnp.int32),
+        s((req, 2048), jnp.int32), (s((1 << 19, d), jnp.float32), s((1 << 19, 1), jnp.float32)))
+    assert text.count(common.TRITON_CALL_TARGET) == 4
+    assert "stablehlo.sort" not in text and "stablehlo.while" not in text
+    call = text[text.rindex(common.TRITON_CALL_TARGET):]
+    assert "output_operand_aliases" in call[:call.index("\n")]
+
+
+def test_fused_many_misses_and_tied_stamps_equal_xla():
+    """Two requests, B = 96, k = 80: most positions miss (victims span several order tiles)
+    and stamps tie in groups (the LRU order falls back to the row index): every output of
+    triton_fused equals the reference bit for bit; e8m0 rows are refused by name."""
+    rng = np.random.default_rng(2)
+    s, b, k, d, page, mp = 2, 96, 80, 8, 4, 64
+    table = np.stack([rng.permutation(s * mp)[:mp] for _ in range(s)]).astype(np.int32)
+    pool = jnp.asarray(rng.standard_normal((s * mp * page, d)).astype(np.float32))
+    pos = np.stack([rng.choice(mp * page, b, replace=False) for _ in range(s)]).astype(np.int32)
+    pos[:, ::7] = -1
+    stamps = rng.integers(-1, 6, (s, b)).astype(np.int32)
+    sel = np.stack([rng.choice(mp * page, k, replace=False) for _ in range(s)]).astype(np.int32)
+    sel[:, ::9] = -1
+    args = (jnp.asarray(sel), jnp.asarray(rng.standard_normal((s, b, d)).astype(np.float32)),
+            jnp.asarray(pos), jnp.asarray(stamps), jnp.full((s,), 3, jnp.int32),
+            jnp.asarray(table))
+    outs = {impl: _step_fn(impl, page)(*args, pool) for impl in ("xla", "triton_fused")}
+    counts = np.asarray(outs["xla"][5])
+    assert (counts[:, 1] > 40).all() and (counts[:, 0] > 0).all(), counts
+    for a, c in zip(jax.tree.leaves(outs["xla"]), jax.tree.leaves(outs["triton_fused"])):
+        assert _bytes(a) == _bytes(c)
+    kwargs, page = _good()
+    kwargs["hot_rows"] = np.zeros((4, 16), jnp.float8_e8m0fnu)
+    kwargs["pool"] = np.zeros((6, 16), jnp.float8_e8m0fnu)
+    with pytest.raises(ValueError, match="triton_fused"):
+        hot_resolve(**kwargs, page_size=page, implementation="triton_fused")
 
 
 def _good():
