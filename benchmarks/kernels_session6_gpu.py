@@ -291,7 +291,15 @@ def sync_profile(name, fn, args, calls=8, chained=False):
                 kernels_per_call=len(ev) / calls, max_gap_us=max(gaps, default=0.0),
                 sum_gap_us=float(sum(g for g in gaps if g > 0)), device_to_host=len(d2h),
                 busy_us=float(sum(e[2] for e in ev)), correct=bool(ev) and not d2h,
-                kernel_names=sorted({e[0][:60] for e in ev})[:12])
+                kernel_us_per_call=per_kernel(ev, calls))
+
+
+def per_kernel(ev, calls):
+    """{kernel name: us per call}, longest first (where a call's time goes)."""
+    total = {}
+    for name, _, dur in ev:
+        total[name[:70]] = total.get(name[:70], 0.0) + dur / calls
+    return dict(sorted(total.items(), key=lambda kv: -kv[1])[:15])
 
 
 def cell_nosync(small):
@@ -305,6 +313,12 @@ def cell_nosync(small):
     lengths = jnp.full((t["b"],), t["n"], jnp.int32)
     variant("nosync", "topk triton", lambda: sync_profile(
         "topk", lambda sc, ln: topk(sc, ln, t["k"], implementation="triton"),
+        (scores, lengths)))
+    from pallas_kernels.topk.triton import topk_triton
+
+    variant("nosync", "topk triton one-read", lambda: sync_profile(
+        "topk_oneread", lambda sc, ln: topk_triton(sc, ln, t["k"], interpret=small,
+                                                   one_read=True, sample=4096),
         (scores, lengths)))
     n = 4096 if small else 131072
     b = t["b"]
@@ -390,6 +404,10 @@ def main():
             record(op=name, variant="(cell setup)", error=f"{type(err).__name__}: {err}"[:400],
                    trace=traceback.format_exc(limit=3)[-800:])
     text = table()
+    for r in STATE["rows"]:  # where each profiled call's GPU time goes
+        if r.get("kernel_us_per_call"):
+            text += f"\n{r['variant']}: " + ", ".join(
+                f"{k} {v:.1f}us" for k, v in list(r["kernel_us_per_call"].items())[:8])
     (STATE["out"] / "kernels_session6_gpu.txt").write_text(text + "\n")
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, "
           f"{time.monotonic() - STATE['start']:.0f} s")
