@@ -261,7 +261,22 @@ def _other_ops():
     hot = functools.partial(hot_resolve, page_size=64, implementation="triton")
     hot_common = (s((128,), jnp.int32), s((256,), jnp.int32), s((256,), jnp.int32),
                   s((), jnp.int32), s((64,), jnp.int32))
+    from pallas_kernels.index_scores import index_topk
+
+    fused = functools.partial(hot_resolve, page_size=64, implementation="triton_fused")
+    index_specs = (s((64, 64, 128), jnp.float32), s((64, 64), jnp.float32),
+                   s((64, 2048, 128), jnp.float8_e4m3fn), s((64, 2048, 1), jnp.float32),
+                   s((64, 2048), jnp.bool_))
     return [
+        ("hot_resolve_fused", fused,  # FP8 keys, D=1 scales and a D=24 leaf: all in-kernel
+         (hot_common[0], (s((256, 128), jnp.float8_e4m3fn), s((256, 1), jnp.float32),
+                          s((256, 24), jnp.bfloat16)), *hot_common[1:],
+          (s((4096, 128), jnp.float8_e4m3fn), s((4096, 1), jnp.float32),
+           s((4096, 24), jnp.bfloat16)))),
+        ("index_scores_fp8", functools.partial(index_scores, implementation="triton_fp8"),
+         index_specs),
+        ("index_topk_fp8", functools.partial(index_topk, k=512, implementation="triton_fp8"),
+         index_specs),
         ("gather_rows", functools.partial(gather_rows, implementation="triton"),
          (s((1 << 20, 128), jnp.float32), s((512,), jnp.int32))),
         ("index_scores", functools.partial(index_scores, implementation="triton"),
@@ -288,7 +303,8 @@ def _other_ops():
 
 
 @pytest.mark.parametrize("name,fn,specs", _other_ops(),
-                         ids=["gather_rows", "index_scores", "sparse_attention",
+                         ids=["hot_resolve_fused", "index_scores_fp8", "index_topk_fp8",
+                              "gather_rows", "index_scores", "sparse_attention",
                               "hot_resolve_f32", "hot_resolve_fp8_scales"])
 def test_other_ops_have_no_device_predicate_control_flow(name, fn, specs):
     """The same check over the other ops' Triton paths (the known exception is xfail)."""
