@@ -14,7 +14,8 @@ Run from the repository root (jax 0.11.2, triton 3.6.0; gin / jax-triton wheels 
                 triton (two ops), triton_fp8 + topk triton (two ops), index_topk triton_fp8
                 (one fused kernel). fp8 variants checked against their XLA twin
                 (index_scores_fp8_xla; sets against index_topk_xla(fp8=True)).
-  topk          64 x 262144, k = 2048: xla, triton (fixed sequence), triton one-read (opt-in).
+  topk          64 x 262144, k = 2048: xla, triton (fixed sequence), triton one-read (opt-in),
+                each also with finish_in_registers=True (stage 2 on register-held keys).
   nosync        host syncs: per op, a jitted program of 8 back-to-back calls of the Triton
                 variant under jax.profiler; GPU kernels counted, the largest idle gap between
                 consecutive kernels and any device->host copy reported ("host_ms" = host time
@@ -238,7 +239,12 @@ def cell_topk(small):
     variants = {"xla": lambda sc, ln: topk(sc, ln, k, implementation="xla"),
                 "triton": lambda sc, ln: topk(sc, ln, k, implementation="triton"),
                 "triton one-read": lambda sc, ln: topk_triton(sc, ln, k, interpret=interp,
-                                                              one_read=True, sample=4096)}
+                                                              one_read=True, sample=4096),
+                "triton regs-finish": lambda sc, ln: topk_triton(
+                    sc, ln, k, interpret=interp, finish_in_registers=True),
+                "triton one-read regs-finish": lambda sc, ln: topk_triton(
+                    sc, ln, k, interpret=interp, one_read=True, sample=4096,
+                    finish_in_registers=True)}
     for name, fn in variants.items():
         def run(fn=fn):
             f = _sets(fn(*sets[0])[0], want)
@@ -319,6 +325,11 @@ def cell_nosync(small):
     variant("nosync", "topk triton one-read", lambda: sync_profile(
         "topk_oneread", lambda sc, ln: topk_triton(sc, ln, t["k"], interpret=small,
                                                    one_read=True, sample=4096),
+        (scores, lengths)))
+    variant("nosync", "topk one-read regs-finish", lambda: sync_profile(
+        "topk_oneread_regs", lambda sc, ln: topk_triton(sc, ln, t["k"], interpret=small,
+                                                        one_read=True, sample=4096,
+                                                        finish_in_registers=True),
         (scores, lengths)))
     n = 4096 if small else 131072
     b = t["b"]
