@@ -353,7 +353,8 @@ def _gpu_rows(seed, b, n, k, kind):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["normal", "ties", "relu"])
-@pytest.mark.parametrize("variant", ["refine", "one_read", "one_read_s4096"])
+@pytest.mark.parametrize("variant", ["refine", "one_read", "one_read_s4096", "regs",
+                                     "one_read_regs"])
 def test_fixed_sequence_on_gpu(variant, kind):
     """The compiled kernels at the benchmark shape: refine forced by a small CAP and sample,
     and the one-read path (with its fallback rows), against XLA."""
@@ -361,6 +362,8 @@ def test_fixed_sequence_on_gpu(variant, kind):
     scores, lengths = _gpu_rows(7, b, n, k, kind)
     tun = {"refine": dict(cap=2048, sample=64, digit_bits=4),
            "one_read": dict(one_read=True),
-           "one_read_s4096": dict(one_read=True, sample=4096)}[variant]
+           "one_read_s4096": dict(one_read=True, sample=4096),
+           "regs": dict(finish_in_registers=True),
+           "one_read_regs": dict(one_read=True, sample=4096, finish_in_registers=True)}[variant]
     got = topk_impl.topk_triton(jnp.asarray(scores), jnp.asarray(lengths), k, **tun)
     assert_topk_equal(got, topk_xla(jnp.asarray(scores), jnp.asarray(lengths), k))
