@@ -24,7 +24,8 @@ from pallas_kernels import common
 from pallas_kernels.hot_resolve import hot_resolve
 from tests.helpers import assert_resolved_rows
 
-IMPLS = ["xla", "triton", "triton_fused"]
+IMPLS = ["xla", "triton"]
+FUSED = "triton_fused"
 HOST = jax.memory.Space.Host  # pinned_host
 
 
@@ -157,18 +158,19 @@ def _check_step(world, models, step, sel, before, out, want):
                     assert np.isnan(leaf[r, i].astype(np.float32)).all()
 
 
-def _run_case(world: World, steps: int, pytree: bool):
-    """Steps both implementations side by side; checks each against the model."""
+def _run_case(world: World, steps: int, pytree: bool, impls=tuple(IMPLS)):
+    """Steps the implementations side by side (impls[0] = "xla"); checks each against the
+    model and every one against "xla" bit for bit."""
     models = [LRUModel(world.positions[r], world.stamps[r], world.clock[r])
               for r in range(world.s)]
-    state = {impl: world.device_args(pytree) for impl in IMPLS}
+    state = {impl: world.device_args(pytree) for impl in impls}
     totals = np.zeros(2, int)
     for step in range(steps):
         sel = world.selection(step)
         want = [model.step(sel[r]) for r, model in enumerate(models)]
         totals += np.sum([counts for _, counts in want], axis=0)
         outs = {}
-        for impl in IMPLS:
+        for impl in impls:
             rows, pos, stamps, clock, table, pool = state[impl]
             before = [np.asarray(leaf) for leaf in jax.tree.leaves(rows)]
             out = _step_fn(impl, world.page)(jnp.asarray(sel), rows, pos, stamps, clock,
@@ -177,7 +179,7 @@ def _run_case(world: World, steps: int, pytree: bool):
             _check_step(world, models, step, sel, before, out, want)
             outs[impl] = out
             state[impl] = out[1:5] + (table, pool)
-        for impl in IMPLS[1:]:
+        for impl in impls[1:]:
             for a, b in zip(jax.tree.leaves(outs["xla"]), jax.tree.leaves(outs[impl])):
                 assert _bytes(a) == _bytes(b), f"{impl} differs from xla"
     assert totals.min() > 0, f"the sequence needs hits and misses, got {totals}"
@@ -197,13 +199,30 @@ def test_matches_lru_model_under_vmap(case):
     _run_case(World(seed=b * 7 + k, s=s, b=b, k=k, leaves=leaves), steps=8, pytree=False)
 
 
+@pytest.mark.parametrize("case", [CASES[3]] + [
+    pytest.param(c, marks=pytest.mark.slow) for c in CASES[:3]],
+    ids=lambda c: f"S{c[0]}-B{c[1]}-k{c[2]}-{c[3]}")
+def test_fused_matches_lru_model_under_vmap(case):
+    """triton_fused (control in-kernel) against the model and xla, D=24 included (masked
+    columns in the kernel, no XLA row loop)."""
+    s, b, k, leaves = case
+    _run_case(World(seed=b * 7 + k, s=s, b=b, k=k, leaves=leaves), steps=5, pytree=False,
+              impls=("xla", FUSED))
+
+
+@pytest.mark.slow
+def test_fused_pytree_rows_fp8_keys_and_scales():
+    world = World(seed=3, s=2, b=10, k=7, leaves=[(32, "float8_e4m3fn"), (1, "float32")])
+    _run_case(world, steps=4, pytree=True, impls=("xla", FUSED))
+
+
 def test_pytree_rows_fp8_keys_and_scales():
     """The indexer-key cache: (FP8 keys [B, 32], f32 scales [B, 1]) move with one control."""
     world = World(seed=3, s=2, b=10, k=7, leaves=[(32, "float8_e4m3fn"), (1, "float32")])
     _run_case(world, steps=6, pytree=True)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPLS + [pytest.param(FUSED, marks=pytest.mark.slow)])
 def test_single_request_without_vmap(impl):
     """One request, eager call, k = B with all-miss then all-hit steps; a device pool."""
     world = World(seed=11, s=1, b=6, k=6, leaves=[(16, "float32")], clock=1)
@@ -229,7 +248,7 @@ def test_single_request_without_vmap(impl):
     assert want_counts == (0, 0) and int(clock) == 4
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPLS + [pytest.param(FUSED, marks=pytest.mark.slow)])
 def test_resolve_compacts_selections_longer_than_the_cache(impl):
     """hot_cache.resolve with k > B (leansparse: C candidates + P tail rows): the non-tail
     positions (at most B) go through the op; rows, counts and the LRU order stay right."""
@@ -337,6 +356,10 @@ def test_fused_many_misses_and_tied_stamps_equal_xla():
     assert (counts[:, 1] > 40).all() and (counts[:, 0] > 0).all(), counts
     for a, c in zip(jax.tree.leaves(outs["xla"]), jax.tree.leaves(outs["triton_fused"])):
         assert _bytes(a) == _bytes(c)
+    one = hot_resolve(*(x[1] for x in args), pool, page_size=page,  # no vmap: S = 1
+                      implementation="triton_fused")
+    for a, c in zip(jax.tree.leaves(outs["xla"]), jax.tree.leaves(one)):
+        assert _bytes(np.asarray(a)[1]) == _bytes(c)
     kwargs, page = _good()
     kwargs["hot_rows"] = np.zeros((4, 16), jnp.float8_e8m0fnu)
     kwargs["pool"] = np.zeros((6, 16), jnp.float8_e8m0fnu)
@@ -398,4 +421,4 @@ def test_gpu_pinned_host_pool_triton_equals_xla_and_model(dtype):
     s, b, k, d, page = 8, 1024, 256, 512, 64
     world = World(seed=7, s=s, b=b, k=k, leaves=[(d, dtype)], page=page, mp=64,
                   spare=(1 << 30) // (page * d * 4) - s * 64)
-    _run_case(world, steps=4, pytree=False)
+    _run_case(world, steps=4, pytree=False, impls=("xla", "triton", FUSED))

@@ -191,7 +191,8 @@ def _twin_scores(args):
     return np.asarray(index_scores_fp8_xla(*map(jnp.asarray, args)))
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[4]], ids=["c100", "nb2", "none"])
+@pytest.mark.parametrize("case", [CASES[0]] + [pytest.param(c, marks=pytest.mark.slow)
+                                  for c in (CASES[1], CASES[4])], ids=["c100", "nb2", "none"])
 def test_fp8_kernel_matches_its_twin_and_the_exact_scores(case):
     """triton_fp8 equals its XLA twin (same FP8 q, f32 sums) and stays within FP8 rounding of
     q (<= 2^-4 a value) of the exact scores; invalid rows exactly -inf."""
@@ -225,9 +226,10 @@ def _assert_topk(pos, val, scores, valid, k):
             assert np.sort(scores[r][valid[r]])[::-1][:m].sum() <= scores[r][got].sum() + m * tol
 
 
-@pytest.mark.parametrize("case,k", [(CASES[0], 16), (CASES[1], 64), (CASES[4], 8),
-                                    ((2, 4, 64, 40, 1, "random", "float32"), 64)],
-                         ids=["c100-k16", "nb2-k64", "none", "k>C"])
+@pytest.mark.parametrize("case,k", [(CASES[0], 16), ((2, 4, 64, 40, 1, "random", "float32"), 64)]
+                         + [pytest.param(CASES[1], 64, marks=pytest.mark.slow),
+                            pytest.param(CASES[4], 8, marks=pytest.mark.slow)],
+                         ids=["c100-k16", "k>C", "nb2-k64", "none"])
 def test_index_topk_fused_is_the_top_k_of_its_scores(case, k):
     """The fused kernel's scores equal the twin's; its winners are the top-k of them as a set
     (ties to the lower index) and the same set as ``index_topk_xla(fp8=True)``."""
