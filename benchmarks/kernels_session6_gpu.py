@@ -23,8 +23,10 @@ Run from the repository root (jax 0.11.2, triton 3.6.0; gin / jax-triton wheels 
 Each variant: max relative error / set agreement vs its reference ("correct"), ms = one jitted
 program over R distinct input sets / R (benchmarks/timing.py), x XLA, % roofline (HBM 3.0 TB/s,
 host link 48 GB/s). A failing variant records its error; the others still run. Past --budget-s
-the remaining cells are skipped (recorded). JSON written after every cell:
-OUT/kernels_session6_gpu.json; the table last (and OUT/kernels_session6_gpu.txt).
+the remaining cells are skipped (recorded). Each cell runs in a child process (a kernel that
+crashes the process or hangs costs only its cell; the parent never touches the GPU). JSON after
+every variant: OUT/kernels_session6_gpu.<cell>.json, merged into OUT/kernels_session6_gpu.json
+after every cell; the table last (and OUT/kernels_session6_gpu.txt).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import gzip
 import json
 import os
 import pathlib
+import subprocess
 import sys
 import time
 import traceback
@@ -57,6 +60,7 @@ SMALL = dict(hot=dict(batch=4, k=16, rows=32, dim=16, page=4, pool_gib=2**-12),
              index=dict(b=2, c=256, h=8, d=64, top=32),
              topk=dict(b=2, n=4096, k=64))
 STATE = dict(rows=[], start=time.monotonic(), budget=220.0, out=None, repeats=10, sets=8)
+MARGIN_S = 8.0  # a variant needs at least this much budget left to start (compile + timing)
 
 
 def left() -> float:
@@ -64,16 +68,19 @@ def left() -> float:
 
 
 def record(**row):
+    """Appends a row and rewrites the JSON (the parent's never touches the GPU: no jax.devices
+    there, so its children get the whole device)."""
     STATE["rows"].append(row)
-    out = STATE["out"]
-    payload = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                   seconds=time.monotonic() - STATE["start"], rows=STATE["rows"])
-    (out / "kernels_session6_gpu.json").write_text(json.dumps(payload, indent=1, default=str))
+    payload = dict(jax=jax.__version__, seconds=time.monotonic() - STATE["start"],
+                   rows=STATE["rows"])
+    if STATE.get("child"):
+        payload["device"] = jax.devices()[0].device_kind
+    STATE["json"].write_text(json.dumps(payload, indent=1, default=str))
 
 
 def variant(op, name, fn, **extra):
     """Runs one variant; fn() -> dict(ms=..., correct=..., ...). Errors are recorded."""
-    if left() <= 0:
+    if left() <= MARGIN_S:
         record(op=op, variant=name, skipped="budget", **extra)
         return None
     t0 = time.monotonic()
@@ -398,30 +405,56 @@ def main():
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--cells", default=",".join(CELLS))
     ap.add_argument("--small", action="store_true")
+    ap.add_argument("--child", action="store_true", help="internal: run the cells in-process")
     a = ap.parse_args()
     if a.small:
         SHAPES.update(SMALL)
         STATE["sets"] = 2
-    STATE.update(budget=a.budget_s, repeats=2 if a.small else a.repeats,
-                 out=pathlib.Path(a.out))
-    STATE["out"].mkdir(parents=True, exist_ok=True)
+    out = pathlib.Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    STATE.update(budget=a.budget_s, repeats=2 if a.small else a.repeats, out=out,
+                 child=a.child)
+    if a.child:  # one cell, in this process
+        STATE["json"] = out / f"kernels_session6_gpu.{a.cells}.json"
+        try:
+            CELLS[a.cells](a.small)
+        except Exception as err:  # the cell's setup failed: record
+            record(op=a.cells, variant="(cell setup)", error=f"{type(err).__name__}: {err}"[:400],
+                   trace=traceback.format_exc(limit=3)[-800:])
+        return
+    # Parent: each cell in a child process, so that a crashing kernel (a signal, not an
+    # exception) or a hang costs only its own cell; rows merged as the children write them.
+    STATE["json"] = out / "kernels_session6_gpu.json"
+    device = None
     for name in a.cells.split(","):
-        if left() <= 0:
+        budget = left()
+        if budget <= 2 * MARGIN_S:
             record(op=name, variant="(cell)", skipped="budget")
             continue
+        part = out / f"kernels_session6_gpu.{name}.json"
+        part.unlink(missing_ok=True)
+        cmd = [sys.executable, __file__, "--child", "--cells", name, "--out", str(out),
+               "--budget-s", f"{budget - 3:.0f}", "--repeats", str(a.repeats)]
+        cmd += ["--small"] if a.small else []
         try:
-            CELLS[name](a.small)
-        except Exception as err:  # the cell's setup failed: record, go on
-            record(op=name, variant="(cell setup)", error=f"{type(err).__name__}: {err}"[:400],
-                   trace=traceback.format_exc(limit=3)[-800:])
+            proc = subprocess.run(cmd, timeout=budget + 15, capture_output=True, text=True)
+            status = None if proc.returncode == 0 else f"exit code {proc.returncode}"
+            tail = (proc.stdout + proc.stderr)[-1500:]
+        except subprocess.TimeoutExpired as err:
+            status, tail = f"killed after {budget + 15:.0f} s", str(err.stderr or "")[-1500:]
+        rows = json.loads(part.read_text()) if part.exists() else {}
+        device = rows.get("device", device)
+        for row in rows.get("rows", []):
+            record(**row)
+        if status:
+            record(op=name, variant="(cell process)", error=status, trace=tail)
     text = table()
     for r in STATE["rows"]:  # where each profiled call's GPU time goes
         if r.get("kernel_us_per_call"):
             text += f"\n{r['variant']}: " + ", ".join(
                 f"{k} {v:.1f}us" for k, v in list(r["kernel_us_per_call"].items())[:8])
     (STATE["out"] / "kernels_session6_gpu.txt").write_text(text + "\n")
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, "
-          f"{time.monotonic() - STATE['start']:.0f} s")
+    print(f"{device}, jax {jax.__version__}, {time.monotonic() - STATE['start']:.0f} s")
     print(text)
 
 
