@@ -12,8 +12,9 @@ Run from the repository root (jax 0.11.2, triton 3.6.0; gin / jax-triton wheels 
   index_scores  V4 indexer, B = 64, C = 2048, H = 64, D = 128, FP8 keys: scores by xla, triton
                 (bf16 dot), triton_fp8 (fp8 x fp8); scores + top-512 by xla, triton + topk
                 triton (two ops), triton_fp8 + topk triton (two ops), index_topk triton_fp8
-                (one fused kernel). fp8 variants checked against their XLA twin
-                (index_scores_fp8_xla; sets against index_topk_xla(fp8=True)).
+                (one fused kernel), triton_fp8 + short-row top-k (two kernels, split form).
+                fp8 variants checked against their XLA twin (index_scores_fp8_xla; sets
+                against index_topk_xla(fp8=True)).
   topk          64 x 262144, k = 2048: xla, triton (fixed sequence), triton one-read (opt-in),
                 each also with finish_in_registers=True (stage 2 on register-held keys).
   nosync        host syncs: per op, a jitted program of 8 back-to-back calls of the Triton
@@ -226,6 +227,15 @@ def cell_index_scores(small):
 
     timed("index_topk fused triton_fp8",
           lambda *a: index_topk(*a, k=top, implementation="triton_fp8")[:2], fused_check, True)
+    from pallas_kernels.index_scores.topk_fused import index_topk_split
+
+    def split_check():
+        pos, _, scores = index_topk_split(*args, k=top)
+        f, e = _sets(pos, want_8), _rel(scores, twin, args[4])
+        return dict(sets=f, rel_err=e, correct=f >= 0.98 and e < 1e-4)
+
+    timed("triton_fp8 + short-row top-k", lambda *a: index_topk_split(*a, k=top)[:2],
+          split_check, True)
 
 
 # ---------------------------------------------------------------------------- topk

@@ -249,6 +249,34 @@ def test_index_topk_fused_is_the_top_k_of_its_scores(case, k):
     _assert_topk(xp, xv, np.asarray(xs), valid, k)
 
 
+def test_split_form_and_short_rows_topk():
+    """index_topk_split (fp8 score kernel, then the one-kernel top-k of short rows) gives the
+    fused kernel's outputs; short_rows_topk alone on tied, poisoned rows with C not a power of
+    two gives topk_positions' sets (ties to the lower index), -1 / -inf padding."""
+    from pallas_kernels.index_scores.topk_fused import (
+        index_topk_split,
+        index_topk_triton,
+        short_rows_topk,
+    )
+    from pallas_kernels.topk.reference import topk_positions
+
+    args = [jnp.asarray(a) for a in _inputs(*CASES[0])]
+    got, want = index_topk_split(*args, k=16), index_topk_triton(*args, k=16)
+    assert_same_sets(got[0], want[0])
+    assert_close(got[2], want[2], "float32", mask=np.asarray(args[4]))
+    rng = np.random.default_rng(4)
+    scores = rng.integers(-2, 3, (3, 300)).astype(np.float32)
+    valid = rng.random((3, 300)) < 0.8
+    valid[2] = False
+    scores[~valid] = np.nan
+    pos, val = short_rows_topk(jnp.asarray(scores), jnp.asarray(valid), k=40)
+    wpos, _ = topk_positions(jnp.asarray(np.where(valid, scores, 0)), jnp.asarray(valid), 40)
+    assert_same_sets(pos, wpos)
+    pos, val = np.asarray(pos), np.asarray(val)
+    assert np.all(pos[2] == -1) and np.all(val[2] == -np.inf)
+    np.testing.assert_array_equal(val[pos >= 0], scores[np.nonzero(pos >= 0)[0], pos[pos >= 0]])
+
+
 def test_index_topk_ties_go_to_the_lower_index():
     """All valid candidates score the same (identical keys): the first k valid ones win."""
     from pallas_kernels.index_scores import index_topk
@@ -270,6 +298,11 @@ def test_fp8_variants_lower_for_cuda_at_v4_shape():
     text = common.lower_for_cuda(
         functools.partial(index_topk, k=512, implementation="triton_fp8"), *_specs(**V4, nb=1))
     assert text.count(common.TRITON_CALL_TARGET) == 1
+    from pallas_kernels.index_scores.topk_fused import index_topk_split
+
+    text = common.lower_for_cuda(functools.partial(index_topk_split, k=512),
+                                 *_specs(**V4, nb=1))
+    assert text.count(common.TRITON_CALL_TARGET) == 2
 
 
 @pytest.mark.gpu
@@ -282,6 +315,9 @@ def test_gpu_fp8_variants_at_v4_shape(nb):
     got = np.asarray(index_scores(*args, implementation="triton_fp8"))
     assert np.all(got[~valid] == -np.inf)
     assert_close(got, _twin_scores(args), "float32", mask=valid)
-    pos, val, scores = index_topk(*args, k=512, implementation="triton_fp8")
-    assert_close(scores, _twin_scores(args), "float32", mask=valid)
-    _assert_topk(pos, val, np.asarray(scores), valid, 512)
+    from pallas_kernels.index_scores.topk_fused import index_topk_split
+
+    for fn in (functools.partial(index_topk, implementation="triton_fp8"), index_topk_split):
+        pos, val, scores = fn(*args, k=512)
+        assert_close(scores, _twin_scores(args), "float32", mask=valid)
+        _assert_topk(pos, val, np.asarray(scores), valid, 512)

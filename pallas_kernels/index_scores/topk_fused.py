@@ -16,6 +16,8 @@ Design: grid (B,), one program per request (the top-k needs all C scores of a re
      to m, compacted by prefix sums into positions / values; slots [m, KP) get -1 / -inf.
 Equal scores go to the lower candidate index, as ``topk_positions``; positions come out in
 candidate order, not best-first. Twin: ``reference.index_topk_xla(..., fp8=True)``.
+Split form (``index_topk_split``, to compare): the "triton_fp8" score kernel (many programs per
+request), then ``short_rows_topk`` (step 2 alone, one program per row on its [C] scores).
 """
 
 from __future__ import annotations
@@ -76,6 +78,14 @@ def _kernel(q_ref, w_ref, kv_ref, ks_ref, valid_ref, scores_ref, pos_ref, val_re
 
     keys, vals = lax.fori_loop(0, nblk, block, (jnp.full((nblk, bc), INT32_MIN, jnp.int32),
                                                 jnp.full((nblk, bc), -jnp.inf, jnp.float32)))
+    _select(keys, vals, pos_ref, val_ref, k=k, bc=bc)
+
+
+def _select(keys, vals, pos_ref, val_ref, *, k, bc):
+    """Top-k of keys [NBLK, BC] (INT32_MIN = not eligible; candidate n = row * BC + lane):
+    positions / values into pos_ref / val_ref [KP], -1 / -inf after the m winners."""
+    nblk = keys.shape[0]
+    blk_of = lax.broadcasted_iota(jnp.int32, (nblk, bc), 0)
     m = jnp.minimum(_total((keys != INT32_MIN).astype(jnp.int32)), k)
     kp = pos_ref.shape[0]
     slots = lax.broadcasted_iota(jnp.int32, (kp,), 0)
@@ -84,7 +94,7 @@ def _kernel(q_ref, w_ref, kv_ref, ks_ref, valid_ref, scores_ref, pos_ref, val_re
     plt.store(val_ref, jnp.full((kp,), -jnp.inf, jnp.float32), mask=pad)
 
     @pl.when(m > 0)
-    def _select():
+    def _pick():
         digits = lax.broadcasted_iota(jnp.int32, (1 << RADIX_BITS,), 0)
 
         def step(p, t_u):  # keep #{key >= T} >= m; unsigned u <-> signed u ^ MIN
@@ -108,6 +118,52 @@ def _kernel(q_ref, w_ref, kv_ref, ks_ref, valid_ref, scores_ref, pos_ref, val_re
         slot = jnp.where(keep, before(keep_i), kp + flat)  # distinct slots past KP when not kept
         plt.store(pos_ref.at[slot], flat, mask=keep)
         plt.store(val_ref.at[slot], vals, mask=keep)
+
+
+def _rows_kernel(x_ref, valid_ref, pos_ref, val_ref, *, k):
+    # inputs  x_ref [NBLK, BC] f32 scores of one row, valid_ref [NBLK, BC] bool
+    # outputs pos_ref / val_ref [KP]
+    x = canonical_scores(x_ref[...])
+    keys = jnp.where(valid_ref[...], order_keys(x), INT32_MIN)
+    _select(keys, x, pos_ref, val_ref, k=k, bc=x.shape[1])
+
+
+@functools.partial(jax.jit, static_argnames=("k", "block_c", "num_warps"))
+def short_rows_topk(scores, valid, *, k: int, block_c: int = 128, num_warps: int = 8):
+    """Top-k of short rows in one kernel, one program per row holding the row in registers
+    (the split form's second kernel). scores [B, C] f32, valid [B, C] bool -> (positions
+    [B, k] in row order, values [B, k]), -1 / -inf padded; C up to a few thousand."""
+    b, c = scores.shape
+    bc = min(block_c, _pow2(c))
+    nblk = _pow2(-(-c // bc))
+    cp, kp = nblk * bc, _pow2(k)
+    if cp != c:
+        scores = jnp.pad(scores, ((0, 0), (0, cp - c)))
+        valid = jnp.pad(valid, ((0, 0), (0, cp - c)))
+    pos, val = pl.pallas_call(
+        functools.partial(_rows_kernel, k=k),
+        out_shape=[jax.ShapeDtypeStruct((b, kp), jnp.int32),
+                   jax.ShapeDtypeStruct((b, kp), jnp.float32)],
+        grid=(b,),
+        in_specs=[pl.BlockSpec((None, nblk, bc), lambda i: (i, 0, 0)),
+                  pl.BlockSpec((None, nblk, bc), lambda i: (i, 0, 0))],
+        out_specs=[pl.BlockSpec((None, kp), lambda i: (i, 0)),
+                   pl.BlockSpec((None, kp), lambda i: (i, 0))],
+        compiler_params=plt.CompilerParams(num_warps=num_warps),
+        interpret=common.interpret(),
+        name="short_rows_topk",
+    )(scores.reshape(b, nblk, bc), valid.reshape(b, nblk, bc))
+    return pos[:, :k], val[:, :k]
+
+
+def index_topk_split(q, weights, key_values, key_scales, valid, *, k: int):
+    """The split form of ``index_topk_triton``: the fp8 score kernel (``index_scores``
+    "triton_fp8", many programs per request), then ``short_rows_topk``. Same outputs."""
+    from pallas_kernels.index_scores.triton import index_scores_triton
+
+    scores = index_scores_triton(q, weights, key_values, key_scales, valid, fp8=True)
+    pos, val = short_rows_topk(scores, valid, k=k)
+    return pos, val, scores
 
 
 @functools.partial(jax.jit, static_argnames=("k", "block_c", "num_warps"))
