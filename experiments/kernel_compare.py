@@ -113,6 +113,10 @@ def index_scores_case(batch, c=2048, heads=64, dim=128, top=512):
             return index_topk(*a, k=top, implementation="xla")[:2]
         if impl == "triton_fp8_top512":
             return index_topk(*a, k=top, implementation="triton_fp8")[:2]
+        if impl == "triton_fp8_split_top512":  # the score kernel, then a short-row top-k
+            from pallas_kernels.index_scores.topk_fused import index_topk_split
+
+            return index_topk_split(*a, k=top)[:2]
         return index_scores(*a, implementation=impl)
 
     def make(key):
@@ -130,12 +134,13 @@ def index_scores_case(batch, c=2048, heads=64, dim=128, top=512):
 
 OPS = ("pq_topc", "topk", "index_scores", "sparse_attention", "hot_resolve")
 IMPLEMENTATIONS = ("xla", "triton", "jax_triton", "mosaic", "triton_unfused", "triton_fused",
-                   "triton_fp8", "triton_oneread", "xla_top512", "triton_fp8_top512")
+                   "triton_fp8", "triton_oneread", "xla_top512", "triton_fp8_top512",
+                   "triton_fp8_split_top512")
 SUPPORTED = {  # the implementations each op has (others are skipped, not timed)
     "pq_topc": ("xla", "triton", "triton_unfused"),
     "topk": ("xla", "triton", "triton_oneread"),
     "index_scores": ("xla", "triton", "jax_triton", "triton_fp8", "xla_top512",
-                     "triton_fp8_top512"),
+                     "triton_fp8_top512", "triton_fp8_split_top512"),
     "sparse_attention": ("xla", "triton", "mosaic"),
     "hot_resolve": ("xla", "triton", "triton_fused"),
 }
