@@ -16,7 +16,8 @@ Run from the repository root (jax 0.11.2, triton 3.6.0; gin / jax-triton wheels 
                 fp8 variants checked against their XLA twin (index_scores_fp8_xla; sets
                 against index_topk_xla(fp8=True)).
   topk          64 x 262144, k = 2048: xla, triton (fixed sequence), triton one-read (opt-in),
-                each also with finish_in_registers=True (stage 2 on register-held keys).
+                each also with finish_in_registers=True (stage 2 on register-held keys), and
+                one-read with a floor hint (a previous step's k-th score: no sample / sort).
   nosync        host syncs: per op, a jitted program of 8 back-to-back calls of the Triton
                 variant under jax.profiler; GPU kernels counted, the largest idle gap between
                 consecutive kernels and any device->host copy reported ("host_ms" = host time
@@ -249,7 +250,10 @@ def cell_topk(small):
     b, n, k = s["b"], s["n"], s["k"]
     sets = [(jax.random.normal(jax.random.key(i), (b, n), jnp.float32),
              jnp.full((b,), n, jnp.int32)) for i in range(STATE["sets"])]
-    want = topk(*sets[0], k, implementation="xla")[0]
+    want, kth = topk(*sets[0], k, implementation="xla")
+    # "previous step's k-th score": set 0's k-th value, 0.03 lower (~4 sd of the k-th order
+    # statistic of 262144 normals), used as the floor hint for every set
+    hint = jnp.full((b,), float(np.median(np.asarray(kth)[:, -1])) - 0.03, jnp.float32)
     roof = 4.0 * b * n / HBM
     base = {}
     interp = not any(d.platform == "gpu" for d in jax.devices())
@@ -261,7 +265,10 @@ def cell_topk(small):
                     sc, ln, k, interpret=interp, finish_in_registers=True),
                 "triton one-read regs-finish": lambda sc, ln: topk_triton(
                     sc, ln, k, interpret=interp, one_read=True, sample=4096,
-                    finish_in_registers=True)}
+                    finish_in_registers=True),
+                "triton one-read floor-hint regs-finish": lambda sc, ln: topk_triton(
+                    sc, ln, k, interpret=interp, one_read=True, finish_in_registers=True,
+                    floor=hint)}
     for name, fn in variants.items():
         def run(fn=fn):
             f = _sets(fn(*sets[0])[0], want)
@@ -326,10 +333,13 @@ def per_kernel(ev, calls):
 
 
 def cell_nosync(small):
+    """Most informative first: the default topk, the new hot_resolve and index_topk, pq_topc,
+    then the topk one-read forms and the old hot_resolve."""
     from experiments.cases import hot_resolve as case
     from pallas_kernels.index_scores import index_topk
     from pallas_kernels.pq_topc import pq_topc
     from pallas_kernels.topk import topk
+    from pallas_kernels.topk.triton import topk_triton
 
     t, s, h = SHAPES["topk"], SHAPES["index"], SHAPES["hot"]
     scores = jax.random.normal(jax.random.key(0), (t["b"], t["n"]), jnp.float32)
@@ -337,17 +347,22 @@ def cell_nosync(small):
     variant("nosync", "topk triton", lambda: sync_profile(
         "topk", lambda sc, ln: topk(sc, ln, t["k"], implementation="triton"),
         (scores, lengths)))
-    from pallas_kernels.topk.triton import topk_triton
+    pool, table = case.make_pool(jax.random.key(0), h["batch"], h["dim"], h["page"],
+                                 h["pool_gib"])
+    sel, rows, pos, stamps, clock = case.make_inputs(jax.random.key(3), h["batch"], h["k"],
+                                                     h["rows"], h["dim"], 0.05, table,
+                                                     h["page"])
 
-    variant("nosync", "topk triton one-read", lambda: sync_profile(
-        "topk_oneread", lambda sc, ln: topk_triton(sc, ln, t["k"], interpret=small,
-                                                   one_read=True, sample=4096),
-        (scores, lengths)))
-    variant("nosync", "topk one-read regs-finish", lambda: sync_profile(
-        "topk_oneread_regs", lambda sc, ln: topk_triton(sc, ln, t["k"], interpret=small,
-                                                        one_read=True, sample=4096,
-                                                        finish_in_registers=True),
-        (scores, lengths)))
+    def hot(impl):
+        one = case.batched_hot_resolve(impl, h["page"])
+        variant("nosync", f"hot_resolve {impl}", lambda: sync_profile(
+            f"hot_resolve_{impl}", lambda r: one(sel, r, pos, stamps, clock, table, pool)[1],
+            (rows,), chained=True))
+
+    hot("triton_fused")
+    variant("nosync", "index_topk triton_fp8", lambda: sync_profile(
+        "index_topk", lambda *a: index_topk(*a, k=s["top"], implementation="triton_fp8"),
+        _index_inputs(jax.random.key(2), s["b"], s["c"], s["h"], s["d"])))
     n = 4096 if small else 131072
     b = t["b"]
     k1, k2, k3, k4 = jax.random.split(jax.random.key(1), 4)
@@ -360,19 +375,16 @@ def cell_nosync(small):
     variant("nosync", "pq_topc triton", lambda: sync_profile(
         "pq_topc", lambda *a: pq_topc(*a, num_candidates=min(2048, n // 2),
                                       implementation="triton"), pq_args))
-    variant("nosync", "index_topk triton_fp8", lambda: sync_profile(
-        "index_topk", lambda *a: index_topk(*a, k=s["top"], implementation="triton_fp8"),
-        _index_inputs(jax.random.key(2), s["b"], s["c"], s["h"], s["d"])))
-    pool, table = case.make_pool(jax.random.key(0), h["batch"], h["dim"], h["page"],
-                                 h["pool_gib"])
-    sel, rows, pos, stamps, clock = case.make_inputs(jax.random.key(3), h["batch"], h["k"],
-                                                     h["rows"], h["dim"], 0.05, table,
-                                                     h["page"])
-    for impl in ("triton", "triton_fused"):
-        one = case.batched_hot_resolve(impl, h["page"])
-        variant("nosync", f"hot_resolve {impl}", lambda one=one, impl=impl: sync_profile(
-            f"hot_resolve_{impl}", lambda r: one(sel, r, pos, stamps, clock, table, pool)[1],
-            (rows,), chained=True))
+    variant("nosync", "topk one-read regs-finish", lambda: sync_profile(
+        "topk_oneread_regs", lambda sc, ln: topk_triton(sc, ln, t["k"], interpret=small,
+                                                        one_read=True, sample=4096,
+                                                        finish_in_registers=True),
+        (scores, lengths)))
+    hot("triton")
+    variant("nosync", "topk triton one-read", lambda: sync_profile(
+        "topk_oneread", lambda sc, ln: topk_triton(sc, ln, t["k"], interpret=small,
+                                                   one_read=True, sample=4096),
+        (scores, lengths)))
 
 
 # ---------------------------------------------------------------------------- table

@@ -157,6 +157,24 @@ def test_finish_in_registers_matches_xla(kind, one_read):
     _check_against_xla(scores, lengths, k, got)
 
 
+def test_one_read_with_a_floor_hint():
+    """floor = a per-row score hint (the previous step's k-th score): rows whose hint is at or
+    below their m-th score finish in the one-read pass, rows whose hint is too high (or NaN /
+    -inf) fall back; every row gives the reference's set."""
+    scores, lengths, k = _case(5, "normal", b=6, n=2000, k=24)
+    srt = -np.sort(-np.where(np.arange(2000)[None] < lengths[:, None], scores, -np.inf), 1)
+    floor = srt[:, k + 5].copy()  # a little below the k-th: ok
+    floor[1] = srt[1, 0] + 1.0  # above every score: fallback
+    floor[2], floor[3] = np.nan, -np.inf  # no hint: every eligible position a candidate
+    tun = dict(block=128, chunk=64, finish_in_registers=True)
+    got = topk_impl.topk_triton(jnp.asarray(scores), jnp.asarray(lengths), k, one_read=True,
+                                floor=jnp.asarray(floor), **tun)
+    _check_against_xla(scores, lengths, k, got)
+    with pytest.raises(ValueError, match="needs one_read=True"):
+        topk_impl.topk_triton(jnp.asarray(scores), jnp.asarray(lengths), k,
+                              floor=jnp.asarray(floor))
+
+
 @pytest.mark.parametrize("cap", [64, 4096])
 def test_one_read_floor_above_the_kth(cap):
     """Every sample position holds the row's top score, so the floor t lands on it and c(t)

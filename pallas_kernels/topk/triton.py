@@ -768,14 +768,20 @@ def _from_first_pass(scores, length, m, thr0, cnt0, cfg: Config):
     return _pad_to_k(*_two_reads(scores, length, m, thr0, cnt0, cfg), cfg)
 
 
-def one_read_select(scores, length, m, cfg: Config):
+def one_read_select(scores, length, m, cfg: Config, floor=None):
     """The one-read pass and its finish: (ok [B] bool: rows finished here, positions and
     values [B, KP], valid where ok, the bracket state the pass leaves for the other rows).
     A row is ok when its floor t (``sample_floor``) has c(t) >= m and no block holds more
     than SEG candidates; its m winners are then among the candidates, which the segments hold
-    in position order (tie rule kept)."""
+    in position order (tie rule kept). floor [B] f32 (optional): use these scores as the
+    floors instead of the sample's, e.g. the previous decode step's k-th score of each row
+    (no sample, no XLA sort); a floor above the row's m-th score only sends it to the
+    fallback."""
     b, seg, nblk = scores.shape[0], cfg.seg, cfg.nblk
-    t = sample_floor(scores[:, ::sample_stride(cfg)], length, m, cfg)
+    if floor is None:
+        t = sample_floor(scores[:, ::sample_stride(cfg)], length, m, cfg)
+    else:
+        t = jnp.maximum(order_keys(canonical_scores(floor.astype(jnp.float32))), KEY_NEG_INF)
     cpos, cval, cnt = pl.pallas_call(
         functools.partial(_select_seg_kernel, block=cfg.block),
         grid=(b, nblk),
@@ -816,7 +822,7 @@ def topk_triton(scores: jnp.ndarray, lengths: jnp.ndarray, k: int, *,
                 cap: int = DEFAULT_CAP, sample: int = DEFAULT_SAMPLE,
                 chunk: int = DEFAULT_CHUNK, num_warps: int = DEFAULT_NUM_WARPS,
                 select_warps: int = DEFAULT_SELECT_WARPS, interpret: bool | None = None,
-                one_read: bool = False, finish_in_registers: bool = False):
+                one_read: bool = False, finish_in_registers: bool = False, floor=None):
     """Exact top-k: scores [B, N] f32, lengths [B] int, k >= 1 -> (positions [B, k] int32,
     values [B, k] f32): the set of the m = min(k, length) best eligible positions (ties to the
     lower position), in no particular order, then -1 / -inf. Inputs are assumed validated
@@ -827,22 +833,26 @@ def topk_triton(scores: jnp.ndarray, lengths: jnp.ndarray, k: int, *,
     (module docstring; a larger sample, e.g. 4096, makes its floor tighter).
     finish_in_registers=True: stage 2 loads its candidates once and searches T bit by bit in
     registers (``_finish_row_registers``) instead of re-reading them in chunks per radix step
-    (the suspected cost of the one-read path's per-row finish over NBLK * SEG slots)."""
+    (the suspected cost of the one-read path's per-row finish over NBLK * SEG slots).
+    floor [B] f32 (one_read only): per-row threshold hints replacing the sampled floor, e.g.
+    the previous step's k-th score (results stay exact: a bad hint falls back)."""
     cfg = config(scores.shape[1], k, block=block, digit_bits=digit_bits, cap=cap,
                  sample=sample, chunk=chunk, num_warps=num_warps, select_warps=select_warps,
                  interpret=interpret, one_read=one_read,
                  finish_in_registers=finish_in_registers)
-    return _topk_triton(scores, lengths, cfg=cfg)
+    if floor is not None and not one_read:
+        raise ValueError("topk_triton: floor (a per-row threshold hint) needs one_read=True")
+    return _topk_triton(scores, lengths, floor, cfg=cfg)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _topk_triton(scores, lengths, *, cfg: Config):
+def _topk_triton(scores, lengths, floor=None, *, cfg: Config):
     scores = scores.astype(jnp.float32)
     length, m = row_lengths(lengths, cfg)
     if not cfg.one_read:
         thr0 = sample_thresholds(scores[:, ::sample_stride(cfg)], length, m, cfg)
         return _from_first_pass(scores, length, m, thr0, None, cfg)
-    ok, pos1, val1, state = one_read_select(scores, length, m, cfg)
+    ok, pos1, val1, state = one_read_select(scores, length, m, cfg, floor)
     # The fallback: refine from the floor's bracket (the one-read pass counted c(t)), select,
     # finish; every program of an ok row returns at once.
     pos2, val2 = _two_reads(scores, length, m, None, None, cfg, skip=ok, state=state)
