@@ -23,12 +23,13 @@ Run from the repository root (jax 0.11.2, triton 3.6.0; gin / jax-triton wheels 
                 consecutive kernels and any device->host copy reported ("host_ms" = host time
                 of one dispatch without waiting: a host wait inside the op makes it ~ the call).
 Each variant: max relative error / set agreement vs its reference ("correct"), ms = one jitted
-program over R distinct input sets / R (benchmarks/timing.py), x XLA, % roofline (HBM 3.0 TB/s,
-host link 48 GB/s). A failing variant records its error; the others still run. Past --budget-s
-the remaining cells are skipped (recorded). Each cell runs in a child process (a kernel that
-crashes the process or hangs costs only its cell; the parent never touches the GPU). JSON after
-every variant: OUT/kernels_session6_gpu.<cell>.json, merged into OUT/kernels_session6_gpu.json
-after every cell; the table last (and OUT/kernels_session6_gpu.txt).
+program over R = 4 distinct input sets (together past the 50 MB L2) / R (benchmarks/timing.py),
+x XLA, % roofline (HBM 3.0 TB/s, host link 48 GB/s). A failing variant records its error; the
+others still run. Past --budget-s the remaining cells are skipped (recorded). Each cell runs in
+a child process (a kernel that crashes the process or hangs costs only its cell; the parent
+never touches the GPU). JSON after every variant: OUT/kernels_session6_gpu.<cell>.json, merged
+into OUT/kernels_session6_gpu.json after every cell; the table last (and
+OUT/kernels_session6_gpu.txt).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ SHAPES = dict(hot=dict(batch=64, k=512, rows=2048, dim=512, page=64, pool_gib=1.
 SMALL = dict(hot=dict(batch=4, k=16, rows=32, dim=16, page=4, pool_gib=2**-12),
              index=dict(b=2, c=256, h=8, d=64, top=32),
              topk=dict(b=2, n=4096, k=64))
-STATE = dict(rows=[], start=time.monotonic(), budget=220.0, out=None, repeats=10, sets=8)
+STATE = dict(rows=[], start=time.monotonic(), budget=220.0, out=None, repeats=10, sets=4)
 MARGIN_S = 8.0  # a variant needs at least this much budget left to start (compile + timing)
 
 
