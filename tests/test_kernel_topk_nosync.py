@@ -387,3 +387,4 @@ def test_fixed_sequence_on_gpu(variant, kind):
            "one_read_regs": dict(one_read=True, sample=4096, finish_in_registers=True)}[variant]
     got = topk_impl.topk_triton(jnp.asarray(scores), jnp.asarray(lengths), k, **tun)
     assert_topk_equal(got, topk_xla(jnp.asarray(scores), jnp.asarray(lengths), k))
+

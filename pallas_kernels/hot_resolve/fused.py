@@ -143,7 +143,7 @@ def _order_kernel(cnt_ref, cidx_ref, ckey_ref, vict_ref):
     tiles = (m_total + TILE - 1) // TILE
     lane = _iota(TILE)
 
-    def per_a(ta, _):
+    def per_a(ta, carry):
         a = ta * TILE + lane
         a_ok = a < m_total
         ka = plgpu.load(ckey_ref.at[s, jnp.where(a_ok, a, 0)], mask=a_ok, other=0)
@@ -160,9 +160,9 @@ def _order_kernel(cnt_ref, cidx_ref, ckey_ref, vict_ref):
 
         r = lax.fori_loop(0, tiles, per_b, jnp.zeros((TILE,), jnp.int32))
         plgpu.store(vict_ref.at[s, _slot(a_ok, r, vict_ref.shape[1])], ia, mask=a_ok)
-        return 0
+        return carry  # the carried value itself: jax 0.11's Triton lowering cannot yield a literal
 
-    lax.fori_loop(0, tiles, per_a, 0)
+    lax.fori_loop(0, tiles, per_a, jnp.int32(0))
 
 
 def _apply_kernel(*refs, k, kb, page, pools, dims):
