@@ -9,7 +9,11 @@ Timing: one jitted program calls the implementation on each of R distinct input 
 and enough sets to exceed twice the 50 MB L2, at most 32), so one dispatch covers R calls and
 host launch overhead is amortized: (time of the program) / R is one call, measured with a
 device sync after each program. The median over repeats is reported, with the binding
-roofline: max(FLOPs / 790 TFLOP/s (bf16 tensor cores), bytes / 3.0 TB/s (HBM)).
+roofline: max(FLOPs / 790 TFLOP/s (bf16 tensor cores), bytes / 3.0 TB/s (HBM), host-link bytes
+/ 48 GB/s (hot_resolve's missed rows over PCIe)). Implementations an op does not have are
+skipped (``SUPPORTED``); the new variants of issue 16: hot_resolve "triton_fused" (control
+in-kernel), index_scores "triton_fp8" (fp8 x fp8) and "xla_top512" / "triton_fp8_top512" (scores
+plus the top-512: XLA, and the fused one-kernel form), topk "triton_oneread".
 ``per_call=True`` instead times separate jitted calls (what a caller dispatching one op pays).
 """
 
@@ -31,6 +35,7 @@ from experiments.common import pyplot, run_dir, write_results
 
 PEAK_FLOPS = 790e12  # measured dense bf16 on the H200 (benchmarks/RESULTS.md)
 PEAK_BYTES = 3.0e12  # measured HBM read+write bandwidth
+PEAK_LINK = 48e9  # measured pinned_host -> device (PCIe) on the H200
 L2_BYTES = 50 * 2**20
 
 
@@ -43,13 +48,18 @@ class Case:
     make: callable  # key -> args tuple
     call: callable  # (implementation, *args) -> outputs
 
+    def _floors(self) -> dict:
+        return {"flops": self.flops / PEAK_FLOPS, "bytes": self.bytes / PEAK_BYTES,
+                "link": self.params.get("link_bytes", 0.0) / PEAK_LINK}
+
     @property
     def floor(self) -> float:
-        return max(self.flops / PEAK_FLOPS, self.bytes / PEAK_BYTES)
+        return max(self._floors().values())
 
     @property
     def bound(self) -> str:
-        return "flops" if self.flops / PEAK_FLOPS > self.bytes / PEAK_BYTES else "bytes"
+        floors = self._floors()
+        return max(floors, key=floors.get)
 
 
 def pq_topc_case(batch, history, heads=64, dim=128, subspaces=32, centroids=256, c=2048):
@@ -83,12 +93,31 @@ def topk_case(batch, n, k):
         return (jax.random.normal(key, (batch, n), jnp.float32),
                 jnp.full((batch,), n, jnp.int32))
 
+    def call(impl, *a):
+        if impl == "triton_oneread":
+            from pallas_kernels import common
+            from pallas_kernels.topk.triton import topk_triton
+
+            return topk_triton(*a, k, interpret=common.interpret(), one_read=True, sample=4096)
+        return topk(*a, k, implementation=impl)
+
     return Case("topk", dict(B=batch, N=n, k=k), flops=0.0, bytes=4.0 * batch * n, make=make,
-                call=lambda impl, *a: topk(*a, k, implementation=impl))
+                call=call)
 
 
-def index_scores_case(batch, c=2048, heads=64, dim=128):
-    from pallas_kernels.index_scores.api import index_scores
+def index_scores_case(batch, c=2048, heads=64, dim=128, top=512):
+    from pallas_kernels.index_scores.api import index_scores, index_topk
+
+    def call(impl, *a):
+        if impl == "xla_top512":
+            return index_topk(*a, k=top, implementation="xla")[:2]
+        if impl == "triton_fp8_top512":
+            return index_topk(*a, k=top, implementation="triton_fp8")[:2]
+        if impl == "triton_fp8_split_top512":  # the score kernel, then a short-row top-k
+            from pallas_kernels.index_scores.topk_fused import index_topk_split
+
+            return index_topk_split(*a, k=top)[:2]
+        return index_scores(*a, implementation=impl)
 
     def make(key):
         k1, k2, k3, k4 = jax.random.split(key, 4)
@@ -100,11 +129,21 @@ def index_scores_case(batch, c=2048, heads=64, dim=128):
 
     return Case("index_scores", dict(B=batch, C=c, H=heads, D=dim),
                 flops=2.0 * batch * c * heads * dim, bytes=batch * c * (dim + 4.0) + 4 * batch * c,
-                make=make, call=lambda impl, *a: index_scores(*a, implementation=impl))
+                make=make, call=call)
 
 
 OPS = ("pq_topc", "topk", "index_scores", "sparse_attention", "hot_resolve")
-IMPLEMENTATIONS = ("xla", "triton", "jax_triton", "mosaic", "triton_unfused")
+IMPLEMENTATIONS = ("xla", "triton", "jax_triton", "mosaic", "triton_unfused", "triton_fused",
+                   "triton_fp8", "triton_oneread", "xla_top512", "triton_fp8_top512",
+                   "triton_fp8_split_top512")
+SUPPORTED = {  # the implementations each op has (others are skipped, not timed)
+    "pq_topc": ("xla", "triton", "triton_unfused"),
+    "topk": ("xla", "triton", "triton_oneread"),
+    "index_scores": ("xla", "triton", "jax_triton", "triton_fp8", "xla_top512",
+                     "triton_fp8_top512", "triton_fp8_split_top512"),
+    "sparse_attention": ("xla", "triton", "mosaic"),
+    "hot_resolve": ("xla", "triton", "triton_fused"),
+}
 
 
 def check_settings(batches, histories, implementations, repeats, topk_shapes, ops, per_call):
@@ -172,6 +211,8 @@ def kernel_compare(name: str, batches=(1, 8, 32, 64), histories=(51200, 131072, 
     device = jax.devices()[0]
     for case in tqdm(cases, desc="kernel_compare", unit="case"):
         for impl in implementations:
+            if impl not in SUPPORTED[case.op]:
+                continue
             row = dict(op=case.op, implementation=impl, **case.params, flops=case.flops,
                        bytes=case.bytes, floor_s=case.floor, bound=case.bound)
             try:
@@ -183,7 +224,8 @@ def kernel_compare(name: str, batches=(1, 8, 32, 64), histories=(51200, 131072, 
                            trace=traceback.format_exc(limit=2)[-600:])
             rows.append(row)
     for row in rows:  # speed-up over the XLA reference of the same case
-        ref = [r for r in rows if r["op"] == row["op"] and r["implementation"] == "xla"
+        base = "xla_top512" if row["implementation"].endswith("_top512") else "xla"
+        ref = [r for r in rows if r["op"] == row["op"] and r["implementation"] == base
                and all(r.get(k) == row.get(k) for k in ("B", "N", "C", "k", "misses"))]
         if ref and "seconds" in ref[0] and "seconds" in row:
             row["speedup_vs_xla"] = ref[0]["seconds"] / row["seconds"]
@@ -198,16 +240,16 @@ def kernel_compare(name: str, batches=(1, 8, 32, 64), histories=(51200, 131072, 
 
 
 def format_table(rows) -> str:
-    head = f"{'op':13s} {'impl':10s} {'shape':28s} {'ms':>9s} {'xSpeed':>7s} {'%roof':>6s}"
+    head = f"{'op':13s} {'impl':18s} {'shape':28s} {'ms':>9s} {'xSpeed':>7s} {'%roof':>6s}"
     lines = [head, "-" * len(head)]
     for r in rows:
         shape = ",".join(f"{k}={r[k]}" for k in ("B", "N", "C", "k") if k in r)
         if "seconds" in r:
-            lines.append(f"{r['op']:13s} {r['implementation']:10s} {shape:28s} "
+            lines.append(f"{r['op']:13s} {r['implementation']:18s} {shape:28s} "
                          f"{r['seconds'] * 1e3:9.3f} {r.get('speedup_vs_xla', float('nan')):7.2f}"
                          f" {100 * r['fraction_of_roofline']:6.1f}")
         else:
-            lines.append(f"{r['op']:13s} {r['implementation']:10s} {shape:28s} "
+            lines.append(f"{r['op']:13s} {r['implementation']:18s} {shape:28s} "
                          f"{'n/a':>9s}   {r['error'][:40]}")
     return "\n".join(lines)
 

@@ -25,6 +25,7 @@ from pallas_kernels.hot_resolve import hot_resolve
 from tests.helpers import assert_resolved_rows
 
 IMPLS = ["xla", "triton"]
+FUSED = "triton_fused"
 HOST = jax.memory.Space.Host  # pinned_host
 
 
@@ -157,18 +158,19 @@ def _check_step(world, models, step, sel, before, out, want):
                     assert np.isnan(leaf[r, i].astype(np.float32)).all()
 
 
-def _run_case(world: World, steps: int, pytree: bool):
-    """Steps both implementations side by side; checks each against the model."""
+def _run_case(world: World, steps: int, pytree: bool, impls=tuple(IMPLS)):
+    """Steps the implementations side by side (impls[0] = "xla"); checks each against the
+    model and every one against "xla" bit for bit."""
     models = [LRUModel(world.positions[r], world.stamps[r], world.clock[r])
               for r in range(world.s)]
-    state = {impl: world.device_args(pytree) for impl in IMPLS}
+    state = {impl: world.device_args(pytree) for impl in impls}
     totals = np.zeros(2, int)
     for step in range(steps):
         sel = world.selection(step)
         want = [model.step(sel[r]) for r, model in enumerate(models)]
         totals += np.sum([counts for _, counts in want], axis=0)
         outs = {}
-        for impl in IMPLS:
+        for impl in impls:
             rows, pos, stamps, clock, table, pool = state[impl]
             before = [np.asarray(leaf) for leaf in jax.tree.leaves(rows)]
             out = _step_fn(impl, world.page)(jnp.asarray(sel), rows, pos, stamps, clock,
@@ -177,8 +179,9 @@ def _run_case(world: World, steps: int, pytree: bool):
             _check_step(world, models, step, sel, before, out, want)
             outs[impl] = out
             state[impl] = out[1:5] + (table, pool)
-        for a, b in zip(jax.tree.leaves(outs["xla"]), jax.tree.leaves(outs["triton"])):
-            assert _bytes(a) == _bytes(b), "triton differs from xla"
+        for impl in impls[1:]:
+            for a, b in zip(jax.tree.leaves(outs["xla"]), jax.tree.leaves(outs[impl])):
+                assert _bytes(a) == _bytes(b), f"{impl} differs from xla"
     assert totals.min() > 0, f"the sequence needs hits and misses, got {totals}"
 
 
@@ -196,13 +199,30 @@ def test_matches_lru_model_under_vmap(case):
     _run_case(World(seed=b * 7 + k, s=s, b=b, k=k, leaves=leaves), steps=8, pytree=False)
 
 
+@pytest.mark.parametrize("case", [CASES[3]] + [
+    pytest.param(c, marks=pytest.mark.slow) for c in CASES[:3]],
+    ids=lambda c: f"S{c[0]}-B{c[1]}-k{c[2]}-{c[3]}")
+def test_fused_matches_lru_model_under_vmap(case):
+    """triton_fused (control in-kernel) against the model and xla, D=24 included (masked
+    columns in the kernel, no XLA row loop)."""
+    s, b, k, leaves = case
+    _run_case(World(seed=b * 7 + k, s=s, b=b, k=k, leaves=leaves), steps=5, pytree=False,
+              impls=("xla", FUSED))
+
+
+@pytest.mark.slow
+def test_fused_pytree_rows_fp8_keys_and_scales():
+    world = World(seed=3, s=2, b=10, k=7, leaves=[(32, "float8_e4m3fn"), (1, "float32")])
+    _run_case(world, steps=4, pytree=True, impls=("xla", FUSED))
+
+
 def test_pytree_rows_fp8_keys_and_scales():
     """The indexer-key cache: (FP8 keys [B, 32], f32 scales [B, 1]) move with one control."""
     world = World(seed=3, s=2, b=10, k=7, leaves=[(32, "float8_e4m3fn"), (1, "float32")])
     _run_case(world, steps=6, pytree=True)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPLS + [pytest.param(FUSED, marks=pytest.mark.slow)])
 def test_single_request_without_vmap(impl):
     """One request, eager call, k = B with all-miss then all-hit steps; a device pool."""
     world = World(seed=11, s=1, b=6, k=6, leaves=[(16, "float32")], clock=1)
@@ -228,7 +248,7 @@ def test_single_request_without_vmap(impl):
     assert want_counts == (0, 0) and int(clock) == 4
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", IMPLS + [pytest.param(FUSED, marks=pytest.mark.slow)])
 def test_resolve_compacts_selections_longer_than_the_cache(impl):
     """hot_cache.resolve with k > B (leansparse: C candidates + P tail rows): the non-tail
     positions (at most B) go through the op; rows, counts and the LRU order stay right."""
@@ -293,6 +313,60 @@ def test_triton_lowers_for_cuda_pytree():
     assert text.count(common.TRITON_CALL_TARGET) == 2
 
 
+def test_fused_lowers_for_cuda_under_vmap():
+    """triton_fused at the benchmark shape (64 requests, k = 512, B = 2048, D = 512 f32) and a
+    pytree of FP8 keys + f32 scales: four Triton calls (map, control, order, apply) for all
+    requests and leaves, no XLA sort or while loop, rows / positions / stamps aliased."""
+    s = jax.ShapeDtypeStruct
+    req, k, b, d, page = 64, 512, 2048, 512, 64
+
+    def fn(sel, rows, pos, stamps, clock, table, pool):
+        one = lambda *a: hot_resolve(*a, pool, page_size=page,  # noqa: E731
+                                     implementation="triton_fused")
+        return jax.vmap(one)(sel, rows, pos, stamps, clock, table)
+
+    text = common.lower_for_cuda(
+        fn, s((req, k), jnp.int32), (s((req, b, d), jnp.float32), s((req, b, 1), jnp.float32)),
+        s((req, b), jnp.int32), s((req, b), jnp.int32), s((req,), jnp.int32),
+        s((req, 2048), jnp.int32), (s((1 << 19, d), jnp.float32), s((1 << 19, 1), jnp.float32)))
+    assert text.count(common.TRITON_CALL_TARGET) == 4
+    assert "stablehlo.sort" not in text and "stablehlo.while" not in text
+    call = text[text.rindex(common.TRITON_CALL_TARGET):]
+    assert "output_operand_aliases" in call[:call.index("\n")]
+
+
+def test_fused_many_misses_and_tied_stamps_equal_xla():
+    """Two requests, B = 96, k = 80: most positions miss (victims span several order tiles)
+    and stamps tie in groups (the LRU order falls back to the row index): every output of
+    triton_fused equals the reference bit for bit; e8m0 rows are refused by name."""
+    rng = np.random.default_rng(2)
+    s, b, k, d, page, mp = 2, 96, 80, 8, 4, 64
+    table = np.stack([rng.permutation(s * mp)[:mp] for _ in range(s)]).astype(np.int32)
+    pool = jnp.asarray(rng.standard_normal((s * mp * page, d)).astype(np.float32))
+    pos = np.stack([rng.choice(mp * page, b, replace=False) for _ in range(s)]).astype(np.int32)
+    pos[:, ::7] = -1
+    stamps = rng.integers(-1, 6, (s, b)).astype(np.int32)
+    sel = np.stack([rng.choice(mp * page, k, replace=False) for _ in range(s)]).astype(np.int32)
+    sel[:, ::9] = -1
+    args = (jnp.asarray(sel), jnp.asarray(rng.standard_normal((s, b, d)).astype(np.float32)),
+            jnp.asarray(pos), jnp.asarray(stamps), jnp.full((s,), 3, jnp.int32),
+            jnp.asarray(table))
+    outs = {impl: _step_fn(impl, page)(*args, pool) for impl in ("xla", "triton_fused")}
+    counts = np.asarray(outs["xla"][5])
+    assert (counts[:, 1] > 40).all() and (counts[:, 0] > 0).all(), counts
+    for a, c in zip(jax.tree.leaves(outs["xla"]), jax.tree.leaves(outs["triton_fused"])):
+        assert _bytes(a) == _bytes(c)
+    one = hot_resolve(*(x[1] for x in args), pool, page_size=page,  # no vmap: S = 1
+                      implementation="triton_fused")
+    for a, c in zip(jax.tree.leaves(outs["xla"]), jax.tree.leaves(one)):
+        assert _bytes(np.asarray(a)[1]) == _bytes(c)
+    kwargs, page = _good()
+    kwargs["hot_rows"] = np.zeros((4, 16), jnp.float8_e8m0fnu)
+    kwargs["pool"] = np.zeros((6, 16), jnp.float8_e8m0fnu)
+    with pytest.raises(ValueError, match="triton_fused"):
+        hot_resolve(**kwargs, page_size=page, implementation="triton_fused")
+
+
 def _good():
     b, d, page = 4, 16, 2
     return dict(selected=np.array([0, 3], np.int32), hot_rows=np.zeros((b, d), np.float32),
@@ -347,4 +421,4 @@ def test_gpu_pinned_host_pool_triton_equals_xla_and_model(dtype):
     s, b, k, d, page = 8, 1024, 256, 512, 64
     world = World(seed=7, s=s, b=b, k=k, leaves=[(d, dtype)], page=page, mp=64,
                   spare=(1 << 30) // (page * d * 4) - s * 64)
-    _run_case(world, steps=4, pytree=False)
+    _run_case(world, steps=4, pytree=False, impls=("xla", "triton", FUSED))

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_helpers import assert_close
+from kernel_helpers import assert_close, assert_same_sets
 
 from lsparse_jax.quant import quantize_index_keys
 from pallas_kernels import common
@@ -200,3 +200,142 @@ def test_reduced_precision_head_sum_equals_the_einsum_form(precision):
     assert np.max(np.abs(got - want)) <= tol * np.max(np.abs(want))
     exact = np.asarray(exact_index_scores(q, w, keys))  # HIGHEST: the einsum form
     assert np.max(np.abs(exact - want)) <= 1e-5 * np.max(np.abs(want))
+# ---------------------------------------------------------------- fp8 x fp8 and fused top-k
+
+
+def _twin_scores(args):
+    from pallas_kernels.index_scores.reference import index_scores_fp8_xla
+
+    return np.asarray(index_scores_fp8_xla(*map(jnp.asarray, args)))
+
+
+@pytest.mark.parametrize("case", [CASES[0]] + [pytest.param(c, marks=pytest.mark.slow)
+                                  for c in (CASES[1], CASES[4])], ids=["c100", "nb2", "none"])
+def test_fp8_kernel_matches_its_twin_and_the_exact_scores(case):
+    """triton_fp8 equals its XLA twin (same FP8 q, f32 sums) and stays within FP8 rounding of
+    q (<= 2^-4 a value) of the exact scores; invalid rows exactly -inf."""
+    args = _inputs(*case)
+    got = np.asarray(index_scores(*args, implementation="triton_fp8"))
+    valid = args[-1]
+    assert np.all(got[~valid] == -np.inf)
+    twin = _twin_scores(args)
+    assert np.all(twin[~valid] == -np.inf)
+    assert_close(got, twin, "float32", mask=valid)
+    exact = _oracle(*args)[valid]  # e4m3 rounds each q value by <= 2^-4 relative
+    assert np.abs(twin[valid] - exact).max(initial=0) <= 0.0625 * max(np.abs(exact).max(
+        initial=0), 1e-6)
+
+
+def _assert_topk(pos, val, scores, valid, k):
+    """pos/val: the top-k of ``scores`` over ``valid`` as a set (ties within 1e-5 relative of
+    the k-th score may swap), -1 / -inf after the min(k, #valid) winners."""
+    pos, val = np.asarray(pos), np.asarray(val)
+    for r in range(pos.shape[0]):
+        m = min(k, int(valid[r].sum()))
+        got = pos[r][pos[r] >= 0]
+        assert got.size == m and np.all(pos[r][m:] == -1) and np.all(val[r][m:] == -np.inf)
+        assert np.all(np.sort(pos[r][:m]) == np.sort(got)), "winners first"
+        assert len(set(got.tolist())) == m and valid[r][got].all()
+        if m:
+            np.testing.assert_array_equal(val[r][:m], scores[r][pos[r][:m]])
+            kth = np.sort(scores[r][valid[r]])[::-1][m - 1]
+            tol = 1e-5 * max(np.abs(scores[r][valid[r]]).max(), 1e-6)
+            assert scores[r][got].min() >= kth - tol
+            assert np.sort(scores[r][valid[r]])[::-1][:m].sum() <= scores[r][got].sum() + m * tol
+
+
+@pytest.mark.parametrize("case,k", [(CASES[0], 16), ((2, 4, 64, 40, 1, "random", "float32"), 64)]
+                         + [pytest.param(CASES[1], 64, marks=pytest.mark.slow),
+                            pytest.param(CASES[4], 8, marks=pytest.mark.slow)],
+                         ids=["c100-k16", "k>C", "nb2-k64", "none"])
+def test_index_topk_fused_is_the_top_k_of_its_scores(case, k):
+    """The fused kernel's scores equal the twin's; its winners are the top-k of them as a set
+    (ties to the lower index) and the same set as ``index_topk_xla(fp8=True)``."""
+    from pallas_kernels.index_scores import index_topk
+    from pallas_kernels.index_scores.reference import index_topk_xla
+
+    args = _inputs(*case)
+    valid = args[-1]
+    pos, val, scores = index_topk(*args, k=k, implementation="triton_fp8")
+    scores = np.asarray(scores)
+    assert np.all(scores[~valid] == -np.inf)
+    assert_close(scores, _twin_scores(args), "float32", mask=valid)
+    _assert_topk(pos, val, scores, valid, k)
+    want, _ = index_topk_xla(*map(jnp.asarray, args), k=k)
+    assert_same_sets(pos, want)
+    xp, xv, xs = index_topk(*args, k=k, implementation="xla")
+    _assert_topk(xp, xv, np.asarray(xs), valid, k)
+
+
+def test_split_form_and_short_rows_topk():
+    """index_topk_split (fp8 score kernel, then the one-kernel top-k of short rows) gives the
+    fused kernel's outputs; short_rows_topk alone on tied, poisoned rows with C not a power of
+    two gives topk_positions' sets (ties to the lower index), -1 / -inf padding."""
+    from pallas_kernels.index_scores.topk_fused import (
+        index_topk_split,
+        index_topk_triton,
+        short_rows_topk,
+    )
+    from pallas_kernels.topk.reference import topk_positions
+
+    args = [jnp.asarray(a) for a in _inputs(*CASES[0])]
+    got, want = index_topk_split(*args, k=16), index_topk_triton(*args, k=16)
+    assert_same_sets(got[0], want[0])
+    assert_close(got[2], want[2], "float32", mask=np.asarray(args[4]))
+    rng = np.random.default_rng(4)
+    scores = rng.integers(-2, 3, (3, 300)).astype(np.float32)
+    valid = rng.random((3, 300)) < 0.8
+    valid[2] = False
+    scores[~valid] = np.nan
+    pos, val = short_rows_topk(jnp.asarray(scores), jnp.asarray(valid), k=40)
+    wpos, _ = topk_positions(jnp.asarray(np.where(valid, scores, 0)), jnp.asarray(valid), 40)
+    assert_same_sets(pos, wpos)
+    pos, val = np.asarray(pos), np.asarray(val)
+    assert np.all(pos[2] == -1) and np.all(val[2] == -np.inf)
+    np.testing.assert_array_equal(val[pos >= 0], scores[np.nonzero(pos >= 0)[0], pos[pos >= 0]])
+
+
+def test_index_topk_ties_go_to_the_lower_index():
+    """All valid candidates score the same (identical keys): the first k valid ones win."""
+    from pallas_kernels.index_scores import index_topk
+
+    q, w, kv, ks, valid = _inputs(2, 4, 64, 64, 1, "random")
+    kv[:] = kv[0, 0]
+    ks[:] = 1.0
+    pos, _, _ = index_topk(q, w, kv, ks, valid, k=8, implementation="triton_fp8")
+    for r in range(2):
+        assert sorted(np.asarray(pos)[r].tolist()) == np.flatnonzero(valid[r])[:8].tolist()
+
+
+def test_fp8_variants_lower_for_cuda_at_v4_shape():
+    from pallas_kernels.index_scores import index_topk
+
+    text = common.lower_for_cuda(functools.partial(index_scores, implementation="triton_fp8"),
+                                 *_specs(**V4, nb=1))
+    assert text.count(common.TRITON_CALL_TARGET) == 1 and "f8E4M3FN" in text
+    text = common.lower_for_cuda(
+        functools.partial(index_topk, k=512, implementation="triton_fp8"), *_specs(**V4, nb=1))
+    assert text.count(common.TRITON_CALL_TARGET) == 1
+    from pallas_kernels.index_scores.topk_fused import index_topk_split
+
+    text = common.lower_for_cuda(functools.partial(index_topk_split, k=512),
+                                 *_specs(**V4, nb=1))
+    assert text.count(common.TRITON_CALL_TARGET) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nb", [1, 2])
+def test_gpu_fp8_variants_at_v4_shape(nb):
+    from pallas_kernels.index_scores import index_topk
+
+    args = _inputs(**V4, nb=nb, pattern="prefix", seed=3)
+    valid = args[-1]
+    got = np.asarray(index_scores(*args, implementation="triton_fp8"))
+    assert np.all(got[~valid] == -np.inf)
+    assert_close(got, _twin_scores(args), "float32", mask=valid)
+    from pallas_kernels.index_scores.topk_fused import index_topk_split
+
+    for fn in (functools.partial(index_topk, implementation="triton_fp8"), index_topk_split):
+        pos, val, scores = fn(*args, k=512)
+        assert_close(scores, _twin_scores(args), "float32", mask=valid)
+        _assert_topk(pos, val, np.asarray(scores), valid, 512)

@@ -159,8 +159,14 @@ def test_xla_is_best_first_and_jittable():
 @pytest.mark.parametrize("b,n,k", [(64, 262144, 2048), (3, 100, 5)])
 def test_triton_lowers_for_cuda(b, n, k):
     fn = functools.partial(topk, k=k, implementation="triton")
-    text = common.lower_for_cuda(fn, jax.ShapeDtypeStruct((b, n), jnp.float32),
-                                 jax.ShapeDtypeStruct((b,), jnp.int32))
+    specs = (jax.ShapeDtypeStruct((b, n), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.int32))
+    text = common.lower_for_cuda(fn, *specs)
+    # the default (api.TRITON_OPTIONS): one-read select_seg + finish_seg, fallback refine,
+    # select, finish (early exits)
+    assert text.count(common.TRITON_CALL_TARGET) == 5
+    assert "topk_select_seg" in text and "topk_finish_seg" in text
+    two_reads = functools.partial(topk_triton, k=k)
+    text = common.lower_for_cuda(two_reads, *specs)
     assert text.count(common.TRITON_CALL_TARGET) == 4  # count, refine, select, finish
 
 

@@ -140,6 +140,41 @@ def test_one_read_matches_xla(kind):
         assert ok[[0, 4, 5]].all() and not ok[1], ok
 
 
+@pytest.mark.parametrize("kind,one_read", [("normal", True)] + [
+    pytest.param(kind, one_read, marks=pytest.mark.slow) for kind, one_read in (
+        ("ties", False), ("normal", False), ("ties", True), ("extreme", False), ("extreme", True),
+        ("relu", False), ("relu", True))])
+def test_finish_in_registers_matches_xla(kind, one_read):
+    """Stage 2 on keys held in registers (bit-by-bit search of T, one prefix-sum take) gives
+    the reference's sets on both paths, ties and the full key range included; adversarial
+    rows make the one-read path fall back too."""
+    scores, lengths, k = _case(31 + len(kind), kind, b=6, n=2000, k=24)
+    lengths[1] = 2000
+    scores[1] = np.sort(scores[1])
+    got = topk_impl.topk_triton(jnp.asarray(scores), jnp.asarray(lengths), k,
+                                one_read=one_read, finish_in_registers=True, block=128,
+                                sample=512, chunk=64, cap=64)
+    _check_against_xla(scores, lengths, k, got)
+
+
+def test_one_read_with_a_floor_hint():
+    """floor = a per-row score hint (the previous step's k-th score): rows whose hint is at or
+    below their m-th score finish in the one-read pass, rows whose hint is too high (or NaN /
+    -inf) fall back; every row gives the reference's set."""
+    scores, lengths, k = _case(5, "normal", b=6, n=2000, k=24)
+    srt = -np.sort(-np.where(np.arange(2000)[None] < lengths[:, None], scores, -np.inf), 1)
+    floor = srt[:, k + 5].copy()  # a little below the k-th: ok
+    floor[1] = srt[1, 0] + 1.0  # above every score: fallback
+    floor[2], floor[3] = np.nan, -np.inf  # no hint: every eligible position a candidate
+    tun = dict(block=128, chunk=64, finish_in_registers=True)
+    got = topk_impl.topk_triton(jnp.asarray(scores), jnp.asarray(lengths), k, one_read=True,
+                                floor=jnp.asarray(floor), **tun)
+    _check_against_xla(scores, lengths, k, got)
+    with pytest.raises(ValueError, match="needs one_read=True"):
+        topk_impl.topk_triton(jnp.asarray(scores), jnp.asarray(lengths), k,
+                              floor=jnp.asarray(floor))
+
+
 @pytest.mark.parametrize("cap", [64, 4096])
 def test_one_read_floor_above_the_kth(cap):
     """Every sample position holds the row's top score, so the floor t lands on it and c(t)
@@ -224,6 +259,9 @@ def _ops():
         ("topk", functools.partial(topk, k=2048, implementation="triton"), topk_specs),
         ("topk_one_read", functools.partial(topk_impl.topk_triton, k=2048, one_read=True,
                                             sample=4096), topk_specs),
+        ("topk_one_read_regs", functools.partial(topk_impl.topk_triton, k=2048, one_read=True,
+                                                 sample=4096, finish_in_registers=True),
+         topk_specs),
         ("pq_topc_fused", functools.partial(pq_triton.pq_topc_triton, num_candidates=2048),
          pq_specs),
         ("pq_topc_unfused", functools.partial(pq_triton.pq_topc_triton, num_candidates=2048,
@@ -245,7 +283,7 @@ def test_no_device_predicate_control_flow(name, fn, specs):
                 if op in body], f"{name}: control flow on device values"
     assert text.count(common.TRITON_CALL_TARGET) >= 4  # ... refine, select, finish
     assert "topk_refine" in text
-    if name == "topk_one_read":
+    if name.startswith("topk_one_read"):
         assert "topk_select_seg" in text and "topk_finish_seg" in text
 
 
@@ -261,7 +299,22 @@ def _other_ops():
     hot = functools.partial(hot_resolve, page_size=64, implementation="triton")
     hot_common = (s((128,), jnp.int32), s((256,), jnp.int32), s((256,), jnp.int32),
                   s((), jnp.int32), s((64,), jnp.int32))
+    from pallas_kernels.index_scores import index_topk
+
+    fused = functools.partial(hot_resolve, page_size=64, implementation="triton_fused")
+    index_specs = (s((64, 64, 128), jnp.float32), s((64, 64), jnp.float32),
+                   s((64, 2048, 128), jnp.float8_e4m3fn), s((64, 2048, 1), jnp.float32),
+                   s((64, 2048), jnp.bool_))
     return [
+        ("hot_resolve_fused", fused,  # FP8 keys, D=1 scales and a D=24 leaf: all in-kernel
+         (hot_common[0], (s((256, 128), jnp.float8_e4m3fn), s((256, 1), jnp.float32),
+                          s((256, 24), jnp.bfloat16)), *hot_common[1:],
+          (s((4096, 128), jnp.float8_e4m3fn), s((4096, 1), jnp.float32),
+           s((4096, 24), jnp.bfloat16)))),
+        ("index_scores_fp8", functools.partial(index_scores, implementation="triton_fp8"),
+         index_specs),
+        ("index_topk_fp8", functools.partial(index_topk, k=512, implementation="triton_fp8"),
+         index_specs),
         ("gather_rows", functools.partial(gather_rows, implementation="triton"),
          (s((1 << 20, 128), jnp.float32), s((512,), jnp.int32))),
         ("index_scores", functools.partial(index_scores, implementation="triton"),
@@ -288,7 +341,8 @@ def _other_ops():
 
 
 @pytest.mark.parametrize("name,fn,specs", _other_ops(),
-                         ids=["gather_rows", "index_scores", "sparse_attention",
+                         ids=["hot_resolve_fused", "index_scores_fp8", "index_topk_fp8",
+                              "gather_rows", "index_scores", "sparse_attention",
                               "hot_resolve_f32", "hot_resolve_fp8_scales"])
 def test_other_ops_have_no_device_predicate_control_flow(name, fn, specs):
     """The same check over the other ops' Triton paths (the known exception is xfail)."""
@@ -319,7 +373,8 @@ def _gpu_rows(seed, b, n, k, kind):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["normal", "ties", "relu"])
-@pytest.mark.parametrize("variant", ["refine", "one_read", "one_read_s4096"])
+@pytest.mark.parametrize("variant", ["refine", "one_read", "one_read_s4096", "regs",
+                                     "one_read_regs"])
 def test_fixed_sequence_on_gpu(variant, kind):
     """The compiled kernels at the benchmark shape: refine forced by a small CAP and sample,
     and the one-read path (with its fallback rows), against XLA."""
@@ -327,6 +382,9 @@ def test_fixed_sequence_on_gpu(variant, kind):
     scores, lengths = _gpu_rows(7, b, n, k, kind)
     tun = {"refine": dict(cap=2048, sample=64, digit_bits=4),
            "one_read": dict(one_read=True),
-           "one_read_s4096": dict(one_read=True, sample=4096)}[variant]
+           "one_read_s4096": dict(one_read=True, sample=4096),
+           "regs": dict(finish_in_registers=True),
+           "one_read_regs": dict(one_read=True, sample=4096, finish_in_registers=True)}[variant]
     got = topk_impl.topk_triton(jnp.asarray(scores), jnp.asarray(lengths), k, **tun)
     assert_topk_equal(got, topk_xla(jnp.asarray(scores), jnp.asarray(lengths), k))
+

@@ -17,7 +17,9 @@ control is computed once and every leaf moves.
 Implementations: "xla" (``reference.py``: one ``dynamic_slice`` + ``device_put`` per missed
 row), "triton" (``triton.py``: one Pallas-Triton kernel per leaf reads each missed row from the
 pinned_host pool in place and writes it into its victim row, aliased; interpret mode without a
-GPU; leaves with D not a power of two >= 16 use the XLA loop). None picks "triton" on a GPU and
+GPU; leaves with D not a power of two >= 16 use the XLA loop), "triton_fused" (``fused.py``:
+the control in-kernel too, four launches for all requests and leaves, no XLA ops around them;
+f32 / bf16 / float8_e4m3fn leaves of any D). None picks "triton" on a GPU and
 "xla" elsewhere. Both are vmappable over requests (the pool shared: in_axes=None); under vmap
 every request's misses go through one loop / one kernel launch.
 """
@@ -30,8 +32,12 @@ import jax.numpy as jnp
 from pallas_kernels import common
 
 OP = "hot_resolve"
-AVAILABLE = ("xla", "triton")
+AVAILABLE = ("xla", "triton", "triton_fused")
 FASTEST_ON_GPU = "triton"
+# What implementation="triton" (the decode steps' switch) runs: "triton" (XLA control + copy
+# kernel) or "triton_fused" (control in-kernel). Flip to "triton_fused" once the H200 run of
+# benchmarks/kernels_session6_gpu.py shows it faster; tests pin both explicitly.
+TRITON_RUNS = "triton"
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e8m0fnu)
 
 
@@ -106,6 +112,8 @@ def hot_resolve(selected, hot_rows, hot_positions, hot_stamps, clock, page_table
     implementations.
     """
     impl = common.choose(OP, implementation, AVAILABLE, FASTEST_ON_GPU)
+    if impl == "triton":
+        impl = TRITON_RUNS
     ints = dict(selected=selected, hot_positions=hot_positions, hot_stamps=hot_stamps,
                 clock=clock, page_table=page_table)
     dtypes = {n: jnp.dtype(x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype)
@@ -115,6 +123,10 @@ def hot_resolve(selected, hot_rows, hot_positions, hot_stamps, clock, page_table
     _check(selected, hot_rows, hot_positions, hot_stamps, clock, page_table, pool, page_size,
            dtypes)
     args = (selected, hot_rows, hot_positions, hot_stamps, clock, page_table, pool)
+    if impl == "triton_fused":
+        from pallas_kernels.hot_resolve.fused import hot_resolve_fused
+
+        return hot_resolve_fused(*args, page_size=page_size, interpret=common.interpret())
     if impl == "triton":
         from pallas_kernels.hot_resolve.triton import hot_resolve_triton
 

@@ -9,7 +9,10 @@ candidates, -inf for invalid ones (whose NaN-poisoned values and scales never re
 
 Implementations: "xla" (``reference.py``, f32 HIGHEST), "triton" (Pallas lowered through Triton;
 interpret mode without a GPU), "jax_triton" (a plain Triton kernel via jax-triton; GPU only).
-None picks "triton" on a GPU and "xla" elsewhere. The Triton kernels round q to bf16 (~1e-2
+"triton_fp8" (the Pallas kernel as an fp8 x fp8
+tensor-core dot: q quantized per head to e4m3 with its scale moved into the head weight,
+``reference.quantize_queries``; twin ``reference.index_scores_fp8_xla``; ~3% per-value rounding
+of q). None picks "triton" on a GPU and "xla" elsewhere. The Triton kernels round q to bf16 (~1e-2
 relative error) and need D a power of two >= 16 with scale blocks of >= 16 values.
 """
 
@@ -20,7 +23,8 @@ import jax.numpy as jnp
 from pallas_kernels import common
 
 OP = "index_scores"
-AVAILABLE = ("xla", "triton", "jax_triton")
+AVAILABLE = ("xla", "triton", "triton_fp8", "jax_triton")
+TOPK_AVAILABLE = ("xla", "triton_fp8")
 FASTEST_ON_GPU = "triton"
 
 
@@ -81,10 +85,36 @@ def index_scores(q, weights, key_values, key_scales, valid, *,
         from pallas_kernels.index_scores.reference import index_scores_xla
 
         return index_scores_xla(*args)
-    if impl == "triton":
+    if impl in ("triton", "triton_fp8"):
         from pallas_kernels.index_scores.triton import index_scores_triton
 
-        return index_scores_triton(*args)
+        return index_scores_triton(*args, fp8=impl == "triton_fp8")
     from pallas_kernels.index_scores.jax_triton import index_scores_jax_triton
 
     return index_scores_jax_triton(*args)
+
+
+def index_topk(q, weights, key_values, key_scales, valid, *, k: int,
+               implementation: common.Implementation | None = None):
+    """Index scores of gathered FP8 candidates and their top-k in one call.
+
+    Inputs as ``index_scores``; k static int >= 1.
+    Outputs: positions [B, k] int32 (candidate indices of the min(k, #valid) best valid
+      candidates, as a set: "xla" best-first, "triton_fp8" in candidate order; equal scores go to
+      the lower index; then -1), values [B, k] f32 aligned (-inf at -1), scores [B, C] f32.
+    Implementations: "xla" (exact scores, ``topk_positions``), "triton_fp8" (``topk_fused.py``:
+      fp8 x fp8 scores and the top-k in one kernel, one program per request; twin
+      ``reference.index_topk_xla(..., fp8=True)``). None: "triton_fp8" on a GPU, else "xla".
+    """
+    impl = common.choose(OP, implementation, TOPK_AVAILABLE, "triton_fp8")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"{OP}: k must be a static int >= 1, got {k!r}")
+    args = [jnp.asarray(a) for a in (q, weights, key_values, key_scales, valid)]
+    _check(*args)
+    if impl == "xla":
+        from pallas_kernels.index_scores.reference import index_scores_xla, index_topk_xla
+
+        return (*index_topk_xla(*args, k=k, fp8=False), index_scores_xla(*args))
+    from pallas_kernels.index_scores.topk_fused import index_topk_triton
+
+    return index_topk_triton(*args, k=k)

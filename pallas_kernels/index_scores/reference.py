@@ -67,3 +67,45 @@ def index_scores_xla(q: jnp.ndarray, weights: jnp.ndarray, key_values: jnp.ndarr
     keys = jnp.where(valid[..., None], keys, 0.0)                  # drop NaN poison
     scores = exact_index_scores(q.astype(jnp.float32), weights.astype(jnp.float32), keys)
     return jnp.where(valid, scores, -jnp.inf)                      # [B, C]
+
+
+E4M3_MAX = 448.0
+
+
+def quantize_queries(q: jnp.ndarray, weights: jnp.ndarray):
+    """FP8 queries for an fp8 x fp8 score (DeepGEMM ``fp8_mqa_logits`` form).
+
+    Notation: q [B, H, D], weights [B, H]; s[b, h] = max_d |q[b, h, d]| / 448 (1 for a zero
+    row). Returns (q8 [B, H, D] float8_e4m3fn = round(q / s), w8 [B, H] f32 = weights * s).
+    Since s > 0, w * ReLU(q . k) ~= w8 * ReLU(q8 . k): the query scale moves into the head
+    weight and the dot runs on FP8 operands. q8 carries e4m3's 3 mantissa bits (~3% per value).
+    """
+    q = q.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(q), axis=-1)
+    s = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+    q8 = jnp.clip(q / s[..., None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    return q8, weights.astype(jnp.float32) * s
+
+
+@jax.jit
+def index_scores_fp8_xla(q: jnp.ndarray, weights: jnp.ndarray, key_values: jnp.ndarray,
+                         key_scales: jnp.ndarray, valid: jnp.ndarray) -> jnp.ndarray:
+    """XLA twin of the fp8 x fp8 kernel (``triton_fp8``): ``index_scores_xla`` on the FP8
+    queries of ``quantize_queries`` (q8 widened exactly to f32, weights w8). Same signature and
+    outputs as ``index_scores_xla``; it differs from it only by the rounding of q."""
+    q8, w8 = quantize_queries(q, weights)
+    return index_scores_xla(q8.astype(jnp.float32), w8, key_values, key_scales, valid)
+
+
+def index_topk_xla(q, weights, key_values, key_scales, valid, *, k: int, fp8: bool = True):
+    """Scores then top-k of each request's candidates (twin of the fused kernel).
+
+    Returns (positions [B, k] int32 candidate indices best-first, -1 padded; values [B, k]
+    f32, -inf padded), by ``topk_positions`` over the valid candidates (equal scores: the lower
+    candidate index wins). fp8: the scores of ``index_scores_fp8_xla`` (else the exact ones).
+    """
+    from pallas_kernels.topk.reference import canonical_scores, topk_positions
+
+    score = index_scores_fp8_xla if fp8 else index_scores_xla
+    scores = canonical_scores(score(q, weights, key_values, key_scales, valid))
+    return topk_positions(scores, valid, k)

@@ -33,8 +33,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import common
+from pallas_kernels.index_scores.reference import quantize_queries
 
 MIN_DOT = 16  # smallest dimension of a Triton tl.dot
+FP8_MIN_DOT = 32  # smallest contraction of an FP8 tensor-core dot
 
 
 def _pow2(n: int) -> bool:
@@ -50,8 +52,12 @@ def padded_heads(h: int) -> int:
     return max(MIN_DOT, _next_pow2(h))
 
 
-def check_triton_shapes(op: str, d: int, nb: int) -> None:
-    """Shape limits of the Triton kernels (power-of-two blocks, dots of >= 16 along D)."""
+def check_triton_shapes(op: str, d: int, nb: int, fp8: bool = False) -> None:
+    """Shape limits of the Triton kernels (power-of-two blocks, dots of >= 16 along D; fp8
+    dots: >= 32, the K of Hopper's FP8 wgmma)."""
+    if fp8 and d // nb < FP8_MIN_DOT:
+        raise ValueError(f"{op}: the fp8 x fp8 kernels need scale blocks of >= {FP8_MIN_DOT} "
+                         f"values, got D / NB = {d // nb}; use implementation='triton' or 'xla'")
     if not _pow2(d) or d < MIN_DOT:
         raise ValueError(f"{op}: key_values key dim D={d} must be a power of two >= {MIN_DOT} "
                          "for the Triton kernels; use implementation='xla'")
@@ -81,7 +87,7 @@ def default_config(b: int, h: int, c: int) -> tuple[int, int, int]:
 
 
 def _kernel(q_ref, w_ref, kv_ref, ks_ref, valid_ref, out_ref, *, nb: int, bs: int, bc: int,
-            steps: int):
+            steps: int, fp8: bool = False):
     # inputs
     #   q_ref      [HP, D]          f32 or bf16 (request b)
     #   w_ref      [HP]             f32
@@ -91,15 +97,18 @@ def _kernel(q_ref, w_ref, kv_ref, ks_ref, valid_ref, out_ref, *, nb: int, bs: in
     # outputs
     #   out_ref    [steps * BC]     f32
     # scratch: none
+    # fp8: q_ref holds FP8 queries (``reference.quantize_queries``) and the dot takes FP8 keys
+    # as they are (an fp8 x fp8 tensor-core dot); else both are widened to bf16.
+    operand = (lambda x: x) if fp8 else (lambda x: x.astype(jnp.bfloat16))
     cols = [pl.ds(j * bs, bs) for j in range(nb)]
-    qs = [q_ref[:, col].astype(jnp.bfloat16) for col in cols]    # NB x [HP, BS], loaded once
+    qs = [operand(q_ref[:, col]) for col in cols]                 # NB x [HP, BS], loaded once
     w = w_ref[...].astype(jnp.float32)                             # [HP]
 
     def score_block(start):
         rows = pl.ds(start, bc)
         dots = None                                                # [BC, HP] f32
         for j, col in enumerate(cols):
-            k = kv_ref[rows, col].astype(jnp.bfloat16)             # [BC, BS] (exact)
+            k = operand(kv_ref[rows, col])                         # [BC, BS] (exact)
             part = jax.lax.dot_general(k, qs[j], (((1,), (1,)), ((), ())),
                                        preferred_element_type=jnp.float32)  # [BC, HP]
             scale = ks_ref[rows] if nb == 1 else ks_ref[rows, j]  # [BC] scale of block j
@@ -118,13 +127,15 @@ def _kernel(q_ref, w_ref, kv_ref, ks_ref, valid_ref, out_ref, *, nb: int, bs: in
         jax.lax.fori_loop(0, steps, body, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("block_c", "steps", "num_warps", "num_stages"))
+@functools.partial(jax.jit, static_argnames=("block_c", "steps", "num_warps", "num_stages",
+                                             "fp8"))
 def index_scores_triton(q: jnp.ndarray, weights: jnp.ndarray, key_values: jnp.ndarray,
                         key_scales: jnp.ndarray, valid: jnp.ndarray, *,
                         block_c: int | None = None, steps: int | None = None,
                         num_warps: int | None = None,
-                        num_stages: int | None = None) -> jnp.ndarray:
-    """Pallas-Triton ``index_scores`` (interpret mode without a GPU).
+                        num_stages: int | None = None, fp8: bool = False) -> jnp.ndarray:
+    """Pallas-Triton ``index_scores`` (interpret mode without a GPU); fp8=True: the fp8 x fp8
+    form (implementation "triton_fp8", twin ``reference.index_scores_fp8_xla``).
 
     Inputs: q [B, H, D] f32/bf16, weights [B, H] f32, key_values [B, C, D] float8_e4m3fn,
     key_scales [B, C, NB] f32, valid [B, C] bool (checked by ``api.index_scores``).
@@ -135,14 +146,16 @@ def index_scores_triton(q: jnp.ndarray, weights: jnp.ndarray, key_values: jnp.nd
     """
     b, h, d = q.shape
     c, nb = key_values.shape[1], key_scales.shape[2]
-    check_triton_shapes("index_scores", d, nb)
+    check_triton_shapes("index_scores", d, nb, fp8)
     block_c, steps, num_warps = resolve_config(b, h, c, block_c, steps, num_warps)
+    if fp8:
+        q, weights = quantize_queries(q, weights)
     hp = padded_heads(h)
     if hp != h:  # zero heads with zero weight add nothing
         q = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
         weights = jnp.pad(weights, ((0, 0), (0, hp - h)))
     rows = block_c * steps                                         # candidates per program
-    kernel = functools.partial(_kernel, nb=nb, bs=d // nb, bc=block_c, steps=steps)
+    kernel = functools.partial(_kernel, nb=nb, bs=d // nb, bc=block_c, steps=steps, fp8=fp8)
     scale_block = (None, rows, None if nb == 1 else nb)            # NB = 1: a vector
     return pl.pallas_call(
         kernel,

@@ -16,6 +16,9 @@ from pallas_kernels.topk.reference import topk_xla
 from pallas_kernels.topk.triton import topk_triton
 
 AVAILABLE = ("xla", "triton")
+# What "triton" runs (H200, 64 x 262144, k = 2048, session 6): the one-read path with a
+# 4096-position sample and the register finish, 0.191 ms; the two-read sequence 0.285 ms.
+TRITON_OPTIONS = dict(one_read=True, sample=4096, finish_in_registers=True)
 
 
 def _validate(scores, lengths, k):
@@ -54,5 +57,5 @@ def topk(scores, lengths, k: int, *, implementation: str | None = None):
     if n == 0 or b == 0:
         return (jnp.full((b, k), -1, jnp.int32), jnp.full((b, k), -jnp.inf, jnp.float32))
     if impl == "triton":
-        return topk_triton(scores, lengths, k, interpret=common.interpret())
+        return topk_triton(scores, lengths, k, interpret=common.interpret(), **TRITON_OPTIONS)
     return topk_xla(scores, lengths, k)

@@ -91,6 +91,7 @@ DEFAULT_SAMPLE = 1024       # strided sample per row for the first thresholds
 DEFAULT_CHUNK = 256         # positions per inner-loop step of the counting loops
 DEFAULT_NUM_WARPS = 4       # counting and stage-2 kernels
 DEFAULT_SELECT_WARPS = 8    # selection kernel (BLOCK / (32 * warps) positions per thread)
+REGISTER_FINISH_MAX = 16384  # finish_in_registers only for candidate rows up to this size
 ONE_READ_Z = 4.0            # one-read floor: sample rank q + Z sqrt(q + 1) + 1 (see sample_floor)
 
 
@@ -293,7 +294,7 @@ def _select_seg_kernel(row_ref, x_ref, pos_ref, val_ref, cnt_ref, *, block):
 
 
 def _finish_kernel(row_ref, cpos_ref, cval_ref, wpos_in_ref, wval_in_ref, wpos_ref, wval_ref, *,
-                   digit_bits, chunk, by_pos=False):
+                   digit_bits, chunk, by_pos=False, in_registers=False):
     """Stage 2 of one row: the r best candidates appended after the stage-1 winners.
 
     Refs: inputs  row_ref [8] int32 (n candidates, r wanted, c = stage-1 winners, m, p0,
@@ -311,9 +312,51 @@ def _finish_kernel(row_ref, cpos_ref, cval_ref, wpos_in_ref, wval_in_ref, wpos_r
     #{candidates, u >= T_u | (d << s)} >= r.
     """
     del wpos_in_ref, wval_in_ref
+    if in_registers:
+        pl.when(row_ref[6] == 0)(functools.partial(
+            _finish_row_registers, row_ref, cpos_ref, cval_ref, wpos_ref, wval_ref,
+            digit_bits=digit_bits, by_pos=by_pos))
+        return
     pl.when(row_ref[6] == 0)(functools.partial(
         _finish_row, row_ref, cpos_ref, cval_ref, wpos_ref, wval_ref, digit_bits=digit_bits,
         chunk=chunk, by_pos=by_pos))
+
+
+def _finish_row_registers(row_ref, cpos_ref, cval_ref, wpos_ref, wval_ref, *, digit_bits,
+                          by_pos):
+    """``_finish_row`` with the candidate keys loaded once and kept in registers (CAP or
+    NBLK * SEG of them, a few KB a row): T is found one bit at a time (a count over the
+    registers per bit, from the first bit the bracket does not fix), with no memory traffic
+    per step; the take pass is one prefix sum. Same refs, rule and outputs as ``_finish_row``.
+
+    Notation as in ``_finish_kernel``: u(key) = key ^ INT32_MIN; bit i (31 = top) is set in
+    T_u when #{candidates with u >= T_u | 2^i} >= r.
+    """
+    n, r, c, m = row_ref[0], row_ref[1], row_ref[2], row_ref[3]
+    kp, size = wpos_ref.shape[0], cval_ref.shape[0]
+    slots = lax.broadcasted_iota(jnp.int32, (kp,), 0)
+    pad = slots >= m
+    plgpu.store(wpos_ref, jnp.full((kp,), -1, jnp.int32), mask=pad)
+    plgpu.store(wval_ref, jnp.full((kp,), -jnp.inf, jnp.float32), mask=pad)
+    _, key = eligible_keys(cval_ref[...], 0, n)  # [size]
+    if by_pos:
+        key = jnp.where(cpos_ref[...] >= 0, key, INT32_MIN)
+
+    def bit_step(p, t_u):
+        bit = 31 - p
+        cand = t_u | lax.shift_left(jnp.int32(1), bit)
+        count = jnp.sum((key >= (cand ^ INT32_MIN)).astype(jnp.int32))
+        return jnp.where(count >= r, cand, t_u)
+
+    t = lax.fori_loop(row_ref[4] * digit_bits, 32, bit_step, row_ref[5]) ^ INT32_MIN
+    ties = r - jnp.sum((key > t).astype(jnp.int32))
+    tie = (key == t).astype(jnp.int32)
+    keep = (key > t) | ((tie != 0) & (jnp.cumsum(tie) - tie < ties))
+    keep_i = keep.astype(jnp.int32)
+    lane = lax.broadcasted_iota(jnp.int32, (size,), 0)
+    slot = jnp.where(keep, c + jnp.cumsum(keep_i) - keep_i, kp + lane)
+    plgpu.store(wpos_ref.at[slot], cpos_ref[...], mask=keep)
+    plgpu.store(wval_ref.at[slot], canonical_scores(cval_ref[...]), mask=keep)
 
 
 def _finish_row(row_ref, cpos_ref, cval_ref, wpos_ref, wval_ref, *, digit_bits, chunk, by_pos):
@@ -395,6 +438,7 @@ class Config:
     select_warps: int
     interpret: bool
     one_read: bool = False
+    finish_in_registers: bool = False  # stage 2 on keys held in registers (opt-in until timed)
 
     @property
     def nt(self) -> int:
@@ -439,7 +483,8 @@ class Config:
 def config(n: int, k: int, *, block: int = DEFAULT_BLOCK, digit_bits: int = DEFAULT_DIGIT_BITS,
            cap: int = DEFAULT_CAP, sample: int = DEFAULT_SAMPLE, chunk: int = DEFAULT_CHUNK,
            num_warps: int = DEFAULT_NUM_WARPS, select_warps: int = DEFAULT_SELECT_WARPS,
-           interpret: bool | None = None, one_read: bool = False) -> Config:
+           interpret: bool | None = None, one_read: bool = False,
+           finish_in_registers: bool = False) -> Config:
     """Validated tunables (see ``topk_triton``) fitted to N: BLOCK <= min(2^ceil(log2 N),
     32768), the [chunk, NT] counters at most 4096 entries, CAP in [KP, 2^ceil(log2 N)] (at
     least KP). interpret=None asks ``common.interpret()`` (call this outside jit)."""
@@ -456,7 +501,8 @@ def config(n: int, k: int, *, block: int = DEFAULT_BLOCK, digit_bits: int = DEFA
     cap = max(_next_pow2(min(k, n)), min(cap, _next_pow2(n)))
     return Config(k=k, n=n, digit_bits=digit_bits, block=block, cap=cap, chunk=chunk,
                   sample=sample, num_warps=num_warps, select_warps=select_warps,
-                  interpret=bool(interpret), one_read=bool(one_read))
+                  interpret=bool(interpret), one_read=bool(one_read),
+                  finish_in_registers=bool(finish_in_registers))
 
 
 def row_lengths(lengths, cfg: Config):
@@ -672,7 +718,9 @@ def _finish_call(row2, cpos, cval, wpos, wval, cfg: Config, by_pos=False):
     one_row = lambda i: (i, 0)  # noqa: E731
     return pl.pallas_call(
         functools.partial(_finish_kernel, digit_bits=cfg.digit_bits, by_pos=by_pos,
-                          chunk=min(cfg.chunk, cfg.seg if by_pos else n)),  # divides n
+                          chunk=min(cfg.chunk, cfg.seg if by_pos else n),  # divides n
+                          in_registers=cfg.finish_in_registers
+                          and n <= REGISTER_FINISH_MAX),
         grid=(b,),
         in_specs=[pl.BlockSpec((None, 8), one_row),
                   pl.BlockSpec((None, n), one_row), pl.BlockSpec((None, n), one_row),
@@ -682,7 +730,9 @@ def _finish_call(row2, cpos, cval, wpos, wval, cfg: Config, by_pos=False):
                    jax.ShapeDtypeStruct((b, kp), jnp.float32)],
         input_output_aliases={3: 0, 4: 1},
         name="topk_finish_seg" if by_pos else "topk_finish",
-        **_kernel_params(cfg, cfg.num_warps))(row2, cpos, cval, wpos, wval)
+        **_kernel_params(cfg, max(cfg.num_warps, 8) if cfg.finish_in_registers
+                         and n <= REGISTER_FINISH_MAX else cfg.num_warps))(
+                             row2, cpos, cval, wpos, wval)
 
 
 def _finish(lo, hi, wins, cands, m, selected, cfg: Config, skip=None):
@@ -721,14 +771,20 @@ def _from_first_pass(scores, length, m, thr0, cnt0, cfg: Config):
     return _pad_to_k(*_two_reads(scores, length, m, thr0, cnt0, cfg), cfg)
 
 
-def one_read_select(scores, length, m, cfg: Config):
+def one_read_select(scores, length, m, cfg: Config, floor=None):
     """The one-read pass and its finish: (ok [B] bool: rows finished here, positions and
     values [B, KP], valid where ok, the bracket state the pass leaves for the other rows).
     A row is ok when its floor t (``sample_floor``) has c(t) >= m and no block holds more
     than SEG candidates; its m winners are then among the candidates, which the segments hold
-    in position order (tie rule kept)."""
+    in position order (tie rule kept). floor [B] f32 (optional): use these scores as the
+    floors instead of the sample's, e.g. the previous decode step's k-th score of each row
+    (no sample, no XLA sort); a floor above the row's m-th score only sends it to the
+    fallback."""
     b, seg, nblk = scores.shape[0], cfg.seg, cfg.nblk
-    t = sample_floor(scores[:, ::sample_stride(cfg)], length, m, cfg)
+    if floor is None:
+        t = sample_floor(scores[:, ::sample_stride(cfg)], length, m, cfg)
+    else:
+        t = jnp.maximum(order_keys(canonical_scores(floor.astype(jnp.float32))), KEY_NEG_INF)
     cpos, cval, cnt = pl.pallas_call(
         functools.partial(_select_seg_kernel, block=cfg.block),
         grid=(b, nblk),
@@ -769,7 +825,7 @@ def topk_triton(scores: jnp.ndarray, lengths: jnp.ndarray, k: int, *,
                 cap: int = DEFAULT_CAP, sample: int = DEFAULT_SAMPLE,
                 chunk: int = DEFAULT_CHUNK, num_warps: int = DEFAULT_NUM_WARPS,
                 select_warps: int = DEFAULT_SELECT_WARPS, interpret: bool | None = None,
-                one_read: bool = False):
+                one_read: bool = False, finish_in_registers: bool = False, floor=None):
     """Exact top-k: scores [B, N] f32, lengths [B] int, k >= 1 -> (positions [B, k] int32,
     values [B, k] f32): the set of the m = min(k, length) best eligible positions (ties to the
     lower position), in no particular order, then -1 / -inf. Inputs are assumed validated
@@ -777,21 +833,30 @@ def topk_triton(scores: jnp.ndarray, lengths: jnp.ndarray, k: int, *,
     sample (first-pass sample size per row), num_warps / select_warps (Triton warps of the
     counting and stage-2 kernels / of the selection kernel). interpret=None asks
     ``common.interpret()`` here, outside the jitted body. one_read=True: the one-read path
-    (module docstring; a larger sample, e.g. 4096, makes its floor tighter)."""
+    (module docstring; a larger sample, e.g. 4096, makes its floor tighter).
+    finish_in_registers=True: stage 2 loads its candidates once and searches T bit by bit in
+    registers (``_finish_row_registers``) instead of re-reading them in chunks per radix step
+    (H200: the one-read finish 26.7 -> 2.2 us); candidate rows longer than
+    REGISTER_FINISH_MAX keep the chunked finish (registers would not hold them).
+    floor [B] f32 (one_read only): per-row threshold hints replacing the sampled floor, e.g.
+    the previous step's k-th score (results stay exact: a bad hint falls back)."""
     cfg = config(scores.shape[1], k, block=block, digit_bits=digit_bits, cap=cap,
                  sample=sample, chunk=chunk, num_warps=num_warps, select_warps=select_warps,
-                 interpret=interpret, one_read=one_read)
-    return _topk_triton(scores, lengths, cfg=cfg)
+                 interpret=interpret, one_read=one_read,
+                 finish_in_registers=finish_in_registers)
+    if floor is not None and not one_read:
+        raise ValueError("topk_triton: floor (a per-row threshold hint) needs one_read=True")
+    return _topk_triton(scores, lengths, floor, cfg=cfg)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _topk_triton(scores, lengths, *, cfg: Config):
+def _topk_triton(scores, lengths, floor=None, *, cfg: Config):
     scores = scores.astype(jnp.float32)
     length, m = row_lengths(lengths, cfg)
     if not cfg.one_read:
         thr0 = sample_thresholds(scores[:, ::sample_stride(cfg)], length, m, cfg)
         return _from_first_pass(scores, length, m, thr0, None, cfg)
-    ok, pos1, val1, state = one_read_select(scores, length, m, cfg)
+    ok, pos1, val1, state = one_read_select(scores, length, m, cfg, floor)
     # The fallback: refine from the floor's bracket (the one-read pass counted c(t)), select,
     # finish; every program of an ok row returns at once.
     pos2, val2 = _two_reads(scores, length, m, None, None, cfg, skip=ok, state=state)

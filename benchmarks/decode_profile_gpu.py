@@ -1,0 +1,112 @@
+"""Issue 16 deliver 4: the decode step at V4 shapes against the sum of its kernels' times.
+
+Run on the GPU machine from the repository root (gin wheel on PYTHONPATH as usual):
+    PYTHONPATH=$PWD python3 benchmarks/decode_profile_gpu.py --out $OUT [--methods hisparse]
+It runs experiments/scale.py (configs/experiments/scale.gin: V4-Flash 4-layer slice swa, csa,
+hca, csa; random weights) at one context and batch (default 128K, B = 64), bf16 model matmuls,
+Triton kernels, with the timed steps' cell profiled (jax.profiler, 3 extra steps), then reads
+each cell's Perfetto trace:
+  step_ms        wall time of one Engine.step (scale.py, host work included),
+  kernels_ms     sum of the durations of the GPU events of one step (kernels + copies),
+  span_ms        first GPU event start to last event end, per step,
+  ratio          step_ms / kernels_ms (issue target <= 1.25: the rest is glue / host time),
+  by_kind        the kernels' time by kind: the Pallas ops (by kernel name), XLA fusions,
+                 GEMMs, copies (memcpy), other;
+  top            the 25 longest kernel names (ms per step).
+Costs: one 128K prefill (~5 s at bf16), the decode compile (~30-90 s) and a few steps per
+method. Writes OUT/decode_profile.json and prints a summary; scale's own files go to
+OUT/runs/decode_profile/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+PALLAS = ("sparse_attention", "topk", "pq_topc", "hot_resolve", "index_scores", "index_topk",
+          "gather_rows", "count", "refine", "select", "finish")
+STEPS = 3  # scale.PROFILED_STEPS
+
+
+def kind(name: str) -> str:
+    low = name.lower()
+    for op in PALLAS:
+        if op in low:
+            return f"pallas:{op}"
+    if "memcpy" in low or "memset" in low:
+        return "copy"
+    if "gemm" in low or "cutlass" in low or "xmma" in low or "cublas" in low:
+        return "gemm"
+    if "fusion" in low or "loop_" in low or "input_" in low or "reduce" in low:
+        return "xla_fusion"
+    return "other"
+
+
+def analyze(trace: pathlib.Path) -> dict:
+    ev = json.load(gzip.open(trace))["traceEvents"]
+    gpu = {e["pid"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"
+           and "GPU" in str(e.get("args", {}).get("name", ""))}
+    ks = [e for e in ev if e.get("ph") == "X" and e.get("pid") in gpu]
+    by_name, by_kind = collections.Counter(), collections.Counter()
+    for e in ks:
+        by_name[e["name"][:90]] += e.get("dur", 0) / STEPS / 1e3
+        by_kind[kind(e["name"])] += e.get("dur", 0) / STEPS / 1e3
+    span = (max(e["ts"] + e.get("dur", 0) for e in ks) - min(e["ts"] for e in ks)) if ks else 0
+    return dict(kernels_ms=sum(by_kind.values()), span_ms=span / STEPS / 1e3,
+                events_per_step=len(ks) / STEPS, by_kind=dict(by_kind.most_common()),
+                top=[(n, round(v, 4)) for n, v in by_name.most_common(25)])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT") or "runs/decode_profile_gpu")
+    ap.add_argument("--methods", default="hisparse,leansparse")
+    ap.add_argument("--context", type=int, default=131072)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--implementation", default="triton")
+    a = ap.parse_args()
+    out = pathlib.Path(a.out)
+    runs = out / "runs"
+    methods = tuple(a.methods.split(","))
+    cells = tuple((m, a.context, a.batch) for m in methods)
+    cmd = [sys.executable, "-m", "experiments.cli", "run", "configs/experiments/scale.gin",
+           "--gin.run.name='decode_profile'", f"--gin.scale.methods={methods!r}",
+           f"--gin.scale.contexts=({a.context},)", f"--gin.scale.batches=({a.batch},)",
+           f"--gin.scale.steps={a.steps}", "--gin.scale.warm_steps=2",
+           f"--gin.scale.implementation='{a.implementation}'",
+           f"--gin.scale.profile={cells!r}", "--gin.model_preset.matmul_precision='bf16'"]
+    print(" ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, env={**os.environ, "LSPARSE_RUNS": str(runs)})
+    run = runs / "decode_profile"
+    records = json.loads((run / "results.json").read_text())["records"]
+    rows = []
+    for rec in records:
+        row = {k: rec.get(k) for k in ("method", "context", "batch", "step_ms", "error",
+                                       "skipped")}
+        trace = run / f"trace_{rec['method']}_{rec['context']}_{rec['batch']}.json.gz"
+        if trace.exists():
+            row.update(analyze(trace))
+            if row.get("step_ms") and row["kernels_ms"]:
+                row["ratio"] = row["step_ms"] / row["kernels_ms"]
+        rows.append(row)
+    (out / "decode_profile.json").write_text(json.dumps(rows, indent=1))
+    for r in rows:
+        print(f"{r['method']:10s} ctx {r['context']} B {r['batch']}: step "
+              f"{r.get('step_ms') or float('nan'):.3f} ms, kernels {r.get('kernels_ms', 0):.3f}"
+              f" ms, span {r.get('span_ms', 0):.3f} ms, ratio {r.get('ratio', float('nan')):.2f}"
+              f" {r.get('error') or r.get('skipped') or ''}")
+        for k, v in r.get("by_kind", {}).items():
+            print(f"    {k:24s} {v:8.3f} ms")
+        for n, v in r.get("top", [])[:12]:
+            print(f"      {v:8.4f}  {n}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,302 @@
+"""Pallas-Triton ``hot_resolve`` with the LRU control in-kernel ("triton_fused").
+
+The "triton" implementation computes the control in XLA (a [k, B] compare, an argsort of the B
+stamps, scatters) and then copies rows with one program per selection slot; at batch 64 that
+control is a fixed ~0.2-0.4 ms. Here the whole op is four small kernels over all S requests
+(vmap folds the request axis into S), no XLA ops between them and no host round trip:
+
+Notation: S requests, k selected positions (KP = next pow2), B hot rows (BP = next pow2),
+  D_l values per row of leaf l, P rows per host page, MP logical pages, NPOS = MP * P positions
+  per request, key_i = LRU key of hot row i (its stamp; INT32_MAX when hit this step),
+  M = misses of a request, (key, i) the LRU order (stable: ties by row index).
+  1. map, grid (S,): pos_map[s, hot_positions[i]] = i and sel_map[s, selected[j]] = j, two
+     [S, NPOS] int32 scratch outputs that are never initialised: every lookup is verified
+     (hot_positions[pos_map[p]] == p), so stale entries cannot fake a hit. O(k + B) instead of
+     the [k, B] scan.
+  2. control, grid (S,): hit_j via pos_map, row_hit_i via sel_map, key_i; M and each miss's
+     rank m (prefix sum); when M > 0 the M-th smallest (key, i) by a 2-bit radix select over
+     the 32 key bits (16 counting steps of 4 thresholds over the B keys), then the M victim rows
+     (key < T, and the first rows with key == T) compacted in row order into cidx / ckey.
+     Writes code_j (hit row, -2 - m for the m-th miss, -1 for nothing) and counts.
+  3. order, grid (S,): the rank of each of the M victims in (key, i) order by an M x M count
+     (tiles of 64, loops bounded by M: nothing when all hit); vict[s, rank] = row.
+  4. apply, grid (S, k / KB): per block of KB selection slots: slot = hit row or vict[m];
+     stamps[slot] = clock * k + j, positions[victim] = p, and every leaf's missed rows gathered
+     from the pool (pinned_host read in place over PCIe, or device) as a [KB, D_l] tile and
+     written into the victim rows; hot rows, positions and stamps aliased to the outputs.
+Kernel boundaries order the scratch writes and reads (Pallas-Triton has no block barrier).
+Results equal ``reference.hot_resolve_xla`` bit for bit (same LRU rule, rows copied as bytes).
+Scratch: 2 * S * NPOS int32 (64 MB at S = 64, 128K positions), never read in full.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.custom_batching import custom_vmap
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+INT32_MIN = -(2**31)
+INT32_MAX = 2**31 - 1
+RADIX_BITS = 2  # thresholds per counting step = 4: a [BP, 4] compare stays in registers
+TILE = 64  # victims per tile of the order kernel
+KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _iota(n):
+    return lax.broadcasted_iota(jnp.int32, (n,), 0)
+
+
+def _slot(ok, idx, limit):
+    """Scatter index: idx where ok, else a distinct index past the array (limit + lane):
+    masked off on the GPU, dropped in interpret mode, and no two lanes share a slot (interpret
+    mode's masked scatter would let a masked lane overwrite a real store)."""
+    return jnp.where(ok, idx, limit + _iota(idx.shape[0]))
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _map_kernel(sel_ref, hp_ref, pos_map_ref, sel_map_ref, *, k, b, npos):
+    # inputs  sel_ref [S, k], hp_ref [S, B] int32 (ANY)
+    # outputs pos_map_ref, sel_map_ref [S, NPOS] int32 scratch (ANY; only scattered entries)
+    s = pl.program_id(0)
+    i = _iota(_pow2(b))
+    hp = plgpu.load(hp_ref.at[s, jnp.minimum(i, b - 1)], mask=i < b, other=-1)
+    ok = (i < b) & (hp >= 0) & (hp < npos)
+    plgpu.store(pos_map_ref.at[s, _slot(ok, hp, npos)], i, mask=ok)
+    j = _iota(_pow2(k))
+    sel = plgpu.load(sel_ref.at[s, jnp.minimum(j, k - 1)], mask=j < k, other=-1)
+    ok = (j < k) & (sel >= 0) & (sel < npos)
+    plgpu.store(sel_map_ref.at[s, _slot(ok, sel, npos)], j, mask=ok)
+
+
+def _control_kernel(sel_ref, hp_ref, st_ref, pos_map_ref, sel_map_ref,
+                    code_ref, cidx_ref, ckey_ref, cnt_ref, *, k, b, npos):
+    # inputs  sel_ref [S, k], hp_ref / st_ref [S, B], pos_map_ref / sel_map_ref [S, NPOS]
+    # outputs code_ref [S, k] (hit row | -2 - miss rank | -1), cidx_ref / ckey_ref [S, KP]
+    #         (victims in row order and their keys, first M valid), cnt_ref [S, 2] (hits, M)
+    s = pl.program_id(0)
+    j = _iota(_pow2(k))
+    sel = plgpu.load(sel_ref.at[s, jnp.minimum(j, k - 1)], mask=j < k, other=-1)
+    want = (j < k) & (sel >= 0)
+    cand = plgpu.load(pos_map_ref.at[s, jnp.clip(sel, 0, npos - 1)], mask=want, other=-1)
+    cand_ok = want & (cand >= 0) & (cand < b)
+    candc = jnp.clip(cand, 0, b - 1)
+    held = plgpu.load(hp_ref.at[s, candc], mask=cand_ok, other=-1)
+    hit = cand_ok & (held == sel)
+    miss = want & jnp.logical_not(hit)
+    miss_i = miss.astype(jnp.int32)
+    m_total = jnp.sum(miss_i)
+    rank = jnp.cumsum(miss_i) - miss_i
+    code = jnp.where(hit, candc, jnp.where(miss, -2 - rank, -1))
+    plgpu.store(code_ref.at[s, j], code, mask=j < k)
+    two = _iota(2)
+    cnt_ref[s, :] = jnp.where(two == 0, jnp.sum(hit.astype(jnp.int32)), m_total)
+
+    @pl.when(m_total > 0)
+    def _victims():
+        i = _iota(_pow2(b))
+        hp = plgpu.load(hp_ref.at[s, jnp.minimum(i, b - 1)], mask=i < b, other=-1)
+        st = plgpu.load(st_ref.at[s, jnp.minimum(i, b - 1)], mask=i < b, other=0)
+        has = (i < b) & (hp >= 0)
+        c = plgpu.load(sel_map_ref.at[s, jnp.clip(hp, 0, npos - 1)], mask=has, other=-1)
+        c_ok = has & (c >= 0) & (c < k)
+        back = plgpu.load(sel_ref.at[s, jnp.clip(c, 0, k - 1)], mask=c_ok, other=-1)
+        row_hit = c_ok & (back == hp)
+        key = jnp.where(row_hit | (i >= b), INT32_MAX, st)
+        # T = the M-th smallest key: unsigned prefix t_u built 2 bits at a time, keeping
+        # #{key < T} < M (u < v unsigned <=> (u ^ MIN) < (v ^ MIN) signed).
+        digits = _iota(1 << RADIX_BITS)
+
+        def step(p, t_u):
+            shift = 32 - RADIX_BITS * (p + 1)
+            thr = (t_u | (digits << shift)) ^ INT32_MIN
+            below = jnp.sum((key[:, None] < thr[None, :]).astype(jnp.int32), axis=0)
+            digit = jnp.sum((below < m_total).astype(jnp.int32)) - 1
+            return t_u | (digit << shift)
+
+        t = lax.fori_loop(0, 32 // RADIX_BITS, step, jnp.int32(0)) ^ INT32_MIN
+        need = m_total - jnp.sum((key < t).astype(jnp.int32))
+        tie = (key == t).astype(jnp.int32)
+        tie_rank = jnp.cumsum(tie) - tie
+        victim = (key < t) | ((tie != 0) & (tie_rank < need))
+        v_i = victim.astype(jnp.int32)
+        at = _slot(victim, jnp.cumsum(v_i) - v_i, cidx_ref.shape[1])
+        plgpu.store(cidx_ref.at[s, at], i, mask=victim)
+        plgpu.store(ckey_ref.at[s, at], key, mask=victim)
+
+
+def _order_kernel(cnt_ref, cidx_ref, ckey_ref, vict_ref):
+    # inputs  cnt_ref [S, 2], cidx_ref / ckey_ref [S, KP] (first M valid, row order)
+    # outputs vict_ref [S, KP]: vict[r] = the victim of rank r in (key, row) order
+    s = pl.program_id(0)
+    m_total = cnt_ref[s, 1]
+    tiles = (m_total + TILE - 1) // TILE
+    lane = _iota(TILE)
+
+    def per_a(ta, carry):
+        a = ta * TILE + lane
+        a_ok = a < m_total
+        ka = plgpu.load(ckey_ref.at[s, jnp.where(a_ok, a, 0)], mask=a_ok, other=0)
+        ia = plgpu.load(cidx_ref.at[s, jnp.where(a_ok, a, 0)], mask=a_ok, other=0)
+
+        def per_b(tb, acc):
+            bb = tb * TILE + lane
+            b_ok = bb < m_total
+            kb = plgpu.load(ckey_ref.at[s, jnp.where(b_ok, bb, 0)], mask=b_ok, other=0)
+            # the list is in row order: (kb, b) < (ka, a) <=> kb < ka or (kb == ka and b < a)
+            before = (kb[None, :] < ka[:, None]) | ((kb[None, :] == ka[:, None])
+                                                  & (bb[None, :] < a[:, None]))
+            return acc + jnp.sum((before & b_ok[None, :]).astype(jnp.int32), axis=1)
+
+        r = lax.fori_loop(0, tiles, per_b, jnp.zeros((TILE,), jnp.int32))
+        plgpu.store(vict_ref.at[s, _slot(a_ok, r, vict_ref.shape[1])], ia, mask=a_ok)
+        return carry  # the carried value itself: jax 0.11's Triton lowering cannot yield a literal
+
+    lax.fori_loop(0, tiles, per_a, jnp.int32(0))
+
+
+def _apply_kernel(*refs, k, kb, page, pools, dims):
+    # inputs  sel_ref / code_ref [S, k], vict_ref [S, KP], clock_ref [S], table_ref [S, MP],
+    #         hp_in / st_in [S, B] and rows_in (L leaves [S, B, D_l]) aliased (not read),
+    #         pools (L leaves [N_l, D_l], device or pinned_host)
+    # outputs slots_ref [S, k], hp_ref / st_ref [S, B], rows (L leaves [S, B, D_l])
+    n_leaves = len(dims)
+    sel_ref, code_ref, vict_ref, clock_ref, table_ref = refs[:5]
+    pool_refs = refs[7 + n_leaves:7 + 2 * n_leaves]
+    slots_ref, hp_ref, st_ref = refs[7 + 2 * n_leaves:10 + 2 * n_leaves]
+    row_refs = refs[10 + 2 * n_leaves:]
+    s, blk = pl.program_id(0), pl.program_id(1)
+    j = blk * kb + _iota(kb)
+    ok = j < k
+    jc = jnp.minimum(j, k - 1)
+    sel = plgpu.load(sel_ref.at[s, jc], mask=ok, other=-1)
+    code = plgpu.load(code_ref.at[s, jc], mask=ok, other=-1)
+    hit, miss = code >= 0, code <= -2
+    victim = plgpu.load(vict_ref.at[s, jnp.where(miss, -2 - code, 0)], mask=miss, other=0)
+    slot = jnp.where(hit, code, jnp.where(miss, victim, -1))
+    plgpu.store(slots_ref.at[s, j], slot, mask=ok)
+    used = slot >= 0
+    b = st_ref.shape[1]
+    plgpu.store(st_ref.at[s, _slot(used, slot, b)], clock_ref[s] * k + j, mask=used)
+    vic = _slot(miss, victim, b)
+    plgpu.store(hp_ref.at[s, vic], sel, mask=miss)
+    psel = jnp.where(miss, sel, 0)
+    page_of = jnp.minimum(psel // page, table_ref.shape[1] - 1)
+    src = plgpu.load(table_ref.at[s, page_of], mask=miss, other=0) * page + psel % page
+    for pool_ref, row_ref, n_rows, d in zip(pool_refs, row_refs, pools, dims):
+        col = _iota(_pow2(d))
+        m2 = miss[:, None] & (col[None, :] < d)
+        src2 = jnp.clip(src, 0, n_rows - 1)[:, None]
+        vals = plgpu.load(pool_ref.at[src2, jnp.minimum(col, d - 1)[None, :]], mask=m2)
+        plgpu.store(row_ref.at[s, vic[:, None], col[None, :]], vals, mask=m2)
+
+
+# ----------------------------------------------------------------------------- XLA glue
+
+
+def _call(sel, rows, hp, st, clock, table, pools, *, page, interpret, num_warps):
+    """The four launches on S requests. sel [S, k]; rows, pools: tuples of leaves."""
+    s_n, k = sel.shape
+    b = hp.shape[1]
+    npos = table.shape[1] * page
+    kp = _pow2(k)
+    any_ = pl.BlockSpec(memory_space=pl.ANY)
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    params = lambda w: plgpu.CompilerParams(num_warps=w)  # noqa: E731
+    pos_map, sel_map = pl.pallas_call(
+        functools.partial(_map_kernel, k=k, b=b, npos=npos), grid=(s_n,),
+        in_specs=[any_] * 2, out_specs=[any_] * 2, out_shape=[i32(s_n, npos)] * 2,
+        compiler_params=params(num_warps), interpret=interpret,
+        name="hot_resolve_map")(sel, hp)
+    code, cidx, ckey, counts = pl.pallas_call(
+        functools.partial(_control_kernel, k=k, b=b, npos=npos), grid=(s_n,),
+        in_specs=[any_] * 5, out_specs=[any_] * 4,
+        out_shape=[i32(s_n, k), i32(s_n, kp), i32(s_n, kp), i32(s_n, 2)],
+        compiler_params=params(max(num_warps, 8 if b >= 2048 else 4)), interpret=interpret,
+        name="hot_resolve_control")(sel, hp, st, pos_map, sel_map)
+    vict = pl.pallas_call(
+        _order_kernel, grid=(s_n,), in_specs=[any_] * 3, out_specs=any_,
+        out_shape=i32(s_n, kp), compiler_params=params(4), interpret=interpret,
+        name="hot_resolve_order")(counts, cidx, ckey)
+    dims = tuple(r.shape[2] for r in rows)
+    widest = max(_pow2(d) * jnp.dtype(r.dtype).itemsize for d, r in zip(dims, rows))
+    kb = max(1, min(_pow2(k), 32768 // widest, 64))  # a [KB, D] tile of <= 32 KB per leaf
+    n = len(rows)
+    outs = pl.pallas_call(
+        functools.partial(_apply_kernel, k=k, kb=kb, page=page,
+                          pools=tuple(p.shape[0] for p in pools), dims=dims),
+        grid=(s_n, -(-k // kb)), in_specs=[any_] * (7 + 2 * n), out_specs=[any_] * (3 + n),
+        out_shape=[i32(s_n, k), i32(s_n, b), i32(s_n, b)]
+        + [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in rows],
+        input_output_aliases={5: 1, 6: 2, **{7 + i: 3 + i for i in range(n)}},
+        compiler_params=params(num_warps), interpret=interpret,
+        name="hot_resolve_apply")(sel, code, vict, clock, table, hp, st, *rows, *pools)
+    slots, hp, st = outs[:3]
+    return slots, tuple(outs[3:]), hp, st, clock + 1, counts
+
+
+def _flat(x, lead):
+    return x.reshape((-1,) + x.shape[lead:])
+
+
+@functools.lru_cache(maxsize=None)
+def _batched_op(treedef, page, interpret, num_warps):
+    """custom_vmap'd op on S requests (leading axis); a vmap over it folds into S."""
+
+    @custom_vmap
+    def op(sel, rows, hp, st, clock, table, pools):
+        out = _call(sel, tuple(rows), hp, st, clock, table, tuple(pools), page=page,
+                    interpret=interpret, num_warps=num_warps)
+        return out
+
+    @op.def_vmap
+    def _rule(axis_size, in_batched, sel, rows, hp, st, clock, table, pools):
+        if any(jax.tree.leaves(in_batched[6])):
+            raise ValueError("hot_resolve: pool is shared by every request; do not vmap it "
+                             "(in_axes=None)")
+        front = lambda x, bt: x if bt else jnp.broadcast_to(x, (axis_size,) + x.shape)  # noqa: E731
+        sel, hp, st, clock, table = (front(x, bt) for x, bt in zip(
+            (sel, hp, st, clock, table), (in_batched[0],) + tuple(in_batched[2:6])))
+        rows = tuple(front(r, bt) for r, bt in zip(rows, in_batched[1]))
+        s_in = sel.shape[1]
+        out = op(_flat(sel, 2), tuple(_flat(r, 2) for r in rows), _flat(hp, 2), _flat(st, 2),
+                 clock.reshape(-1), _flat(table, 2), pools)
+        unflat = lambda x: x.reshape((axis_size, s_in) + x.shape[1:])  # noqa: E731
+        out = jax.tree.map(unflat, out)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return op
+
+
+def hot_resolve_fused(selected, hot_rows, hot_positions, hot_stamps, clock, page_table, pool, *,
+                      page_size: int, interpret: bool, num_warps: int = 4):
+    """``hot_resolve`` of one request by the four kernels above (arguments checked by
+    ``api.hot_resolve``); under ``jax.vmap`` over requests (pool shared) one launch sequence
+    serves all of them. Leaves must be f32, bf16 or float8_e4m3fn (any D >= 1).
+
+    Returns (slots [k], hot_rows, hot_positions, hot_stamps, clock + 1, counts [2]).
+    """
+    rows, treedef = jax.tree.flatten(hot_rows)
+    pools = jax.tree.leaves(pool)
+    for r in rows:
+        if r.dtype not in KERNEL_DTYPES:
+            raise ValueError(f"hot_resolve: implementation='triton_fused' moves float32, "
+                             f"bfloat16 and float8_e4m3fn rows, got {r.dtype} (use 'triton' "
+                             "or 'xla')")
+    op = _batched_op(treedef, page_size, interpret, num_warps)
+    one = lambda x: x[None]  # noqa: E731
+    slots, rows, hp, st, clk, counts = op(
+        one(selected), tuple(one(r) for r in rows), one(hot_positions), one(hot_stamps),
+        one(clock), one(page_table), tuple(pools))
+    rows = jax.tree.unflatten(treedef, [r[0] for r in rows])
+    return slots[0], rows, hp[0], st[0], clk[0], counts[0]
