@@ -164,7 +164,7 @@ def test_mrcr_training_rounds_answer_what_they_ask():
         seq, answer, real = training_sequence("mrcr", 1025, TRAIN_SEED_BASE + seed, 0,
                                               mrcr_extra_queries=3)
         text = tokenizer.decode(seq[real])
-        rounds = re.findall(r"User: write a (\w+) about (\w+)\nBot: ([a-z]+)\n", text)
+        rounds = re.findall(r"User: write a (\w+) about (\w+)\nBot: ([a-z ]+)\n", text)
         asked = re.findall(r"User: repeat the (\d)\w\w (\w+) about (\w+)\nBot: ", text)
         spans = np.split(np.flatnonzero(answer),
                          np.flatnonzero(np.diff(np.flatnonzero(answer)) > 1) + 1)
