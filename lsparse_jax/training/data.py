@@ -115,7 +115,12 @@ def training_sequence(task: str, length: int, seed: int, extra_queries: int,
     if task == "mrcr" and mrcr_extra_queries:
         return mrcr_training_sequence(length, seed, mrcr_extra_queries)
     if task != "niah" or extra_queries == 0:  # the plain task format (evaluation's)
-        ex = task_example(task, length - _ANSWER_LEN[task], seed)
+        prompt_len = length - _ANSWER_LEN[task]
+        if task == "mrcr" and prompt_len < min_length(4):  # short: fewer rounds (2-3)
+            rounds = max([2] + [r for r in (2, 3) if min_length(r) <= prompt_len])
+            ex = mrcr_example(prompt_len, num_rounds=rounds, seed=seed)
+        else:
+            ex = task_example(task, prompt_len, seed)
         return _padded([ex.prompt, tokenizer.encode(ex.answer)], [False, True], length)
     needles = int(rng.integers(2, 2 + 2 * extra_queries))
     extra_queries = min(extra_queries, length // 4 // len("".join(_qa("w" * 12, "0000"))))
