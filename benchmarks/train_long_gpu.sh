@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 17 on one H200, in device calls of < 9 minutes each:
-#   STEP=train     configs/experiments/train_long.gin (checkpoints/small continued, 2K -> 16K
-#                  curriculum; ~5 min estimated). Stops cleanly after TRAIN_SECONDS (default
+#   STEP=train     configs/experiments/train_long.gin (checkpoints/long continued on the titled
+#                  MRCR format: 1K dense, then 2K -> 16K sparse; ~6 min estimated, not run yet). Stops cleanly after TRAIN_SECONDS (default
 #                  420) with its orbax state in runs/train_long/state; the next call resumes
 #                  (same machine: runs/ stays; a fresh machine: carry runs/train_long, unpacked
 #                  from $OUT/train_long_resume.tar). Finished: exports checkpoints/long and copies
