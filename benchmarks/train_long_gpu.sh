@@ -14,8 +14,9 @@
 #                  ACC_TIMEOUT (520 s), ACC_EXTRA (more gin flags). The XLA compilation cache
 #                  (runs/jaxcache) comes back as $OUT/jaxcache.tar: untar it into runs/ and carry
 #                  runs/jaxcache so that a later call loads its compiled steps.
-#   STEP=coldstart the cold-start measurement on checkpoints/long (100 examples, 4K-16K, both
-#                  tasks, leansparse C64/C128 with warm_steps 0 and 1, per-step recall), writes
+#   STEP=coldstart the cold-start measurement on checkpoints/long (100 examples, 4K-16K, NIAH,
+#                  leansparse C64/C128 cold (warm_steps 0), warmed (1) and seeded at admission
+#                  from the final prefill chunk's selections (_seed), per-step recall), writes
 #                  $OUT/cold_start_long/ (~3-4 min estimated).
 # Use through the device tool: carry [".whl"] (plus "checkpoints/long" for STEP=accuracy on a
 # fresh machine), command "STEP=train bash benchmarks/train_long_gpu.sh".
@@ -64,11 +65,12 @@ case "${STEP:-train}" in
     # the compiled steps, for the next call on a fresh machine (carry runs/jaxcache)
     tar -C runs -cf "$OUT/jaxcache.tar" jaxcache && du -sh "$OUT/jaxcache.tar"
     ls -la "$OUT" ;;
-  coldstart)  # LeanSparse's cold start: warm_steps 0 vs 1, recall by decode step (teacher forced)
+  coldstart)  # LeanSparse's cold start: cold, warmed, seeded; recall by decode step (teacher forced)
     timeout ${ACC_TIMEOUT:-400} $PY -m experiments.cli run configs/experiments/accuracy_long.gin \
       --runs "$OUT" "--gin.run.name='cold_start_long'" "--gin.accuracy.lengths=(4096,8192,16384)" \
       --gin.accuracy.examples=100 --gin.accuracy.num_slots=100 --gin.accuracy.recall=True \
-      "--gin.accuracy.methods=('resident','leansparse_C64_w0','leansparse_C64_w1','leansparse_C128_w0','leansparse_C128_w1')" \
+      "--gin.accuracy.tasks=('niah',)" \
+      "--gin.accuracy.methods=('resident','leansparse_C64_w0','leansparse_C64_w1','leansparse_C64_w0_seed','leansparse_C128_w0','leansparse_C128_w1','leansparse_C128_w0_seed')" \
       ${ACC_EXTRA:-} 2>&1 | tr '\r' '\n' | grep -v "example/s\]" \
       | tee "$OUT/cold_start_long.log" | tail -25 ;;
   *) echo "STEP must be train, accuracy or coldstart" >&2; exit 2 ;;
