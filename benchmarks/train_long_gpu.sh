@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
 # Issue 17 on one H200, in device calls of < 9 minutes each:
-#   STEP=train     configs/experiments/train_long.gin (checkpoints/small continued, 2K -> 16K
-#                  curriculum; ~5 min estimated). Stops cleanly after TRAIN_SECONDS (default
+#   STEP=train     configs/experiments/train_long.gin (checkpoints/long continued on the titled
+#                  MRCR format: 1K dense, then 2K -> 16K sparse; ~6 min estimated, not run yet). Stops cleanly after TRAIN_SECONDS (default
 #                  420) with its orbax state in runs/train_long/state; the next call resumes
 #                  (same machine: runs/ stays; a fresh machine: carry runs/train_long, unpacked
 #                  from $OUT/train_long_resume.tar). Finished: exports checkpoints/long and copies
 #                  it to $OUT/checkpoints/long.
-#   STEP=accuracy  configs/experiments/accuracy_long.gin on checkpoints/long (results after
-#                  every cell; ACC_TIMEOUT, default 520 s; ACC_EXTRA adds gin flags), writes
-#                  $OUT/accuracy_long/{results.json, table.md, accuracy.png}.
-#   STEP=coldstart the cold-start measurement on checkpoints/long (100 examples, 4K-16K, both
-#                  tasks, leansparse C64/C128 with warm_steps 0 and 1, per-step recall), writes
+#   STEP=accuracy  configs/experiments/accuracy_long.gin on checkpoints/long, writes
+#                  $OUT/accuracy_long/{results.json, table.md, accuracy.png}, rewritten after
+#                  every batch (a cut run keeps its cells; complete=False). Knobs: LENGTHS,
+#                  TASKS, METHODS (gin tuples), EXAMPLES (200), SLOTS (100 per batch; one
+#                  compile per method serves every batch and length), SEED_OFFSET (1000000),
+#                  ACC_TIMEOUT (520 s), ACC_EXTRA (more gin flags). The XLA compilation cache
+#                  (runs/jaxcache) comes back as $OUT/jaxcache.tar: untar it into runs/ and carry
+#                  runs/jaxcache so that a later call loads its compiled steps.
+#   STEP=coldstart the cold-start measurement on checkpoints/long (100 examples, 4K-16K, NIAH,
+#                  leansparse C64/C128 cold (warm_steps 0), warmed (1) and seeded at admission
+#                  from the final prefill chunk's selections (_seed), per-step recall), writes
 #                  $OUT/cold_start_long/ (~3-4 min estimated).
 # Use through the device tool: carry [".whl"] (plus "checkpoints/long" for STEP=accuracy on a
 # fresh machine), command "STEP=train bash benchmarks/train_long_gpu.sh".
@@ -46,16 +52,25 @@ case "${STEP:-train}" in
         "runs/train_long; fresh machine: untar \$OUT/train_long_resume.tar into runs/ and carry" \
         "runs/train_long)"
     fi ;;
-  accuracy)
+  accuracy)  # knobs (gin tuples as strings): LENGTHS, TASKS, METHODS, EXAMPLES, SLOTS, SEED_OFFSET
     timeout ${ACC_TIMEOUT:-520} $PY -m experiments.cli run configs/experiments/accuracy_long.gin \
-      --runs "$OUT" ${ACC_EXTRA:-} 2>&1 | tr '\r' '\n' | grep -v "example/s\]" \
-      | tee "$OUT/accuracy_long.log" | tail -40
+      --runs "$OUT" "--gin.accuracy.lengths=${LENGTHS:-(1024,2048,4096,8192,16384)}" \
+      "--gin.accuracy.tasks=${TASKS:-('niah','mrcr')}" \
+      "--gin.accuracy.methods=${METHODS:-('resident','hisparse','leansparse_C64','leansparse_C128','direct_pq')}" \
+      "--gin.accuracy.examples=${EXAMPLES:-200}" "--gin.accuracy.num_slots=${SLOTS:-100}" \
+      "--gin.accuracy.seed_offset=${SEED_OFFSET:-1000000}" ${ACC_EXTRA:-} 2>&1 | tr '\r' '\n' \
+      | grep -v "example/s\]" | tee "$OUT/accuracy_long.log" | tail -40
+    # results.json is rewritten after every batch: a cut run keeps its finished cells
+    python3 -c "import json; r=json.load(open('$OUT/accuracy_long/results.json')); print('complete', r['complete']); [print(c['task'], c['length'], c['method'], c['n'], round(c['exact'], 3), round(c['ci_low'], 3), round(c['ci_high'], 3)) for c in r['cells']]" 2>/dev/null
+    # the compiled steps, for the next call on a fresh machine (carry runs/jaxcache)
+    tar -C runs -cf "$OUT/jaxcache.tar" jaxcache && du -sh "$OUT/jaxcache.tar"
     ls -la "$OUT" ;;
-  coldstart)  # LeanSparse's cold start: warm_steps 0 vs 1, recall by decode step (teacher forced)
+  coldstart)  # LeanSparse's cold start: cold, warmed, seeded; recall by decode step (teacher forced)
     timeout ${ACC_TIMEOUT:-400} $PY -m experiments.cli run configs/experiments/accuracy_long.gin \
       --runs "$OUT" "--gin.run.name='cold_start_long'" "--gin.accuracy.lengths=(4096,8192,16384)" \
       --gin.accuracy.examples=100 --gin.accuracy.num_slots=100 --gin.accuracy.recall=True \
-      "--gin.accuracy.methods=('resident','leansparse_C64_w0','leansparse_C64_w1','leansparse_C128_w0','leansparse_C128_w1')" \
+      "--gin.accuracy.tasks=('niah',)" \
+      "--gin.accuracy.methods=('resident','leansparse_C64_w0','leansparse_C64_w1','leansparse_C64_w0_seed','leansparse_C128_w0','leansparse_C128_w1','leansparse_C128_w0_seed')" \
       ${ACC_EXTRA:-} 2>&1 | tr '\r' '\n' | grep -v "example/s\]" \
       | tee "$OUT/cold_start_long.log" | tail -25 ;;
   *) echo "STEP must be train, accuracy or coldstart" >&2; exit 2 ;;

@@ -9,7 +9,8 @@ Writes runs/<name>/{config.gin, results.json, accuracy.png, table.md}.
 Methods: "dense" (no sparsity: CSA layers attend to every eligible entry), "resident",
 "hisparse", "leansparse_C<n>" (coarse top-n candidates, miss filter, exact rerank;
 "leansparse_C<n>_w<s>_B<b>": the miss filter starts after s decode steps, a key cache of b
-rows; LeanSparseConfig.warm_steps and key_cache_rows, default b = C) and
+rows; LeanSparseConfig.warm_steps and key_cache_rows, default b = C; a "_seed" suffix seeds the
+key caches at admission from the final prefill chunk's selections, README "Cold start") and
 "direct_pq" (leansparse with C = k and no miss filter: the PQ coarse top-k, which exact scores
 only order and against which the not-yet-paged tail competes). Every method shares one
 prefill per example (prefill is the same computation for all of them) and decodes greedily.
@@ -50,7 +51,8 @@ from lsparse_jax.config import (
     SamplingConfig,
     method_storage,
 )
-from lsparse_jax.methods.leansparse import calibrate_codebooks
+from lsparse_jax.methods.leansparse import calibrate_codebooks, seed_key_cache, seed_positions
+from lsparse_jax.model.cache import empty_cache
 from lsparse_jax.serving.engine import Engine
 from lsparse_jax.serving.steps import forward_chunk, prefill
 from lsparse_jax.tasks import score_exact, score_similarity, tokenizer
@@ -59,7 +61,7 @@ from lsparse_jax.training.data import TRAIN_SEED_BASE, task_example
 CALIBRATION_SEED = TRAIN_SEED_BASE - 1
 # leansparse_C<C>[_w<warm steps>][_B<key-cache rows>] (defaults: LeanSparseConfig's warm_steps,
 # key_cache_rows = C)
-_LEAN = re.compile(r"leansparse_C(\d+)(?:_w(\d+))?(?:_B(\d+))?$")
+_LEAN = re.compile(r"leansparse_C(\d+)(?:_w(\d+))?(?:_B(\d+))?(_seed)?$")
 FIXED_METHODS = ("dense", "resident", "hisparse", "direct_pq")
 TASKS = ("niah", "mrcr")
 IMPLEMENTATIONS = ("xla", "triton", "jax_triton", "mosaic", None)
@@ -70,6 +72,7 @@ class Method:
     name: str
     engine_method: str | None  # None = dense (no engine)
     lean: LeanSparseConfig | None = None
+    seed: bool = False  # leansparse: key caches seeded at admission (methods.leansparse)
 
 
 def parse_method(name: str, top_k: int, miss_filter_offset: float | None) -> Method:
@@ -90,9 +93,11 @@ def parse_method(name: str, top_k: int, miss_filter_offset: float | None) -> Met
         if rows < c:
             raise ValueError(f"accuracy: method {name!r} has key-cache rows {rows} < C={c}")
         return Method(name, "leansparse", LeanSparseConfig(c, miss_filter_offset, rows,
-                                                           warm_steps=warm))
+                                                           warm_steps=warm),
+                      seed=match.group(4) is not None)
     raise ValueError(f"accuracy: unknown method {name!r}; methods: dense, resident, hisparse, "
-                     "direct_pq, leansparse_C<candidates>[_w<warm steps>][_B<key-cache rows>]")
+                     "direct_pq, leansparse_C<candidates>[_w<warm steps>][_B<key-cache rows>]"
+                     "[_seed]")
 
 
 def check_settings(model, checkpoint, tasks, lengths, examples, methods, num_slots,
@@ -185,23 +190,76 @@ def dense_decode(params, cfg, caches, last, start: int, steps: int) -> list[int]
     return out
 
 
+def enable_cache(directory) -> None:
+    """JAX's persistent compilation cache in ``directory`` (created), for every compile that
+    takes >= 0.5 s from now on."""
+    import os
+
+    os.makedirs(directory, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", os.fspath(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def warm_engine(engine: Engine):
+    """Compiles what a batch runs: prefill and decode step (``Engine.warmup``), then the
+    admission and release of a prompt of a few full pages (not compiled by warmup: on the
+    H200 they otherwise compiled one method after another inside the first batch)."""
+    engine.warmup()
+    cfg, cache = engine.config.model, engine.config.cache
+    prompt = np.zeros(min(cache.prefill_chunk + 1, cfg.max_len - 1), np.int32)
+    engine.release(engine.admit(prompt, 1))
+    jax.block_until_ready(engine.state)
+
+
 def compile_all(engines: dict):
-    """Compiles every engine's prefill and decode step, concurrently (XLA compiles outside the
-    GIL, and on a GPU host compilation dominates a short study)."""
+    """Compiles every engine's prefill, admission and decode step, concurrently (XLA compiles
+    outside the GIL, and on a GPU host compilation dominates a short study)."""
     began = time.perf_counter()
     with ThreadPoolExecutor(max(1, len(engines))) as pool:
-        futures = {pool.submit(e.warmup): m for m, e in engines.items()}
+        futures = {pool.submit(warm_engine, e): m for m, e in engines.items()}
         for future in tqdm(as_completed(futures), total=len(futures), desc="compile decode steps"):
             future.result()
             tqdm.write(f"accuracy: {futures[future]} compiled at "
                        f"{time.perf_counter() - began:.0f} s")
 
 
-def run_engine(engine: Engine, batch, prefilled, answers, forced: bool):
+def prefill_with_selections(params, cfg, tokens, chunk: int):
+    """``steps.prefill`` (the same chunks, the same jitted forward_chunk) that also returns
+    the final chunk's selections: ((caches, last logits [V]), {CSA layer: [T_valid, k]})."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    n = tokens.shape[0]
+    caches, padded = empty_cache(cfg), jnp.pad(tokens, (0, -n % chunk))
+    for start in range(0, n, chunk):
+        valid = min(chunk, n - start)
+        logits, caches, sels = forward_chunk(params, cfg, caches, padded[start:start + chunk],
+                                             start, valid)
+    final = {i: np.asarray(sels[i].positions[:valid]) for i, kind in enumerate(cfg.layer_pattern)
+             if kind == "csa"}
+    return (caches, logits[valid - 1]), final
+
+
+def seed(engine: Engine, slot: int, prefilled, final: dict):
+    """Seeds ``slot``'s leansparse key caches from the final prefill chunk's selections
+    (methods.leansparse.seed_positions / seed_key_cache)."""
+    caches, cfg = prefilled[0], engine.config.model
+    paged = (int(engine.lengths[slot]) // cfg.csa_ratio) // engine.config.cache.page_size \
+        * engine.config.cache.page_size
+    for layer, sel in final.items():
+        pos = seed_positions(sel, engine.config.leansparse.key_cache_rows)
+        keys = caches[layer].keys
+        engine.state = seed_key_cache(engine.state, layer, slot, jnp.asarray(pos), keys.values,
+                                      keys.scales, paged)
+
+
+def run_engine(engine: Engine, batch, prefilled, answers, forced: bool, finals=None):
     """Admits a batch, decodes len(answer) tokens each; returns (texts, selections [steps, S,
-    L, k]). Forced: inputs are the reference answers (teacher forcing)."""
+    L, k]). Forced: inputs are the reference answers (teacher forcing). finals: per example
+    the final prefill chunk's selections, to seed the key caches at admission (None: cold)."""
     steps = max(len(a) for a in answers) - 1
     slots = [engine.admit(ex.prompt, steps + 1, prefilled=p) for ex, p in zip(batch, prefilled)]
+    if finals is not None:
+        for s, p, f in zip(slots, prefilled, finals):
+            seed(engine, s, p, f)
     sels = []
     for i in range(steps):
         tokens = None
@@ -222,13 +280,22 @@ def accuracy(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
              num_slots: int = 8, prefill_chunk: int = 1024, hot_cache_rows: int = 64,
              page_size: int = 64, miss_filter_offset: float | None = 1.0,
              calibration_tokens: int = 4096, implementation: str | None = "xla",
-             host_pages: int | None = None, seed_offset: int = 0, recall: bool = True):
+             host_pages: int | None = None, seed_offset: int = 0, recall: bool = True,
+             compilation_cache: str | None = None):
     """Runs every method on the same held-out examples of every (task, length) cell.
     host_pages: CacheConfig.host_pages of the paged methods (None = enough for every slot).
     seed_offset: the first example seed (evaluation_seeds); another offset, a fresh example set.
     recall: also run the teacher-forced pass that measures indexer recall (doubles decoding).
+    compilation_cache: a directory for JAX's persistent compilation cache (enable_cache; the
+    environment variable JAX_COMPILATION_CACHE_DIR does the same): a later run with the same
+    shapes loads its compiled steps instead of compiling them (on a GPU, most of a short
+    study's time); carry the directory between machines to keep it.
+    Examples run num_slots at a time: every method's engine is compiled once (at max(lengths))
+    and reused by every batch and length, so fewer slots compile faster and only add batches.
     Cells run length by length (both tasks of a length, then the next), so a run cut short
     keeps every shorter length."""
+    if compilation_cache is not None:  # before anything compiles
+        enable_cache(v.resolve_path("accuracy.compilation_cache", compilation_cache, None))
     cfg, specs, path = check_settings(model, checkpoint, tasks, lengths, examples, methods,
                                       num_slots, prefill_chunk, hot_cache_rows, page_size,
                                       miss_filter_offset, calibration_tokens, implementation,
@@ -265,7 +332,12 @@ def accuracy(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
             batch = [task_example(task, length, seed) for seed in seeds[lo:lo + num_slots]]
             answers = [tokenizer.encode(ex.answer) for ex in batch]
             t0 = time.perf_counter()
-            prefilled = [prefill(params, cfg, ex.prompt, prefill_chunk) for ex in batch]
+            if any(s.seed for s in specs):  # the same prefill, keeping its final selections
+                prefilled, finals = zip(*[prefill_with_selections(params, cfg, ex.prompt,
+                                                                  prefill_chunk) for ex in batch])
+            else:
+                prefilled, finals = [prefill(params, cfg, ex.prompt, prefill_chunk)
+                                     for ex in batch], None
             jax.block_until_ready(prefilled)
             timing = {"prefill": time.perf_counter() - t0}
             reference = None
@@ -277,10 +349,12 @@ def accuracy(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
                              for ex, (c, last), a in zip(batch, prefilled, answers)]
                     recall = by_step = [None] * len(batch)
                 else:
-                    texts, _ = run_engine(engines[s.name], batch, prefilled, answers, False)
+                    fin = finals if s.seed else None
+                    texts, _ = run_engine(engines[s.name], batch, prefilled, answers, False, fin)
                     sel = None
                     if measure_recall:
-                        _, sel = run_engine(engines[s.name], batch, prefilled, answers, True)
+                        _, sel = run_engine(engines[s.name], batch, prefilled, answers, True,
+                                            fin)
                     if s.name == "resident":
                         reference = sel
                     recall = [None if reference is None or sel is None else
@@ -301,10 +375,13 @@ def accuracy(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
                        f"{seeds[lo] + len(batch) - 1}: " +
                        ", ".join(f"{k} {v:.1f} s" for k, v in timing.items()))
             bar.update(len(batch))
-        done = sorted(cells[:cells.index((task, length)) + 1],
-                      key=lambda c: (tasks.index(c[0]), c[1]))  # the table: task by task
-        summary, table = save(name, cfg, checkpoint, examples, records, methods, done,
-                              complete=len(done) == len(cells), seeds=seeds)
+            # after every batch: a run cut short keeps its finished cells (n = examples) and
+            # the examples of the cell it was in (n < examples)
+            done = sorted(cells[:cells.index((task, length)) + 1],
+                          key=lambda c: (tasks.index(c[0]), c[1]))  # the table: task by task
+            summary, table = save(name, cfg, checkpoint, examples, records, methods, done,
+                                  complete=len(done) == len(cells)
+                                  and lo + num_slots >= examples, seeds=seeds)
         finished = [n for n in lengths if all((t, n) in done for t in tasks)]
         if finished and finished[-1] == length and task == tasks[-1]:
             plot(summary, methods, tasks, finished, run_dir(name) / "accuracy.png")
@@ -317,8 +394,8 @@ def accuracy(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
 
 def save(name, cfg, checkpoint, examples, records, methods, cells, complete: bool,
          seeds: range = range(0)):
-    """Writes the results of the finished cells (after every cell: a long run that stops
-    early keeps what it measured, marked complete=False)."""
+    """Writes the results of ``cells`` (after every batch: a long run that stops early keeps
+    what it measured, marked complete=False; a cell cut short has n < examples)."""
     summary = summarize(records, methods, cells)
     table = format_table(summary, methods, cells)
     out = run_dir(name)

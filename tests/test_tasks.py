@@ -119,7 +119,7 @@ def test_niah_score_exact_still_importable():
 # MRCR
 # ---------------------------------------------------------------------------------------------
 
-_NEEDLE_ROUND_RE = re.compile(r"User: write a (\w+) about (\w+)\nBot: ([a-z]{8})\n")
+_NEEDLE_ROUND_RE = re.compile(r"User: write a (\w+) about (\w+)\nBot: ([a-z]+(?::? [a-z]+)*)\n")
 _FILLER_ROUND_RE = re.compile(r"User: tell me about ([a-z]+)\nBot: ([a-z ]+)\n")
 _QUERY_RE = re.compile(r"User: repeat the (1st|2nd|3rd|4th) (\w+) about (\w+)\nBot: ")
 
@@ -168,11 +168,35 @@ def _check_mrcr(ex, length, num_rounds, num_same):
 
 
 @pytest.mark.parametrize("length,num_rounds,num_same,seed",
-                         [(300, 4, 2, 0), (301, 4, 2, 1), (512, 2, 2, 2), (777, 6, 3, 3),
+                         [(420, 4, 2, 0), (421, 4, 2, 1), (512, 2, 2, 2), (777, 6, 3, 3),
                           (1024, 8, 4, 4), (1000, 1, 1, 5), (4099, 12, 4, 6), (32768, 4, 2, 7)])
 def test_mrcr_structure(length, num_rounds, num_same, seed):
     ex = mrcr_example(length, num_rounds=num_rounds, num_same=num_same, seed=seed)
     _check_mrcr(ex, length, num_rounds, num_same)
+
+
+@pytest.mark.parametrize("body", mrcr.BODIES)
+def test_mrcr_body_styles(body):
+    """Bodies are three BODY_WORDS ("words"; "titled": after "<kind> about <topic>: ") or 8
+    letters ("letters"), distinct per prompt, and the answer is the asked one's; min_length
+    suffices for every style."""
+    for seed in range(8):
+        ex = mrcr_example(mrcr.min_length(4, body), seed=seed, body=body)
+        _check_mrcr(ex, mrcr.min_length(4, body), 4, 2)
+        bodies = [g[2] for _, k, g in _parse_mrcr(tokenizer.decode(ex.prompt))[0] if k == "needle"]
+        for (k, t, b) in (g for _, kind, g in _parse_mrcr(tokenizer.decode(ex.prompt))[0]
+                          if kind == "needle"):
+            if body != "letters":
+                title = f"{k} about {t}: " if body == "titled" else ""
+                assert b.startswith(title)
+                words = b.removeprefix(title).split(" ")
+                assert len(words) == mrcr.BODY_NUM_WORDS
+                assert all(w in mrcr.BODY_WORDS for w in words)
+            else:
+                assert re.fullmatch(r"[a-z]{8}", b)
+        assert ex.answer[:-1] in bodies
+    with pytest.raises(ValueError, match="body"):
+        mrcr_example(1000, body="digits")
 
 
 def test_mrcr_exact_length_many_lengths_and_ordinals():
@@ -275,6 +299,6 @@ def test_example_dispatch():
 
 
 def test_all_tasks_any_length_in_range():
-    for task, length in itertools.product(TASKS, (400, 999, 2048)):
+    for task, length in itertools.product(TASKS, (410, 999, 2048)):
         ex = example(task, length, seed=length)
         assert len(ex.prompt) == length and ex.answer

@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from lsparse_jax.config import EngineConfig, LeanSparseConfig, ModelConfig, Storage, invalid
@@ -256,6 +257,44 @@ class LeanSparse(HiSparse):
         return cache.replace(keys=keys), tier.replace(key_pools=tuple(pools))
 
 
+def seed_positions(selected, rows: int) -> np.ndarray:
+    """Key-cache seed of one CSA layer from the final prefill chunk's exact selections (our
+    cold-start option, README "Cold start"; the paper is silent on admission).
+
+    selected [T, k] int32: the chunk's valid queries' top-k positions (-1 none), last query
+    last. Ranking: the last query's picks, then by how many of the chunk's queries picked a
+    position, then the most recent position. Returns [rows] int32, -1 padded.
+    """
+    selected = np.asarray(selected)
+    pos, count = np.unique(selected[selected >= 0], return_counts=True)
+    last = np.isin(pos, selected[-1])
+    order = np.lexsort((-pos, -count, ~last))  # primary key last
+    out = np.full(rows, -1, np.int32)
+    out[:min(rows, pos.size)] = pos[order][:rows]
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("layer",), donate_argnames=("state",))
+def seed_key_cache(state, layer: int, slot, positions, values, scales, paged):
+    """``state`` (a leansparse DecodeState) with ``slot``'s key cache of CSA ``layer`` holding
+    the exact FP8 keys of ``positions`` [B] (-1 none; tail rows >= ``paged`` are skipped: the
+    tail serves them) taken from the prefilled keys values [N, D_I] e4m3 / scales [N, nb].
+    The seeded rows get stamp 0 (least recent: the first misses evict them first) and the
+    cache clock stays 0, so ``warm_steps`` still counts from the first decode step."""
+    caches = list(state.caches)
+    keys = caches[layer].keys
+    hot = keys.cache
+    keep = (positions >= 0) & (positions < paged)
+    idx = jnp.maximum(positions, 0)
+    row = lambda old, new: old.at[slot].set(  # noqa: E731
+        jnp.where(keep.reshape((-1,) + (1,) * (new.ndim - 1)), new, old[slot]))
+    hot = hot.replace(rows=(row(hot.rows[0], values[idx]), row(hot.rows[1], scales[idx])),
+                      positions=hot.positions.at[slot].set(jnp.where(keep, positions, -1)),
+                      stamps=hot.stamps.at[slot].set(jnp.where(keep, 0, -1)))
+    caches[layer] = caches[layer].replace(keys=keys.replace(cache=hot))
+    return state.replace(caches=tuple(caches))
+
+
 def calibrate_codebooks(params, cfg: ModelConfig, tokens, *, subspace_dim: int = 4,
                         num_centroids: int = 256, iters: int = 20, seed: int = 0) -> dict:
     """LeanSparse's offline step: runs the model over calibration ``tokens`` (use text the
@@ -271,4 +310,4 @@ def calibrate_codebooks(params, cfg: ModelConfig, tokens, *, subspace_dim: int =
 
 
 __all__ = ["CoarseToFineIndex", "LeanSparse", "LeanTier", "calibrate_codebooks",
-           "encode_keys"]
+           "encode_keys", "seed_key_cache", "seed_positions"]

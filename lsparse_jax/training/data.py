@@ -22,8 +22,8 @@ import numpy as np
 
 from lsparse_jax.tasks import TASKS, example, tokenizer
 from lsparse_jax.tasks.mrcr import (
-    BODY_LEN,
     KINDS,
+    MAX_BODY_LEN,
     ORDINALS,
     TOPICS,
     min_length,
@@ -34,9 +34,10 @@ from lsparse_jax.tasks.mrcr import (
 TRAIN_SEED_BASE = 1_000_000_000  # evaluation seeds are < this
 NIAH_DIGITS = 4  # tasks.example's NIAH values
 _NEEDLE = re.compile(r" The magic number for (\S+) is (\d+)\. ")
-_ROUND = re.compile(r"User: write a (\w+) about (\w+)\nBot: ([a-z]+)\n")
+_ROUND = re.compile(r"User: write a (\w+) about (\w+)\nBot: ([a-z :]+)\n")
+MRCR_ANSWER = max(MAX_BODY_LEN.values()) + 1  # the longest MRCR answer (body + "\n")
 # the longest "repeat" round (query + body + newline) an MRCR training sequence can append
-_MRCR_QA = len(query(len(ORDINALS), max(KINDS, key=len), max(TOPICS, key=len))) + BODY_LEN + 1
+_MRCR_QA = len(query(len(ORDINALS), max(KINDS, key=len), max(TOPICS, key=len))) + MRCR_ANSWER
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,10 +87,12 @@ def mrcr_training_sequence(length: int, seed: int, extra_queries: int):
     """
     rng = np.random.default_rng([seed, 1])
     rounds = int(rng.integers(2, 7))
-    while rounds > 2 and min_length(rounds) + extra_queries * _MRCR_QA + BODY_LEN + 1 > length:
+    while extra_queries and min_length(2) + extra_queries * _MRCR_QA + MRCR_ANSWER > length:
+        extra_queries -= 1  # short sequences: fewer extra rounds
+    while rounds > 2 and min_length(rounds) + extra_queries * _MRCR_QA + MRCR_ANSWER > length:
         rounds -= 1
     same = int(rng.integers(1, min(len(ORDINALS), rounds) + 1))
-    ex = mrcr_example(length - extra_queries * _MRCR_QA - BODY_LEN - 1, num_rounds=rounds,
+    ex = mrcr_example(length - extra_queries * _MRCR_QA - MRCR_ANSWER, num_rounds=rounds,
                       num_same=same, seed=seed)
     found = _ROUND.findall(tokenizer.decode(ex.prompt))
     asked = []  # (ordinal, kind, topic, body) of every needle round
@@ -111,12 +114,14 @@ def training_sequence(task: str, length: int, seed: int, extra_queries: int,
     rng = np.random.default_rng(seed)
     if task == "mrcr" and mrcr_extra_queries:
         return mrcr_training_sequence(length, seed, mrcr_extra_queries)
-    if task != "niah" or extra_queries == 0:
-        ex = task_example(task, length - len(_answer(task)), seed)
-        seq = np.concatenate([ex.prompt, tokenizer.encode(ex.answer)])
-        answer = np.zeros(length, bool)
-        answer[len(ex.prompt):] = True
-        return seq, answer, np.ones(length, bool)
+    if task != "niah" or extra_queries == 0:  # the plain task format (evaluation's)
+        prompt_len = length - _ANSWER_LEN[task]
+        if task == "mrcr" and prompt_len < min_length(4):  # short: fewer rounds (2-3)
+            rounds = max([2] + [r for r in (2, 3) if min_length(r) <= prompt_len])
+            ex = mrcr_example(prompt_len, num_rounds=rounds, seed=seed)
+        else:
+            ex = task_example(task, prompt_len, seed)
+        return _padded([ex.prompt, tokenizer.encode(ex.answer)], [False, True], length)
     needles = int(rng.integers(2, 2 + 2 * extra_queries))
     extra_queries = min(extra_queries, length // 4 // len("".join(_qa("w" * 12, "0000"))))
     reserve = NIAH_DIGITS + extra_queries * len("".join(_qa("w" * 12, "0" * NIAH_DIGITS)))
@@ -163,6 +168,5 @@ def make_batch(step: int, batch: int, length: int, mix: dict[str, float],
     return Batch(tokens[:, :-1], tokens[:, 1:], weights.astype(np.float32), answer[:, 1:])
 
 
-def _answer(task: str) -> str:
-    """A placeholder of the task's answer length: NIAH 4 digits; MRCR 8 letters + newline."""
-    return {"niah": "0" * NIAH_DIGITS, "mrcr": "x" * 8 + "\n"}[task]
+# the longest answer of each task: NIAH 4 digits; MRCR the longest body + "\n"
+_ANSWER_LEN = {"niah": NIAH_DIGITS, "mrcr": MRCR_ANSWER}
