@@ -13,9 +13,12 @@ rounds have a different (kind, topic) pair (they may share the kind or the topic
 always at least one filler round; filler rounds are interleaved with the needle rounds at random
 positions and one filler body is cut (or grown) so the prompt is exactly ``length`` bytes.
 
-Bodies (``body=``): "words" (the default) is three words drawn from BODY_WORDS (32 words, none
-of them a filler word, first two letters distinct), e.g. "amber falcon quartz"; "letters" is the
-original 8 random lowercase letters. Why words: a byte-level model copies a response through
+Bodies (``body=``): "titled" (the default) restates the request before three words, e.g.
+"riddle about cats: nectar timber pepper" (the key sits next to the response, as in NIAH);
+"words" is the three words alone, drawn from BODY_WORDS (32 words, none of them a filler word,
+first two letters distinct); "letters" is the original 8 random lowercase letters (every MRCR
+figure before session 6, and the training data of the shipped checkpoints, used it).
+Why words: a byte-level model copies a response through
 CSA's compressed entries (4 tokens each); 8 random letters are 8 independent 1-of-26 choices to
 read out of ~3 entries, and the trained small model never learned it (0.03 per-letter accuracy
 teacher forced, i.e. chance), while a word is one 1-of-32 choice per ~6 bytes that the model
