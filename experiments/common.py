@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import time
 
 import gin
+import jax
 import numpy as np
 
 from experiments import validate
@@ -75,6 +77,20 @@ def selection_recall(got, want) -> float:
         found += len(set(a[a >= 0].tolist()) & ref)
         total += len(ref)
     return found / max(total, 1)
+
+
+def timed_steps(engine, warm_steps: int, steps: int) -> float:
+    """Runs ``warm_steps`` decode steps of ``engine`` (the first compiles), then ``steps``
+    timed ones; returns the mean wall time of a timed step in ms (``Engine.step`` reads the
+    tokens back, so each step is complete when it returns)."""
+    for _ in range(warm_steps):
+        engine.step()
+    jax.block_until_ready(engine.state)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    jax.block_until_ready(engine.state)
+    return (time.perf_counter() - t0) / steps * 1e3
 
 
 def run_dir(name: str, root: str | None = None) -> pathlib.Path:

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from experiments.common import fit_max_len, pyplot, run_dir, write_results
+from experiments.common import fit_max_len, pyplot, run_dir, timed_steps, write_results
 from lsparse_jax.config import (
     CacheConfig,
     EngineConfig,
@@ -154,14 +154,7 @@ def decode_cell(cfg, params, books, pre, prompt, method, batch, steps, warm_step
     for _ in range(batch):
         eng.admit(Request(prompt, max_new_tokens=steps + warm_steps + PROFILED_STEPS + 1),
                   prefilled=pre)
-    for _ in range(warm_steps):
-        eng.step()
-    jax.block_until_ready(eng.state)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        eng.step()
-    jax.block_until_ready(eng.state)
-    step_ms = (time.perf_counter() - t0) / steps * 1e3
+    step_ms = timed_steps(eng, warm_steps, steps)
     if trace is not None:  # a few more steps under the profiler (not in step_ms)
         with jax.profiler.trace(str(trace), create_perfetto_trace=True):
             for _ in range(PROFILED_STEPS):

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from experiments.common import fit_max_len, pyplot, run_dir, write_results
+from experiments.common import fit_max_len, pyplot, run_dir, timed_steps, write_results
 from lsparse_jax.config import (
     CacheConfig,
     EngineConfig,
@@ -186,14 +186,7 @@ def _cell(cfg, params, books, pre, prompt, method, batch, n, steps, warm_steps, 
     for _ in range(batch):
         eng.admit(Request(prompt, max_new_tokens=steps + warm_steps + 1), prefilled=prefilled)
     admit_s = time.perf_counter() - t0
-    for _ in range(warm_steps):
-        eng.step()
-    jax.block_until_ready(eng.state)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        eng.step()
-    jax.block_until_ready(eng.state)
-    return {**rec, "step_ms": (time.perf_counter() - t0) / steps * 1e3, "warmup_s": warmup_s,
+    return {**rec, "step_ms": timed_steps(eng, warm_steps, steps), "warmup_s": warmup_s,
             "admit_s": admit_s}
 
 
