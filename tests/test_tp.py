@@ -92,6 +92,14 @@ def test_speculative_decoding_refuses_tp():
         check_spec(EngineConfig(model=tiny(), tp=2), DrafterConfig())
 
 
+def test_prefix_reuse_refuses_tp():
+    from lsparse_jax.serving.prefix import check_reuse
+
+    check_reuse(EngineConfig(model=tiny()))  # tp = 1: allowed
+    with pytest.raises(ValueError, match=r"EngineConfig.tp=2 .*prefix reuse"):
+        check_reuse(EngineConfig(model=tiny(), tp=2))
+
+
 def test_tp_beyond_the_visible_devices_names_the_setting():
     n = jax.device_count()
     with pytest.raises(ValueError, match=rf"EngineConfig.tp={n + 1} .*only {n} devices"):

@@ -19,7 +19,7 @@ from lsparse_jax.parallel import engine_mesh, replicate, shard_params
 from lsparse_jax.quant import KVRowFormat
 from lsparse_jax.serving import stats
 from lsparse_jax.serving.prefill_stream import StreamedPrefix, stream_prefix
-from lsparse_jax.serving.prefix import Prefix, export_layer, loaders, tree_bytes
+from lsparse_jax.serving.prefix import Prefix, check_reuse, export_layer, loaders, tree_bytes
 from lsparse_jax.serving.request import Request
 from lsparse_jax.serving.sampling import sample
 from lsparse_jax.serving.state import (
@@ -120,6 +120,7 @@ class Engine:
                              f"exceeds ModelConfig.max_len={cfg.max_len}")
         held = ()
         if prefix is not None:
+            check_reuse(self.config)
             self._check_prefix(prefix, prompt, prefilled)
             held = prefix.pages
         free = np.flatnonzero(~self.active)
@@ -192,6 +193,7 @@ class Engine:
         host pages stay reserved, the rest of its state is saved to pinned_host memory
         (``serving.prefix``). Admit a request extending it with ``admit(prefix=...)``, or free
         it with ``drop``."""
+        check_reuse(self.config)
         if not self.active[slot]:
             raise ValueError(f"detach: slot {slot} is not active")
         request, length = self.requests[slot], int(self.lengths[slot])

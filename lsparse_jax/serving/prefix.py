@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from lsparse_jax.config import EngineConfig
+from lsparse_jax.config import EngineConfig, invalid
 from lsparse_jax.memory.device_pool import PoolView, gather_slot_rows
 from lsparse_jax.methods import policy
 from lsparse_jax.model.cache import LayerCache
@@ -195,8 +195,17 @@ def loaders(engine: EngineConfig, prefix: Prefix, tier) -> tuple[PrefixLoad, ...
                  for i, saved in enumerate(prefix.layers))
 
 
+def check_reuse(engine: EngineConfig) -> None:
+    """Raises ValueError when ``engine`` cannot detach or reuse prefixes: their layer stream
+    runs on one device (as ``CacheConfig.streamed_prefill``), so not with ``tp`` > 1."""
+    if engine.tp != 1:
+        invalid("EngineConfig", "tp", engine.tp, "prefix reuse (Engine.detach, "
+                "admit(prefix=...)) streams layers on one device; use tp = 1")
+
+
 def tree_bytes(tree) -> int:
     return sum(a.nbytes for a in jax.tree.leaves(tree))
 
 
-__all__ = ["HostPaged", "Prefix", "PrefixLoad", "export_layer", "loaders", "tree_bytes"]
+__all__ = ["HostPaged", "Prefix", "PrefixLoad", "check_reuse", "export_layer", "loaders",
+           "tree_bytes"]
