@@ -47,7 +47,7 @@ from lsparse_jax.config import (
 from lsparse_jax.methods.leansparse import calibrate_codebooks
 from lsparse_jax.model import init_params
 from lsparse_jax.serving.engine import Engine
-from lsparse_jax.serving.metrics import percentiles
+from lsparse_jax.serving.metrics import percentiles, throughput
 from lsparse_jax.serving.request import Request
 from lsparse_jax.serving.scheduler import Clock, Scheduler
 from lsparse_jax.serving.workloads import MultiTurn, session_records
@@ -67,12 +67,8 @@ def replay_summary(records: list[dict]) -> dict:
     out |= percentiles([r["ttft_s"] for r in cont], "ttft")
     out |= percentiles([r["tpot_s"] for r in cont], "tpot")
     out |= percentiles([s["session_s"] for s in sessions], "session")
-    tokens = sum(r["output_tokens"] for r in measured)
-    span = (max(r["finished_s"] for r in measured) - min(r["arrival_s"] for r in measured)
-            if measured else 0.0)
-    out |= {"output_tokens": tokens, "span_s": span,
-            "throughput_tok_s": tokens / span if span > 0 else None}
-    return out
+    tokens, span, rate = throughput(measured)
+    return out | {"output_tokens": tokens, "span_s": span, "throughput_tok_s": rate}
 
 
 def _engine(cfg, params, method, slots, chunk, hot_cache_rows, page_size, echo_pool_rows,

@@ -48,12 +48,17 @@ def summarize(records: Sequence[dict]) -> dict:
     out = {"completed": len(records)}
     for name in ("ttft", "tpot", "e2e", "queue"):
         out |= percentiles([r[f"{name}_s"] for r in records], name)
+    tokens, span, rate = throughput(records)
+    return out | {"output_tokens": tokens, "run_time_s": span, "throughput_tok_s": rate}
+
+
+def throughput(records: Sequence[dict]) -> tuple[int, float, float | None]:
+    """(output tokens, span from the first arrival to the last finish in seconds, tokens per
+    second over that span, None for an empty span) of request records."""
     tokens = sum(r["output_tokens"] for r in records)
     span = (max(r["finished_s"] for r in records) - min(r["arrival_s"] for r in records)
             if records else 0.0)
-    out |= {"output_tokens": tokens, "run_time_s": span,
-            "throughput_tok_s": tokens / span if span > 0 else None}
-    return out
+    return tokens, span, tokens / span if span > 0 else None
 
 
-__all__ = ["PERCENTILES", "percentiles", "request_metrics", "summarize"]
+__all__ = ["PERCENTILES", "percentiles", "request_metrics", "summarize", "throughput"]
