@@ -54,8 +54,8 @@ case "$STEP" in
       echo "== $name ($secs s)"; mkdir -p "$OUT/$name"
       local dir=$ROOT/.branches/$name; [ -d "$dir" ] || dir=$ROOT
       (cd "$dir" && export PYTHONPATH=/tmp/site:$dir OUT=$OUT/$name LSPARSE_RUNS=$OUT/$name \
-        && timeout "$secs" bash -c "$*" 2>&1 | quiet | tail -${TAIL:-25})
-      echo "-- $name exit ${PIPESTATUS[0]}"
+        && timeout "$secs" bash -c "$*" 2>&1 | quiet | tail -${TAIL:-25}
+        echo "-- $name exit ${PIPESTATUS[0]} (124: cut by its timeout)")
     }
     export ROOT
     part kernels 45 "python3 benchmarks/kernels_session6_gpu.py --out \$OUT --budget-s 36 --cells hot_resolve,nosync"
