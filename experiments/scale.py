@@ -91,10 +91,12 @@ def scale(name: str, model=gin.REQUIRED, methods=("resident", "hisparse", "leans
         params = init_params(cfg, seed)
         prompt = np.random.default_rng(seed + context).integers(
             0, min(cfg.vocab_size, 256), context).astype(np.int32)
-        jax.block_until_ready(prefill(params, cfg, prompt[:prefill_chunk], prefill_chunk))
+        jax.block_until_ready(prefill(params, cfg, prompt[:prefill_chunk], prefill_chunk,
+                                      implementation=implementation))
         t0 = time.perf_counter()
         with tqdm(total=context, desc=f"prefill {context}", unit="tok") as bar:
-            pre = jax.block_until_ready(prefill(params, cfg, prompt, prefill_chunk, bar))
+            pre = jax.block_until_ready(prefill(params, cfg, prompt, prefill_chunk, bar,
+                                                  implementation=implementation))
         prefill_s = time.perf_counter() - t0
         books, calibration_s = None, None
         if any(method_storage(m).keys_on_host for m, _ in todo):

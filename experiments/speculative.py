@@ -18,6 +18,7 @@ drafter checkpoint an untrained drafter runs (the cost side: acceptance ~1).
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 import time
 
@@ -56,6 +57,10 @@ def _serve(engine, prompts, decode_tokens):
     """Admits every prompt, decodes until each has decode_tokens tokens (the first one from
     the prefill); returns the tokens per request and the mean time to first token."""
     engine.warmup()
+    # admission compiles on its first use (not in warmup): admit and release one prompt of a
+    # few pages first, so that the time to first token excludes compilation
+    cfg, chunk = engine.config.model, engine.config.cache.prefill_chunk
+    engine.release(engine.admit(np.zeros(min(chunk + 1, cfg.max_len - 1), np.int32), 1))
     slots = [engine.admit(p, decode_tokens) for p in prompts]
     ttft = [engine.requests[s].first_token_at - engine.requests[s].admitted_at for s in slots]
     out = {}
@@ -76,13 +81,16 @@ def speculative(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
                 num_candidates: int = 64, key_cache_rows: int = 256,
                 implementation: str | None = None, codebook_tokens: int = 4096,
                 results_dir: str | None = "results/speculative",
-                time_limit_s: float | None = None):
+                time_limit_s: float | None = None, resume_from: str | None = None):
     """drafter_checkpoint: a trained drafter (experiments/train_drafter.py); None = an
     untrained one of config ``drafter``. num_candidates, key_cache_rows: leansparse's C and
     key cache (miss filter off: its selection is then independent of the key-cache order).
     Cells run concurrency by concurrency (every method at the first one first); results are
     written after each cell; time_limit_s: start no cell after this many seconds (the results
-    say ``complete: false``)."""
+    say ``complete: false``). resume_from: a results.json of an earlier run with the same
+    model, checkpoints, lengths and implementation: its finished cells (plain and speculative
+    records of one method and concurrency) are kept and not run again; each record carries the
+    ``session`` (run name @ UTC start) that measured it."""
     for setting, value in (("prompt_tokens", prompt_tokens), ("decode_tokens", decode_tokens),
                            ("prefill_chunk", prefill_chunk), ("page_size", page_size),
                            ("optional_pages", optional_pages),
@@ -118,9 +126,18 @@ def speculative(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
         calib = task_example("niah", codebook_tokens, 10**6).prompt  # not an evaluation seed
         books = calibrate_codebooks(params, cfg, calib)
 
-    records, out, start = [], run_dir(name), time.perf_counter()
+    out, start = run_dir(name), time.perf_counter()
+    session = f"{out.name}@{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"
+    meta = {"model": dataclasses.asdict(cfg), "checkpoint": checkpoint,
+            "drafter_checkpoint": drafter_checkpoint, "drafter": dataclasses.asdict(dcfg),
+            "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens,
+            "implementation": implementation}
     cells = [(m, c) for c in concurrencies for m in methods]
+    records = [] if resume_from is None else resumed(resume_from, meta, cells)
+    done = {(r["method"], r["concurrency"]) for r in records}
     for i, (method, c) in enumerate(cells):
+        if (method, c) in done:
+            continue
         if time_limit_s is not None and time.perf_counter() - start > time_limit_s:
             print(f"time limit: {len(cells) - i} cells not run")
             break
@@ -134,7 +151,7 @@ def speculative(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
                         "acceptance_length": 1.0,
                         "output_tok_s": pm["decode_tokens_per_second"],
                         "union_miss_ratio": None, "ttft_s": ttft,
-                        "decode_tokens": pm["decode_tokens"]})
+                        "decode_tokens": pm["decode_tokens"], "session": session})
         spec = SpecEngine(config, params, (dparams, dcfg), books)
         got, ttft = _serve(spec, prompts, decode_tokens)
         sm = spec.metrics()
@@ -151,16 +168,29 @@ def speculative(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
                         "drafter_time_share": sm["drafter_time_share"], "ttft_s": ttft,
                         "spec_state_bytes_per_request": sm["spec_state_bytes_per_request"],
                         "decode_tokens": sm["decode_tokens"],
-                        "greedy_identical": got == want})
+                        "greedy_identical": got == want, "session": session})
         print(table(records[-2:]).splitlines()[-1])
-        save(out, results_dir, records, len(records) == 2 * len(cells),
-             {"model": dataclasses.asdict(cfg), "checkpoint": checkpoint,
-              "drafter_checkpoint": drafter_checkpoint, "drafter": dataclasses.asdict(dcfg),
-              "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens,
-              "implementation": implementation})
+        save(out, results_dir, records, len(records) == 2 * len(cells), meta)
+    save(out, results_dir, records, len(records) == 2 * len(cells), meta)
     print(table(records))
     print(f"wrote {out}/results.json and speculative.png")
     return records
+
+
+def resumed(resume_from: str, meta: dict, cells) -> list[dict]:
+    """The finished cells' records of an earlier results.json among ``cells``; a ConfigError
+    when it was run with another setting of ``meta``."""
+    path = v.resolve_path("speculative.resume_from", resume_from)
+    prev = json.loads(path.read_text())
+    differs = [k for k, val in json.loads(json.dumps(meta)).items() if prev.get(k) != val]
+    if differs:
+        raise v.ConfigError(f"speculative.resume_from: {path} was run with other {differs}; "
+                            "resume only a run of the same settings")
+    pairs = {}
+    for r in prev["records"]:
+        pairs.setdefault((r["method"], r["concurrency"]), []).append(r)
+    return [r for cell in cells for r in pairs.get(cell, ())
+            if len(pairs[cell]) == 2]  # a plain and a speculative record
 
 
 def save(out, results_dir, records, complete: bool, meta: dict):

@@ -118,6 +118,66 @@ def test_exact_selection_in_query_tiles_equals_untiled(budget):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_select_topk_through_the_kernel_equals_topk_positions():
+    """``select_topk`` through the Pallas top-k (interpret mode) and through "xla" return
+    topk_positions' positions and values entry for entry: any eligibility mask (not only
+    prefixes), rows with fewer than k or no eligible entries, ties resolved to the lower
+    position (-0.0 tied with +0.0), k > N."""
+    from lsparse_jax.indexing.topk import select_topk, topk_positions
+
+    rng = np.random.default_rng(1)
+    t, n = 6, 96
+    scores = rng.normal(size=(t, n)).astype(np.float32)
+    scores[1, ::3] = 0.5  # ties across the k-th place
+    eligible = rng.random((t, n)) < 0.6
+    eligible[2] = np.arange(n) < 5  # fewer than k
+    eligible[3] = False  # nothing eligible (a padding query)
+    scores[4, ~eligible[4]] = np.nan  # poison where not eligible
+    scores[5, :40] = np.where(np.arange(40) % 2, 0.0, -0.0)  # signed zeros tie
+    scores[5, 40:] = -1.0
+    want = np.where(scores == 0, 0.0, scores)  # -0.0 counts as +0.0
+    for k in (16, 128):
+        ref = topk_positions(jnp.asarray(want), jnp.asarray(eligible), k)
+        for impl in ("xla", "triton"):
+            got = select_topk(jnp.asarray(scores), jnp.asarray(eligible), k, impl)
+            for a, b in zip(ref, got):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="unknown"):
+        select_topk(jnp.asarray(scores), jnp.asarray(eligible), 4, "cuda")
+
+
+@pytest.mark.gpu
+def test_select_topk_kernel_equals_topk_positions_on_gpu():
+    """The same identity at prefill shapes on the GPU (a 256-query tile over 32768 keys, k 512,
+    causal-prefix and random masks, ties)."""
+    from lsparse_jax.indexing.topk import select_topk, topk_positions
+
+    rng = np.random.default_rng(2)
+    t, n = 256, 32768
+    scores = np.round(rng.normal(size=(t, n)), 2).astype(np.float32)  # many ties
+    prefix = np.arange(n)[None, :] < rng.integers(0, n, t)[:, None]
+    for eligible in (prefix, rng.random((t, n)) < 0.3):
+        want = topk_positions(jnp.asarray(scores), jnp.asarray(eligible), 512)
+        got = select_topk(jnp.asarray(scores), jnp.asarray(eligible), 512, "triton")
+        for a, b in zip(want, got):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("pattern", [
+    "v4", pytest.param("dsa_shared", marks=pytest.mark.slow)])  # 100 DSA rows: ~30 s interpreted
+def test_prefill_with_kernel_topk_equals_xla_bit_for_bit(pattern):
+    """A chunk's exact selections (CSA and DSA leaders) through the top-k kernel (interpret
+    mode) give the same positions in the same order, so logits, caches and selections equal
+    the "xla" prefill's bit for bit (100 tokens: 25 CSA rows, 100 DSA rows > top_k 16)."""
+    cfg = tiny(**PATTERNS[pattern])
+    params, tokens = model_and_tokens(cfg, 100)
+    want = forward_chunk(params, cfg, empty_cache(cfg), tokens, 0, 100)
+    got = forward_chunk(params, cfg, empty_cache(cfg), tokens, 0, 100, implementation="triton")
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):  # bits (FP8 NaN included)
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_array_equal(a.view(f"u{a.itemsize}"), b.view(f"u{b.itemsize}"))
+
+
 def test_matmul_precision_reaches_every_model_matmul():
     """ModelConfig.matmul_precision="bf16" puts bf16 operands (f32 accumulation) on every dot of
     a chunk's forward (projections, attention, the indexer's exact scores, the LM head), and

@@ -179,6 +179,7 @@ class PooledIndex:
 
     top_k: int
     page_size: int
+    implementation: str | None = "xla"  # the top-k kernel (``topk`` op implementation)
 
     def empty(self, num_rows: int, dim: int, num_scales: int) -> PooledKeys:
         nan = lambda shape, dtype: jnp.full(shape, jnp.nan, dtype)  # noqa: E731
@@ -198,7 +199,8 @@ class PooledIndex:
         values, scales = gather_slot_rows(context, positions, state.tail,
                                           paged_rows(self.page_size, completed),
                                           self.page_size)
-        return state, exact_selection(query, values, scales, eligible, self.top_k)
+        return state, exact_selection(query, values, scales, eligible, self.top_k,
+                                      implementation=self.implementation)
 
 
 @struct.dataclass

@@ -193,9 +193,9 @@ class Method:
         return PooledKVStore(self.engine.cache.page_size) if self.pooled else RESIDENT_KV
 
     def key_index(self) -> KeyIndex:
-        top_k = self.engine.model.indexer.top_k
-        return PooledIndex(top_k, self.engine.cache.page_size) if self.pooled \
-            else ExactIndex(top_k)
+        top_k, impl = self.engine.model.indexer.top_k, self.engine.implementation
+        return PooledIndex(top_k, self.engine.cache.page_size, impl) if self.pooled \
+            else ExactIndex(top_k, impl)
 
     def hca_store(self):
         """Where HCA layers keep their rows (``model.store.ResidentRowStore`` interface)."""

@@ -153,9 +153,10 @@ class AttentionLayer(nn.Module):
                     index_keys=write_rows(cache.index_keys, kids, kval, kok),
                     index_scales=write_rows(cache.index_scales, kids, kscale, kok))
                 selection = exact_selection(query, cache.index_keys, cache.index_scales,
-                                            eligible, ic.top_k)
+                                            eligible, ic.top_k,
+                                            implementation=self.implementation)
             else:
-                index = self.key_index or ExactIndex(ic.top_k)
+                index = self.key_index or ExactIndex(ic.top_k, self.implementation)
                 keys = index.write(cache.keys, completed, kids, kval, kscale, kok)
                 keys, selection = index.select(keys, completed, query, eligible, key_ctx)
                 cache = cache.replace(keys=keys)

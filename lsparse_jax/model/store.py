@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from lsparse_jax.indexing import topk_positions
+from lsparse_jax.indexing.topk import select_topk
 from lsparse_jax.model.layers import precision
 from lsparse_jax.parallel import head_sum
 from lsparse_jax.quant import KVRowFormat, dequantize_index_keys
@@ -126,7 +126,8 @@ def query_tile(num_queries: int, bytes_per_query: int, budget: int) -> int:
 
 
 def exact_selection(query: IndexerQuery, values, scales, eligible, top_k: int,
-                    tile_bytes: int = SCORE_TILE_BYTES) -> Selection:
+                    tile_bytes: int = SCORE_TILE_BYTES,
+                    implementation: str | None = "xla") -> Selection:
     """Exact top-k of eligible stored keys.
 
     Notation: T queries, H heads, D dim, N stored keys.
@@ -137,6 +138,8 @@ def exact_selection(query: IndexerQuery, values, scales, eligible, top_k: int,
     time, t the largest power of two within ``tile_bytes`` (a prefill chunk of 4096 queries
     over 256K keys with 64 heads would otherwise need 256 GiB). Each query's selection does
     not depend on the tiling.
+    Top-k: ``indexing.select_topk`` through the ``topk`` op's ``implementation`` (the same
+    positions in the same order as "xla").
     """
     keys = dequantize_index_keys(values, scales)  # [N, D] f32
 
@@ -145,7 +148,7 @@ def exact_selection(query: IndexerQuery, values, scales, eligible, top_k: int,
                                (1, 1, None))
 
     def select(q, w, ok):
-        return topk_positions(scores(q, w, keys), ok, top_k)[0]
+        return select_topk(scores(q, w, keys), ok, top_k, implementation)[0]
 
     num, heads = query.q.shape[:2]
     tile = query_tile(num, heads * keys.shape[0] * 4, tile_bytes)
@@ -196,6 +199,7 @@ class ExactIndex:
     """Every FP8 indexer key on the device; exact top-k over all eligible keys."""
 
     top_k: int
+    implementation: str | None = "xla"  # the top-k kernel (``topk`` op implementation)
 
     def empty(self, num_rows: int, dim: int, num_scales: int) -> ResidentKeys:
         return ResidentKeys(values=jnp.full((num_rows, dim), jnp.nan, jnp.float8_e4m3fn),
@@ -206,7 +210,8 @@ class ExactIndex:
                              scales=write_rows(state.scales, ids, scales, ok))
 
     def select(self, state: ResidentKeys, completed, query, eligible, context):
-        return state, exact_selection(query, state.values, state.scales, eligible, self.top_k)
+        return state, exact_selection(query, state.values, state.scales, eligible, self.top_k,
+                                      implementation=self.implementation)
 
 
 RESIDENT_KV = ResidentKVStore()

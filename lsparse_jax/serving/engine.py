@@ -76,7 +76,8 @@ class Engine:
         """Compiles the prefill chunk and the decode step so that timings exclude compilation."""
         cfg, chunk = self.config.model, self.config.cache.prefill_chunk
         tokens = np.zeros(min(chunk + 1, cfg.max_len), np.int32)  # a full and a partial chunk
-        jax.block_until_ready(prefill(self.params, cfg, tokens, chunk))
+        jax.block_until_ready(prefill(self.params, cfg, tokens, chunk,
+                                      implementation=self.config.implementation))
         # An all-idle step writes nothing and selects nothing (only the sampling key moves).
         idle = jnp.zeros(self.active.shape, bool)
         self.state, out = decode_step(self.params, self.config, self.state,
@@ -137,7 +138,7 @@ class Engine:
         else:
             if prefilled is None:
                 prefilled = prefill(self.params, cfg, prompt, self.config.cache.prefill_chunk,
-                                    progress=progress)
+                                    progress=progress, implementation=self.config.implementation)
             caches, last = prefilled
             self.state = admit(self.config, self.state, slot, caches, len(prompt), grant)
         self._rng, key = jax.random.split(self._rng)
@@ -181,7 +182,8 @@ class Engine:
             start, done = StreamedPrefix(layers, prefix.length, None), prefix.length
         out = stream_prefix(self.params, self.config.model, prompt[done:],
                             self.config.cache.prefill_chunk, prefix=start, progress=progress,
-                            on_layer=on_layer, finish=finish)
+                            on_layer=on_layer, finish=finish,
+                            implementation=self.config.implementation)
         self.state = admit_done(self.config, self.state, slot, length, grant)
         if prefix is not None:  # its pages are the request's now
             prefix.state, prefix.layers = "consumed", ()

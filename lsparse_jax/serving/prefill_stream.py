@@ -139,11 +139,12 @@ def _embed(embed_params, cfg: ModelConfig, tokens):
     return nn.Embed(cfg.vocab_size, cfg.hidden).apply({"params": embed_params}, tokens)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "layer"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "layer", "implementation"),
+                   donate_argnames=("cache",))
 def _block(block_params, cfg: ModelConfig, layer: int, x, cache, start, num_valid,
-           shared: Selection | None):
+           shared: Selection | None, implementation: str | None):
     ref = Transformer(cfg)  # the settings steps.forward_chunk's Transformer gives its Blocks
-    block = Block(cfg, layer, ref.dense_selection, ref.implementation)
+    block = Block(cfg, layer, ref.dense_selection, implementation)
     return block.apply({"params": block_params}, x, cache, start, num_valid, shared)
 
 
@@ -173,7 +174,8 @@ def stream_prefix(params, cfg: ModelConfig, tokens, chunk: int, *,
                   prefix: StreamedPrefix | None = None, progress=None, overlap: bool = True,
                   on_layer: Callable[[LayerEvent], None] | None = None,
                   store: str = HOST,
-                  finish: Callable[[int, LayerCache], None] | None = None) -> StreamedPrefix:
+                  finish: Callable[[int, LayerCache], None] | None = None,
+                  implementation: str | None = "xla") -> StreamedPrefix:
     """Layer-streamed chunked prefill; the state stays on the host.
 
     tokens [n] int32 are appended to ``prefix`` (None: an empty context). Chunks of ``chunk``
@@ -226,7 +228,7 @@ def stream_prefix(params, cfg: ModelConfig, tokens, chunk: int, *,
             cur, nxt = nxt, (load(layer + 1) if layer + 1 < num else None)
             shared = None if leaders[layer] == layer else selections[leaders[layer]]
             x, cur, sel = _block(params[f"block_{layer}"], cfg, roles[layer], x, cur, start,
-                                 valid, shared)
+                                 valid, shared, implementation)
             if leaders[layer] == layer and cfg.layer_pattern[layer] == "dsa":
                 selections = {layer: sel}  # a group's selection lives until its next leader
             if finish is not None and offset + chunk >= n:  # the layer is done: admit it
@@ -246,14 +248,15 @@ def stream_prefix(params, cfg: ModelConfig, tokens, chunk: int, *,
 
 
 def streamed_prefill(params, cfg: ModelConfig, tokens, chunk: int, *, progress=None,
-                     overlap: bool = True):
+                     overlap: bool = True, implementation: str | None = "xla"):
     """``steps.prefill`` computed layer by layer through two device buffers.
 
     Same contract: returns (per-layer caches on the device, logits of the last prompt token
     [V]), equal to ``steps.prefill``'s bit for bit. See the module docstring for the schedule
     and the device bytes.
     """
-    prefix = stream_prefix(params, cfg, tokens, chunk, progress=progress, overlap=overlap)
+    prefix = stream_prefix(params, cfg, tokens, chunk, progress=progress, overlap=overlap,
+                           implementation=implementation)
     return prefix.to_device(_devices(params)), prefix.last_logits
 
 

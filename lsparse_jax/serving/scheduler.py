@@ -228,7 +228,8 @@ class Scheduler:
             self.waiting.pop(0)
             self.device_bytes_in_use += self.device_bytes(r)
             self.prefilling.append(Prefill(r, prefill_chunks(
-                self.engine.params, cfg.model, r.prompt, cfg.cache.prefill_chunk),
+                self.engine.params, cfg.model, r.prompt, cfg.cache.prefill_chunk,
+                cfg.implementation),
                 self.clock.now))
         t0, tokens, entered = time.perf_counter(), 0, []
         calls = max(1, self.prefill_token_budget // cfg.cache.prefill_chunk)

@@ -336,18 +336,19 @@ def fill_window(dparams, dcfg: DrafterConfig, spec: SpecState, slot, feats, posi
     return spec.replace(windows=windows)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "layers"))
-def _chunk_with_features(params, cfg: ModelConfig, layers, caches, tokens, start, num_valid):
-    model = Transformer(cfg, hidden_layers=layers)
+@functools.partial(jax.jit, static_argnames=("cfg", "layers", "implementation"))
+def _chunk_with_features(params, cfg: ModelConfig, layers, caches, tokens, start, num_valid,
+                         implementation):
+    model = Transformer(cfg, implementation=implementation, hidden_layers=layers)
     logits, caches, _, feats = model.apply({"params": params}, tokens, caches, start, num_valid)
     return logits, caches, feats
 
 
 def prefill_features(params, cfg: ModelConfig, tokens, chunk: int, layers: tuple[int, ...],
-                     window: int):
-    """Chunked prefill (as ``steps.prefill``) that also returns the target features of the
-    last ``window`` prompt positions: (caches, last logits [V], feats [W, n_L, H],
-    positions [W] int32, ok [W] bool)."""
+                     window: int, implementation: str | None = "xla"):
+    """Chunked prefill (as ``steps.prefill``, top-k by ``implementation``) that also returns
+    the target features of the last ``window`` prompt positions: (caches, last logits [V],
+    feats [W, n_L, H], positions [W] int32, ok [W] bool)."""
     tokens = jnp.asarray(tokens, jnp.int32)
     n = tokens.shape[0]
     if not 0 < n <= cfg.max_len:
@@ -356,7 +357,8 @@ def prefill_features(params, cfg: ModelConfig, tokens, chunk: int, layers: tuple
     for start in range(0, n, chunk):
         valid = min(chunk, n - start)
         logits, caches, feats = _chunk_with_features(params, cfg, layers, caches,
-                                                     padded[start:start + chunk], start, valid)
+                                                     padded[start:start + chunk], start, valid,
+                                                     implementation)
         if start + chunk > n - window:
             kept.append((start, feats[:valid]))
     feats = jnp.concatenate([f for _, f in kept])[-window:]
@@ -413,7 +415,8 @@ class SpecEngine(Engine):
         cfg, chunk = self.config.model, self.config.cache.prefill_chunk
         tokens = np.zeros(min(chunk + 1, cfg.max_len), np.int32)
         jax.block_until_ready(prefill_features(self.params, cfg, tokens, chunk,
-                                               self.dcfg.target_layers, self.dcfg.window))
+                                               self.dcfg.target_layers, self.dcfg.window,
+                                               self.config.implementation))
         self._verify(np.zeros(self.active.shape, np.int32), None)
         free = int(np.flatnonzero(~self.active)[0]) if (~self.active).any() else None
         if free is not None:  # an idle slot's ring, rewritten empty: compiles the ring fill
@@ -434,7 +437,7 @@ class SpecEngine(Engine):
         t0 = time.perf_counter()
         caches, last, feats, positions, ok = prefill_features(
             self.params, cfg, prompt, self.config.cache.prefill_chunk,
-            self.dcfg.target_layers, self.dcfg.window)
+            self.dcfg.target_layers, self.dcfg.window, self.config.implementation)
         jax.block_until_ready(last)
         prefill_s = time.perf_counter() - t0
         slot = super().admit(request, max_new_tokens, progress, prefilled=(caches, last))

@@ -35,11 +35,12 @@ def sparse_layers(cfg: ModelConfig) -> tuple[int, ...]:
                  if k == "csa" or (k == "dsa" and cfg.dsa_leader(i) == i))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "dense_selection"))
+@functools.partial(jax.jit, static_argnames=("cfg", "dense_selection", "implementation"))
 def forward_chunk(params, cfg: ModelConfig, caches, tokens, start, num_valid,
-                  dense_selection: bool = False):
-    """One slot, one chunk: tokens [T] at positions start.. -> (logits [T, V], caches, sels)."""
-    model = Transformer(cfg, dense_selection)
+                  dense_selection: bool = False, implementation: str | None = "xla"):
+    """One slot, one chunk: tokens [T] at positions start.. -> (logits [T, V], caches, sels).
+    ``implementation``: the kernels of the chunk's exact top-k selections (``topk`` op)."""
+    model = Transformer(cfg, dense_selection, implementation=implementation)
     return model.apply({"params": params}, tokens, caches, start, num_valid)
 
 
@@ -51,7 +52,8 @@ def forward(params, cfg: ModelConfig, tokens, dense_selection: bool = False):
     return logits
 
 
-def prefill_chunks(params, cfg: ModelConfig, tokens, chunk: int):
+def prefill_chunks(params, cfg: ModelConfig, tokens, chunk: int,
+                   implementation: str | None = "xla"):
     """Chunked prefill of one prompt from empty caches, one chunk per ``next``: yields
     (caches, logits of the chunk's last valid token [V], valid tokens of the chunk).
 
@@ -70,15 +72,17 @@ def prefill_chunks(params, cfg: ModelConfig, tokens, chunk: int):
     for start in range(0, n, chunk):
         valid = min(chunk, n - start)
         logits, caches, _ = forward_chunk(params, cfg, caches, padded[start:start + chunk],
-                                          start, valid)
+                                          start, valid, implementation=implementation)
         yield caches, logits[valid - 1], valid
 
 
-def prefill(params, cfg: ModelConfig, tokens, chunk: int, progress=None):
+def prefill(params, cfg: ModelConfig, tokens, chunk: int, progress=None,
+            implementation: str | None = "xla"):
     """Chunked prefill of one prompt from empty caches (``prefill_chunks`` run to the end).
-    Returns (caches, logits of the last prompt token [V])."""
+    Returns (caches, logits of the last prompt token [V]). ``implementation``: the kernels of
+    the exact top-k selections (the same positions in the same order as "xla")."""
     out = None
-    for out in prefill_chunks(params, cfg, tokens, chunk):
+    for out in prefill_chunks(params, cfg, tokens, chunk, implementation):
         if progress is not None:
             progress.update(out[2])
     return out[:2]

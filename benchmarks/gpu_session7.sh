@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU calls of session 7, one device call each (device tool: carry [".whl"]; parts run
+# from a branch snapshot in .branches/<part> when one is carried, else from this tree):
+#   STEP=a  GPU tests of the kernel top-k in exact selections; 128K prefill (bf16 matmuls) with
+#           the exact selections' top-k by "xla" vs "triton" at chunks 4096 / 8192
+#           (benchmarks/prefill_precision_gpu.py); the speculative experiment's missing cells
+#           (C2, C4, leansparse C8) resumed from results/speculative/results.json.
+# Everything comes back in $OUT/<step>.tar (more files than $OUT returns).
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache  # persistent compile cache within the call
+OUT=${OUT:-/tmp/out}
+export LSPARSE_RUNS=$OUT
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+quiet() { tr '\r' '\n' | grep -v "it/s\]\|tok/s\]\|req/s\]\|example/s\]\|Deprecation" ; }
+ROOT=$PWD
+part() {  # part NAME SECONDS COMMAND...: from .branches/NAME (or this tree), timed out
+  local name=$1 secs=$2; shift 2
+  case " ${PARTS:-$name} " in *" $name "*) ;; *) return;; esac
+  echo "== $name ($secs s)"; mkdir -p "$OUT/$name"
+  local dir=$ROOT/.branches/$name; [ -d "$dir" ] || dir=$ROOT
+  (cd "$dir" && export PYTHONPATH=/tmp/site:$dir OUT=$OUT/$name LSPARSE_RUNS=$OUT/$name \
+    && timeout "$secs" bash -c "$*" 2>&1 | quiet | tail -${TAIL:-25}
+    echo "-- $name exit ${PIPESTATUS[0]} (124: cut by its timeout)")
+}
+export ROOT
+STEP=${STEP:-a}
+case "$STEP" in
+  a)
+    part gputests 90 "python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_model.py"
+    part prefill 190 "python3 benchmarks/prefill_precision_gpu.py --contexts 131072 --precisions bf16 --implementations xla,triton --chunks 4096,8192 --out \$OUT"
+    part speculative 300 "python3 -m experiments.cli run configs/experiments/speculative.gin \"--gin.speculative.methods=('resident', 'hisparse', 'leansparse', 'adaptive')\" \"--gin.speculative.concurrencies=(1, 2, 4, 8)\" --gin.speculative.decode_tokens=64 --gin.speculative.time_limit_s=250 --gin.speculative.results_dir=None \"--gin.speculative.resume_from='results/speculative/results.json'\"" ;;
+  *) echo "STEP must be a" >&2; exit 2 ;;
+esac
+(cd "$OUT" && tar -cf "/tmp/$STEP.tar" . && find . -mindepth 1 -delete && mv "/tmp/$STEP.tar" .)
+ls -la "$OUT"
