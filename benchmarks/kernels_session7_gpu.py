@@ -11,10 +11,11 @@ Parts (each a child process with its own timeout, in this order; --parts picks a
                   all five ops and their variants; each op's issue-16 target shape first, then
                   the other shapes until its budget_s is spent) -> OUT/results/kernel_compare/
                   results.json (copy to the repository's results/kernel_compare/).
+  tests           ``pytest -m gpu`` on tests/test_kernel_*.py, the new kernels' files first
+                  (log OUT/tests.log; correctness of the new defaults before the profile).
   decode_profile  benchmarks/decode_profile_gpu.py: the decode step at V4 shapes (4-layer
                   slice, B = 64, 128K context, bf16 matmuls, Triton kernels) profiled per op;
                   step time vs the sum of its kernels -> OUT/decode_profile/.
-  tests           ``pytest -m gpu`` on tests/test_kernel_*.py (log OUT/tests.log).
   pq_sweep        pq_topc jax_triton score kernel alone at B = 64, N = 131072: a few launch
                   configurations and both gather lowerings, each checked against the Pallas
                   kernel's scores (max relative error) -> OUT/pq_sweep.json.
@@ -36,7 +37,9 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
-SHARES = dict(kernel_compare=0.45, decode_profile=0.30, tests=0.17, pq_sweep=0.08)
+SHARES = dict(kernel_compare=0.42, tests=0.18, decode_profile=0.32, pq_sweep=0.08)
+TEST_FILES = ("pq_topc", "hot_resolve", "index_scores", "topk", "topk_nosync",
+              "sparse_attention", "gather_rows")  # the new kernels' tests first
 SLACK_S = 25.0  # kernel_compare stops starting timings this long before its part's deadline
 STATE = dict(parts=[], start=time.monotonic())
 
@@ -85,7 +88,9 @@ def decode_profile_cmd(seconds: float, small: bool, out: pathlib.Path) -> list[s
 
 
 def tests_cmd(small: bool) -> list[str]:
-    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_kernel_*.py"))
+    files = [f"tests/test_kernel_{name}.py" for name in TEST_FILES]
+    missing = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_kernel_*.py")}
+    files += sorted(missing - set(files))
     return [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-m", "gpu",
             "-rfE", *files] if not small else [
         sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
@@ -182,7 +187,8 @@ def table(out: pathlib.Path) -> str:
     log = out / "tests.log"
     if log.exists():
         text = log.read_text()
-        summary = [ln for ln in text.splitlines() if re.search(r"\d+ (passed|failed)", ln)]
+        summary = [ln for ln in text.splitlines()
+                   if re.search(r"\d+ (passed|failed|skipped|deselected)", ln)]
         failed = [ln for ln in text.splitlines() if ln.startswith("FAILED")]
         lines += ["", "tests: " + (summary[-1] if summary else "no summary line (cut?)")]
         lines += [f"  {ln[:150]}" for ln in failed[:15]]
