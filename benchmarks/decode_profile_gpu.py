@@ -14,8 +14,9 @@ each cell's Perfetto trace:
                  GEMMs, copies (memcpy), other;
   top            the 25 longest kernel names (ms per step).
 Costs: one 128K prefill (~5 s at bf16), the decode compile (~30-90 s) and a few steps per
-method. Writes OUT/decode_profile.json and prints a summary; scale's own files go to
-OUT/runs/decode_profile/.
+method. ``--budget-s`` bounds the scale run (killed past it; the cells it finished are still
+analysed: scale.py writes its results after every cell). Writes OUT/decode_profile.json and
+prints a summary; scale's own files go to OUT/runs/decode_profile/.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ import pathlib
 import subprocess
 import sys
 
-PALLAS = ("sparse_attention", "topk", "pq_topc", "hot_resolve", "index_scores", "index_topk",
-          "gather_rows", "count", "refine", "select", "finish")
+PALLAS = ("sparse_attention", "topk", "pq_topc", "pq_coarse", "pq_scores", "hot_resolve",
+          "index_scores", "index_topk", "gather_rows", "count", "refine", "select", "finish")
 STEPS = 3  # scale.PROFILED_STEPS
 
 
@@ -71,6 +72,8 @@ def main():
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--implementation", default="triton")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="kill the scale run after this many seconds (None: no limit)")
     a = ap.parse_args()
     out = pathlib.Path(a.out)
     runs = out / "runs"
@@ -83,9 +86,20 @@ def main():
            f"--gin.scale.implementation='{a.implementation}'",
            f"--gin.scale.profile={cells!r}", "--gin.model_preset.matmul_precision='bf16'"]
     print(" ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, env={**os.environ, "LSPARSE_RUNS": str(runs)})
+    out.mkdir(parents=True, exist_ok=True)
+    status = None
+    try:
+        proc = subprocess.run(cmd, env={**os.environ, "LSPARSE_RUNS": str(runs)},
+                              timeout=a.budget_s)
+        status = None if proc.returncode == 0 else f"scale exited with {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        status = f"scale killed after --budget-s {a.budget_s} s"
     run = runs / "decode_profile"
-    records = json.loads((run / "results.json").read_text())["records"]
+    results = run / "results.json"
+    records = json.loads(results.read_text())["records"] if results.exists() else []
+    done = {r.get("method") for r in records}
+    records += [dict(method=m, context=a.context, batch=a.batch, error=status or "no record")
+                for m in methods if m not in done]
     rows = []
     for rec in records:
         row = {k: rec.get(k) for k in ("method", "context", "batch", "step_ms", "error",

@@ -13,8 +13,16 @@ roofline: max(FLOPs / 790 TFLOP/s (bf16 tensor cores), bytes / 3.0 TB/s (HBM), h
 / 48 GB/s (hot_resolve's missed rows over PCIe)). Implementations an op does not have are
 skipped (``SUPPORTED``); the new variants of issue 16: hot_resolve "triton_fused" (control
 in-kernel), index_scores "triton_fp8" (fp8 x fp8) and "xla_top512" / "triton_fp8_top512" (scores
-plus the top-512: XLA, and the fused one-kernel form), topk "triton_oneread".
+plus the top-512: XLA, and the fused one-kernel form), topk "triton_oneread", pq_topc
+"jax_triton" (plain Triton, codebook on chip, smem gather) and "jax_triton_shuffle" (its
+warp-shuffle gather lowering), hot_resolve "triton_copy" (XLA control + the copy kernel, what
+"triton" ran before ``api.TRITON_RUNS`` moved to the fused kernel).
 ``per_call=True`` instead times separate jitted calls (what a caller dispatching one op pays).
+
+Order and budget: each op's issue-16 target shape runs first (pq_topc B=64 N=131072, the first
+topk shape, index_scores and sparse_attention at B=64, hot_resolve), then the other shapes;
+``budget_s`` (None: no limit) stops starting new timings once spent (the rest are recorded as
+skipped), and results.json is rewritten after every timing, so a cut run keeps what it timed.
 """
 
 from __future__ import annotations
@@ -78,6 +86,10 @@ def pq_topc_case(batch, history, heads=64, dim=128, subspaces=32, centroids=256,
             from pallas_kernels.pq_topc.triton import pq_topc_triton
 
             return pq_topc_triton(*args, num_candidates=c, fused=False)
+        if impl == "jax_triton_shuffle":  # the plain Triton kernel, warp-shuffle gather
+            from pallas_kernels.pq_topc.jax_triton import Params, pq_topc_jax_triton
+
+            return pq_topc_jax_triton(*args, num_candidates=c, params=Params(decode="shuffle"))
         return pq_topc(*args, num_candidates=c, implementation=impl)
 
     return Case("pq_topc", dict(B=batch, N=history, H=heads, D=dim, M=subspaces, C=c),
@@ -135,19 +147,30 @@ def index_scores_case(batch, c=2048, heads=64, dim=128, top=512):
 OPS = ("pq_topc", "topk", "index_scores", "sparse_attention", "hot_resolve")
 IMPLEMENTATIONS = ("xla", "triton", "jax_triton", "mosaic", "triton_unfused", "triton_fused",
                    "triton_fp8", "triton_oneread", "xla_top512", "triton_fp8_top512",
-                   "triton_fp8_split_top512")
+                   "triton_fp8_split_top512", "jax_triton_shuffle", "triton_copy")
 SUPPORTED = {  # the implementations each op has (others are skipped, not timed)
-    "pq_topc": ("xla", "triton", "triton_unfused"),
+    "pq_topc": ("xla", "triton", "triton_unfused", "jax_triton", "jax_triton_shuffle"),
     "topk": ("xla", "triton", "triton_oneread"),
     "index_scores": ("xla", "triton", "jax_triton", "triton_fp8", "xla_top512",
                      "triton_fp8_top512", "triton_fp8_split_top512"),
     "sparse_attention": ("xla", "triton", "mosaic"),
-    "hot_resolve": ("xla", "triton", "triton_fused"),
+    "hot_resolve": ("xla", "triton", "triton_fused", "triton_copy"),
 }
+HEADLINE = dict(pq_topc=dict(B=64, N=131072), topk=dict(B=64, N=262144, k=2048),
+                index_scores=dict(B=64), sparse_attention=dict(B=64), hot_resolve=dict(B=64))
 
 
-def check_settings(batches, histories, implementations, repeats, topk_shapes, ops, per_call):
+def is_headline(case: Case) -> bool:
+    """The issue-16 target shape of the case's op (timed before the other shapes)."""
+    return all(case.params.get(k) == v for k, v in HEADLINE[case.op].items())
+
+
+def check_settings(batches, histories, implementations, repeats, topk_shapes, ops, per_call,
+                   budget_s=None):
     """Validates every setting before any case is built or timed."""
+    if budget_s is not None and (isinstance(budget_s, bool)
+                                 or not isinstance(budget_s, (int, float)) or budget_s <= 0):
+        v.fail("kernel_compare.budget_s", budget_s, "must be None or a number of seconds > 0")
     v.names("kernel_compare.ops", ops, OPS)
     v.names("kernel_compare.implementations", implementations, IMPLEMENTATIONS)
     v.integers("kernel_compare.batches", batches)
@@ -190,8 +213,10 @@ def kernel_compare(name: str, batches=(1, 8, 32, 64), histories=(51200, 131072, 
                    implementations=("xla", "triton", "jax_triton", "mosaic"), repeats: int = 20,
                    topk_shapes=((64, 262144, 2048), (64, 131072, 2048), (64, 262144, 512)),
                    ops=("pq_topc", "topk", "index_scores", "sparse_attention", "hot_resolve"),
-                   per_call: bool = False):
-    check_settings(batches, histories, implementations, repeats, topk_shapes, ops, per_call)
+                   per_call: bool = False, budget_s: float | None = None):
+    check_settings(batches, histories, implementations, repeats, topk_shapes, ops, per_call,
+                   budget_s)
+    start = time.monotonic()
     cases = []
     if "pq_topc" in ops:
         cases += [pq_topc_case(b, n) for n in histories for b in batches]
@@ -206,15 +231,23 @@ def kernel_compare(name: str, batches=(1, 8, 32, 64), histories=(51200, 131072, 
     if "hot_resolve" in ops:  # bound by the 48 GB/s host link, not HBM (see its case)
         from experiments.cases.hot_resolve import hot_resolve_case
 
-        cases += [hot_resolve_case(64, miss_fraction=f) for f in (0.0, 0.05)]
+        cases += [hot_resolve_case(64, miss_fraction=f) for f in (0.05, 0.0)]
+    cases = [c for c in cases if is_headline(c)] + [c for c in cases if not is_headline(c)]
     rows = []
     device = jax.devices()[0]
+    out = run_dir(name)
+    header = {"device": device.device_kind, "jax": jax.__version__,
+              "timing": "per_call" if per_call else "batched_in_one_program"}
     for case in tqdm(cases, desc="kernel_compare", unit="case"):
         for impl in implementations:
             if impl not in SUPPORTED[case.op]:
                 continue
             row = dict(op=case.op, implementation=impl, **case.params, flops=case.flops,
                        bytes=case.bytes, floor_s=case.floor, bound=case.bound)
+            rows.append(row)
+            if budget_s is not None and time.monotonic() - start > budget_s:
+                row.update(skipped=f"budget_s={budget_s} spent")
+                continue
             try:
                 t = time_case(case, impl, repeats, per_call=per_call)
                 row.update(seconds=t, fraction_of_roofline=case.floor / t,
@@ -222,21 +255,25 @@ def kernel_compare(name: str, batches=(1, 8, 32, 64), histories=(51200, 131072, 
             except Exception as err:  # an implementation not available for this op/device
                 row.update(error=f"{type(err).__name__}: {err}"[:300],
                            trace=traceback.format_exc(limit=2)[-600:])
-            rows.append(row)
-    for row in rows:  # speed-up over the XLA reference of the same case
+            add_speedups(rows)
+            write_results(out, {**header, "seconds": time.monotonic() - start, "rows": rows})
+    table = format_table(rows)
+    print(table)
+    write_results(out, {**header, "seconds": time.monotonic() - start, "rows": rows,
+                        "table": table})
+    plot(rows, out / "kernel_compare.png")
+    print(f"wrote {out}/results.json and kernel_compare.png")
+
+
+def add_speedups(rows) -> None:
+    """speedup_vs_xla of every timed row: the XLA reference's time of the same case / its own
+    (the "_top512" variants against "xla_top512")."""
+    for row in rows:
         base = "xla_top512" if row["implementation"].endswith("_top512") else "xla"
         ref = [r for r in rows if r["op"] == row["op"] and r["implementation"] == base
                and all(r.get(k) == row.get(k) for k in ("B", "N", "C", "k", "misses"))]
         if ref and "seconds" in ref[0] and "seconds" in row:
             row["speedup_vs_xla"] = ref[0]["seconds"] / row["seconds"]
-    table = format_table(rows)
-    print(table)
-    out = run_dir(name)
-    write_results(out, {"device": device.device_kind, "jax": jax.__version__,
-                        "timing": "per_call" if per_call else "batched_in_one_program",
-                        "rows": rows, "table": table})
-    plot(rows, out / "kernel_compare.png")
-    print(f"wrote {out}/results.json and kernel_compare.png")
 
 
 def format_table(rows) -> str:
@@ -249,8 +286,9 @@ def format_table(rows) -> str:
                          f"{r['seconds'] * 1e3:9.3f} {r.get('speedup_vs_xla', float('nan')):7.2f}"
                          f" {100 * r['fraction_of_roofline']:6.1f}")
         else:
+            why = r.get("error") or r.get("skipped", "")
             lines.append(f"{r['op']:13s} {r['implementation']:18s} {shape:28s} "
-                         f"{'n/a':>9s}   {r['error'][:40]}")
+                         f"{'n/a':>9s}   {why[:40]}")
     return "\n".join(lines)
 
 

@@ -13,10 +13,10 @@ from typing import Literal
 
 import jax
 
-Implementation = Literal["xla", "triton", "triton_fused", "triton_fp8", "jax_triton",
-                         "mosaic"]
-IMPLEMENTATIONS: tuple[str, ...] = ("xla", "triton", "triton_fused", "triton_fp8",
-                                   "jax_triton", "mosaic")
+Implementation = Literal["xla", "triton", "triton_fused", "triton_copy", "triton_fp8",
+                         "jax_triton", "mosaic"]
+IMPLEMENTATIONS: tuple[str, ...] = ("xla", "triton", "triton_fused", "triton_copy",
+                                   "triton_fp8", "jax_triton", "mosaic")
 
 
 def on_gpu() -> bool:

@@ -7,7 +7,8 @@ Each case runs a seeded sequence of steps on S requests under ``jax.vmap`` (pool
 in_axes=None), starting from a partly filled hot cache with scattered stamps. After every step:
 slots, positions, stamps and (hits, misses) equal the model's exactly; no slot twice; every
 selected position is resident with its host row, bit for bit (FP8 and NaN payloads included);
-rows never touched keep their bytes, empty rows stay NaN; "triton" equals "xla" bit for bit.
+rows never touched keep their bytes, empty rows stay NaN; every kernel implementation equals
+"xla" bit for bit. "triton" (the decode steps' switch) runs ``api.TRITON_RUNS``.
 Pool rows no request maps and empty hot rows are NaN, so a stray read shows.
 """
 
@@ -21,10 +22,11 @@ import pytest
 from lsparse_jax.memory import HotCache, empty_pool, resolve
 from lsparse_jax.memory.host_pool import write_host_page
 from pallas_kernels import common
+from pallas_kernels.hot_resolve import api as hot_api
 from pallas_kernels.hot_resolve import hot_resolve
 from tests.helpers import assert_resolved_rows
 
-IMPLS = ["xla", "triton"]
+IMPLS = ["xla", "triton_copy"]
 FUSED = "triton_fused"
 HOST = jax.memory.Space.Host  # pinned_host
 
@@ -189,7 +191,7 @@ CASES = [  # (S, B, k, leaves)
     (3, 8, 6, [(16, "float32")]),
     (2, 12, 12, [(32, "float8_e4m3fn")]),  # k = B: every row may be taken
     (2, 8, 5, [(16, "bfloat16")]),
-    (2, 8, 4, [(24, "float32")]),  # D not a power of two: the XLA row loop in "triton"
+    (2, 8, 4, [(24, "float32")]),  # D not a power of two: the XLA row loop in "triton_copy"
 ]
 
 
@@ -208,6 +210,16 @@ def test_fused_matches_lru_model_under_vmap(case):
     s, b, k, leaves = case
     _run_case(World(seed=b * 7 + k, s=s, b=b, k=k, leaves=leaves), steps=5, pytree=False,
               impls=("xla", FUSED))
+
+
+def test_fused_moves_e8m0_scales_bit_for_bit():
+    """FP8 KV rows of ``kv_dtype="fp8_v4"``: e4m3 values [B, 16] and e8m0 scales [B, 2] (NaN
+    0xFF included) from a pinned_host pool; the fused kernels move the e8m0 leaf as its uint8
+    bytes: equal to the model and to "xla" bit for bit, and "triton" (the decode steps' switch)
+    runs the fused kernels."""
+    assert hot_api.TRITON_RUNS == FUSED
+    world = World(seed=4, s=2, b=8, k=5, leaves=[(16, "float8_e4m3fn"), (2, "float8_e8m0fnu")])
+    _run_case(world, steps=2, pytree=True, impls=("xla", "triton"))
 
 
 @pytest.mark.slow
@@ -288,7 +300,7 @@ def test_triton_lowers_for_cuda_under_vmap():
 
     def fn(sel, rows, pos, stamps, clock, table, pool):
         one = lambda *a: hot_resolve(*a, table, pool, page_size=page,  # noqa: E731
-                                     implementation="triton")
+                                     implementation="triton_copy")
         return jax.vmap(one)(sel, rows, pos, stamps, clock)
 
     text = common.lower_for_cuda(
@@ -305,7 +317,7 @@ def test_triton_lowers_for_cuda_pytree():
     """FP8 keys [B, 128] and their f32 scales [B, 1]: both leaves through the kernel."""
     s = jax.ShapeDtypeStruct
     b, k, page = 256, 128, 64
-    fn = functools.partial(hot_resolve, page_size=page, implementation="triton")
+    fn = functools.partial(hot_resolve, page_size=page, implementation="triton_copy")
     text = common.lower_for_cuda(
         fn, s((k,), jnp.int32), (s((b, 128), jnp.float8_e4m3fn), s((b, 1), jnp.float32)),
         s((b,), jnp.int32), s((b,), jnp.int32), s((), jnp.int32), s((64,), jnp.int32),
@@ -335,10 +347,27 @@ def test_fused_lowers_for_cuda_under_vmap():
     assert "output_operand_aliases" in call[:call.index("\n")]
 
 
+def test_fused_lowers_for_cuda_with_e8m0_leaf():
+    """An e8m0 scale leaf beside e4m3 values: still four Triton calls for all leaves (the
+    e8m0 leaf crosses them as uint8: no f8E8M0FNU operand, which Triton 3.6 rejects), no
+    while loop."""
+    s = jax.ShapeDtypeStruct
+    b, k, page = 64, 16, 8
+    fn = functools.partial(hot_resolve, page_size=page, implementation="triton")
+    text = common.lower_for_cuda(
+        fn, s((k,), jnp.int32), (s((b, 32), jnp.float8_e4m3fn), s((b, 2), jnp.float8_e8m0fnu)),
+        s((b,), jnp.int32), s((b,), jnp.int32), s((), jnp.int32), s((16,), jnp.int32),
+        (s((256, 32), jnp.float8_e4m3fn), s((256, 2), jnp.float8_e8m0fnu)))
+    assert text.count(common.TRITON_CALL_TARGET) == 4
+    assert "stablehlo.while" not in text
+    calls = [ln for ln in text.splitlines() if common.TRITON_CALL_TARGET in ln]
+    assert not any("f8E8M0FNU" in ln for ln in calls)
+
+
 def test_fused_many_misses_and_tied_stamps_equal_xla():
     """Two requests, B = 96, k = 80: most positions miss (victims span several order tiles)
     and stamps tie in groups (the LRU order falls back to the row index): every output of
-    triton_fused equals the reference bit for bit; e8m0 rows are refused by name."""
+    triton_fused equals the reference bit for bit."""
     rng = np.random.default_rng(2)
     s, b, k, d, page, mp = 2, 96, 80, 8, 4, 64
     table = np.stack([rng.permutation(s * mp)[:mp] for _ in range(s)]).astype(np.int32)
@@ -360,11 +389,6 @@ def test_fused_many_misses_and_tied_stamps_equal_xla():
                       implementation="triton_fused")
     for a, c in zip(jax.tree.leaves(outs["xla"]), jax.tree.leaves(one)):
         assert _bytes(np.asarray(a)[1]) == _bytes(c)
-    kwargs, page = _good()
-    kwargs["hot_rows"] = np.zeros((4, 16), jnp.float8_e8m0fnu)
-    kwargs["pool"] = np.zeros((6, 16), jnp.float8_e8m0fnu)
-    with pytest.raises(ValueError, match="triton_fused"):
-        hot_resolve(**kwargs, page_size=page, implementation="triton_fused")
 
 
 def _good():
@@ -421,4 +445,14 @@ def test_gpu_pinned_host_pool_triton_equals_xla_and_model(dtype):
     s, b, k, d, page = 8, 1024, 256, 512, 64
     world = World(seed=7, s=s, b=b, k=k, leaves=[(d, dtype)], page=page, mp=64,
                   spare=(1 << 30) // (page * d * 4) - s * 64)
-    _run_case(world, steps=4, pytree=False, impls=("xla", "triton", FUSED))
+    _run_case(world, steps=4, pytree=False, impls=("xla", "triton_copy", FUSED))
+
+
+@pytest.mark.gpu
+def test_gpu_pinned_host_fp8_v4_rows_fused_equals_xla():
+    """FP8 KV rows as ``kv_dtype="fp8_v4"`` stores them (e4m3 values [B, 448], e8m0 scales
+    [B, 7], bf16 rope [B, 64]) in a pinned_host pool: "triton" (the fused kernels, the e8m0
+    leaf as uint8 bytes) equals "xla" and the model bit for bit on the GPU."""
+    leaves = [(448, "float8_e4m3fn"), (7, "float8_e8m0fnu"), (64, "bfloat16")]
+    world = World(seed=8, s=4, b=256, k=64, leaves=leaves, page=64, mp=16, spare=64)
+    _run_case(world, steps=3, pytree=True, impls=("xla", "triton_copy", "triton"))

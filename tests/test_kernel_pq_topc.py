@@ -1,6 +1,7 @@
 """pq_topc (PQ coarse scores + top-C): xla, triton (fused: the score kernel runs topk's first
 counting pass) and triton_unfused (score kernel, then topk) implementations, CUDA lowering,
-errors.
+errors; jax_triton (plain Triton, GPU only): its packing/decode emulated in jnp on CPU, the
+kernel itself under the gpu marker.
 
 Exact-value tests use small-integer queries and codebooks with dyadic head weights, so bf16 and
 f32 agree bit for bit and the many ties must be broken exactly by the rule (higher score first,
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import common
+from pallas_kernels.pq_topc import jax_triton as pq_jt
 from pallas_kernels.pq_topc import pq_topc, reference
 from pallas_kernels.pq_topc import triton as pq_triton
 from tests.kernel_helpers import TOLERANCE, assert_close, assert_same_sets
@@ -351,11 +353,60 @@ def test_bad_inputs(change, match):
         pq_topc(**kwargs)
 
 
+# ------------------------------------------------------------- jax_triton (plain Triton, GPU)
+
+
+@pytest.mark.parametrize("shape", [(3, 6, 12, 4, 10), (2, 20, 10, 5, 7), (2, 4, 128, 32, 256)],
+                         ids=["d3", "d2_m5", "v4_dims"])
+def test_jax_triton_packed_decode_is_the_reference_decode(shape):
+    """The kernel's packed codebook (four bf16 fields per 64-bit word) and its unpacking, in jnp:
+    the decoded keys equal ``reference.decode_codes`` bit for bit (bf16-exact codebooks) at the
+    real columns and are zero at the padded ones (d padded to >= 4, M to a power of two), and the
+    emulated kernel math equals the exact scores, garbage codes past each length masked."""
+    rng = np.random.default_rng(21)
+    b, h, d, m, k = shape
+    n = 50
+    q, w, codes, books, lengths = make_inputs(rng, b, h, d, m, k, n, [n, 13, 0][:b],
+                                              exact=True)
+    lay = pq_jt.layout(h, m, k, d // m)
+    assert lay.dsp % pq_jt.WORD_VALUES == 0 and lay.dp >= pq_jt.MIN_DOT_DIM
+    live = np.minimum(codes, k - 1)  # the kernel clamps garbage codes; they are masked later
+    keys = jax.jit(lambda bk, cd: pq_jt.decode_packed(pq_jt.packed_codebook(bk, lay), cd,
+                                                       lay))(books, live)
+    keys = np.asarray(keys, np.float32).reshape(b, n, lay.mp, lay.dsp)
+    want = np.asarray(reference.decode_codes(live, books)).reshape(b, n, m, d // m)
+    np.testing.assert_array_equal(keys[:, :, :m, :d // m], want)
+    assert not keys[:, :, m:].any() and not keys[:, :, :, d // m:].any()
+    got = pq_jt.emulated_scores(*(jnp.asarray(a) for a in (q, w, codes, books, lengths)))
+    np.testing.assert_array_equal(np.asarray(got), numpy_scores(q, w, codes, books, lengths))
+
+
+def test_jax_triton_emulated_random_within_bf16():
+    rng = np.random.default_rng(22)
+    b, h, d, m, k, n = 2, 16, 32, 8, 16, 64
+    args = make_inputs(rng, b, h, d, m, k, n, [n, 40], exact=False, q_dtype=jnp.bfloat16)
+    got = np.asarray(pq_jt.emulated_scores(*(jnp.asarray(a) for a in args)))
+    ref = np.asarray(reference.masked_coarse_scores(*args))
+    assert np.array_equal(np.isneginf(got), np.isneginf(ref))
+    assert_close(got, ref, "bfloat16", mask=np.isfinite(ref))
+
+
+def test_jax_triton_refused_without_gpu():
+    """The module imports without triton / jax-triton (lazy imports); the api refuses the
+    implementation on a machine without a GPU, naming what to use instead."""
+    assert callable(pq_jt.pq_topc_jax_triton)
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        pq_topc(**_good(), num_candidates=4, implementation="jax_triton")
+    with pytest.raises(ValueError, match="decode"):
+        pq_jt.coarse_scores_jax_triton(*(jnp.asarray(a) for a in _good().values()),
+                                       params=pq_jt.Params(decode="gather"))
+
+
 # ---------------------------------------------------------------------------------- GPU only
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("implementation", ["triton", "triton_unfused"])
+@pytest.mark.parametrize("implementation", ["triton", "triton_unfused", "jax_triton"])
 def test_gpu_exact_ties_large(implementation):
     """Integer-valued inputs at a moderately large shape: the real kernels must return exactly
     the xla sets and scores, ties included."""
@@ -413,9 +464,35 @@ def test_gpu_random_against_xla(q_dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_v4_flash_shape_matches_xla():
-    """V4-Flash shape: triton scores within tolerance of xla and top-C sets nearly equal
-    (speed is measured by experiments/kernel_compare.py and benchmarks/pq_topc_sweep.py)."""
+@pytest.mark.parametrize("decode", pq_jt.DECODES)
+def test_gpu_jax_triton_random_against_xla(decode):
+    """The plain Triton kernel with either gather lowering: scores within the bf16 tolerance of
+    the f32 reference and within f32 rounding of its jnp emulation, -inf exactly past each
+    length (garbage codes there), and the top-C sets those of its own scores."""
+    rng = np.random.default_rng(23)
+    b, h, d, m, k, n, c = 8, 64, 128, 32, 256, 32768 + 77, 2048
+    lengths = [n, 0, 100, 2048, 30000, n - 1, 5000, 17]
+    args = [jnp.asarray(a) for a in make_inputs(rng, b, h, d, m, k, n, lengths, exact=False,
+                                                q_dtype=jnp.bfloat16)]
+    params = pq_jt.Params(decode=decode)
+    own = np.asarray(pq_jt.coarse_scores_jax_triton(*args, params=params))
+    ref = np.asarray(reference.masked_coarse_scores(*args))
+    assert np.array_equal(np.isneginf(own), np.isneginf(ref)), "mask differs"
+    assert_close(own, ref, "bfloat16", mask=np.isfinite(ref))
+    assert_close(own, np.asarray(pq_jt.emulated_scores(*args)), "float32",
+                 mask=np.isfinite(ref))
+    pos, vals = pq_jt.pq_topc_jax_triton(*args, num_candidates=c, params=params)
+    want_pos, _ = numpy_top_c(own.astype(np.float64), c)
+    assert_same_sets(pos, want_pos)
+    got, want = values_at(pos, vals, own)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("implementation", ["triton", "jax_triton"])
+def test_gpu_v4_flash_shape_matches_xla(implementation):
+    """V4-Flash shape: scores within tolerance of xla and top-C sets nearly equal (speed is
+    measured by experiments/kernel_compare.py and benchmarks/pq_topc_sweep.py)."""
     s = dict(V4_FLASH)
     c = s.pop("c")
     b, n = s["b"], s["n"]
@@ -427,7 +504,7 @@ def test_gpu_v4_flash_shape_matches_xla():
     lengths = jnp.full((b,), n, jnp.int32).at[0].set(n // 3)
     args = (q, w, codes, books, lengths)
     xla = jax.jit(lambda *a: pq_topc(*a, num_candidates=c, implementation="xla"))
-    tri = jax.jit(lambda *a: pq_topc(*a, num_candidates=c, implementation="triton"))
+    tri = jax.jit(lambda *a: pq_topc(*a, num_candidates=c, implementation=implementation))
     got, want = tri(*args), xla(*args)
     ref = reference.masked_coarse_scores(*args)
     g, r = values_at(got[0], got[1], ref)

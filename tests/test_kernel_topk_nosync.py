@@ -296,7 +296,7 @@ def _other_ops():
     from pallas_kernels.sparse_attention import sparse_attention
 
     s = jax.ShapeDtypeStruct
-    hot = functools.partial(hot_resolve, page_size=64, implementation="triton")
+    hot = functools.partial(hot_resolve, page_size=64, implementation="triton_copy")
     hot_common = (s((128,), jnp.int32), s((256,), jnp.int32), s((256,), jnp.int32),
                   s((), jnp.int32), s((64,), jnp.int32))
     from pallas_kernels.index_scores import index_topk
@@ -311,6 +311,10 @@ def _other_ops():
                           s((256, 24), jnp.bfloat16)), *hot_common[1:],
           (s((4096, 128), jnp.float8_e4m3fn), s((4096, 1), jnp.float32),
            s((4096, 24), jnp.bfloat16)))),
+        ("hot_resolve_fused_e8m0", fused,  # fp8_v4 rows: e4m3 values and e8m0 scales
+         (hot_common[0], (s((256, 448), jnp.float8_e4m3fn), s((256, 7), jnp.float8_e8m0fnu)),
+          *hot_common[1:],
+          (s((4096, 448), jnp.float8_e4m3fn), s((4096, 7), jnp.float8_e8m0fnu)))),
         ("index_scores_fp8", functools.partial(index_scores, implementation="triton_fp8"),
          index_specs),
         ("index_topk_fp8", functools.partial(index_topk, k=512, implementation="triton_fp8"),
@@ -341,7 +345,8 @@ def _other_ops():
 
 
 @pytest.mark.parametrize("name,fn,specs", _other_ops(),
-                         ids=["hot_resolve_fused", "index_scores_fp8", "index_topk_fp8",
+                         ids=["hot_resolve_fused", "hot_resolve_fused_e8m0", "index_scores_fp8",
+                              "index_topk_fp8",
                               "gather_rows", "index_scores", "sparse_attention",
                               "hot_resolve_f32", "hot_resolve_fp8_scales"])
 def test_other_ops_have_no_device_predicate_control_flow(name, fn, specs):

@@ -15,12 +15,13 @@ would miss twice and take two rows). Rows may be pytrees (e.g. FP8 keys and thei
 control is computed once and every leaf moves.
 
 Implementations: "xla" (``reference.py``: one ``dynamic_slice`` + ``device_put`` per missed
-row), "triton" (``triton.py``: one Pallas-Triton kernel per leaf reads each missed row from the
-pinned_host pool in place and writes it into its victim row, aliased; interpret mode without a
-GPU; leaves with D not a power of two >= 16 use the XLA loop), "triton_fused" (``fused.py``:
-the control in-kernel too, four launches for all requests and leaves, no XLA ops around them;
-f32 / bf16 / float8_e4m3fn leaves of any D). None picks "triton" on a GPU and
-"xla" elsewhere. Both are vmappable over requests (the pool shared: in_axes=None); under vmap
+row), "triton_copy" (``triton.py``: XLA control, then one Pallas-Triton kernel per leaf reads
+each missed row from the pinned_host pool in place and writes it into its victim row, aliased;
+interpret mode without a GPU; leaves with D not a power of two and e8m0 leaves use the XLA
+loop), "triton_fused" (``fused.py``: the control in-kernel too, four launches for all requests
+and leaves, no XLA ops around them; any leaf dtype of ``DTYPES``, any D), and "triton", the
+decode steps' switch, which runs ``TRITON_RUNS``. None picks "triton" on a GPU and "xla"
+elsewhere. Both are vmappable over requests (the pool shared: in_axes=None); under vmap
 every request's misses go through one loop / one kernel launch.
 """
 
@@ -32,12 +33,12 @@ import jax.numpy as jnp
 from pallas_kernels import common
 
 OP = "hot_resolve"
-AVAILABLE = ("xla", "triton", "triton_fused")
+AVAILABLE = ("xla", "triton", "triton_fused", "triton_copy")
 FASTEST_ON_GPU = "triton"
-# What implementation="triton" (the decode steps' switch) runs: "triton" (XLA control + copy
-# kernel) or "triton_fused" (control in-kernel). Flip to "triton_fused" once the H200 run of
-# benchmarks/kernels_session6_gpu.py shows it faster; tests pin both explicitly.
-TRITON_RUNS = "triton"
+# What implementation="triton" (the decode steps' switch) runs: "triton_fused" (control
+# in-kernel; H200, session 6: 0.179 / 0.118 ms at 5% / 0% misses vs 0.299 / 0.244 for
+# "triton_copy", XLA control + copy kernel); tests pin both explicitly.
+TRITON_RUNS = "triton_fused"
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e8m0fnu)
 
 
@@ -127,7 +128,7 @@ def hot_resolve(selected, hot_rows, hot_positions, hot_stamps, clock, page_table
         from pallas_kernels.hot_resolve.fused import hot_resolve_fused
 
         return hot_resolve_fused(*args, page_size=page_size, interpret=common.interpret())
-    if impl == "triton":
+    if impl == "triton_copy":
         from pallas_kernels.hot_resolve.triton import hot_resolve_triton
 
         return hot_resolve_triton(*args, page_size=page_size, interpret=common.interpret())

@@ -26,6 +26,10 @@ Notation: S requests, k selected positions (KP = next pow2), B hot rows (BP = ne
      written into the victim rows; hot rows, positions and stamps aliased to the outputs.
 Kernel boundaries order the scratch writes and reads (Pallas-Triton has no block barrier).
 Results equal ``reference.hot_resolve_xla`` bit for bit (same LRU rule, rows copied as bytes).
+e8m0 leaves (the power-of-two scales of ``kv_dtype="fp8_v4"`` rows) cross the kernels as their
+bytes: Triton 3.6 rejects f8E8M0FNU tensors (``tt.load`` verifies element types), so such a leaf
+and its pool are bitcast to uint8 before the launches and the hot rows back after (one rule,
+``_as_bytes``; a same-width bitcast moves no values, as sparse_attention's FP8 tables do).
 Scratch: 2 * S * NPOS int32 (64 MB at S = 64, 128K positions), never read in full.
 """
 
@@ -44,7 +48,8 @@ INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
 RADIX_BITS = 2  # thresholds per counting step = 4: a [BP, 4] compare stays in registers
 TILE = 64  # victims per tile of the order kernel
-KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn)
+KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn, jnp.uint8)
+BYTE_DTYPES = (jnp.float8_e8m0fnu,)  # leaves that cross the kernels as uint8 (see above)
 
 
 def _pow2(n: int) -> int:
@@ -278,25 +283,34 @@ def _batched_op(treedef, page, interpret, num_warps):
     return op
 
 
+def _as_bytes(x):
+    """An e8m0 leaf as its uint8 bytes (the kernels' view of it); other leaves unchanged."""
+    return lax.bitcast_convert_type(x, jnp.uint8) if x.dtype in BYTE_DTYPES else x
+
+
 def hot_resolve_fused(selected, hot_rows, hot_positions, hot_stamps, clock, page_table, pool, *,
                       page_size: int, interpret: bool, num_warps: int = 4):
     """``hot_resolve`` of one request by the four kernels above (arguments checked by
     ``api.hot_resolve``); under ``jax.vmap`` over requests (pool shared) one launch sequence
-    serves all of them. Leaves must be f32, bf16 or float8_e4m3fn (any D >= 1).
+    serves all of them. Leaves: f32, bf16, float8_e4m3fn, or float8_e8m0fnu (moved as uint8
+    bytes), any D >= 1.
 
     Returns (slots [k], hot_rows, hot_positions, hot_stamps, clock + 1, counts [2]).
     """
     rows, treedef = jax.tree.flatten(hot_rows)
-    pools = jax.tree.leaves(pool)
+    dtypes = [r.dtype for r in rows]
+    rows = [_as_bytes(r) for r in rows]
+    pools = [_as_bytes(p) for p in jax.tree.leaves(pool)]
     for r in rows:
         if r.dtype not in KERNEL_DTYPES:
             raise ValueError(f"hot_resolve: implementation='triton_fused' moves float32, "
-                             f"bfloat16 and float8_e4m3fn rows, got {r.dtype} (use 'triton' "
-                             "or 'xla')")
+                             f"bfloat16, float8_e4m3fn and float8_e8m0fnu rows, got {r.dtype} "
+                             "(use 'xla')")
     op = _batched_op(treedef, page_size, interpret, num_warps)
     one = lambda x: x[None]  # noqa: E731
     slots, rows, hp, st, clk, counts = op(
         one(selected), tuple(one(r) for r in rows), one(hot_positions), one(hot_stamps),
         one(clock), one(page_table), tuple(pools))
-    rows = jax.tree.unflatten(treedef, [r[0] for r in rows])
-    return slots[0], rows, hp[0], st[0], clk[0], counts[0]
+    rows = [r[0] if r.dtype == dt else lax.bitcast_convert_type(r[0], dt)
+            for r, dt in zip(rows, dtypes)]
+    return (slots[0], jax.tree.unflatten(treedef, rows), hp[0], st[0], clk[0], counts[0])

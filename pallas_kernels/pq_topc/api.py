@@ -5,10 +5,12 @@ Eq. 6 and return the C best:
 
     s[b, n] = sum_h weights[b, h] * ReLU( sum_j q[b, h, j-th slice] . codebooks[j, codes[b, n, j]] )
 
-Implementations: "xla" (``reference.py``: decode + f32 einsum + ``lax.top_k``) and "triton"
+Implementations: "xla" (``reference.py``: decode + f32 einsum + ``lax.top_k``), "triton"
 (``triton.py``: fused decode + bf16 tensor-core score kernel that also runs the first counting
 pass of the top-C threshold search, then the rest of ``pallas_kernels.topk``'s selection;
-interpret mode without a GPU). None picks "triton" on a GPU and "xla" elsewhere.
+interpret mode without a GPU) and "jax_triton" (``jax_triton.py``: a plain Triton score kernel
+that holds the packed codebook on chip and decodes with ``tl.gather``, then
+``pallas_kernels.topk``; GPU only). None picks "triton" on a GPU and "xla" elsewhere.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pallas_kernels.pq_topc import reference
 from pallas_kernels.pq_topc import triton as triton_impl
 
 OP = "pq_topc"
-AVAILABLE = ("xla", "triton")
+AVAILABLE = ("xla", "triton", "jax_triton")
 MAX_CENTROIDS = 256  # codes are uint8
 
 _pq_topc_xla = jax.jit(reference.pq_topc_xla, static_argnames=("num_candidates",))
@@ -97,13 +99,15 @@ def pq_topc(q, weights, codes, codebooks, lengths, *, num_candidates: int,
       codebooks: [M, K, d] float32, shared by the batch.
       lengths: [B] int32; position n of request b is eligible iff n < lengths[b].
       num_candidates: C >= 1 (may exceed N: the rest is padding).
-      implementation: "xla", "triton" or None (triton on a GPU, xla elsewhere).
+      implementation: "xla", "triton", "jax_triton" (GPU only) or None (triton on a GPU, xla
+        elsewhere).
     Returns:
       positions [B, C] int32: the set of the C best eligible positions (higher score first,
         ties to the lower position), -1 where fewer than C are eligible; in any order (the
         "xla" implementation returns them best-first).
       scores [B, C] float32 aligned with positions, -inf where the position is -1. The
-        "triton" scores use bf16 q and codebooks (~1e-2 relative to the f32 reference).
+        "triton" and "jax_triton" scores use bf16 q and codebooks (~1e-2 relative to the f32
+        reference).
     Raises ValueError on bad shapes, dtypes, num_candidates or implementation.
     """
     impl = common.choose(OP, implementation, AVAILABLE, fastest_on_gpu="triton")
@@ -115,6 +119,10 @@ def pq_topc(q, weights, codes, codebooks, lengths, *, num_candidates: int,
     lengths = lengths.astype(jnp.int32)
     if impl == "xla":
         fn = partial(_pq_topc_xla, num_candidates=c)
+    elif impl == "jax_triton":
+        from pallas_kernels.pq_topc.jax_triton import pq_topc_jax_triton
+
+        fn = partial(pq_topc_jax_triton, num_candidates=c)
     else:
         fn = partial(triton_impl.pq_topc_triton, num_candidates=c)
     return fn(q, weights, codes, codebooks, lengths)

@@ -1,0 +1,271 @@
+"""Plain Triton ``pq_topc`` through jax-triton: the codebook held on chip, decoded by
+``tl.gather``, bf16 tensor-core scores, then ``pallas_kernels.topk``.
+
+Notation:
+  B requests, H indexer heads (HP = H padded to a power of two >= 16), D = M * d head dim,
+  M subspaces (MP padded) of d dims (d' = max(4, 2^ceil(log2 d)) padded), K <= 256 centroids
+  (KP = K padded to a power of two), N positions, C = num_candidates,
+  WPS = d' / 4 64-bit words per centroid row (4 bf16 values a word), W = MP * WPS words per
+  decoded key, DP = MP * d' = 4 W decoded dims, BN keys per tile, STEPS tiles per program.
+
+Why decode + dot, not look-up tables. Eq. 6 is s[n] = sum_h w[h] ReLU(sum_j q[h, j] . C_j[c_nj]).
+The per-request table LUT[h, j, c] = q[h, j] . C_j[c] holds H * M * K = 64 * 32 * 256 = 524,288
+f32 (2 MiB per request, 128 MiB at B = 64): it does not fit on chip, and since the ReLU acts per
+head after the sum over subspaces, a key still needs H * M = 2048 table reads (no dot can
+replace them): 1.7e10 scattered reads at B = 64, N = 131072, ~2 ms of shared-memory/L1 gathers
+alone. Decoding instead reads M codebook words per key and lets the tensor cores do the
+2 * H * D = 16,384 FLOPs per key (1.4e11 FLOPs: 0.17 ms at 790 TFLOP/s, the op's roofline; the
+codes are 268 MB: 0.09 ms of HBM). So: decode on chip, one bf16 dot per tile.
+
+Kernel (grid (B, cdiv(N, BN * STEPS))): program (b, i) loads request b's q^T [DP, HP] bf16, its
+head weights and the packed codebook ``book`` [KP, W] int64 once (row c, word j * WPS + g holds
+C_j[c, 4g:4g+4] as four bf16 bit patterns, low half first: 64 KiB at the V4 shape) and keeps
+them in registers; then for each of its STEPS tiles of BN positions (tiles wholly past
+lengths[b] only store -inf):
+  idx[n, w]   = codes[b, n, w // WPS] (int32; masked to 0 for padded subspaces, clamped < K)
+  packed      = tl.gather(book, idx) [BN, W] int64          one 64-bit read per (key, word)
+  keys        = the four 16-bit fields of each word as bf16 -> [BN, DP] (column 4 w + f)
+  s[n]        = sum_h w[h] * ReLU((keys @ q^T)[n, h])        bf16 operands, f32 accumulation
+and stores s (-inf at n >= lengths[b]) to scores [B, N] f32. ``decode`` picks how Triton lowers
+the gather: "smem" (a 1-D gather over the flattened book: Triton stages the book in shared
+memory and each output is one 64-bit shared load) or "shuffle" (the 2-D gather along the K
+axis, which Triton makes warp-local: K / 32 register shuffles of each 64-bit word per output;
+no shared memory, but 16 shuffles per (key, subspace) at K = 256). Neither can keep the book in
+shared memory across tiles (Triton has no explicit shared allocation): "smem" re-stages it per
+tile (64 KiB of shared stores per BN keys, amortised by a large BN).
+
+Top-C: ``pallas_kernels.topk`` ("triton": one read of the score row, its own kernels) on the
+[B, N] scores. The Pallas kernel (``triton.py``) fuses topk's first counting pass into its
+score kernel instead; that saves one read of the scores (33.5 MB, ~11 us at B = 64), small next
+to the decode, and would tie this kernel to topk's two-read tail. Not done here.
+
+Precision as ``triton.py``: q and the codebooks rounded to bf16, f32 accumulation
+(``TOLERANCE['bfloat16']``); small-integer inputs give the exact scores.
+
+``triton`` and ``jax_triton`` are imported lazily (the package imports without them); this path
+needs a CUDA GPU. ``packed_codebook`` and ``decode_packed`` (plain jnp) are the kernel's packing
+and its unpacking, so CPU tests check the layout against ``reference.decode_codes``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.topk import topk
+
+MIN_DOT_DIM = 16  # tl.dot needs every operand dim >= 16
+WORD_VALUES = 4  # bf16 values per 64-bit codebook word
+DECODES = ("smem", "shuffle")
+
+
+@dataclasses.dataclass(frozen=True)
+class Params:
+    """Launch parameters (powers of two): block_n keys per tile, steps tiles per program,
+    decode "smem" | "shuffle" (see the module docstring)."""
+
+    block_n: int = 256
+    steps: int = 8
+    num_warps: int = 8
+    num_stages: int = 2
+    decode: str = "smem"
+
+
+DEFAULT_PARAMS = Params()
+
+
+def _pow2(x: int) -> int:
+    return 1 << (max(int(x), 1) - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Padded sizes of one call (see Notation)."""
+
+    h: int
+    hp: int
+    m: int
+    mp: int
+    ds: int
+    dsp: int
+    k: int
+    kp: int
+
+    @property
+    def wps(self) -> int:
+        return self.dsp // WORD_VALUES
+
+    @property
+    def words(self) -> int:
+        return self.mp * self.wps
+
+    @property
+    def dp(self) -> int:
+        return self.mp * self.dsp
+
+
+def layout(h: int, m: int, k: int, ds: int) -> Layout:
+    """Zero padding to power-of-two dims that tl.arange / tl.dot accept (exact: a zero query
+    column or zero centroid value adds nothing)."""
+    dsp = max(WORD_VALUES, _pow2(ds))
+    mp = max(_pow2(m), MIN_DOT_DIM // min(dsp, MIN_DOT_DIM))
+    return Layout(h=h, hp=max(MIN_DOT_DIM, _pow2(h)), m=m, mp=mp, ds=ds, dsp=dsp, k=k,
+                  kp=_pow2(k))
+
+
+def packed_codebook(codebooks, lay: Layout) -> jnp.ndarray:
+    """Codebooks [M, K, d] -> the kernel's book [KP, W, 2] uint32 (little-endian halves of the
+    int64 word): word j * WPS + g of row c = bf16 bits of C_j[c, 4g + f] at bits 16 f.
+    Padded subspaces, dims and rows are zero."""
+    books = jnp.pad(codebooks.astype(jnp.bfloat16),
+                    ((0, lay.mp - lay.m), (0, lay.kp - lay.k), (0, lay.dsp - lay.ds)))
+    bits = lax.bitcast_convert_type(books, jnp.uint16).astype(jnp.uint32)  # [MP, KP, d']
+    bits = bits.reshape(lay.mp, lay.kp, lay.wps, 2, 2)  # [.., g, half, f within the half]
+    halves = bits[..., 0] | (bits[..., 1] << 16)  # [MP, KP, WPS, 2]
+    return halves.transpose(1, 0, 2, 3).reshape(lay.kp, lay.words, 2)
+
+
+def decode_packed(book, codes, lay: Layout) -> jnp.ndarray:
+    """The kernel's decode in jnp: book [KP, W, 2] uint32, codes [..., N, M] uint8 ->
+    keys [..., N, DP] bf16 (column 4 w + f = field f of word w), codes clamped to K - 1."""
+    sub = jnp.arange(lay.words) // lay.wps  # [W] subspace of each word
+    ids = jnp.minimum(codes.astype(jnp.int32), lay.k - 1)
+    ids = jnp.where(sub < lay.m, ids[..., jnp.minimum(sub, lay.m - 1)], 0)  # [..., N, W]
+    words = book[ids, jnp.arange(lay.words)]  # [..., N, W, 2]
+    fields = jnp.stack([words[..., 0] & 0xFFFF, words[..., 0] >> 16,
+                        words[..., 1] & 0xFFFF, words[..., 1] >> 16], axis=-1)
+    keys = lax.bitcast_convert_type(fields.astype(jnp.uint16), jnp.bfloat16)
+    return keys.reshape(*codes.shape[:-1], lay.dp)
+
+
+def padded_query(q, lay: Layout) -> jnp.ndarray:
+    """q [B, H, D] -> q^T [B, DP, HP] bf16, zero padded per subspace."""
+    b = q.shape[0]
+    qp = q.astype(jnp.bfloat16).reshape(b, lay.h, lay.m, lay.ds)
+    qp = jnp.pad(qp, ((0, 0), (0, lay.hp - lay.h), (0, lay.mp - lay.m), (0, lay.dsp - lay.ds)))
+    return qp.reshape(b, lay.hp, lay.dp).transpose(0, 2, 1)
+
+
+@jax.jit
+def emulated_scores(q, weights, codes, codebooks, lengths) -> jnp.ndarray:
+    """The kernel's math in jnp (packed book, decode, bf16 dot with f32 accumulation, ReLU,
+    head weights, mask): masked scores [B, N] f32. For CPU tests of the decomposition."""
+    h, (m, k, ds) = q.shape[1], codebooks.shape
+    lay = layout(h, m, k, ds)
+    keys = decode_packed(packed_codebook(codebooks, lay), codes, lay)  # [B, N, DP]
+    dots = jnp.einsum("bnd,bdh->bnh", keys, padded_query(q, lay),
+                      preferred_element_type=jnp.float32)
+    w = jnp.pad(weights.astype(jnp.float32), ((0, 0), (0, lay.hp - h)))
+    s = jnp.sum(jnp.maximum(dots, 0.0) * w[:, None, :], axis=2)
+    pos = jnp.arange(codes.shape[1], dtype=jnp.int32)[None, :]
+    return jnp.where(pos < lengths.astype(jnp.int32)[:, None], s, -jnp.inf)
+
+
+@functools.cache
+def _kernel():
+    """Builds the @triton.jit kernel on first use (imports triton lazily)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def pq_scores_kernel(
+        # inputs
+        len_ptr,    # [B]         int32, clipped to [0, N]
+        qt_ptr,     # [B, DP, HP] bf16   q^T, zero padded
+        w_ptr,      # [B, HP]     f32    head weights, zero padded
+        codes_ptr,  # [B, N, M]   uint8
+        book_ptr,   # [KP, W, 2]  uint32 = [KP, W] int64 packed codebook
+        # outputs
+        out_ptr,    # [B, N]      f32    masked scores
+        N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+        W: tl.constexpr, WPS: tl.constexpr, DP: tl.constexpr, HP: tl.constexpr,
+        BN: tl.constexpr, STEPS: tl.constexpr, FLAT: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        first = tl.program_id(1) * (BN * STEPS)
+        length = tl.load(len_ptr + b)
+        words = tl.arange(0, W)
+        sub = words // WPS  # [W] subspace of each word
+        book64 = book_ptr.to(tl.pointer_type(tl.int64))
+        if FLAT:
+            book = tl.load(book64 + tl.arange(0, KP * W))  # [KP * W] (row-major [KP, W])
+        else:
+            book = tl.load(book64 + tl.arange(0, KP)[:, None] * W + words[None, :])  # [KP, W]
+        dims, heads = tl.arange(0, DP), tl.arange(0, HP)
+        qt = tl.load(qt_ptr + b * (DP * HP) + dims[:, None] * HP + heads[None, :])  # [DP, HP]
+        w = tl.load(w_ptr + b * HP + heads)  # [HP]
+        for t in range(STEPS):
+            start = first + t * BN
+            rows = start + tl.arange(0, BN)  # [BN] positions
+            if start < length:
+                ok = (rows[:, None] < N) & (sub[None, :] < M)
+                idx = tl.load(codes_ptr + b * (N * M) + rows[:, None] * M + sub[None, :],
+                              mask=ok, other=0, eviction_policy="evict_first")
+                idx = tl.minimum(idx.to(tl.int32), K - 1)  # [BN, W]
+                if FLAT:
+                    flat = tl.reshape(idx * W + words[None, :], (BN * W,))
+                    packed = tl.reshape(tl.gather(book, flat, 0), (BN, W))
+                else:
+                    packed = tl.gather(book, idx, 0)  # [BN, W] int64
+                f0 = (packed & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                f1 = ((packed >> 16) & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                f2 = ((packed >> 32) & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                f3 = ((packed >> 48) & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                # join appends its axis last: join(join(f0, f2), join(f1, f3))[n, w, p, i] =
+                # field 2 p + i of word w, so the reshape puts it at column 4 w + 2 p + i
+                keys = tl.reshape(tl.join(tl.join(f0, f2), tl.join(f1, f3)), (BN, DP))
+                dots = tl.dot(keys, qt)  # [BN, HP] f32
+                s = tl.sum(tl.maximum(dots, 0.0) * w[None, :], axis=1)  # [BN]
+                s = tl.where(rows < length, s, float("-inf"))
+            else:
+                s = tl.full((BN,), float("-inf"), tl.float32)
+            tl.store(out_ptr + b * N + rows, s, mask=rows < N)
+
+    return pq_scores_kernel
+
+
+def _tile(n: int, params: Params) -> tuple[int, int]:
+    """(BN, STEPS) shrunk for short N (BN >= 16 for tl.dot)."""
+    block_n = max(MIN_DOT_DIM, min(_pow2(params.block_n), _pow2(n)))
+    steps = max(1, min(_pow2(params.steps), _pow2(-(-n // block_n))))
+    return block_n, steps
+
+
+def coarse_scores_jax_triton(q, weights, codes, codebooks, lengths, *,
+                             params: Params | None = None) -> jnp.ndarray:
+    """Masked coarse scores [B, N] f32 (-inf at n >= lengths[b]) by the Triton kernel.
+    Inputs as ``api.pq_topc`` (validated there). Needs a CUDA GPU."""
+    p = params or DEFAULT_PARAMS
+    if p.decode not in DECODES:
+        raise ValueError(f"pq_topc: decode={p.decode!r}; allowed: {DECODES}")
+    import jax_triton
+    (b, h, _), (n, m), (k, ds) = q.shape, codes.shape[1:], codebooks.shape[1:]
+    lay = layout(h, m, k, ds)
+    block_n, steps = _tile(n, p)
+    w = jnp.pad(weights.astype(jnp.float32), ((0, 0), (0, lay.hp - h)))
+    lens = jnp.clip(lengths.astype(jnp.int32), 0, n)
+    return jax_triton.triton_call(
+        lens, padded_query(q, lay), w, codes, packed_codebook(codebooks, lay),
+        kernel=_kernel(),
+        out_shape=jax.ShapeDtypeStruct((b, n), jnp.float32),
+        grid=(b, -(-n // (block_n * steps))),
+        num_warps=p.num_warps, num_stages=p.num_stages,
+        N=n, M=m, K=k, KP=lay.kp, W=lay.words, WPS=lay.wps, DP=lay.dp, HP=lay.hp,
+        BN=block_n, STEPS=steps, FLAT=p.decode == "smem",
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("num_candidates", "params",
+                                             "topk_implementation"))
+def pq_topc_jax_triton(q, weights, codes, codebooks, lengths, *, num_candidates: int,
+                       params: Params | None = None, topk_implementation: str = "triton"):
+    """Top-C positions of PQ-coded keys: the Triton score kernel, then ``pallas_kernels.topk``
+    (``topk_implementation``). Returns (positions [B, C] int32 in any order, -1 padded;
+    scores [B, C] f32, -inf at padding). Inputs validated by ``api.pq_topc``."""
+    scores = coarse_scores_jax_triton(q, weights, codes, codebooks, lengths, params=params)
+    lens = jnp.clip(lengths.astype(jnp.int32), 0, scores.shape[1])
+    return topk(scores, lens, num_candidates, implementation=topk_implementation)
