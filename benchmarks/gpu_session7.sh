@@ -5,6 +5,9 @@
 #           the exact selections' top-k by "xla" vs "triton" at chunks 4096 / 8192
 #           (benchmarks/prefill_precision_gpu.py); the speculative experiment's missing cells
 #           (C2, C4, leansparse C8) resumed from results/speculative/results.json.
+#   STEP=b  issue 16: benchmarks/kernels_session7_gpu.py (kernel_compare's default config, the
+#           kernel GPU tests, the profiled decode step, a pq_topc jax_triton sweep); the
+#           speculative experiment's cells still missing after STEP=a, resumed.
 # Everything comes back in $OUT/<step>.tar (more files than $OUT returns).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
@@ -32,7 +35,11 @@ case "$STEP" in
     part gputests 90 "python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_model.py"
     part prefill 190 "python3 benchmarks/prefill_precision_gpu.py --contexts 131072 --precisions bf16 --implementations xla,triton --chunks 4096,8192 --out \$OUT"
     part speculative 300 "python3 -m experiments.cli run configs/experiments/speculative.gin \"--gin.speculative.methods=('resident', 'hisparse', 'leansparse', 'adaptive')\" \"--gin.speculative.concurrencies=(1, 2, 4, 8)\" --gin.speculative.decode_tokens=64 --gin.speculative.time_limit_s=250 --gin.speculative.results_dir=None \"--gin.speculative.resume_from='results/speculative/results.json'\"" ;;
-  *) echo "STEP must be a" >&2; exit 2 ;;
+  b)
+    part kernels 380 "python3 benchmarks/kernels_session7_gpu.py --out \$OUT/session7 --budget-s 320"
+    part speculative 130 "python3 -m experiments.cli run configs/experiments/speculative.gin \"--gin.speculative.methods=('resident', 'hisparse', 'leansparse', 'adaptive')\" \"--gin.speculative.concurrencies=(1, 2, 4, 8)\" --gin.speculative.decode_tokens=64 --gin.speculative.time_limit_s=80 --gin.speculative.results_dir=None \"--gin.speculative.resume_from='results/speculative/results.json'\""
+    part leanxla 50 "python3 -m experiments.cli run configs/experiments/speculative.gin \"--gin.speculative.methods=('leansparse',)\" \"--gin.speculative.concurrencies=(4,)\" --gin.speculative.decode_tokens=64 --gin.speculative.results_dir=None \"--gin.speculative.implementation='xla'\" \"--gin.run.name='spec_lean_xla'\"" ;;
+  *) echo "STEP must be a or b" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar -cf "/tmp/$STEP.tar" . && find . -mindepth 1 -delete && mv "/tmp/$STEP.tar" .)
 ls -la "$OUT"
