@@ -36,9 +36,9 @@ case "$STEP" in
     part prefill 190 "python3 benchmarks/prefill_precision_gpu.py --contexts 131072 --precisions bf16 --implementations xla,triton --chunks 4096,8192 --out \$OUT"
     part speculative 300 "python3 -m experiments.cli run configs/experiments/speculative.gin \"--gin.speculative.methods=('resident', 'hisparse', 'leansparse', 'adaptive')\" \"--gin.speculative.concurrencies=(1, 2, 4, 8)\" --gin.speculative.decode_tokens=64 --gin.speculative.time_limit_s=250 --gin.speculative.results_dir=None \"--gin.speculative.resume_from='results/speculative/results.json'\"" ;;
   b)
-    part kernels 380 "python3 benchmarks/kernels_session7_gpu.py --out \$OUT/session7 --budget-s 320"
+    part kernels 370 "python3 benchmarks/kernels_session7_gpu.py --out \$OUT/session7 --budget-s 310"
     part speculative 130 "python3 -m experiments.cli run configs/experiments/speculative.gin \"--gin.speculative.methods=('resident', 'hisparse', 'leansparse', 'adaptive')\" \"--gin.speculative.concurrencies=(1, 2, 4, 8)\" --gin.speculative.decode_tokens=64 --gin.speculative.time_limit_s=80 --gin.speculative.results_dir=None \"--gin.speculative.resume_from='results/speculative/results.json'\""
-    part leanxla 50 "python3 -m experiments.cli run configs/experiments/speculative.gin \"--gin.speculative.methods=('leansparse',)\" \"--gin.speculative.concurrencies=(4,)\" --gin.speculative.decode_tokens=64 --gin.speculative.results_dir=None \"--gin.speculative.implementation='xla'\" \"--gin.run.name='spec_lean_xla'\"" ;;
+    part leanxla 60 "python3 -m experiments.cli run configs/experiments/speculative.gin \"--gin.speculative.methods=('leansparse',)\" \"--gin.speculative.concurrencies=(4,)\" --gin.speculative.decode_tokens=64 --gin.speculative.results_dir=None \"--gin.speculative.implementation='xla'\" \"--gin.run.name='spec_lean_xla'\"" ;;
   *) echo "STEP must be a or b" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar -cf "/tmp/$STEP.tar" . && find . -mindepth 1 -delete && mv "/tmp/$STEP.tar" .)
