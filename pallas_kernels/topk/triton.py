@@ -800,9 +800,16 @@ def one_read_select(scores, length, m, cfg: Config, floor=None):
     )(jnp.stack([length, t], axis=1), scores)
     cnt = cnt[..., 0]
     ok = (jnp.sum(cnt, axis=1) >= m) & jnp.all(cnt <= seg, axis=1)
+    size = _next_pow2(nblk * seg)
+    if cfg.finish_in_registers and nblk * seg < size <= REGISTER_FINISH_MAX:
+        # the register finish loads the whole candidate row: Triton needs a power of two,
+        # so the row gets empty segments (-1 positions are never candidates, by_pos)
+        pad = ((0, 0), (0, size - nblk * seg))
+        cpos = jnp.pad(cpos, pad, constant_values=-1)
+        cval = jnp.pad(cval, pad, constant_values=-jnp.inf)
     p0, u0 = _shared_digits(t, jnp.full_like(t, INT32_MAX), cfg.digit_bits)
     zero = jnp.zeros_like(t)
-    row2 = jnp.stack([jnp.full_like(t, nblk * seg), m, zero, m, p0, u0,
+    row2 = jnp.stack([jnp.full_like(t, cpos.shape[1]), m, zero, m, p0, u0,
                       jnp.logical_not(ok).astype(jnp.int32), zero], axis=1)
     wpos = jnp.full((b, cfg.kp), -1, jnp.int32)
     wval = jnp.full((b, cfg.kp), -jnp.inf, jnp.float32)
