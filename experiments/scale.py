@@ -134,8 +134,8 @@ def scale(name: str, model=gin.REQUIRED, methods=("resident", "hisparse", "leans
         cfg = fit_max_len(model, context + steps + warm_steps + PROFILED_STEPS + 2)
         prompt = np.random.default_rng(seed + context).integers(
             0, min(cfg.vocab_size, 256), context).astype(np.int32)
-        cache_dir = None if prefill_cache is None else _cache_dir(prefill_cache, cfg, seed,
-                                                                  context, prefill_chunk)
+        cache_dir = None if prefill_cache is None else prefill_cache_dir(
+            prefill_cache, cfg, seed, context, prefill_chunk)
         estimate = _Estimates(records, context)
         need = 10.0 if cache_dir is not None and cache_dir.exists() else \
             estimate.prefill_s(context)
@@ -144,7 +144,7 @@ def scale(name: str, model=gin.REQUIRED, methods=("resident", "hisparse", "leans
                   f"{context}-token prefill; stopped (rerun to continue)", flush=True)
             break
         params = init_params(cfg, seed)
-        pre, prefill_s = _prefill(params, cfg, prompt, prefill_chunk, cache_dir)
+        pre, prefill_s = cached_prefill(params, cfg, prompt, prefill_chunk, cache_dir)
         books, calibration_s = None, None
         if any(method_storage(method_variant(m, lean)[0]).keys_on_host for m, _ in todo):
             t0 = time.perf_counter()  # includes its compiles: what a user waits for
@@ -199,13 +199,13 @@ def scale(name: str, model=gin.REQUIRED, methods=("resident", "hisparse", "leans
     return records
 
 
-def _cache_dir(root: str, cfg, seed: int, context: int, chunk: int) -> pathlib.Path:
+def prefill_cache_dir(root: str, cfg, seed: int, context: int, chunk: int) -> pathlib.Path:
     """The prefill cache folder of one (model, prompt, chunk): a hash of what decides it."""
     key = hashlib.sha1(repr((cfg, seed, context, chunk)).encode()).hexdigest()[:16]
     return pathlib.Path(root) / f"prefill_{context}_{key}"
 
 
-def _prefill(params, cfg, prompt, chunk: int, cache_dir: pathlib.Path | None):
+def cached_prefill(params, cfg, prompt, chunk: int, cache_dir: pathlib.Path | None):
     """(caches and last logits of ``prompt``, prefill seconds): computed (timed after a
     one-chunk warm-up compile) and saved to ``cache_dir``, or loaded from it with the seconds
     it took when it was computed."""
@@ -243,18 +243,21 @@ class _Estimates:
     before a time budget runs out; rough by design, on the safe side).
 
     Prefill: the recorded prefill_s of this context, else the largest smaller recorded
-    context's scaled by (context ratio)^2, else 0 (unknown: it runs). Cell: the largest
-    recorded warm-up at this context (else 20 s) plus, per request, the largest recorded
-    admission seconds per request (else 0.5 s) and ``steps`` decode steps at the largest
-    recorded step ms per request (else 2 ms), times 1.25.
+    context's scaled by (context ratio)^2, else 0 (unknown: it runs). Cell: a fixed part, the
+    largest recorded cell time less its admissions at this context (engine, warm-up compile,
+    steps; else 20 s), plus per request the largest recorded admission seconds (else 0.5 s),
+    ``steps`` decode steps at the largest recorded step ms per request (else 2 ms) and its
+    host pools filled at 2 GB/s (pinned_host allocation grows with the batch), times 1.25.
     """
 
     def __init__(self, records, context: int):
         self.records = [r for r in records if "step_ms" in r]
         here = [r for r in self.records if r["context"] == context]
-        self.warmup = max([r["warmup_s"] for r in here], default=20.0)
+        self.fixed = max([r.get("cell_s", r["warmup_s"]) - r.get("admit_s", 0.0)
+                          for r in here], default=20.0)
         self.admit = max([r.get("admit_s", 0.0) / r["batch"] for r in here], default=0.5)
         self.step = max([r["step_ms"] / 1e3 / r["batch"] for r in here], default=2e-3)
+        self.host = {r["method"]: r["host_bytes_per_request"] / 2e9 for r in here}
 
     def prefill_s(self, context: int) -> float:
         known = {r["context"]: r["prefill_s"] for r in self.records}
@@ -264,7 +267,8 @@ class _Estimates:
         return known[max(smaller)] * (context / max(smaller)) ** 2 if smaller else 0.0
 
     def cell_s(self, method: str, batch: int, steps: int) -> float:
-        return 1.25 * (self.warmup + batch * (self.admit + steps * self.step))
+        host = self.host.get(method, max(self.host.values(), default=0.0))
+        return 1.25 * (self.fixed + batch * (self.admit + steps * self.step + host))
 
 
 def decode_cell(cfg, params, books, pre, prompt, method, batch, steps, warm_steps, chunk,
