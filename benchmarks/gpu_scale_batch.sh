@@ -13,6 +13,8 @@
 #                 prefill of each context is cached in /tmp/lsparse_scale_prefill while the
 #                 machine stays warm. results.json's `pending` lists the cells left.
 #   STEP=both     profile (with a 170 s budget) then scale (budget cut to fit): one call.
+# SCALE_ARGS: extra gin bindings for the scale run, e.g.
+#   SCALE_ARGS="--gin.scale.methods=('hisparse','leansparse','leansparse_g2')"
 # Everything written under $OUT comes back; the last lines print the tables.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
@@ -47,7 +49,7 @@ if count(best) >= 0:
     print(f"resuming from {best} ({count(best)} cells)")
 EOF
   timeout "$(( budget + 45 ))" python3 -m experiments.cli run configs/experiments/scale_batch.gin \
-    "--gin.scale.time_budget_s=$budget" 2>&1 | quiet | tail -40
+    "--gin.scale.time_budget_s=$budget" ${SCALE_ARGS:-} 2>&1 | quiet | tail -40
   echo "-- scale exit ${PIPESTATUS[0]} (124: cut by its timeout)"
   cp "$OUT/scale_batch/results.json" /tmp/lsparse_scale_batch/ 2>/dev/null
   python3 -m experiments.scale_report --runs "$OUT" --only scale_batch 2>&1 | tail -30

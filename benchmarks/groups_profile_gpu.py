@@ -1,7 +1,8 @@
 """LeanSparse request groups on the GPU: what overlap XLA gives (issue 13, deliver 4).
 
 One bounded call: per XLA flag setting ("default", and "lhs" = the latency-hiding scheduler,
-``--xla_gpu_enable_latency_hiding_scheduler=true``) a child process runs leansparse at one
+``--xla_gpu_enable_latency_hiding_scheduler=true``, with the stream annotation forced on,
+``--xla_gpu_experimental_stream_annotation=true``) a child process runs leansparse at one
 context and batch as variants g1 (groups=1, today's step), g2 (2 groups, each group's key
 fetch an async call on GPU stream 1), g2_main (2 groups, fetch on the main stream) and g4.
 Per variant: the decode step's wall time (mean of --steps after --warm), then
@@ -37,7 +38,8 @@ import time
 import numpy as np
 
 VARIANTS = {"g1": (1, None), "g2": (2, 1), "g2_main": (2, None), "g4": (4, 1)}
-FLAGS = {"default": "", "lhs": "--xla_gpu_enable_latency_hiding_scheduler=true"}
+FLAGS = {"default": "", "lhs": "--xla_gpu_enable_latency_hiding_scheduler=true "
+                               "--xla_gpu_experimental_stream_annotation=true"}
 
 
 # ------------------------------------------------------------------------- what XLA compiled

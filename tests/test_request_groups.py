@@ -154,3 +154,43 @@ def test_engine_with_request_groups_equals_one_group(groups):
     assert want[2]["host_key_rows"] > 0  # keys were fetched from the host
     assert_same(want[:2], got[:2])
     assert want[2] == got[2]
+
+
+def test_grouped_selection_lowers_for_cuda_with_async_key_fetches():
+    """On a GPU the grouped selection (Triton kernels) has one async call per group on stream
+    1 (``_xla_stream_annotation``, not inlineable), each running the Triton ``hot_resolve``
+    of that group's key fetch; one group has none. Lowered for CUDA on this CPU machine."""
+    import re
+
+    from pallas_kernels import common
+
+    s = jax.ShapeDtypeStruct
+
+    def lowered(groups):
+        lean = LeanSparseConfig(C, 1.0, BK, pq_subspace_dim=D // M, groups=groups)
+        index = CoarseToFineIndex(lean, K, P, M, "triton")
+        state = jax.tree.map(lambda x: s((S,) + x.shape, x.dtype),
+                             PagedKeys.empty(P, BK, N, D, 1, M))
+
+        def fn(st, completed, q, w, elig, table, books, pool):
+            def one(st, c, q, w, e, t):
+                return index.select(st, c, IndexerQuery(q, w), e, KeyPageView(pool, t, books))
+
+            return jax.vmap(one)(st, completed, q, w, elig, table)
+
+        return common.lower_for_cuda(
+            fn, state, s((S,), jnp.int32), s((S, 1, H, D), jnp.float32),
+            s((S, 1, H), jnp.float32), s((S, 1, N), jnp.bool_), s((S, N // P), jnp.int32),
+            s((M, KC, D // M), jnp.float32),
+            (s((N * S, D), jnp.float8_e4m3fn), s((N * S, 1), jnp.float32)))
+
+    calls = lambda text: re.findall(  # noqa: E731
+        r"call @(compute_on\w*)\(.*_xla_stream_annotation = \"1\", inlineable = \"false\"",
+        text)
+    assert calls(lowered(1)) == []
+    text = lowered(2)
+    assert len(calls(text)) == 2
+    for name in calls(text):
+        body = text[text.index(f"func.func private @{name}("):]
+        body = body[:body.index("\n  }")]
+        assert "call @hot_resolve_triton" in body

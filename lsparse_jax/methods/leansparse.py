@@ -92,8 +92,14 @@ class CoarseToFineIndex:
         groups = self.settings.groups
         if groups == 1:
             return self.select_one(state, completed, query, eligible, context)
-        one = functools.partial(self.select_one, fetch_stream=self.settings.fetch_stream)
-        return grouped(one, groups)(state, completed, query, eligible, context)
+
+        def one(*args):  # only what the selection changes leaves the groups (no copy of
+            #  the PQ codes or the tail through the groups' concatenation)
+            new, selection = self.select_one(*args, fetch_stream=self.settings.fetch_stream)
+            return new.cache, selection
+
+        cache, selection = grouped(one, groups)(state, completed, query, eligible, context)
+        return state.replace(cache=cache), selection
 
     def select_one(self, state: PagedKeys, completed, query: IndexerQuery, eligible,
                    context: KeyPageView, fetch_stream: int | None = None):
