@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 13, deliver 4 and 6 on one H200 (device tool, carry [".whl"]), one device call each:
 #   STEP=profile  LeanSparse request groups: what overlap XLA gives
-#                 (benchmarks/groups_profile_gpu.py: 128K, batch 16, variants g1/g2/g2_main/g4,
-#                 and g1/g2 under the latency-hiding scheduler; ~200 s) -> $OUT/groups/
+#                 (benchmarks/groups_profile_gpu.py: 128K, batch 16, variants g1/g2/g2_main,
+#                 and g2/g1 under the latency-hiding scheduler; ~280 s wall) -> $OUT/groups/
 #   STEP=scale    the scale study's batch axis (configs/experiments/scale_batch.gin: 512K at
 #                 batch 8, 64, 32, 1 and 1M at batch 8, 1; hisparse, leansparse, leansparse_g2,
 #                 resident, adaptive), stopped by its own budget (scale.time_budget_s = 480 s
@@ -56,7 +56,7 @@ EOF
 }
 
 case "$STEP" in
-  profile) profile 230 ;;
+  profile) profile 240 ;;
   scale) scale 480 ;;
   both)
     profile 170

@@ -70,7 +70,7 @@ def _full_model(model: dict, rec: dict) -> dict:
 
 
 def _label(n: int) -> str:
-    return f"{n >> 20}M" if n >= 1 << 20 else f"{n >> 10}K"
+    return f"{n >> 20}M" if n >= 1 << 20 else f"{n >> 10}K" if n >= 1 << 10 else str(n)
 
 
 def step_table(records) -> str:
