@@ -280,6 +280,15 @@ class LeanSparseConfig:
         empty): during them the miss filter keeps every candidate, whose exact keys are then
         fetched and fill the cache; 0 = the filter from the first step. Our choice (the paper
         is silent on admission): README "Cold start".
+      groups: request groups of the decode step (Section 5): the batch of slots is split into
+        this many groups (it must divide ``cache.num_slots``) whose selections run as
+        independent sub-batches, so that one group's indexer-key fetch (host reads) can run
+        while another group's coarse pass does (``lsparse_jax.request_groups`` says what
+        overlap XLA gives). 1 = one batch (the step is then exactly the ungrouped program).
+        Tokens, selections and statistics do not depend on it.
+      fetch_stream: with groups > 1, the GPU stream (>= 1) that each group's key fetch runs
+        on as an async call; None keeps it on the main stream (the grouping alone). Ignored
+        off the GPU and with groups = 1.
     """
 
     num_candidates: int = 2048
@@ -287,6 +296,8 @@ class LeanSparseConfig:
     key_cache_rows: int = 4096
     pq_subspace_dim: int = 4
     warm_steps: int = 1
+    groups: int = 1
+    fetch_stream: int | None = 1
 
     def __post_init__(self):
         _positive("LeanSparseConfig", num_candidates=self.num_candidates,
@@ -300,6 +311,14 @@ class LeanSparseConfig:
             invalid("LeanSparseConfig", "key_cache_rows", self.key_cache_rows,
                   f"must be >= num_candidates={self.num_candidates}: one step's candidates "
                   "must fit in the key cache")
+        if not isinstance(self.groups, int) or isinstance(self.groups, bool) \
+                or self.groups < 1:
+            invalid("LeanSparseConfig", "groups", self.groups, "must be an int >= 1")
+        if self.fetch_stream is not None and (not isinstance(self.fetch_stream, int)
+                                              or isinstance(self.fetch_stream, bool)
+                                              or self.fetch_stream < 1):
+            invalid("LeanSparseConfig", "fetch_stream", self.fetch_stream,
+                    "must be an int >= 1 (a GPU stream other than the main one) or None")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from experiments.cli import main
 from experiments.common import fit_max_len
 from experiments.scale import extrapolate
@@ -40,3 +42,119 @@ def test_scale_study_runs_every_cell_and_resumes(tmp_path, monkeypatch):
     assert main(args) == 0  # a rerun finds every cell done and adds none
     again = json.loads((tmp_path / "scale" / "results.json").read_text())["records"]
     assert again == records
+
+
+def test_variants_estimates_and_grid_checks():
+    from experiments.scale import _check, _Estimates, method_variant
+
+    lean = LeanSparseConfig(num_candidates=32, key_cache_rows=48)
+    assert method_variant("leansparse_g2", lean) == ("leansparse", LeanSparseConfig(
+        num_candidates=32, key_cache_rows=48, groups=2))
+    assert method_variant("hisparse", lean) == ("hisparse", lean)
+    with pytest.raises(ValueError, match="unknown method 'hisparse_g2'"):
+        _check(("hisparse_g2",), (256,), (1,), 2)
+    with pytest.raises(ValueError, match="batches_by_context: 512"):
+        _check(("resident",), (256,), (1,), 2, {512: (1,)})
+    recs = [dict(method="hisparse", context=1024, batch=8, step_ms=16.0, prefill_s=10.0,
+                 warmup_s=30.0, admit_s=4.0, cell_s=40.0, host_bytes_per_request=4e9)]
+    est = _Estimates(recs, 1024)
+    assert est.prefill_s(1024) == 10.0 and est.prefill_s(2048) == 40.0  # (2x)^2
+    assert est.prefill_s(512) == 0.0  # nothing smaller recorded: unknown
+    assert est.cell_s("hisparse", 8, 10) == pytest.approx(1.25 * (36 + 8 * (0.5 + 10 * 2e-3
+                                                                            + 2.0)))
+    assert _Estimates([], 1024).cell_s("resident", 1, 0) == pytest.approx(1.25 * 20.5)
+
+
+@pytest.mark.slow
+def test_scale_groups_variant_budget_and_prefill_cache(tmp_path, monkeypatch):
+    """leansparse_g2 beside leansparse: the same statistics at batch 2 (its selections are the
+    same), skipped at batch 1; a budget too small for anything runs nothing and lists every
+    cell as pending; a later run that adds a batch loads the cached prefill."""
+    monkeypatch.setenv("LSPARSE_RUNS", str(tmp_path))
+    base = ["run", "configs/experiments/scale.gin", "--gin.model_preset.name='tiny'",
+            "--gin.scale.contexts=(256,)", "--gin.scale.steps=2",
+            "--gin.scale.warm_steps=1", "--gin.scale.prefill_chunk=128",
+            "--gin.scale.hot_cache_rows=32", "--gin.scale.page_size=8",
+            "--gin.LeanSparseConfig.num_candidates=32", "--gin.LeanSparseConfig.key_cache_rows=48",
+            "--gin.scale.calibration_tokens=256", "--gin.run.name='groups'",
+            "--gin.scale.methods=('leansparse', 'leansparse_g2')",
+            f"--gin.scale.prefill_cache='{tmp_path / 'prefills'}'"]
+    path = tmp_path / "groups" / "results.json"
+    assert main(base + ["--gin.scale.batches=(2, 1)", "--gin.scale.time_budget_s=1e-9"]) == 0
+    got = json.loads(path.read_text())
+    assert got["records"] == [] and got["pending"] == [
+        ["leansparse", 256, 2], ["leansparse_g2", 256, 2], ["leansparse", 256, 1],
+        ["leansparse_g2", 256, 1]]
+    assert main(base + ["--gin.scale.batches=(2, 1)"]) == 0
+    got = json.loads(path.read_text())
+    assert got["pending"] == []
+    by = {(r["method"], r["batch"]): r for r in got["records"]}
+    assert "skipped" in by[("leansparse_g2", 1)] and by[("leansparse_g2", 2)]["groups"] == 2
+    for key in ("reuse", "resolved_fraction", "host_bytes_per_token",
+                "device_bytes_per_request"):
+        assert by[("leansparse_g2", 2)][key] == by[("leansparse", 2)][key], key
+    assert main(base + ["--gin.scale.batches=(2, 1, 4)"]) == 0
+    again = json.loads(path.read_text())["records"]
+    assert again[:4] == got["records"] and len(again) == 6
+    assert {r["prefill_s"] for r in again} == {got["records"][0]["prefill_s"]}  # loaded
+
+
+def test_scale_batch_config_binds_the_batch_grid():
+    """configs/experiments/scale_batch.gin: 512K at batch 8/64/32/1 and 1M at 8/1, the
+    leansparse_g2 variant, a per-call budget and a prefill cache; the grid passes the checks."""
+    import gin
+
+    import experiments.registry  # noqa: F401  (the configurables)
+    from experiments.cli import CONFIG_ROOT
+    from experiments.scale import _check
+
+    gin.clear_config()
+    try:
+        gin.add_config_file_search_path(str(CONFIG_ROOT))
+        gin.parse_config_files_and_bindings([str(CONFIG_ROOT / "experiments/scale_batch.gin")],
+                                            None, finalize_config=False)
+        q = gin.query_parameter
+        methods, contexts = q("scale.methods"), q("scale.contexts")
+        assert "leansparse_g2" in methods and contexts == (524288, 1048576)
+        assert q("scale.batches") == (8, 64, 32, 1)
+        assert q("scale.batches_by_context") == {1048576: (8, 1)}
+        assert q("scale.time_budget_s") <= 500 and q("scale.prefill_cache")
+        assert q("run.name") == "scale_batch" and q("scale.implementation") == "triton"
+        _check(methods, contexts, q("scale.batches"), q("scale.steps"),
+               q("scale.batches_by_context"))
+    finally:
+        gin.clear_config()
+
+
+def test_scale_report_tables_and_readme(tmp_path):
+    """The report takes each cell from the newest run holding it, prints step ms and ratios,
+    labels the 43-layer step as extrapolated, and rewrites only the README's block."""
+    from experiments.scale_report import BEGIN, END, load, main
+
+    model = {"layer_pattern": ["swa", "csa", "hca", "csa"], "matmul_precision": "bf16"}
+
+    def rec(method, batch, ms, run_bytes=1000):
+        return dict(method=method, context=524288, batch=batch, step_ms=ms, prefill_s=70.0,
+                    device_bytes_per_request=run_bytes,
+                    full_model={"device_bytes_per_request": 2e9, "step_ms_extrapolated": 99.0})
+
+    for name, records in (("scale_long", [rec("hisparse", 8, 8.0), rec("leansparse", 8, 9.0)]),
+                          ("scale_batch", [rec("leansparse", 8, 7.0),
+                                           rec("leansparse_g2", 8, 6.3),
+                                           rec("hisparse", 64, 20.0)])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.json").write_text(json.dumps(
+            {"model": model, "records": records}))
+    got = {(r["method"], r["batch"]): r for r in load(tmp_path)}
+    assert got[("leansparse", 8)]["step_ms"] == 7.0  # the newest run's cell
+    assert got[("hisparse", 8)]["run"] == "scale_long"
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{BEGIN}\nold\n{END}\noutro\n")
+    assert main(["--runs", str(tmp_path), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.startswith("intro\n" + BEGIN) and text.endswith(END + "\noutro\n")
+    assert "old" not in text and "EXTRAPOLATED" in text
+    # columns: the methods present (hisparse, leansparse, leansparse_g2), lean / his, g2 / lean
+    assert "| 512K | 8 | 8.00 | 7.00 | 6.30 | 0.88 | 0.90 | 70.0 (bf16) | " \
+           "scale_batch, scale_long |" in text
+    assert "| 512K | 64 | 20.00 |  |  |  |  | 70.0 (bf16) | scale_batch |" in text

@@ -37,6 +37,7 @@ from lsparse_jax.model.traces import indexer_traces
 from lsparse_jax.parallel import current_mesh, head_sum
 from lsparse_jax.quant import dequantize_index_keys
 from lsparse_jax.quant.pq import encode, train_codebooks
+from lsparse_jax.request_groups import grouped, on_stream
 from pallas_kernels.index_scores.api import index_scores
 from pallas_kernels.pq_topc.api import pq_topc
 from pallas_kernels.pq_topc.reference import masked_coarse_scores
@@ -84,6 +85,24 @@ class CoarseToFineIndex:
 
     def select(self, state: PagedKeys, completed, query: IndexerQuery, eligible,
                context: KeyPageView):
+        """Top-k positions for one decode query (``select_one``); with
+        ``settings.groups`` > 1 the decode step's vmap over slots runs it as that many
+        independent request groups, each group's key fetch on ``settings.fetch_stream``
+        (``lsparse_jax.request_groups``; the results do not change)."""
+        groups = self.settings.groups
+        if groups == 1:
+            return self.select_one(state, completed, query, eligible, context)
+
+        def one(*args):  # only what the selection changes leaves the groups (no copy of
+            #  the PQ codes or the tail through the groups' concatenation)
+            new, selection = self.select_one(*args, fetch_stream=self.settings.fetch_stream)
+            return new.cache, selection
+
+        cache, selection = grouped(one, groups)(state, completed, query, eligible, context)
+        return state.replace(cache=cache), selection
+
+    def select_one(self, state: PagedKeys, completed, query: IndexerQuery, eligible,
+                   context: KeyPageView, fetch_stream: int | None = None):
         """Top-k positions for one decode query.
 
         Notation: N history rows, P page rows, C candidates, Bk key-cache rows.
@@ -94,7 +113,8 @@ class CoarseToFineIndex:
           its first ``warm_steps`` decode steps, every candidate counts as cached, so all are
           fetched and fill it); (3) the kept candidates
           and the eligible tail rows go through the key cache (tail, hit, or host copy into
-          LRU victims); (4) exact scores of their FP8 keys and top-k.
+          LRU victims: the key fetch, run on GPU stream ``fetch_stream`` when given); (4)
+          exact scores of their FP8 keys and top-k.
         """
         if query.q.shape[0] != 1:
             raise ValueError("CoarseToFineIndex serves decode (one query per slot); prefill "
@@ -110,11 +130,12 @@ class CoarseToFineIndex:
         cached = jnp.zeros((n,), bool).at[jnp.where(held >= 0, held, n)].set(True, mode="drop")
         tail = paged + jnp.arange(self.page_size)
         tail = jnp.where(eligible[0][jnp.clip(tail, 0, n - 1)] & (tail < n), tail, -1)
+        fetch = on_stream(functools.partial(resolve, implementation=self.implementation),
+                          fetch_stream)
 
         def exact_scores(retained):
-            (values, scales), cache, sources = resolve(
-                state.cache, retained, state.tail, paged, context.page_table, context.pool,
-                self.implementation)
+            (values, scales), cache, sources = fetch(
+                state.cache, retained, state.tail, paged, context.page_table, context.pool)
             # tp > 1: each device scores with its heads, partial scores summed before top-k
             exact = head_sum(functools.partial(
                 index_scores, implementation=self.implementation), (1, 1, None, None, None))
@@ -166,6 +187,13 @@ class LeanSparse(HiSparse):
         if ic.head_dim % lean.pq_subspace_dim:
             invalid("EngineConfig", "leansparse.pq_subspace_dim", lean.pq_subspace_dim,
                     f"must divide indexer.head_dim={ic.head_dim}")
+        if engine.cache.num_slots % lean.groups:
+            invalid("EngineConfig", "leansparse.groups", lean.groups,
+                    f"must divide cache.num_slots={engine.cache.num_slots} (every request "
+                    "group holds the same number of slots)")
+        if lean.groups > 1 and engine.tp > 1:
+            invalid("EngineConfig", "leansparse.groups", lean.groups,
+                    f"request groups run on one device; use groups=1 with tp={engine.tp}")
 
     @property
     def settings(self) -> LeanSparseConfig:
