@@ -31,6 +31,7 @@ pair of methods of a cell an exact McNemar test on the same examples (results.js
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import pathlib
@@ -289,12 +290,24 @@ def run_engine(engine: Engine, batch, prefilled, answers, forced: bool, finals=N
     return texts, np.stack(sels) if sels else None
 
 
-def study_settings(cfg, checkpoint, num_slots, prefill_chunk, hot_cache_rows, page_size,
+def checkpoint_digest(path: pathlib.Path) -> str:
+    """SHA-256 of a checkpoint directory's files (relative paths and bytes): the same path
+    after a retraining is another model."""
+    digest = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest.update(f.relative_to(path).as_posix().encode() + b"\0")
+        digest.update(f.read_bytes())
+    return digest.hexdigest()
+
+
+def study_settings(cfg, checkpoint, path, num_slots, prefill_chunk, hot_cache_rows, page_size,
                    miss_filter_offset, calibration_tokens, implementation, host_pages,
                    recall) -> dict:
     """What every record of a study depends on besides (task, length, method, seed): a
-    resumed run must match it exactly (JSON form, as results.json stores it)."""
+    resumed run must match it exactly (JSON form, as results.json stores it). ``path``: the
+    checkpoint directory, whose content is part of it (``checkpoint_digest``)."""
     settings = {"model": dataclasses.asdict(cfg), "checkpoint": checkpoint,
+                "checkpoint_sha256": checkpoint_digest(path),
                 "num_slots": num_slots, "prefill_chunk": prefill_chunk,
                 "hot_cache_rows": hot_cache_rows, "page_size": page_size,
                 "miss_filter_offset": miss_filter_offset,
@@ -379,7 +392,7 @@ def accuracy(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
         seeds = evaluation_seeds(seed_offset, examples)
     except ValueError as err:
         raise v.ConfigError(str(err)) from err
-    settings = study_settings(cfg, checkpoint, num_slots, prefill_chunk, hot_cache_rows,
+    settings = study_settings(cfg, checkpoint, path, num_slots, prefill_chunk, hot_cache_rows,
                               page_size, miss_filter_offset, calibration_tokens,
                               implementation, host_pages, measure_recall)
     cells = [(t, n) for t in tasks for n in lengths]  # the table: task by task
