@@ -43,6 +43,7 @@ case "${STEP:-train}" in
       configs/experiments/train_long.gin "--gin.train_model.max_seconds=${TRAIN_SECONDS:-420}" \
       ${TRAIN_EXTRA:-} 2>&1 | tr '\r' '\n' | sed -E 's/^train: +[0-9]+%\|[^]]*\]//' \
       | grep -v '^ *$' | tee "$OUT/train_long.log" | tail -40
+    status=${PIPESTATUS[0]}  # the trainer's (124: killed by the timeout)
     mkdir -p "$OUT/train_long"
     cp runs/train_long/results.json runs/train_long/config.gin runs/train_long/loss.png \
       runs/train_long/history.json "$OUT/train_long/" 2>/dev/null
@@ -50,7 +51,11 @@ case "${STEP:-train}" in
     if grep -q '"complete": true' runs/train_long/results.json 2>/dev/null; then
       mkdir -p "$OUT/checkpoints" && cp -r "$EXPORT" "$OUT/checkpoints/" && du -sh "$EXPORT"
       echo "TRAINING FINISHED: checkpoint in \$OUT/checkpoints/$(basename "$EXPORT")"
+    elif [ ! -d runs/train_long/state ]; then
+      echo "TRAINING FAILED (exit status $status) before its first checkpoint: see" \
+        "\$OUT/train_long.log"
     else  # unfinished: the newest state step, in case the next call gets a fresh machine
+      [ "$status" = 0 ] || echo "trainer exit status $status (124: killed by the timeout)"
       last=$(ls runs/train_long/state | grep -E '^[0-9]+$' | sort -n | tail -1)
       tar -C runs -cf "$OUT/train_long_resume.tar" "train_long/state/$last" \
         train_long/history.json
