@@ -6,20 +6,26 @@
 #                  (same machine: runs/ stays; a fresh machine: carry runs/train_long, unpacked
 #                  from $OUT/train_long_resume.tar). Finished: exports checkpoints/long and copies
 #                  it to $OUT/checkpoints/long.
-#   STEP=accuracy  configs/experiments/accuracy_long.gin on checkpoints/long, writes
-#                  $OUT/accuracy_long/{results.json, table.md, accuracy.png}, rewritten after
-#                  every batch (a cut run keeps its cells; complete=False). Knobs: LENGTHS,
-#                  TASKS, METHODS (gin tuples), EXAMPLES (200), SLOTS (100 per batch; one
-#                  compile per method serves every batch and length), SEED_OFFSET (1000000),
-#                  ACC_TIMEOUT (520 s), ACC_EXTRA (more gin flags). The XLA compilation cache
-#                  (runs/jaxcache) comes back as $OUT/jaxcache.tar: untar it into runs/ and carry
-#                  runs/jaxcache so that a later call loads its compiled steps.
+#   STEP=accuracy  configs/experiments/accuracy_long.gin on checkpoints/long (issue 17's table: NIAH
+#                  then MRCR, 1K-16K, five methods, 200 examples, one batch of 200 slots per
+#                  cell), writes $OUT/accuracy_long/{results.json, table.md, accuracy.png},
+#                  rewritten after every method of every cell. Resumes: a results.json in
+#                  RESUME (default results/accuracy_long, i.e. the previous call's $OUT files
+#                  copied there) keeps its finished (task, length, method) groups, and only the
+#                  others run (the settings must match; complete=true: nothing left to run).
+#                  Budget: no method starts after ACC_SECONDS (default 430) from the start of
+#                  the experiment; ACC_TIMEOUT (500) kills it. Knobs: LENGTHS, TASKS, METHODS
+#                  (gin tuples), EXAMPLES (200), SLOTS (200), SEED_OFFSET (1000000), ACC_EXTRA
+#                  (more gin flags). Compiles (jax_log_compiles) go to
+#                  $OUT/accuracy_long_compiles.log. The XLA compilation cache (runs/jaxcache)
+#                  comes back as $OUT/jaxcache.tar: untar it into runs/ and carry runs/jaxcache
+#                  so that a later call loads its compiled steps.
 #   STEP=coldstart the cold-start measurement on checkpoints/long (100 examples, 4K-16K, NIAH,
 #                  leansparse C64/C128 cold (warm_steps 0), warmed (1) and seeded at admission
 #                  from the final prefill chunk's selections (_seed), per-step recall), writes
 #                  $OUT/cold_start_long/ (~3-4 min estimated).
-# Use through the device tool: carry [".whl"] (plus "checkpoints/long" for STEP=accuracy on a
-# fresh machine), command "STEP=train bash benchmarks/train_long_gpu.sh".
+# Use through the device tool: carry [".whl"] (plus "runs/jaxcache" once a previous call's
+# $OUT/jaxcache.tar is untarred into runs/), command "STEP=train bash benchmarks/train_long_gpu.sh".
 # CPU smoke (no .whl): PY=/work/main/.venv/bin/python OUT=/tmp/o TRAIN_EXTRA='...' STEP=train ...
 set -uo pipefail
 PY=${PY:-python3}
@@ -37,6 +43,7 @@ case "${STEP:-train}" in
       configs/experiments/train_long.gin "--gin.train_model.max_seconds=${TRAIN_SECONDS:-420}" \
       ${TRAIN_EXTRA:-} 2>&1 | tr '\r' '\n' | sed -E 's/^train: +[0-9]+%\|[^]]*\]//' \
       | grep -v '^ *$' | tee "$OUT/train_long.log" | tail -40
+    status=${PIPESTATUS[0]}  # the trainer's (124: killed by the timeout)
     mkdir -p "$OUT/train_long"
     cp runs/train_long/results.json runs/train_long/config.gin runs/train_long/loss.png \
       runs/train_long/history.json "$OUT/train_long/" 2>/dev/null
@@ -44,7 +51,11 @@ case "${STEP:-train}" in
     if grep -q '"complete": true' runs/train_long/results.json 2>/dev/null; then
       mkdir -p "$OUT/checkpoints" && cp -r "$EXPORT" "$OUT/checkpoints/" && du -sh "$EXPORT"
       echo "TRAINING FINISHED: checkpoint in \$OUT/checkpoints/$(basename "$EXPORT")"
+    elif [ ! -d runs/train_long/state ]; then
+      echo "TRAINING FAILED (exit status $status) before its first checkpoint: see" \
+        "\$OUT/train_long.log"
     else  # unfinished: the newest state step, in case the next call gets a fresh machine
+      [ "$status" = 0 ] || echo "trainer exit status $status (124: killed by the timeout)"
       last=$(ls runs/train_long/state | grep -E '^[0-9]+$' | sort -n | tail -1)
       tar -C runs -cf "$OUT/train_long_resume.tar" "train_long/state/$last" \
         train_long/history.json
@@ -53,18 +64,33 @@ case "${STEP:-train}" in
         "runs/train_long)"
     fi ;;
   accuracy)  # knobs (gin tuples as strings): LENGTHS, TASKS, METHODS, EXAMPLES, SLOTS, SEED_OFFSET
-    timeout ${ACC_TIMEOUT:-520} $PY -m experiments.cli run configs/experiments/accuracy_long.gin \
-      --runs "$OUT" "--gin.accuracy.lengths=${LENGTHS:-(1024,2048,4096,8192,16384)}" \
+    RESUME=${RESUME:-results/accuracy_long}
+    mkdir -p "$OUT/accuracy_long"
+    if [ -f "$RESUME/results.json" ]; then  # the experiment keeps its finished groups
+      cp "$RESUME/results.json" "$OUT/accuracy_long/results.json"
+      echo "resuming from $RESUME/results.json"
+    fi
+    JAX_LOG_COMPILES=1 timeout ${ACC_TIMEOUT:-500} $PY -m experiments.cli run \
+      configs/experiments/accuracy_long.gin --runs "$OUT" \
+      "--gin.accuracy.lengths=${LENGTHS:-(1024,2048,4096,8192,16384)}" \
       "--gin.accuracy.tasks=${TASKS:-('niah','mrcr')}" \
       "--gin.accuracy.methods=${METHODS:-('resident','hisparse','leansparse_C64','leansparse_C128','direct_pq')}" \
-      "--gin.accuracy.examples=${EXAMPLES:-200}" "--gin.accuracy.num_slots=${SLOTS:-100}" \
-      "--gin.accuracy.seed_offset=${SEED_OFFSET:-1000000}" ${ACC_EXTRA:-} 2>&1 | tr '\r' '\n' \
-      | grep -v "example/s\]" | tee "$OUT/accuracy_long.log" | tail -40
-    # results.json is rewritten after every batch: a cut run keeps its finished cells
+      "--gin.accuracy.examples=${EXAMPLES:-200}" "--gin.accuracy.num_slots=${SLOTS:-200}" \
+      "--gin.accuracy.seed_offset=${SEED_OFFSET:-1000000}" \
+      "--gin.accuracy.max_seconds=${ACC_SECONDS:-430}" ${ACC_EXTRA:-} 2>&1 | tr '\r' '\n' \
+      | grep -v "example/s\]" | tee "$OUT/accuracy_long_full.log" \
+      | grep -v "compilation\|Compiling\|tracing\|jaxpr\|^ *$" | tee "$OUT/accuracy_long.log" \
+      | tail -40
+    grep "Finished XLA compilation" "$OUT/accuracy_long_full.log" \
+      | sed -E 's/.*compilation of (.*) in ([0-9.]+) sec.*/\2 \1/' \
+      > "$OUT/accuracy_long_compiles.log" && rm -f "$OUT/accuracy_long_full.log"
+    echo "compiles: $(wc -l < "$OUT/accuracy_long_compiles.log"); slowest:"
+    sort -rn "$OUT/accuracy_long_compiles.log" | head -8
+    # results.json is rewritten after every method: a cut run keeps its finished groups
     python3 -c "import json; r=json.load(open('$OUT/accuracy_long/results.json')); print('complete', r['complete']); [print(c['task'], c['length'], c['method'], c['n'], round(c['exact'], 3), round(c['ci_low'], 3), round(c['ci_high'], 3)) for c in r['cells']]" 2>/dev/null
     # the compiled steps, for the next call on a fresh machine (carry runs/jaxcache)
     tar -C runs -cf "$OUT/jaxcache.tar" jaxcache && du -sh "$OUT/jaxcache.tar"
-    ls -la "$OUT" ;;
+    ls -la "$OUT" "$OUT/accuracy_long" ;;
   coldstart)  # LeanSparse's cold start: cold, warmed, seeded; recall by decode step (teacher forced)
     timeout ${ACC_TIMEOUT:-400} $PY -m experiments.cli run configs/experiments/accuracy_long.gin \
       --runs "$OUT" "--gin.run.name='cold_start_long'" "--gin.accuracy.lengths=(4096,8192,16384)" \

@@ -31,7 +31,10 @@ pair of methods of a cell an exact McNemar test on the same examples (results.js
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
+import pathlib
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -203,8 +206,12 @@ def enable_cache(directory) -> None:
 def warm_engine(engine: Engine):
     """Compiles what a batch runs: prefill and decode step (``Engine.warmup``), then the
     admission and release of a prompt of a few full pages (not compiled by warmup: on the
-    H200 they otherwise compiled one method after another inside the first batch)."""
-    engine.warmup()
+    H200 they otherwise compiled one method after another inside the first batch). The
+    completed-page writeback is left to compile at its first use: the study's prompts are
+    whole pages long and its answers shorter than a page, so it never runs (its warmup, one
+    unrolled program per padded width up to num_slots, took most of the H200's compile time
+    at 100-200 slots: ``PoolController.warmup``)."""
+    engine.warmup(writeback=False)
     cfg, cache = engine.config.model, engine.config.cache
     prompt = np.zeros(min(cache.prefill_chunk + 1, cfg.max_len - 1), np.int32)
     engine.release(engine.admit(prompt, 1))
@@ -251,15 +258,20 @@ def seed(engine: Engine, slot: int, prefilled, final: dict):
                                       keys.scales, paged)
 
 
-def run_engine(engine: Engine, batch, prefilled, answers, forced: bool, finals=None):
+def run_engine(engine: Engine, batch, prefilled, answers, forced: bool, finals=None,
+               selections: bool = True, timing: dict | None = None):
     """Admits a batch, decodes len(answer) tokens each; returns (texts, selections [steps, S,
-    L, k]). Forced: inputs are the reference answers (teacher forcing). finals: per example
-    the final prefill chunk's selections, to seed the key caches at admission (None: cold)."""
+    L, k], None with selections=False: no per-step read of them). Forced: inputs are the
+    reference answers (teacher forcing). finals: per example the final prefill chunk's
+    selections, to seed the key caches at admission (None: cold). timing: filled with the
+    seconds of admission, decoding and release."""
+    t0 = time.perf_counter()
     steps = max(len(a) for a in answers) - 1
     slots = [engine.admit(ex.prompt, steps + 1, prefilled=p) for ex, p in zip(batch, prefilled)]
     if finals is not None:
         for s, p, f in zip(slots, prefilled, finals):
             seed(engine, s, p, f)
+    t1 = time.perf_counter()
     sels = []
     for i in range(steps):
         tokens = None
@@ -267,9 +279,74 @@ def run_engine(engine: Engine, batch, prefilled, answers, forced: bool, finals=N
             tokens = np.zeros(engine.active.shape, np.int32)
             for s, ans in zip(slots, answers):
                 tokens[s] = ans[min(i, len(ans) - 1)]
-        sels.append(np.asarray(engine.step(tokens).selected)[slots])
+        out = engine.step(tokens)  # reads the step's tokens (the next step feeds them)
+        if selections:
+            sels.append(np.asarray(out.selected)[slots])
+    t2 = time.perf_counter()
     texts = [tokenizer.decode(engine.release(s)) for s in slots]
+    jax.block_until_ready(engine.state)
+    if timing is not None:
+        timing.update(admit=t1 - t0, decode=t2 - t1, release=time.perf_counter() - t2)
     return texts, np.stack(sels) if sels else None
+
+
+def checkpoint_digest(path: pathlib.Path) -> str:
+    """SHA-256 of a checkpoint directory's files (relative paths and bytes): the same path
+    after a retraining is another model."""
+    digest = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest.update(f.relative_to(path).as_posix().encode() + b"\0")
+        digest.update(f.read_bytes())
+    return digest.hexdigest()
+
+
+def study_settings(cfg, checkpoint, path, num_slots, prefill_chunk, hot_cache_rows, page_size,
+                   miss_filter_offset, calibration_tokens, implementation, host_pages,
+                   recall) -> dict:
+    """What every record of a study depends on besides (task, length, method, seed): a
+    resumed run must match it exactly (JSON form, as results.json stores it). ``path``: the
+    checkpoint directory, whose content is part of it (``checkpoint_digest``)."""
+    settings = {"model": dataclasses.asdict(cfg), "checkpoint": checkpoint,
+                "checkpoint_sha256": checkpoint_digest(path),
+                "num_slots": num_slots, "prefill_chunk": prefill_chunk,
+                "hot_cache_rows": hot_cache_rows, "page_size": page_size,
+                "miss_filter_offset": miss_filter_offset,
+                "calibration_tokens": calibration_tokens, "implementation": implementation,
+                "host_pages": host_pages, "recall": recall,
+                "device": jax.devices()[0].device_kind}
+    return json.loads(json.dumps(settings, default=str))
+
+
+def resumed_records(path: pathlib.Path, settings: dict, tasks, lengths, methods,
+                    seeds: range) -> list[dict]:
+    """The records of an earlier run of this study (``path``: its results.json) that this run
+    keeps: those of every (task, length, method) group it finished for all of ``seeds``
+    (a group cut short is run again). Raises ConfigError if the earlier run used other
+    settings (``study_settings``): its records would not be comparable."""
+    if not path.exists():
+        return []
+    old = json.loads(path.read_text())
+    if old.get("settings") != settings:
+        theirs = old.get("settings") or {}
+        differ = sorted(k for k in set(settings) | set(theirs)
+                        if settings.get(k) != theirs.get(k))
+        v.fail("accuracy.resume", True,
+               f"{path} was written with other settings ({', '.join(differ)}); move it away "
+               "or set accuracy.resume=False to start afresh")
+    want = set(seeds)
+    keep = [r for r in old.get("records", []) if r["task"] in tasks and r["length"] in lengths
+            and r["method"] in methods and r["seed"] in want]
+    groups = grouped(keep)
+    done = {g for g, rs in groups.items() if {r["seed"] for r in rs} == want}
+    return [r for g in sorted(done, key=str) for r in groups[g]]
+
+
+def grouped(records) -> dict[tuple, list[dict]]:
+    """{(task, length, method): its records by seed}."""
+    out: dict[tuple, list[dict]] = {}
+    for r in records:
+        out.setdefault((r["task"], r["length"], r["method"]), []).append(r)
+    return {g: sorted(rs, key=lambda r: r["seed"]) for g, rs in out.items()}
 
 
 @gin.configurable
@@ -281,7 +358,8 @@ def accuracy(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
              page_size: int = 64, miss_filter_offset: float | None = 1.0,
              calibration_tokens: int = 4096, implementation: str | None = "xla",
              host_pages: int | None = None, seed_offset: int = 0, recall: bool = True,
-             compilation_cache: str | None = None):
+             compilation_cache: str | None = None, resume: bool = False,
+             max_seconds: float | None = None):
     """Runs every method on the same held-out examples of every (task, length) cell.
     host_pages: CacheConfig.host_pages of the paged methods (None = enough for every slot).
     seed_offset: the first example seed (evaluation_seeds); another offset, a fresh example set.
@@ -290,10 +368,16 @@ def accuracy(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
     environment variable JAX_COMPILATION_CACHE_DIR does the same): a later run with the same
     shapes loads its compiled steps instead of compiling them (on a GPU, most of a short
     study's time); carry the directory between machines to keep it.
+    resume: keep the finished (task, length, method) groups of runs/<name>/results.json (an
+    earlier run with the same settings, ``resumed_records``) and run only the others.
+    max_seconds: a time budget from the start of this call; no batch or method starts after
+    it (results.json then says complete=False; rerun with resume=True to finish).
     Examples run num_slots at a time: every method's engine is compiled once (at max(lengths))
-    and reused by every batch and length, so fewer slots compile faster and only add batches.
-    Cells run length by length (both tasks of a length, then the next), so a run cut short
-    keeps every shorter length."""
+    and reused by every batch, length and task, so fewer slots compile no faster and only add
+    batches. Cells run task by task (every length of the first task, then the next), and
+    results.json is rewritten after every method of every batch, so a run cut short keeps
+    every finished group."""
+    began = time.perf_counter()
     if compilation_cache is not None:  # before anything compiles
         enable_cache(v.resolve_path("accuracy.compilation_cache", compilation_cache, None))
     cfg, specs, path = check_settings(model, checkpoint, tasks, lengths, examples, methods,
@@ -302,11 +386,94 @@ def accuracy(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
                                       host_pages)
     v.integer("accuracy.seed_offset", seed_offset, lo=0)
     measure_recall = v.flag("accuracy.recall", recall)
+    v.flag("accuracy.resume", resume)
+    v.number("accuracy.max_seconds", max_seconds, lo=0.0, none_ok=True)
     try:
         seeds = evaluation_seeds(seed_offset, examples)
     except ValueError as err:
         raise v.ConfigError(str(err)) from err
+    settings = study_settings(cfg, checkpoint, path, num_slots, prefill_chunk, hot_cache_rows,
+                              page_size, miss_filter_offset, calibration_tokens,
+                              implementation, host_pages, measure_recall)
+    cells = [(t, n) for t in tasks for n in lengths]  # the table: task by task
+    records = (resumed_records(run_dir(name) / "results.json", settings, tasks, lengths,
+                               methods, seeds) if resume else [])
+    finished = set(grouped(records))
+    if records:
+        print(f"accuracy: resumed {len(finished)} finished (task, length, method) groups of "
+              f"{run_dir(name) / 'results.json'}")
+    todo = {c: [s for s in specs if c + (s.name,) not in finished] for c in cells}
     params = v.load_checkpoint("accuracy.checkpoint", path, cfg)
+    needed = {s.name for c in cells for s in todo[c]}
+    engines = {}
+    if needed:
+        engines = build_engines(params, cfg, [s for s in specs if s.name in needed], num_slots,
+                                prefill_chunk, hot_cache_rows, page_size, calibration_tokens,
+                                implementation, host_pages)
+        compile_all(engines)
+
+    def out_of_time() -> bool:
+        return max_seconds is not None and time.perf_counter() - began > max_seconds
+
+    def write(complete: bool):
+        return save(name, cfg, checkpoint, examples, records, methods, cells, complete,
+                    seeds=seeds, settings=settings)
+
+    stopped = False
+    bar = tqdm(total=sum(bool(todo[c]) for c in cells) * examples, desc="accuracy",
+               unit="example")
+    for task, length in cells:
+        for lo in range(0, examples, num_slots) if todo[(task, length)] else ():
+            if stopped or out_of_time():
+                stopped = True
+                break
+            batch = [task_example(task, length, seed) for seed in seeds[lo:lo + num_slots]]
+            t0 = time.perf_counter()
+            if any(s.seed for s in todo[(task, length)]):  # the same prefill, keeping the
+                prefilled, finals = zip(*[prefill_with_selections(  # final selections
+                    params, cfg, ex.prompt, prefill_chunk) for ex in batch])
+            else:
+                prefilled, finals = [prefill(params, cfg, ex.prompt, prefill_chunk)
+                                     for ex in batch], None
+            jax.block_until_ready(prefilled)
+            timing = {"prefill": f"{time.perf_counter() - t0:.1f}"}
+            for s in todo[(task, length)]:
+                if out_of_time():
+                    stopped = True
+                    break
+                t0, parts = time.perf_counter(), {}
+                records += evaluate(s, engines.get(s.name), params, cfg, task, length,
+                                    seeds[lo:lo + len(batch)], batch, prefilled, finals,
+                                    measure_recall, records, parts)
+                timing[s.name] = f"{time.perf_counter() - t0:.1f}" + (
+                    " ({})".format(", ".join(f"{k} {t:.1f}" for k, t in parts.items()))
+                    if parts else "")
+                write(complete=False)
+            tqdm.write(f"accuracy: {task}@{length} seeds {seeds[lo]}.."
+                       f"{seeds[lo] + len(batch) - 1} at {time.perf_counter() - began:.0f} s: "
+                       + ", ".join(f"{k} {t} s" for k, t in timing.items()))
+            bar.update(len(batch))
+    bar.close()
+    done = grouped(records)
+    complete = all(c + (m,) in done and len(done[c + (m,)]) == examples
+                   for c in cells for m in methods)
+    summary, table = write(complete)
+    plot(summary, methods, tasks, lengths, run_dir(name) / "accuracy.png")
+    print(table)
+    out = run_dir(name)
+    if not complete:
+        print(f"accuracy: stopped after {time.perf_counter() - began:.0f} s "
+              f"(accuracy.max_seconds={max_seconds}); {len(done)} of "
+              f"{len(cells) * len(methods)} (task, length, method) groups hold records; "
+              "rerun with accuracy.resume=True to finish")
+    print(f"wrote {out}/results.json, table.md and accuracy.png (complete={complete})")
+    return summary
+
+
+def build_engines(params, cfg, specs, num_slots, prefill_chunk, hot_cache_rows, page_size,
+                  calibration_tokens, implementation, host_pages) -> dict:
+    """One engine per method (dense has none), at max_len; leansparse's PQ codebooks
+    calibrated once on the held-out calibration prompt."""
     codebooks = None
     if any(s.engine_method and method_storage(s.engine_method).keys_on_host for s in specs):
         calib = task_example("niah", calibration_tokens, CALIBRATION_SEED)
@@ -322,80 +489,49 @@ def accuracy(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
             model=cfg, cache=cache, sampling=SamplingConfig(0.0, 0), method=s.engine_method,
             leansparse=s.lean or LeanSparseConfig(), implementation=implementation),
             params, codebooks)
+    return engines
 
-    compile_all(engines)
-    records = []  # one per (task, length, example, method)
-    cells = [(t, n) for n in lengths for t in tasks]
-    bar = tqdm(total=len(cells) * examples, desc="accuracy", unit="example")
-    for task, length in cells:
-        for lo in range(0, examples, num_slots):
-            batch = [task_example(task, length, seed) for seed in seeds[lo:lo + num_slots]]
-            answers = [tokenizer.encode(ex.answer) for ex in batch]
-            t0 = time.perf_counter()
-            if any(s.seed for s in specs):  # the same prefill, keeping its final selections
-                prefilled, finals = zip(*[prefill_with_selections(params, cfg, ex.prompt,
-                                                                  prefill_chunk) for ex in batch])
-            else:
-                prefilled, finals = [prefill(params, cfg, ex.prompt, prefill_chunk)
-                                     for ex in batch], None
-            jax.block_until_ready(prefilled)
-            timing = {"prefill": time.perf_counter() - t0}
-            reference = None
-            for s in specs:
-                t0 = time.perf_counter()
-                if s.engine_method is None:
-                    texts = [tokenizer.decode(dense_decode(params, cfg, c, last,
-                                                           len(ex.prompt), len(a) - 1))
-                             for ex, (c, last), a in zip(batch, prefilled, answers)]
-                    recall = by_step = [None] * len(batch)
-                else:
-                    fin = finals if s.seed else None
-                    texts, _ = run_engine(engines[s.name], batch, prefilled, answers, False, fin)
-                    sel = None
-                    if measure_recall:
-                        _, sel = run_engine(engines[s.name], batch, prefilled, answers, True,
-                                            fin)
-                    if s.name == "resident":
-                        reference = sel
-                    recall = [None if reference is None or sel is None else
-                              selection_recall(sel[:, j], reference[:, j])
-                              for j in range(len(batch))]
-                    by_step = [None if reference is None or sel is None else
-                               [selection_recall(sel[t, j], reference[t, j])
-                                for t in range(sel.shape[0])] for j in range(len(batch))]
-                for j, (ex, text) in enumerate(zip(batch, texts)):
-                    records.append(dict(task=task, length=length, seed=seeds[lo + j],
-                                        method=s.name,
-                                        generated=text, answer=ex.answer,
-                                        exact=score_exact(text, ex.answer),
-                                        similarity=score_similarity(text, ex.answer),
-                                        recall=recall[j], recall_by_step=by_step[j]))
-                timing[s.name] = time.perf_counter() - t0
-            tqdm.write(f"accuracy: {task}@{length} seeds {seeds[lo]}.."
-                       f"{seeds[lo] + len(batch) - 1}: " +
-                       ", ".join(f"{k} {v:.1f} s" for k, v in timing.items()))
-            bar.update(len(batch))
-            # after every batch: a run cut short keeps its finished cells (n = examples) and
-            # the examples of the cell it was in (n < examples)
-            done = sorted(cells[:cells.index((task, length)) + 1],
-                          key=lambda c: (tasks.index(c[0]), c[1]))  # the table: task by task
-            summary, table = save(name, cfg, checkpoint, examples, records, methods, done,
-                                  complete=len(done) == len(cells)
-                                  and lo + num_slots >= examples, seeds=seeds)
-        finished = [n for n in lengths if all((t, n) in done for t in tasks)]
-        if finished and finished[-1] == length and task == tasks[-1]:
-            plot(summary, methods, tasks, finished, run_dir(name) / "accuracy.png")
-    bar.close()
-    print(table)
-    out = run_dir(name)
-    print(f"wrote {out}/results.json, table.md and accuracy.png")
-    return summary
+
+def evaluate(spec: Method, engine: Engine | None, params, cfg, task, length, seeds, batch,
+             prefilled, finals, measure_recall: bool, records, timing: dict) -> list[dict]:
+    """One method on one batch of a cell: its records (recall against resident's records of
+    the same examples, already in ``records``, when measured)."""
+    answers = [tokenizer.encode(ex.answer) for ex in batch]
+    if engine is None:  # dense
+        texts = [tokenizer.decode(dense_decode(params, cfg, c, last, len(ex.prompt), len(a) - 1))
+                 for ex, (c, last), a in zip(batch, prefilled, answers)]
+        sel = None
+    else:
+        fin = finals if spec.seed else None
+        texts, _ = run_engine(engine, batch, prefilled, answers, False, fin, selections=False,
+                              timing=timing)
+        sel = None
+        if measure_recall:
+            _, sel = run_engine(engine, batch, prefilled, answers, True, fin)
+    out = []
+    for j, (ex, text) in enumerate(zip(batch, texts)):
+        out.append(dict(task=task, length=length, seed=seeds[j], method=spec.name,
+                        generated=text, answer=ex.answer, exact=score_exact(text, ex.answer),
+                        similarity=score_similarity(text, ex.answer), recall=None,
+                        recall_by_step=None, selections=sel[:, j] if sel is not None else None))
+    if sel is not None:  # resident's own records hold recall 1
+        reference = {r["seed"]: r for r in records + out if r["task"] == task
+                     and r["length"] == length and r["method"] == "resident"}
+        for r in out:
+            ref = reference.get(r["seed"], {}).get("selections")
+            if ref is not None:
+                got = r["selections"]
+                r["recall"] = selection_recall(got, ref)
+                r["recall_by_step"] = [selection_recall(got[t], ref[t])
+                                       for t in range(got.shape[0])]
+    return out
 
 
 def save(name, cfg, checkpoint, examples, records, methods, cells, complete: bool,
-         seeds: range = range(0)):
-    """Writes the results of ``cells`` (after every batch: a long run that stops early keeps
-    what it measured, marked complete=False; a cell cut short has n < examples)."""
+         seeds: range = range(0), settings: dict | None = None):
+    """Writes the results of ``cells`` (after every method of every batch: a long run that
+    stops early keeps what it measured, marked complete=False; a group cut short has n <
+    examples, a group not run no cell record)."""
     summary = summarize(records, methods, cells)
     table = format_table(summary, methods, cells)
     out = run_dir(name)
@@ -403,61 +539,71 @@ def save(name, cfg, checkpoint, examples, records, methods, cells, complete: boo
                         "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                         "examples_per_cell": examples, "complete": complete,
                         "evaluation_seeds": [seeds.start, seeds.stop],
-                        "training_seeds": f">= {TRAIN_SEED_BASE}",
+                        "training_seeds": f">= {TRAIN_SEED_BASE}", "settings": settings,
                         "cells": cell_records(summary, methods, cells),
                         "mcnemar": pair_records(records, methods, cells),
-                        "summary": summary, "table": table, "records": records})
+                        "summary": summary, "table": table,
+                        "records": [{k: x for k, x in r.items() if k != "selections"}
+                                    for r in records]})
     (out / "table.md").write_text(table + "\n")
     return summary, table
 
 
 def cell_records(summary, methods, cells) -> list[dict]:
-    """One record per (task, length, method): exact, n, ci_low, ci_high, similarity, recall."""
+    """One record per (task, length, method) that holds examples: exact, n, ci_low, ci_high,
+    similarity, recall."""
     return [{"task": t, "length": n, "method": m,
              **{k: summary[f"{t}@{n}"][m][k] for k in ("exact", "n", "ci_low", "ci_high",
                                                       "similarity", "recall")}}
-            for t, n in cells for m in methods]
+            for t, n in cells for m in methods if summary[f"{t}@{n}"][m]["n"]]
+
+
+def paired(a: list[dict], b: list[dict]) -> tuple[list[float], list[float]]:
+    """The exact-match outcomes of two groups' records on the examples both hold, by seed."""
+    right = {r["seed"]: r["exact"] for r in b}
+    common = [r for r in a if r["seed"] in right]
+    return [r["exact"] for r in common], [right[r["seed"]] for r in common]
 
 
 def pair_records(records, methods, cells) -> list[dict]:
-    """One record per (task, length, method a, method b), a before b in ``methods``: the exact
-    McNemar test of their outcomes on the same examples (a_only: a right and b wrong)."""
-    out = []
+    """One record per (task, length, method a, method b), a before b in ``methods``, both
+    holding examples: the exact McNemar test of their outcomes on the same examples (a_only: a
+    right and b wrong; n: the examples both hold)."""
+    groups, out = grouped(records), []
     for t, n in cells:
-        outcome = {m: [r["exact"] for r in sorted(records, key=lambda r: r["seed"])
-                       if r["task"] == t and r["length"] == n and r["method"] == m]
-                   for m in methods}
-        out += [{"task": t, "length": n, "a": a, "b": b, **mcnemar(outcome[a], outcome[b])}
-                for i, a in enumerate(methods) for b in methods[i + 1:]]
+        for i, a in enumerate(methods):
+            for b in methods[i + 1:]:
+                x, y = paired(groups.get((t, n, a), []), groups.get((t, n, b), []))
+                if x:
+                    out.append({"task": t, "length": n, "a": a, "b": b, "n": len(x),
+                                **mcnemar(x, y)})
     return out
 
 
 def summarize(records, methods, cells) -> dict:
     """Per cell and method: exact-match accuracy with its Wilson 95% interval, similarity,
-    recall; McNemar vs resident (and vs dense) per cell."""
-    out = {}
+    recall (n = 0: not run); McNemar vs resident (and vs dense) per cell."""
+    groups, out = grouped(records), {}
     for task, length in cells:
-        key = f"{task}@{length}"
-        mine = {m: [r for r in records if r["task"] == task and r["length"] == length
-                    and r["method"] == m] for m in methods}
+        mine = {m: groups.get((task, length, m), []) for m in methods}
         cell = {}
         for m, rs in mine.items():
             rec = [r["recall"] for r in rs if r["recall"] is not None]
             hits = int(sum(r["exact"] for r in rs))
             lo, hi = wilson(hits, len(rs))
             cell[m] = {"exact": hits / max(len(rs), 1), "ci_low": lo, "ci_high": hi,
-                       "similarity": float(np.mean([r["similarity"] for r in rs])),
+                       "similarity": float(np.mean([r["similarity"] for r in rs]))
+                       if rs else None,
                        "recall": float(np.mean(rec)) if rec else None, "n": len(rs)}
             for ref in ("resident", "dense"):
-                if ref in mine and m != ref:
-                    cell[m][f"mcnemar_vs_{ref}"] = mcnemar(
-                        [r["exact"] for r in rs], [r["exact"] for r in mine[ref]])
-        out[key] = cell
+                if ref in mine and m != ref and rs and mine[ref]:
+                    cell[m][f"mcnemar_vs_{ref}"] = mcnemar(*paired(rs, mine[ref]))
+        out[f"{task}@{length}"] = cell
     return out
 
 
 def format_table(summary, methods, cells) -> str:
-    """Markdown: one row per method, one column per cell: exact % (recall)."""
+    """Markdown: one row per method, one column per cell: exact % (recall); "-" not run."""
     head = "| method | " + " | ".join(f"{t} {n // 1024}K" if n % 1024 == 0 else f"{t} {n}"
                                        for t, n in cells) + " |"
     lines = [head, "|" + "---|" * (len(cells) + 1)]
@@ -465,6 +611,9 @@ def format_table(summary, methods, cells) -> str:
         row = []
         for t, n in cells:
             c = summary[f"{t}@{n}"][m]
+            if not c["n"]:
+                row.append("-")
+                continue
             text = f"{100 * c['exact']:.1f} [{100 * c['ci_low']:.1f}, {100 * c['ci_high']:.1f}]"
             if t == "mrcr":
                 text += f" / {c['similarity']:.2f}"
@@ -478,7 +627,7 @@ def format_table(summary, methods, cells) -> str:
     lines.append("")
     lines.append("Cells: exact-match % [Wilson 95% interval] (MRCR: / mean similarity), (r: "
                  "indexer recall of resident's top-k under teacher forcing); * = McNemar p < "
-                 "0.05 vs resident.")
+                 "0.05 vs resident; - = not run.")
     return "\n".join(lines)
 
 
@@ -488,11 +637,14 @@ def plot(summary, methods, tasks, lengths, path):
     for ax, task in zip(axes[0], tasks):
         for i, m in enumerate(methods):
             dodge = 2 ** (0.05 * (i - (len(methods) - 1) / 2))  # methods side by side
-            cs = [summary[f"{task}@{n}"][m] for n in lengths]
+            ran = [n for n in lengths if summary[f"{task}@{n}"][m]["n"]]  # cells not run: none
+            cs = [summary[f"{task}@{n}"][m] for n in ran]
+            if not cs:
+                continue
             ys = np.array([100 * c["exact"] for c in cs])
             err = np.array([[y - 100 * c["ci_low"] for y, c in zip(ys, cs)],
                             [100 * c["ci_high"] - y for y, c in zip(ys, cs)]])
-            ax.errorbar([n * dodge for n in lengths], ys, yerr=err, fmt="o-", capsize=3,
+            ax.errorbar([n * dodge for n in ran], ys, yerr=err, fmt="o-", capsize=3,
                         label=m)
         ax.set_xscale("log", base=2)
         ax.set_xticks(lengths, [str(n) for n in lengths])

@@ -107,7 +107,9 @@ def write_results(path: pathlib.Path, results: dict) -> pathlib.Path:
     if derived:
         results = {**results, "derived_bindings": derived}
     out = path / "results.json"
-    out.write_text(json.dumps(results, indent=2, default=_jsonable) + "\n")
+    partial = out.with_suffix(".json.partial")  # replaced whole: a run killed while writing
+    partial.write_text(json.dumps(results, indent=2, default=_jsonable) + "\n")  # keeps the
+    os.replace(partial, out)  # previous file
     text = gin.operative_config_str()
     if derived:
         text += ("\n# Derived by the experiment (the values that ran):\n"

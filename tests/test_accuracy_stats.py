@@ -1,6 +1,8 @@
 """The accuracy study's statistics and seed ranges (issue 17): Wilson intervals and exact
 McNemar tests against hand-computed values; evaluation seeds disjoint from training seeds by
-construction."""
+construction; partial tables and the resume of finished groups."""
+
+import json
 
 import numpy as np
 import pytest
@@ -9,11 +11,14 @@ from experiments.accuracy import (
     CALIBRATION_SEED,
     cell_records,
     evaluation_seeds,
+    format_table,
     mcnemar,
     pair_records,
+    resumed_records,
     summarize,
     wilson,
 )
+from experiments.validate import ConfigError
 from lsparse_jax.training import TRAIN_SEED_BASE, data
 
 
@@ -94,3 +99,82 @@ def test_cell_and_pair_records():
     (pair,) = pair_records(rows, methods, cells)
     assert (pair["a"], pair["b"], pair["a_only"], pair["b_only"]) == ("resident", "lean", 3, 0)
     assert pair["p"] == pytest.approx(2 / 8)
+
+
+def _rows(method, seeds, exact, task="niah", length=1024):
+    return [dict(task=task, length=length, seed=s, method=method, exact=float(e),
+                 similarity=1.0, recall=None) for s, e in zip(seeds, exact)]
+
+
+def test_partial_table_pairs_only_common_examples():
+    """A run cut short: lean holds 3 of resident's 5 examples, direct_pq none. Cells without
+    records get no cell record and print "-"; McNemar pairs the examples both hold."""
+    rows = _rows("resident", range(5), [1, 1, 1, 1, 0]) + _rows("lean", [4, 0, 2], [1, 0, 1])
+    methods, cells = ("resident", "lean", "direct_pq"), [("niah", 1024)]
+    summary = summarize(rows, methods, cells)
+    recs = cell_records(summary, methods, cells)
+    assert [(r["method"], r["n"]) for r in recs] == [("resident", 5), ("lean", 3)]
+    # common seeds 0, 2, 4: resident 1, 1, 0 vs lean 0, 1, 1 -> one discordant pair each way
+    assert summary["niah@1024"]["lean"]["mcnemar_vs_resident"] == {"a_only": 1, "b_only": 1,
+                                                                   "p": 1.0}
+    (pair,) = pair_records(rows, methods, cells)
+    assert (pair["a"], pair["b"], pair["n"], pair["a_only"], pair["b_only"]) == \
+        ("resident", "lean", 3, 1, 1)
+    table = format_table(summary, methods, cells).splitlines()
+    row = {line.split("|")[1].strip(): line for line in table if line.startswith("|")}
+    assert row["direct_pq"].split("|")[2].strip() == "-"
+    assert row["lean"].split("|")[2].strip().startswith("66.7 [")
+
+
+def test_resume_keeps_only_finished_groups_of_the_same_settings(tmp_path):
+    """Finished (task, length, method) groups are kept, a group cut short is dropped (it runs
+    again), records outside this run's cells are ignored, other settings are an error."""
+    seeds = range(10, 14)
+    old = (_rows("resident", seeds, [1, 1, 1, 1]) + _rows("lean", [10, 11], [1, 1])
+           + _rows("resident", seeds, [0, 0, 0, 0], length=2048)
+           + _rows("resident", seeds, [1, 0, 1, 0], task="mrcr"))
+    settings = {"num_slots": 4, "model": {"max_len": 2064}}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"settings": settings, "records": old}))
+    kept = resumed_records(path, settings, ("niah",), (1024, 2048), ("resident", "lean"), seeds)
+    assert sorted({(r["length"], r["method"]) for r in kept}) == [(1024, "resident"),
+                                                                   (2048, "resident")]
+    assert [r["seed"] for r in kept if r["length"] == 1024] == list(seeds)
+    # more examples this time: no group holds them all
+    assert resumed_records(path, settings, ("niah",), (1024,), ("resident",), range(10, 15)) \
+        == []
+    assert resumed_records(tmp_path / "none.json", settings, ("niah",), (1024,), ("lean",),
+                           seeds) == []
+    with pytest.raises(ConfigError, match=r"other settings \(num_slots\)"):
+        resumed_records(path, {**settings, "num_slots": 8}, ("niah",), (1024,), ("lean",),
+                        seeds)
+
+
+def test_controller_warmup_without_writeback_compiles_none(monkeypatch):
+    """``Engine.warmup(writeback=False)`` (the accuracy study's) leaves the paged methods'
+    completed-page writeback uncompiled; the default compiles one width per power of two up
+    to num_slots (log2(S) + 1 widths)."""
+    from lsparse_jax.config import CacheConfig, EngineConfig
+    from lsparse_jax.methods import base
+    from lsparse_jax.serving.state import empty_state
+    from tests.helpers import tiny
+
+    lowered = []
+
+    class Recorder:
+        def lower(self, method, state, slots):
+            lowered.append(slots.shape[0])
+            return self
+
+        def compile(self):
+            return None
+
+    monkeypatch.setattr(base, "write_completed", Recorder())
+    engine = EngineConfig(model=tiny(), method="hisparse",
+                          cache=CacheConfig(num_slots=5, prefill_chunk=64, hot_cache_rows=16,
+                                            page_size=16))
+    control = base.policy(engine).controller()
+    state = empty_state(engine)
+    assert control.warmup(state, writeback=False) is state and lowered == []
+    control.warmup(state)
+    assert lowered == [1, 2, 4, 8]

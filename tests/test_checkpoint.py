@@ -89,3 +89,37 @@ def test_accuracy_cli_on_the_checkpoint(tmp_path, monkeypatch):
     assert cell["hisparse"]["mcnemar_vs_resident"]["p"] == 1.0
     assert cell["hisparse"]["recall"] == 1.0 and 0.0 < cell["direct_pq"]["recall"] < 1.0
     assert cell["resident"]["exact"] == 1.0
+
+
+@pytest.mark.slow
+def test_accuracy_resume_equals_an_uncut_run(tmp_path, monkeypatch, capsys):
+    """A study resumed with one more method runs only that method (the finished groups are
+    kept as they were) and its records equal those of one uncut run of every method, bit for
+    bit; 3 examples in slots of 2 also cover a partial last batch."""
+    import json
+
+    from experiments.cli import main
+
+    base = ["run", "configs/experiments/accuracy.gin", "--gin.accuracy.lengths=(1024,)",
+            "--gin.accuracy.examples=3", "--gin.accuracy.tasks=('niah',)",
+            "--gin.accuracy.num_slots=2", "--gin.accuracy.recall=False", "--gin.run.name='acc'"]
+    three = "--gin.accuracy.methods=('resident', 'direct_pq', 'hisparse')"
+
+    def records(root):
+        rows = json.loads((root / "acc" / "results.json").read_text())
+        return rows["complete"], {(r["method"], r["seed"]): r for r in rows["records"]}
+
+    monkeypatch.setenv("LSPARSE_RUNS", str(tmp_path / "cut"))
+    assert main(base + ["--gin.accuracy.methods=('resident', 'direct_pq')"]) == 0
+    first = records(tmp_path / "cut")[1]
+    capsys.readouterr()
+    assert main(base + [three, "--gin.accuracy.resume=True"]) == 0
+    assert "resumed 2 finished (task, length, method) groups" in capsys.readouterr().out
+    complete, resumed = records(tmp_path / "cut")
+    assert complete and {k: resumed[k] for k in first} == first
+    monkeypatch.setenv("LSPARSE_RUNS", str(tmp_path / "whole"))
+    assert main(base + [three]) == 0
+    complete, whole = records(tmp_path / "whole")
+    assert complete and whole == resumed and len(whole) == 9
+    assert [whole[("hisparse", s)]["generated"] for s in range(3)] == \
+        [whole[("resident", s)]["generated"] for s in range(3)]

@@ -238,9 +238,9 @@ class AdaptiveController(PagedController):
                                   lent=jnp.asarray(lent))
                 for slot, logical, lent in self.residency.plan_refill(limit)]
 
-    def warmup(self, state):
+    def warmup(self, state, writeback: bool = True):
         none = jnp.full((self.residency.refill_pages,), -1, jnp.int32)  # an all -1 plan
-        return refill(self.method, super().warmup(state), 0, none, none)
+        return refill(self.method, super().warmup(state, writeback), 0, none, none)
 
     def metrics(self, state) -> dict:
         out = super().metrics(state) | {

@@ -125,9 +125,10 @@ class Controller:
         """State updates to run after a decode step (numpy [S] lengths before it, active)."""
         return []
 
-    def warmup(self, state):
+    def warmup(self, state, writeback: bool = True):
         """Compiles the updates ``before_step`` may return, by running ones that change
-        nothing."""
+        nothing (and, with ``writeback``, the completed-page writeback ``after_step`` may
+        return; otherwise it compiles at its first use)."""
         return state
 
     def metrics(self, state) -> dict:
@@ -443,8 +444,13 @@ class PoolController(Controller):
         slots = np.concatenate([slots, np.repeat(slots[-1:], width - slots.size)])
         return [functools.partial(write_completed, self.method, slots=jnp.asarray(slots))]
 
-    def warmup(self, state):
-        """Compiles the writeback for every padded length (ahead of time: nothing runs)."""
+    def warmup(self, state, writeback: bool = True):
+        """Compiles the writeback for every padded length (ahead of time: nothing runs).
+        Its page copies are unrolled, so compile time grows with the width: ~2 x num_slots
+        page copies in all (the widest alone at 200 slots compiled for minutes on the H200).
+        writeback=False leaves each width to compile at its first use."""
+        if not writeback:
+            return state
         for bits in range((state.lengths.shape[0] - 1).bit_length() + 1):
             write_completed.lower(self.method, state,
                                   slots=jnp.zeros((1 << bits,), jnp.int32)).compile()

@@ -72,8 +72,11 @@ class Engine:
         """Device bytes of one slot's caches."""
         return slot_bytes(self.config, self.state)
 
-    def warmup(self):
-        """Compiles the prefill chunk and the decode step so that timings exclude compilation."""
+    def warmup(self, writeback: bool = True):
+        """Compiles the prefill chunk and the decode step so that timings exclude compilation,
+        and the method's step updates (``Controller.warmup``; writeback=False leaves the
+        completed-page writeback of paged methods to compile at its first use: a workload
+        whose requests never complete a page, e.g. the accuracy study's, never runs it)."""
         cfg, chunk = self.config.model, self.config.cache.prefill_chunk
         tokens = np.zeros(min(chunk + 1, cfg.max_len), np.int32)  # a full and a partial chunk
         jax.block_until_ready(prefill(self.params, cfg, tokens, chunk,
@@ -85,7 +88,7 @@ class Engine:
         # the statistics updates (an idle step adds nothing) and the controller's updates
         self.stats = stats.admitted(stats.record(self.stats, out.selected, out.eligible,
                                                  out.sources, out.key_sources, idle), 0)
-        self.state = self.control.warmup(self.state)
+        self.state = self.control.warmup(self.state, writeback)
         jax.block_until_ready(self.state)
 
     def admit(self, request: Request | np.ndarray, max_new_tokens: int | None = None,
