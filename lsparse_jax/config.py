@@ -189,6 +189,12 @@ class ModelConfig:
         return {"csa": self.max_len // self.csa_ratio, "hca": self.max_len // self.hca_ratio,
                 "dsa": self.max_len}.get(kind, 0)
 
+    @property
+    def indexer_layers(self) -> tuple[int, ...]:
+        """Layers that run their own indexer: CSA layers and the leaders of DSA groups."""
+        return tuple(i for i, k in enumerate(self.layer_pattern)
+                     if k == "csa" or (k == "dsa" and self.dsa_leader(i) == i))
+
     def dsa_leader(self, layer: int) -> int:
         """The layer whose selection DSA layer ``layer`` uses (itself if it leads its group)."""
         dsa_layers = [i for i, k in enumerate(self.layer_pattern) if k == "dsa"]
@@ -231,6 +237,11 @@ class CacheConfig:
         deficit reclaims whole requests' optional pages in reclaim order, and waits if all of
         them cannot cover it; new and refilled pages are lent only from spare bytes. None:
         the optional pages are a separate allocation, lent whenever one is free.
+      location_reuse: paged methods with DSA share groups: member layers inherit their
+        leader's location vector (``model.store.Locations``: the leader's resolve decides the
+        missing positions once; each member copies its own rows of them into the same hot
+        rows and keeps no LRU metadata). False: each member resolves the shared selection
+        through its own hot cache (the same rows bit for bit; the reference of the tests).
     """
 
     num_slots: int = 1
@@ -244,8 +255,11 @@ class CacheConfig:
     device_pages: int | None = None
     shared_pool_rows: int | None = None
     shared_budget_bytes: int | None = None
+    location_reuse: bool = True
 
     def __post_init__(self):
+        if not isinstance(self.location_reuse, bool):
+            invalid("CacheConfig", "location_reuse", self.location_reuse, "must be a bool")
         _positive("CacheConfig", num_slots=self.num_slots, prefill_chunk=self.prefill_chunk,
                   page_size=self.page_size, refill_pages=self.refill_pages)
         for name in ("hot_cache_rows", "host_pages", "optional_pages", "device_pages",
