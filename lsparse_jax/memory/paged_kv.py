@@ -97,7 +97,7 @@ class FollowerKV:
     metadata (positions, stamps, clock: its group leader's decide where rows go)."""
 
     tail: jnp.ndarray  # [P, D] rows of the page being filled (as ``PagedKV.tail``)
-    rows: jnp.ndarray  # [B, D] hot rows, row r holding the position the leader's row r holds
+    hot: jnp.ndarray  # [B, D] hot rows: row r holds the position the leader's hot row r holds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +112,7 @@ class FollowerKVStore:
 
     def empty(self, num_rows: int, rows: KVRowFormat) -> FollowerKV:
         empty = self.paged.empty(num_rows, rows)
-        return FollowerKV(empty.tail, empty.hot.rows)
+        return FollowerKV(empty.tail, empty.hot.rows)  # rows only: no positions, stamps
 
     def write(self, state: FollowerKV, completed, ids, rows, ok) -> FollowerKV:
         paged = paged_rows(self.paged.page_size, completed)
@@ -121,10 +121,10 @@ class FollowerKVStore:
     def follow(self, state: FollowerKV, completed, locations: Locations, context: PageView):
         plan: Plan = locations.plan
         optional = self.paged.lent(context)
-        got, rows, counts = follow(plan, state.rows, state.tail, context.pool,
-                                   self.paged.implementation, optional[0] if optional else None)
+        got, hot, counts = follow(plan, state.hot, state.tail, context.pool,
+                                  self.paged.implementation, optional[0] if optional else None)
         table = jax.tree.map(lambda r: r[None], got)
-        return state.replace(rows=rows), RowView(table, locations.slots, counts[None])
+        return state.replace(hot=hot), RowView(table, locations.slots, counts[None])
 
     def gather(self, state, completed, selected, context):
         raise ValueError("FollowerKVStore serves DSA member layers (follow); a group leader "
