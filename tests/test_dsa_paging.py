@@ -210,3 +210,72 @@ def test_dsa_members_keep_their_own_rows_not_the_leaders():
     rows = slice(table[0] * 32, table[0] * 32 + 32)
     assert np.isfinite(member[rows]).all() and not np.array_equal(lead[rows], member[rows])
     assert jax.tree.leaves(paged.state.caches[1].keys) == []  # members keep no keys
+
+
+def test_prefix_reuse_with_paged_dsa_is_a_clear_error():
+    from lsparse_jax.serving.prefix import check_reuse
+
+    cfg = setup()[0]
+    with pytest.raises(ValueError, match=r"pages DSA layers \[0, 1, 2, 3, 4\]"):
+        check_reuse(EngineConfig(model=cfg, method="hisparse",
+                                 cache=CacheConfig(hot_cache_rows=16)))
+    check_reuse(EngineConfig(model=cfg))  # resident DSA layers: reuse works as before
+
+
+# ------------------------------------------------------------ V4-style KV-source sharing
+def test_v4_shared_kv_source_location_reuse_changes_nothing_in_prefill():
+    """``dsa_shared_kv``: members attend to their leader's rows. Reading them at the leader's
+    location vector (location reuse) or resolving the selection against the leader's source a
+    second time gives the same logits bit for bit; members keep no rows; and sharing the
+    source does change the model (members no longer read rows of their own)."""
+    from lsparse_jax.model.cache import empty_cache
+    from lsparse_jax.model.store import DSAStores
+    from lsparse_jax.model.transformer import Transformer
+
+    glm, params = setup()
+    cfg = tiny(max_len=256, dsa_shared_kv=True, **GLM)
+    tokens = jnp.asarray(PROMPTS[1][:24])
+
+    def run(cfg, reuse):
+        model = Transformer(cfg, dsa_stores=DSAStores(location_reuse=reuse))
+        return jax.jit(lambda p: model.apply({"params": p}, tokens, empty_cache(cfg), 0, 24))(
+            params)
+
+    (on, caches, sels), (off, _, off_sels) = run(cfg, True), run(cfg, False)
+    np.testing.assert_array_equal(np.asarray(on), np.asarray(off))
+    for i in MEMBERS:
+        assert caches[i].kv is None and caches[i].keys is None
+        np.testing.assert_array_equal(np.asarray(sels[i].positions),
+                                      np.asarray(sels[MEMBERS[i]].positions))
+    assert off_sels[1].locations.table is None and sels[1].locations.table is not None
+    assert not np.array_equal(np.asarray(on), np.asarray(run(glm, True)[0]))
+
+
+@pytest.mark.slow
+def test_v4_shared_kv_source_paged_equals_resident_and_members_fetch_nothing():
+    """Engines on a ``dsa_shared_kv`` model: resident and hisparse, each with and without
+    location reuse, give the same logits and selections bit for bit; only the leaders hold
+    host pages (members have no payload to fetch), and without location reuse a member's
+    second resolve of the leader's source finds every row on the device (no second fetch)."""
+    cfg = tiny(max_len=256, dsa_shared_kv=True, **GLM)
+    params = setup()[1]
+
+    def engine(method, reuse):
+        cache = CacheConfig(num_slots=2, prefill_chunk=32, page_size=8,
+                            hot_cache_rows=None if method == "resident" else 16,
+                            location_reuse=reuse)
+        return Engine(EngineConfig(model=cfg, cache=cache, method=method), params)
+
+    engines = [engine(m, r) for m in ("resident", "hisparse") for r in (True, False)]
+    for e in engines:
+        for p in PROMPTS[:2]:
+            e.admit(p, 30)
+    for _ in range(22):
+        want, *got = [e.step() for e in engines]
+        for out in got:
+            np.testing.assert_array_equal(np.asarray(out.logits), np.asarray(want.logits))
+            np.testing.assert_array_equal(np.asarray(out.selected), np.asarray(want.selected))
+    pools = engines[2].state.tier.kv_pools
+    assert [p is not None for p in pools] == [True, False, False, True, False]
+    host = [e.metrics()["selection"]["host_rows"] for e in engines]
+    assert host[0] == host[1] == 0 and host[2] == host[3] > 0  # the leaders' fetches only

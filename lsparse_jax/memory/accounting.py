@@ -156,7 +156,7 @@ def request_bytes(engine: EngineConfig, context: int, layout: Layout | None = No
                 layer["tail"] = page_rows * lay.plain_row
             else:
                 layer["attention_kv"] = n * lay.plain_row
-        if kind == "dsa":
+        if kind == "dsa" and cfg.kv_source(i) == i:  # (dsa_shared_kv members hold nothing)
             _dsa_layer(engine, lay, layer, host, n, csa_pages, cfg.dsa_leader(i) == i)
         per_layer.append(layer)
         for key, value in layer.items():

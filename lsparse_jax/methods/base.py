@@ -244,7 +244,8 @@ class Method:
 
     def dsa_stores(self) -> DSAStores:
         """Where DSA layers keep their per-token rows and keys: resident in the slot."""
-        return RESIDENT_DSA
+        return dataclasses.replace(RESIDENT_DSA,
+                                   location_reuse=self.engine.cache.location_reuse)
 
     def empty_slot(self) -> tuple[LayerCache, ...]:
         """One slot's decode-time caches (no slot axis), NaN poisoned."""

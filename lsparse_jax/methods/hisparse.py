@@ -63,7 +63,11 @@ class HiSparse(Method):
 
     @property
     def paged_layers(self) -> tuple[int, ...]:
-        return tuple(sorted(self.csa_layers + self.dsa_layers))
+        """CSA layers and the DSA layers with rows of their own (under
+        ``ModelConfig.dsa_shared_kv`` a group's members read their leader's)."""
+        cfg = self.engine.model
+        own = tuple(i for i in self.dsa_layers if cfg.kv_source(i) == i)
+        return tuple(sorted(self.csa_layers + own))
 
     def kv_store(self) -> PagedKVStore:
         cache = self.engine.cache
@@ -74,8 +78,8 @@ class HiSparse(Method):
         follow their leader's location vector (``CacheConfig.location_reuse``) or resolve
         through their own hot cache."""
         kv = dataclasses.replace(self.kv_store(), page_size=self.dsa_page_rows)
-        member = FollowerKVStore(kv) if self.engine.cache.location_reuse else kv
-        return DSAStores(kv, self.dsa_key_index(), member)
+        reuse = self.engine.cache.location_reuse
+        return DSAStores(kv, self.dsa_key_index(), FollowerKVStore(kv) if reuse else kv, reuse)
 
     def dsa_key_index(self) -> KeyIndex | None:
         """The DSA leaders' key index: None, every key resident in the slot (exact top-k)."""

@@ -30,6 +30,7 @@ from lsparse_jax.model.store import (
     KeyIndex,
     KVStore,
     Locations,
+    RowView,
     Selection,
     write_rows,
 )
@@ -130,7 +131,8 @@ class AttentionLayer(nn.Module):
             ok = jnp.arange(t_len) < num_valid
             dsa_kv = self.dsa_stores.kv if shared is None else self.dsa_stores.member
             kv_ctx, key_ctx = (None, None) if context is None else context
-            cache = cache.replace(kv=dsa_kv.write(cache.kv, start, positions, raw, ok))
+            if cache.kv is not None:  # None: a member reading its leader's rows
+                cache = cache.replace(kv=dsa_kv.write(cache.kv, start, positions, raw, ok))
             eligible = jnp.arange(num)[None, :] <= positions[:, None]
         if self.kind in ("csa", "hca", "dsa"):
             eligible &= (jnp.arange(t_len) < num_valid)[:, None]  # padding selects nothing
@@ -167,6 +169,9 @@ class AttentionLayer(nn.Module):
             groups.append((self.hca_store.rows(cache.entries, start // m, num, context)[None],
                            eligible))
         elif self.dense_selection and self.kind == "dsa":
+            if cache.kv is None:
+                raise ValueError("dense_selection reads every row of a layer; with "
+                                 "dsa_shared_kv a member has none of its own")
             groups.append((dsa_kv.all_rows(cache.kv)[None], eligible))
         elif self.dense_selection and self.kind == "csa":
             groups.append((rowfmt.decode(self.kv_store.all_rows(cache.kv))[None], eligible))
@@ -180,14 +185,28 @@ class AttentionLayer(nn.Module):
                 view = selected_rows(rowfmt, view)
             selection = selection.replace(sources=view.sources)
         elif self.kind == "dsa":
+            dsa = self.dsa_stores
             if shared is None:  # the leader resolves its selection; its members follow
                 kv, view = dsa_kv.gather(cache.kv, start, selection.positions, kv_ctx)
-                selection = selection.replace(sources=view.sources,
-                                              locations=Locations(view.slots, view.plan))
-            else:  # a member: its own rows at the leader's location vector
+                locations = Locations(view.slots, view.plan)
+                if cfg.dsa_shared_kv:  # V4-style: its members read these very rows
+                    locations = locations.replace(
+                        table=view.table if dsa.location_reuse else None,
+                        source=None if dsa.location_reuse else (kv, kv_ctx))
+                selection = selection.replace(sources=view.sources, locations=locations)
+                cache = cache.replace(kv=kv)
+            elif cache.kv is not None:  # GLM-5: its own rows at the leader's location vector
                 kv, view = dsa_kv.follow(cache.kv, start, shared.locations, kv_ctx)
                 selection = shared.replace(sources=view.sources)
-            cache = cache.replace(kv=kv)
+                cache = cache.replace(kv=kv)
+            elif dsa.location_reuse:  # V4-style: the leader's rows where it resolved them
+                loc = shared.locations
+                view = RowView(loc.table, loc.slots, jnp.zeros_like(shared.sources))
+                selection = shared.replace(sources=view.sources)
+            else:  # V4-style without location reuse: a second resolve of the leader's source
+                src, src_ctx = shared.locations.source  # (its state is the leader's: dropped)
+                _, view = dsa.kv.gather(src, start, selection.positions, src_ctx)
+                selection = shared.replace(sources=view.sources)
             groups.append((view.table[0][jnp.maximum(view.slots, 0)], view.slots >= 0))
 
         if self.indexer_loss:

@@ -51,6 +51,7 @@ class HCACache:
 class DSACache:
     kv: Any  # the DSA store's state of the per-token KV rows (f32; row i = position i):
     #   model.store.ResidentKV [L, D], or a serving method's paged store (``DSAStores``)
+    #   (None: a member reading its leader's rows, ModelConfig.dsa_shared_kv)
     keys: Any  # the leader's KeyIndex state of its FP8 indexer keys (ResidentKeys [L, D_I]);
     #   None for member layers, which reuse their group leader's selection
 
@@ -83,8 +84,9 @@ def empty_layer_cache(cfg: ModelConfig, layer: int, kv_store: KVStore = RESIDENT
         return HCACache(window=nan(w, d), kv_ring=nan(m, 2 * d),
                         entries=hca_store.empty(n, d))
     rows = dsa_row_format(cfg)
-    if cfg.dsa_leader(layer) != layer:
-        return DSACache(kv=dsa.member.empty(n, rows), keys=None)
+    if cfg.dsa_leader(layer) != layer:  # no keys; no rows either under dsa_shared_kv
+        kv = None if cfg.kv_source(layer) != layer else dsa.member.empty(n, rows)
+        return DSACache(kv=kv, keys=None)
     keys = (dsa.keys or ExactIndex(cfg.indexer.top_k)).empty(n, di, nb)
     return DSACache(kv=dsa.kv.empty(n, rows), keys=keys)
 

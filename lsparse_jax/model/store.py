@@ -91,10 +91,17 @@ class Locations:
     pages and hot rows as the leader's, after copying the leader's misses from its own host
     pages into the same victim rows: each missing row fetched once per member layer, never
     decided twice) and reads row ``slots[t, j]`` of it (``KVStore.follow``).
+    Under V4-style KV-source sharing (``ModelConfig.dsa_shared_kv``) the members have no rows
+    of their own: they read the leader's resolved ``table`` at ``slots`` (location reuse), or
+    resolve the selection against the leader's ``source`` a second time (no location reuse:
+    the reference; its rows are all on the device by then, so it fetches nothing).
     """
 
     slots: jnp.ndarray  # [T, k] int32 row of each selected position in the table, -1 none
     plan: Any = None  # the leader's RowView.plan
+    table: Any = None  # dsa_shared_kv: the leader's RowView.table [1, R, D]
+    source: Any = None  # dsa_shared_kv without location reuse: (the leader's KV state after
+    #   its resolve, its context)
 
 
 class KVStore(Protocol):
@@ -278,6 +285,8 @@ class DSAStores:
     kv: Any = RESIDENT_KV  # KVStore of the leaders' rows
     keys: KeyIndex | None = None  # the leaders' KeyIndex; None: ExactIndex(top_k)
     member: Any = RESIDENT_KV  # KVStore of the members' rows (``follow``)
+    location_reuse: bool = True  # dsa_shared_kv members read the leader's resolved rows
+    #   (True) or resolve its selection against its store again (``CacheConfig``)
 
 
 RESIDENT_DSA = DSAStores()

@@ -230,8 +230,9 @@ def commit(cfg: ModelConfig, kv_store, key_index, dsa: DSAStores, old, new, star
             ic = cfg.indexer
             leads = n.keys is not None
             store = dsa.kv if leads else dsa.member
-            n = n.replace(kv=store.write(n.kv, start, pos, jnp.full(
-                (t_len, cfg.head_dim), jnp.nan), ok))
+            if n.kv is not None:  # None: a member reading its leader's rows (dsa_shared_kv)
+                n = n.replace(kv=store.write(n.kv, start, pos, jnp.full(
+                    (t_len, cfg.head_dim), jnp.nan), ok))
             if leads:
                 n = n.replace(keys=(dsa.keys or ExactIndex(ic.top_k)).write(
                     n.keys, start, pos, jnp.full((t_len, ic.head_dim), jnp.nan,
@@ -312,7 +313,7 @@ def verify_step(params, dparams, engine: EngineConfig, dcfg: DrafterConfig, stat
     kv_store, key_index = UnionKV(method.kv_store()), PerQueryIndex(method.key_index())
     dsa = method.dsa_stores()  # DSA leaders and members alike: one union per group
     dsa = DSAStores(UnionKV(dsa.kv), PerQueryIndex(dsa.keys or ExactIndex(cfg.indexer.top_k)),
-                    UnionKV(dsa.member))
+                    UnionKV(dsa.member), dsa.location_reuse)
     model = Transformer(cfg, implementation="xla", kv_store=kv_store, key_index=key_index,
                         hidden_layers=dcfg.target_layers, dsa_stores=dsa)
     temperature = engine.sampling.temperature
