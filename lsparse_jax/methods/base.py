@@ -40,6 +40,7 @@ from lsparse_jax.memory.device_pool import (
     write_completed_tails,
 )
 from lsparse_jax.memory.paging import CompletedPages
+from lsparse_jax.model import store
 from lsparse_jax.model.cache import (
     CSACache,
     LayerCache,
@@ -47,15 +48,7 @@ from lsparse_jax.model.cache import (
     empty_cache,
     empty_layer_cache,
 )
-from lsparse_jax.model.store import (
-    RESIDENT_DSA,
-    RESIDENT_KV,
-    RESIDENT_ROWS,
-    DSAStores,
-    ExactIndex,
-    KeyIndex,
-    KVStore,
-)
+from lsparse_jax.model.store import RESIDENT_KV, RESIDENT_ROWS, ExactIndex, KeyIndex, KVStore
 from lsparse_jax.quant import KVRowFormat
 
 Update = Callable[[Any], Any]  # a jitted function of the decode state, run by the engine
@@ -242,9 +235,9 @@ class Method:
         """Where HCA layers keep their rows (``model.store.ResidentRowStore`` interface)."""
         return PooledRowStore(self.hca_page_rows) if self.pooled else RESIDENT_ROWS
 
-    def dsa_stores(self) -> DSAStores:
+    def dsa_stores(self) -> store.DSAStores:
         """Where DSA layers keep their per-token rows and keys: resident in the slot."""
-        return dataclasses.replace(RESIDENT_DSA,
+        return dataclasses.replace(store.RESIDENT_DSA,
                                    location_reuse=self.engine.cache.location_reuse)
 
     def empty_slot(self) -> tuple[LayerCache, ...]:
