@@ -203,8 +203,8 @@ class LeanSparse(HiSparse):
         csa = list(self.key_layers)
         if codebooks is None or sorted(codebooks) != csa:
             got = None if codebooks is None else sorted(codebooks)
-            raise ValueError(f"leansparse needs PQ codebooks for the indexer layers (CSA, DSA "
-                             f"leaders) {csa}, got {got} "
+            raise ValueError(f"leansparse needs PQ codebooks for CSA layers and DSA leaders "
+                             f"{csa}, got {got} "
                              "(train them with lsparse_jax.methods.leansparse."
                              "calibrate_codebooks)")
         m, ds = self.engine.pq_subspaces, self.settings.pq_subspace_dim
