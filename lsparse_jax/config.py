@@ -115,6 +115,15 @@ class ModelConfig:
       indexer: the lightning indexer of CSA/DSA layers.
       dsa_share_group: DSA layers are grouped in runs of this size; later layers of a group
         reuse the first layer's selection (GLM-5 index sharing). 1 = no sharing.
+      dsa_shared_kv: V4-style KV-source sharing (Adaptive DHiSparse: "DeepSeek-V4.1-Flash
+        shares one physical global KV source across compatible layers, so Reuse layers
+        inherit the prior location vector"): the later layers of a DSA share group keep no
+        KV rows of their own and attend to their leader's rows, read at the leader's
+        resolved locations (no second resolve, no fetch: ``model.store.Locations``). False
+        (GLM-5, and every preset): each layer keeps its own rows (the selection is shared,
+        the payloads are fetched per layer). No preset sets it: DeepSeek-V4-Flash's public
+        config gives every CSA and HCA layer its own compressor, so none of its layers share
+        a KV source; this is the minimal notion of one, carried by DSA share groups.
       rope_theta: RoPE base.
       max_len: the longest context (prompt + generated) a slot can hold.
       kv_dtype: how CSA layers store compressed KV rows (``lsparse_jax.quant.kv_rows``):
@@ -139,6 +148,7 @@ class ModelConfig:
     hca_ratio: int = 128
     indexer: IndexerConfig = dataclasses.field(default_factory=IndexerConfig)
     dsa_share_group: int = 1
+    dsa_shared_kv: bool = False
     rope_theta: float = 10000.0
     max_len: int = 2048
     kv_dtype: str = "f32"
@@ -152,6 +162,8 @@ class ModelConfig:
                   swa_window=self.swa_window, csa_ratio=self.csa_ratio,
                   hca_ratio=self.hca_ratio, dsa_share_group=self.dsa_share_group,
                   max_len=self.max_len)
+        if not isinstance(self.dsa_shared_kv, bool):
+            invalid("ModelConfig", "dsa_shared_kv", self.dsa_shared_kv, "must be a bool")
         if not self.layer_pattern:
             invalid("ModelConfig", "layer_pattern", self.layer_pattern, "needs at least one layer")
         for kind in self.layer_pattern:
@@ -188,6 +200,19 @@ class ModelConfig:
         """Compressed entries a slot of ``max_len`` tokens holds for a layer of ``kind``."""
         return {"csa": self.max_len // self.csa_ratio, "hca": self.max_len // self.hca_ratio,
                 "dsa": self.max_len}.get(kind, 0)
+
+    @property
+    def indexer_layers(self) -> tuple[int, ...]:
+        """Layers that run their own indexer: CSA layers and the leaders of DSA groups."""
+        return tuple(i for i, k in enumerate(self.layer_pattern)
+                     if k == "csa" or (k == "dsa" and self.dsa_leader(i) == i))
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose KV rows ``layer`` attends to: itself, or (``dsa_shared_kv``) its
+        DSA group leader."""
+        if self.dsa_shared_kv and self.layer_pattern[layer] == "dsa":
+            return self.dsa_leader(layer)
+        return layer
 
     def dsa_leader(self, layer: int) -> int:
         """The layer whose selection DSA layer ``layer`` uses (itself if it leads its group)."""
@@ -231,6 +256,11 @@ class CacheConfig:
         deficit reclaims whole requests' optional pages in reclaim order, and waits if all of
         them cannot cover it; new and refilled pages are lent only from spare bytes. None:
         the optional pages are a separate allocation, lent whenever one is free.
+      location_reuse: paged methods with DSA share groups: member layers inherit their
+        leader's location vector (``model.store.Locations``: the leader's resolve decides the
+        missing positions once; each member copies its own rows of them into the same hot
+        rows and keeps no LRU metadata). False: each member resolves the shared selection
+        through its own hot cache (the same rows bit for bit; the reference of the tests).
     """
 
     num_slots: int = 1
@@ -244,8 +274,11 @@ class CacheConfig:
     device_pages: int | None = None
     shared_pool_rows: int | None = None
     shared_budget_bytes: int | None = None
+    location_reuse: bool = True
 
     def __post_init__(self):
+        if not isinstance(self.location_reuse, bool):
+            invalid("CacheConfig", "location_reuse", self.location_reuse, "must be a bool")
         _positive("CacheConfig", num_slots=self.num_slots, prefill_chunk=self.prefill_chunk,
                   page_size=self.page_size, refill_pages=self.refill_pages)
         for name in ("hot_cache_rows", "host_pages", "optional_pages", "device_pages",

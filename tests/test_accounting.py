@@ -25,17 +25,22 @@ PATTERNS = [("swa", "csa", "hca", "csa"), ("dsa", "dsa", "dsa", "csa")]
 
 
 @pytest.mark.parametrize("kv_dtype", ["f32", "bf16", "fp8_v4"])
-@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("pattern,reuse", [(PATTERNS[0], True), (PATTERNS[1], True),
+                                           (PATTERNS[1], False)])
 @pytest.mark.parametrize("method,rows", [("resident", None), ("hisparse", 24),
                                          ("leansparse", 24), ("adaptive", 24)])
-def test_gpu_and_host_bytes_equal_allocated_state(pattern, method, rows, kv_dtype):
+def test_gpu_and_host_bytes_equal_allocated_state(pattern, reuse, method, rows, kv_dtype):
+    """Every method, V4 and GLM-5-style (DSA share groups: paged like CSA under the paged
+    methods, members with or without location reuse) layouts."""
     cfg = tiny(max_len=256, layer_pattern=pattern, dsa_share_group=2, kv_dtype=kv_dtype)
     engine = EngineConfig(model=cfg, method=method,
                           cache=CacheConfig(num_slots=3, hot_cache_rows=rows, page_size=8,
-                                            optional_pages=5 if method == "adaptive" else None),
+                                            optional_pages=5 if method == "adaptive" else None,
+                                            location_reuse=reuse),
                           leansparse=LeanSparseConfig(32, 1.0, 40))
     csa = [i for i, k in enumerate(pattern) if k == "csa"]
-    books = {i: np.zeros((engine.pq_subspaces, 16, 4), np.float32) for i in csa}
+    books = {i: np.zeros((engine.pq_subspaces, 16, 4), np.float32)
+             for i in cfg.indexer_layers}
     state = empty_state(engine, books if method == "leansparse" else None)
     acc = request_bytes(engine, cfg.max_len)
     assert acc.gpu_total == slot_bytes(engine, state)
@@ -43,9 +48,11 @@ def test_gpu_and_host_bytes_equal_allocated_state(pattern, method, rows, kv_dtyp
     pools = jax.tree.leaves((getattr(tier, "kv_pools", ()), getattr(tier, "key_pools", ())))
     assert acc.host_total == sum(p.nbytes for p in pools) // 3
     assert all(p.sharding.memory_kind == "pinned_host" for p in pools)
-    if method == "adaptive":  # the shared lent pages: 5 pages of 8 rows per CSA layer
+    if method == "adaptive":  # the shared lent pages: 5 pages of 8 rows per CSA layer (of
+        #   8 * 4 f32 rows per DSA layer)
         lent = jax.tree.leaves(tier.optional_pools)
-        assert sum(p.nbytes for p in lent) == len(csa) * 5 * 8 * Layout.ours(cfg).kv_row
+        dsa = pattern.count("dsa") * 5 * 8 * 4 * 4 * cfg.head_dim
+        assert sum(p.nbytes for p in lent) == len(csa) * 5 * 8 * Layout.ours(cfg).kv_row + dsa
 
 
 @pytest.mark.parametrize("kv_dtype", ["f32", "fp8_v4"])

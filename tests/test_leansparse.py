@@ -151,7 +151,8 @@ def test_leansparse_needs_valid_codebooks():
     config = EngineConfig(model=cfg, method="leansparse",
                           cache=CacheConfig(hot_cache_rows=16, page_size=8),
                           leansparse=LeanSparseConfig(32, 1.0, 48))
-    with pytest.raises(ValueError, match="needs PQ codebooks for CSA layers \\[1, 3\\]"):
+    with pytest.raises(ValueError,
+                       match="needs PQ codebooks for CSA layers and DSA leaders \\[1, 3\\]"):
         Engine(config, params)
     bad = {k: v[:, :, :2] for k, v in books.items()}
     with pytest.raises(ValueError, match="codebooks\\[1\\] has shape"):

@@ -63,7 +63,7 @@ def test_identity4_streamed_equals_monolithic_prefill(name):
     # the caches were really written: layer 1 (CSA / DSA) holds n // 4 (n) finite rows
     csa = name != "dsa_shared"
     rows = np.asarray(KVRowFormat.of(cfg).decode(caches[1].kv.entries) if csa
-                      else caches[1].entries)
+                      else caches[1].kv.entries)
     written = n // 4 if csa else n
     assert np.isfinite(rows[:written]).all() and np.isnan(rows[written:]).all()
 

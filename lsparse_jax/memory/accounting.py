@@ -4,7 +4,9 @@ For the arrays this project allocates (``Layout.ours``) the GPU total equals the
 slot of ``DecodeState`` exactly (tested). ``Layout.v4_serving`` swaps in the byte sizes of
 DeepSeek-V4 serving stacks (584 B compressed KV rows, 132 B FP8 indexer keys) to compare with the
 papers' figures. CSA rows are counted in the model's ``kv_dtype`` (``quant.KVRowFormat``:
-4D, 2D or the FP8 layout's bytes); SWA window, HCA and DSA rows are always f32 here.
+4D, 2D or the FP8 layout's bytes); SWA window, HCA and DSA rows are always f32 here. DSA
+layers are resident in the slot under resident and paged like CSA layers under the host-paged
+methods (pages of P * m per-token rows; ``methods.hisparse``).
 """
 
 from __future__ import annotations
@@ -99,6 +101,11 @@ def request_bytes(engine: EngineConfig, context: int, layout: Layout | None = No
     keys: PQ codes N_c*M bytes + key cache Bk*(k_b+meta) + clock + key tail P*k_b on the GPU,
     the keys in host pages. The page table is one int32 per page, once per request (adaptive:
     twice, with its ready map of lent pages).
+    DSA layers (L rows, one per token, f32): resident L*row, and L*k_b keys for group leaders;
+    under host paging as CSA layers with pages of P*m rows: tail P*m*row, a hot cache of B rows
+    (members under location reuse: B*row, no metadata or clock: the leader's locations are
+    theirs), ceil(N_c/P)*P*m rows in host pages; leansparse pages the leaders' keys likewise
+    (PQ codes L*M, key cache, key tail P*m*k_b on the GPU).
     Device pools (``CacheConfig.device_pages``): the CSA state that grows with context
     (resident rows, exact keys, PQ codes) is counted in whole pages, ceil(N_c/P)*P rows,
     plus a tail of P rows for rows and exact keys; HCA rows likewise in pages of
@@ -149,10 +156,8 @@ def request_bytes(engine: EngineConfig, context: int, layout: Layout | None = No
                 layer["tail"] = page_rows * lay.plain_row
             else:
                 layer["attention_kv"] = n * lay.plain_row
-        if kind == "dsa":
-            layer["attention_kv"] = n * lay.plain_row
-            if cfg.dsa_leader(i) == i:
-                layer["indexer_keys"] = n * lay.index_key
+        if kind == "dsa" and cfg.kv_source(i) == i:  # (dsa_shared_kv members hold nothing)
+            _dsa_layer(engine, lay, layer, host, n, csa_pages, cfg.dsa_leader(i) == i)
         per_layer.append(layer)
         for key, value in layer.items():
             gpu[key] += value
@@ -162,6 +167,31 @@ def request_bytes(engine: EngineConfig, context: int, layout: Layout | None = No
     gpu["weights_share"] = weights_share
     return RequestBytes(gpu=gpu, host=host, per_layer=tuple(per_layer),
                         device_pages=csa_pages if pooled else 0)
+
+
+def _dsa_layer(engine: EngineConfig, lay: Layout, layer: dict, host: dict, n: int,
+               pages: int, leads: bool) -> None:
+    """Adds one DSA layer's bytes to ``layer`` (GPU) and ``host`` (see ``request_bytes``)."""
+    cache, storage = engine.cache, engine.storage
+    page = cache.page_size * engine.model.csa_ratio  # per-token rows of one page id
+    if storage.kv_on_host:
+        follower = not leads and cache.location_reuse
+        meta, scalar = (0, 0) if follower else (lay.hot_row_meta, lay.hot_scalar)
+        layer["tail"] += page * lay.plain_row
+        layer["hot_cache"] = cache.hot_cache_rows * (lay.plain_row + meta) + scalar
+        host["attention_kv"] += pages * page * lay.plain_row
+    else:
+        layer["attention_kv"] = n * lay.plain_row
+    if not leads:
+        return
+    if storage.keys_on_host:
+        layer["pq_codes"] = n * engine.pq_subspaces
+        layer["key_cache"] = (engine.leansparse.key_cache_rows
+                              * (lay.index_key + lay.hot_row_meta) + lay.hot_scalar)
+        layer["tail"] += page * lay.index_key
+        host["indexer_keys"] += pages * page * lay.index_key
+    else:
+        layer["indexer_keys"] = n * lay.index_key
 
 
 def layer_state_bytes(cfg: ModelConfig) -> tuple[int, ...]:
@@ -278,19 +308,21 @@ def spec_bytes(engine: EngineConfig, drafter: DrafterConfig,
     Notation: l draft layers, W window, h draft heads, d head dim, T = gamma + 1, k top-k.
     drafter_ring: the persistent ring of W positions' draft keys and values (f32) per draft
       layer, plus W int32 positions: l * W * h * d * 4 * 2 + 4W (equals ``SpecState``'s slot).
-    staging: what a verification holds while it runs, per CSA layer: the union of the block's
-      T selections, T * k rows (resolved once), plus the block's T new raw rows per windowed
-      layer. The block's compressed rows themselves are staged in the tail page (or resident
-      table) the method already holds and rolled back on rejection, so staging adds no
-      persistent bytes.
+    staging: what a verification holds while it runs, per CSA and DSA layer: the union of the
+      block's T selections, T * k rows (resolved once per group leader, followed by its
+      members), plus the block's T new raw rows per windowed layer. The block's compressed
+      rows themselves are staged in the tail page (or resident table) the method already
+      holds and rolled back on rejection, so staging adds no persistent bytes.
     """
     cfg = engine.model
     lay = layout or Layout.ours(cfg)
     t = drafter.gamma + 1
     ring = drafter.num_layers * drafter.window * drafter.num_heads * drafter.head_dim * 4 * 2
     csa = sum(k == "csa" for k in cfg.layer_pattern)
+    dsa = cfg.layer_pattern.count("dsa")
     windowed = sum(k in ("swa", "csa", "hca") for k in cfg.layer_pattern)
-    staging = csa * t * cfg.indexer.top_k * lay.kv_row + windowed * t * lay.plain_row
+    staging = (csa * t * cfg.indexer.top_k * lay.kv_row + dsa * t * cfg.indexer.top_k
+               * lay.plain_row + windowed * t * lay.plain_row)
     return {"drafter_ring": ring + 4 * drafter.window, "staging": staging}
 
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from lsparse_jax.memory.host_pool import read_host_rows
 from lsparse_jax.model.store import NUM_SOURCES  # noqa: F401  (0 tail/lent map, 1 hit, 2 host)
 from pallas_kernels.hot_resolve import hot_resolve
 
@@ -40,8 +41,54 @@ class HotCache:
                    stamps=jnp.full((rows,), -1, jnp.int32), clock=jnp.zeros((), jnp.int32))
 
 
+@struct.dataclass
+class Plan:
+    """How ``resolve`` made one selection readable: its location vector (where each selected
+    row sits) and the host rows it copied. A layer that shares the selection but keeps its
+    own rows of the same positions in the same layout (a DSA share group's member: same
+    tail, same lent pages, a hot cache of the same B rows that saw the same selections) reads
+    its rows with ``follow`` instead of resolving again.
+
+    Notation: k selected positions, B hot rows, P rows per page.
+    """
+
+    selected: jnp.ndarray  # [k] int32 the positions (-1 none)
+    paged: jnp.ndarray  # [] int32 rows already in host pages (the tail holds paged ..)
+    in_tail: jnp.ndarray  # [k] bool read from the tail
+    opt: jnp.ndarray  # [k] int32 lent optional page holding the row (adaptive), -1 none
+    row_of: jnp.ndarray  # [k] int32 hot row holding the row otherwise, -1 none
+    fetch: jnp.ndarray  # [B] int32 host-pool row copied into each hot row this step, -1 none
+
+
+def _pick(plan: Plan, tail, rows, optional=None):
+    """The selected rows [k, ...] in order, read where ``plan`` says (NaN where selected < 0);
+    tail, hot rows and optional pages may be pytrees (every leaf alike)."""
+    page = jax.tree.leaves(tail)[0].shape[0]
+    b = jax.tree.leaves(rows)[0].shape[0]
+    sel, valid, in_opt = plan.selected, plan.selected >= 0, plan.opt >= 0
+
+    def pick(t, r, o=None):
+        mask = lambda m: m.reshape(m.shape + (1,) * (t.ndim - 1))  # noqa: E731
+        got = jnp.where(mask(plan.in_tail), t[jnp.clip(sel - plan.paged, 0, page - 1)],
+                        r[jnp.clip(plan.row_of, 0, b - 1)])
+        if o is not None:
+            at = jnp.clip(plan.opt * page + sel % page, 0, o.shape[0] - 1)
+            got = jnp.where(mask(in_opt), o[at], got)
+        return jnp.where(mask(valid), got, jnp.nan)
+
+    return (jax.tree.map(pick, tail, rows) if optional is None
+            else jax.tree.map(pick, tail, rows, optional))
+
+
 def resolve(hot: HotCache, selected, tail, paged, page_table, pool,
             implementation: str | None = "xla", optional=None, ready=None):
+    """``resolve_plan`` without the plan: (rows, new hot cache, counts)."""
+    return resolve_plan(hot, selected, tail, paged, page_table, pool, implementation,
+                        optional, ready)[:3]
+
+
+def resolve_plan(hot: HotCache, selected, tail, paged, page_table, pool,
+                 implementation: str | None = "xla", optional=None, ready=None):
     """Makes every selected row readable on the device and returns the rows in order.
 
     Notation: k selected positions (best first, -1 padded); B hot rows; P rows per page.
@@ -64,7 +111,7 @@ def resolve(hot: HotCache, selected, tail, paged, page_table, pool,
          are first compacted, in order, into B entries (callers keep at most B of them); the
          stamps are then clock * B + rank among them, which keeps the same LRU order.
     Returns (rows [k, D] with NaN where selected is -1, new hot cache, counts [3] int32 of
-    rows resolved from tail, hot cache and host).
+    rows resolved from tail, hot cache and host, the ``Plan``).
     """
     k, b = selected.shape[0], hot.positions.shape[0]
     page = jax.tree.leaves(tail)[0].shape[0]
@@ -87,19 +134,35 @@ def resolve(hot: HotCache, selected, tail, paged, page_table, pool,
         page_size=page, implementation=implementation)
     if order is not None:
         row_of = jnp.full((k,), -1, jnp.int32).at[order].set(row_of)
+    # a victim row took a position the cache did not hold: its row came from the host
+    refilled = (positions >= 0) & (positions != hot.positions)
+    held = jnp.maximum(positions, 0)
+    fetch = jnp.where(refilled, page_table[jnp.clip(held // page, 0, page_table.shape[0] - 1)]
+                      * page + held % page, -1)
+    plan = Plan(selected, jnp.asarray(paged, jnp.int32), in_tail, opt, row_of,
+                fetch.astype(jnp.int32))
     hot = HotCache(rows=rows, positions=positions, stamps=stamps, clock=clock)
-
-    def pick(t, r, o=None):
-        mask = lambda m: m.reshape(m.shape + (1,) * (t.ndim - 1))  # noqa: E731
-        got = jnp.where(mask(in_tail), t[jnp.clip(selected - paged, 0, page - 1)],
-                        r[jnp.clip(row_of, 0, b - 1)])
-        if o is not None:
-            at = jnp.clip(opt * page + selected % page, 0, o.shape[0] - 1)
-            got = jnp.where(mask(in_opt), o[at], got)
-        return jnp.where(mask(valid), got, jnp.nan)
-
-    out = (jax.tree.map(pick, tail, rows) if optional is None
-           else jax.tree.map(pick, tail, rows, optional))
+    out = _pick(plan, tail, rows, optional)
     first = jnp.sum(in_tail | in_opt, keepdims=True).astype(jnp.int32)
     counts = jnp.concatenate([first, hot_counts])
-    return out, hot, counts
+    return out, hot, counts, plan
+
+
+def follow(plan: Plan, rows, tail, pool, implementation: str | None = "xla", optional=None):
+    """Another layer's rows at the positions ``plan`` resolved: its hot rows ``rows`` [B, ...]
+    get the plan's host rows from its own ``pool`` (each fetched once: ``plan.fetch``), then
+    its rows are read where the plan says (its tail, its lent pages, its hot rows).
+
+    Exact for a layer whose hot cache saw the same selections as the plan's (same positions
+    in the same rows): its own ``resolve_plan`` would find the same hits and victims.
+    Returns (selected rows [k, ...], new hot rows, counts [3] int32 as ``resolve_plan``'s).
+    """
+    fetched = jax.tree.map(lambda p: read_host_rows(p, plan.fetch, implementation), pool)
+    put = plan.fetch >= 0
+    rows = jax.tree.map(lambda r, f: jnp.where(put.reshape((-1,) + (1,) * (r.ndim - 1)), f, r),
+                        rows, fetched)
+    valid = plan.selected >= 0
+    first = jnp.sum(plan.in_tail | (plan.opt >= 0))
+    host = jnp.sum(put)
+    counts = jnp.stack([first, jnp.sum(valid) - first - host, host]).astype(jnp.int32)
+    return _pick(plan, tail, rows, optional), rows, counts

@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from lsparse_jax.config import EngineConfig
-from lsparse_jax.model.cache import CSACache
+from lsparse_jax.memory.hot_cache import HotCache
+from lsparse_jax.model.cache import CSACache, DSACache
 
 
 def _same(a, b) -> bool:
@@ -65,11 +66,13 @@ def hierarchy_violations(engine: EngineConfig, state, truth_caches, active,
     of a resident DecodeState holding the same requests in the same slots; active [S] bool:
     slots to check. Covers compressed KV (tail, host pages, hot cache, adaptive's lent
     optional pages) and, for leansparse, FP8 indexer keys (tail, host pages, key cache) and
-    the PQ codes of paged keys (``encode_keys(values, scales, layer)`` -> codes).
+    the PQ codes of paged keys (``encode_keys(values, scales, layer)`` -> codes); paged DSA
+    layers alike (rows per token, pages of P * m rows; a member under location reuse holds
+    its hot rows at its leader's hot positions).
     ``layers`` limits the check (an approximate method changes the rows of later layers, so
     only layers before its first approximate selection can be checked against resident).
     """
-    page, m = engine.cache.page_size, engine.model.csa_ratio
+    cfg, m = engine.model, engine.model.csa_ratio
     lengths = np.asarray(state.lengths)
     tier = state.tier
     table = np.asarray(tier.page_table)
@@ -79,28 +82,39 @@ def hierarchy_violations(engine: EngineConfig, state, truth_caches, active,
     at_slot = lambda t, s: tuple(x[s] for x in t) if isinstance(t, tuple) else t[s]  # noqa
     bad = []
     for layer, (cache, truth) in enumerate(zip(state.caches, truth_caches)):
-        if not isinstance(cache, CSACache) or (layers is not None and layer not in layers):
+        paged_dsa = isinstance(cache, DSACache) and tier.kv_pools[layer] is not None
+        if not (isinstance(cache, CSACache) or paged_dsa) or (layers is not None
+                                                             and layer not in layers):
             continue
+        stride = 1 if paged_dsa else m  # tokens per row
+        page = engine.cache.page_size * m // stride  # rows per page id
+        hot = cache.kv.hot
+        if not isinstance(hot, HotCache):  # a DSA member under location reuse: rows only,
+            #   at its leader's hot positions
+            lead = state.caches[cfg.dsa_leader(layer)].kv.hot
+            hot = HotCache(cache.kv.hot, lead.positions, lead.stamps, lead.clock)
         want_kv = np_rows(truth.kv.entries)
-        want_keys = (np.asarray(truth.keys.values), np.asarray(truth.keys.scales))
+        has_keys = engine.storage.keys_on_host and cache.keys is not None
+        if has_keys:
+            want_keys = (np.asarray(truth.keys.values), np.asarray(truth.keys.scales))
         for s in np.flatnonzero(active):
-            done = int(lengths[s]) // m
+            done = int(lengths[s]) // stride
             paged = done // page * page
             _check_store(f"layer {layer} kv", np_rows(cache.kv.tail),
-                         np_rows(tier.kv_pools[layer]), cache.kv.hot, table, want_kv, done,
+                         np_rows(tier.kv_pools[layer]), hot, table, want_kv, done,
                          paged, page, s, bad)
             if engine.storage.lent_pages:
                 _check_lent(layer, np_rows(tier.optional_pools[layer]),
                             np.asarray(tier.ready)[s], at_slot(want_kv, s), paged, page, s,
                             bad)
-            if engine.storage.keys_on_host:
+            if has_keys:
                 _check_store(f"layer {layer} keys", np_tree(cache.keys.tail),
                              np_tree(tier.key_pools[layer]), cache.keys.cache, table, want_keys,
                              done, paged, page, s, bad)
                 if encode_keys is not None and paged:
                     want = np.asarray(encode_keys(want_keys[0][s, :paged],
                                                   want_keys[1][s, :paged], layer))
-                    if engine.cache.device_pages is None:
+                    if engine.cache.device_pages is None or paged_dsa:
                         codes = np.asarray(cache.keys.codes)[s, :paged]
                     else:  # the slot's device pages of the codes pool
                         rows = np.arange(paged)

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from lsparse_jax.memory.hot_cache import HotCache, resolve
-from lsparse_jax.model.store import RowView, write_rows
+from lsparse_jax.memory.hot_cache import HotCache, Plan, follow, resolve_plan
+from lsparse_jax.model.store import Locations, RowView, write_rows
 from lsparse_jax.quant import KVRowFormat
 
 
@@ -68,12 +68,19 @@ class PagedKVStore:
         if selected.shape[0] != 1:
             raise ValueError("PagedKVStore serves decode (one query per slot); prefill runs "
                              "on the resident layout")
-        rows, hot, counts = resolve(state.hot, selected[0], state.tail,
-                                    paged_rows(self.page_size, completed), context.page_table,
-                                    context.pool, self.implementation, *self.lent(context))
+        rows, hot, counts, plan = resolve_plan(
+            state.hot, selected[0], state.tail, paged_rows(self.page_size, completed),
+            context.page_table, context.pool, self.implementation, *self.lent(context))
         slots = jnp.where(selected >= 0, jnp.arange(selected.shape[-1]), -1)
         table = jax.tree.map(lambda r: r[None], rows)
-        return state.replace(hot=hot), RowView(table, slots, counts[None])
+        return state.replace(hot=hot), RowView(table, slots, counts[None], plan)
+
+    def follow(self, state: PagedKV, completed, locations: Locations, context: PageView):
+        """A DSA member layer without location reuse (``CacheConfig.location_reuse`` False):
+        resolves the leader's positions through its own hot cache (a second scan; the same
+        hits and victims, since it saw the same selections)."""
+        new, view = self.gather(state, completed, locations.plan.selected[None], context)
+        return new, view.replace(slots=locations.slots)
 
     def lent(self, context) -> tuple:
         """(optional pages, ready row) read before the hot cache; none here (adaptive: yes)."""
@@ -84,4 +91,48 @@ class PagedKVStore:
                          "only its tail and hot cache on the device")
 
 
-__all__ = ["PageView", "PagedKV", "PagedKVStore", "paged_rows"]
+@struct.dataclass
+class FollowerKV:
+    """A DSA member layer's rows under location reuse: its tail and hot rows, without hot-cache
+    metadata (positions, stamps, clock: its group leader's decide where rows go)."""
+
+    tail: jnp.ndarray  # [P, D] rows of the page being filled (as ``PagedKV.tail``)
+    hot: jnp.ndarray  # [B, D] hot rows: row r holds the position the leader's hot row r holds
+
+
+@dataclasses.dataclass(frozen=True)
+class FollowerKVStore:
+    """``KVStore`` of a DSA share group's member layers under location reuse: rows paged as
+    ``paged`` pages them (tail, host pages, lent pages), read with ``follow`` at the leader's
+    location vector (``hot_cache.Plan``): the leader's resolve decides the missing positions
+    once, and this layer copies its own rows of them from its host pages into the same victim
+    rows (fetched once per step). It never resolves, so it keeps no LRU metadata."""
+
+    paged: PagedKVStore
+
+    def empty(self, num_rows: int, rows: KVRowFormat) -> FollowerKV:
+        empty = self.paged.empty(num_rows, rows)
+        return FollowerKV(empty.tail, empty.hot.rows)  # rows only: no positions, stamps
+
+    def write(self, state: FollowerKV, completed, ids, rows, ok) -> FollowerKV:
+        paged = paged_rows(self.paged.page_size, completed)
+        return state.replace(tail=write_rows(state.tail, ids - paged, rows, ok))
+
+    def follow(self, state: FollowerKV, completed, locations: Locations, context: PageView):
+        plan: Plan = locations.plan
+        optional = self.paged.lent(context)
+        got, hot, counts = follow(plan, state.hot, state.tail, context.pool,
+                                  self.paged.implementation, optional[0] if optional else None)
+        table = jax.tree.map(lambda r: r[None], got)
+        return state.replace(hot=hot), RowView(table, locations.slots, counts[None])
+
+    def gather(self, state, completed, selected, context):
+        raise ValueError("FollowerKVStore serves DSA member layers (follow); a group leader "
+                         "resolves its selection with PagedKVStore")
+
+    def all_rows(self, state):
+        return self.paged.all_rows(state)
+
+
+__all__ = ["FollowerKV", "FollowerKVStore", "PageView", "PagedKV", "PagedKVStore",
+           "paged_rows"]

@@ -40,7 +40,6 @@ from lsparse_jax.memory.paged_kv import PagedKVStore
 from lsparse_jax.memory.paging import put_pages
 from lsparse_jax.methods.base import Grant, register
 from lsparse_jax.methods.hisparse import HiSparse, PagedController
-from lsparse_jax.quant import KVRowFormat
 
 
 @struct.dataclass
@@ -89,9 +88,9 @@ class Adaptive(HiSparse):
 
     def empty_tier(self, codebooks=None) -> AdaptiveTier:
         base = super().empty_tier(codebooks)
-        rows = self.engine.cache.optional_pages * self.engine.cache.page_size
-        rowfmt = KVRowFormat.of(self.engine.model)
-        optional = tuple(None if p is None else rowfmt.empty(rows) for p in base.kv_pools)
+        pages = self.engine.cache.optional_pages
+        optional = tuple(None if p is None else self.row_format(i).empty(pages * self.page_rows(i))
+                         for i, p in enumerate(base.kv_pools))
         return AdaptiveTier(base.kv_pools, optional, base.page_table, self._page_table(),
                             base.pools)
 
@@ -114,7 +113,7 @@ class Adaptive(HiSparse):
         (resident-first admission; the host copy is written too, so reclaiming a page never
         loses a row)."""
         out, tier = super().admit_layer(layer, cache, empty, tier, grant, full_pages)
-        page, entries = self.engine.cache.page_size, cache.kv.entries
+        page, entries = self.page_rows(layer), cache.kv.entries
         rows = lambda j: jax.tree.map(  # noqa: E731
             lambda e: jax.lax.dynamic_slice_in_dim(e, j * page, page), entries)
         pools = list(tier.optional_pools)
@@ -126,22 +125,23 @@ class Adaptive(HiSparse):
         return AdaptiveController(self)
 
 
-def _with_optional(tier: AdaptiveTier, fn) -> tuple:
-    """The tier's optional pools, each CSA layer's replaced by fn(optional, host pool)."""
-    return tuple(None if o is None else fn(o, p)
-                 for o, p in zip(tier.optional_pools, tier.kv_pools))
+def _with_optional(method: Adaptive, tier: AdaptiveTier, fn) -> tuple:
+    """The tier's optional pools, each paged layer's replaced by fn(optional, host pool, rows
+    per page)."""
+    return tuple(None if o is None else fn(o, p, method.page_rows(i))
+                 for i, (o, p) in enumerate(zip(tier.optional_pools, tier.kv_pools)))
 
 
 @functools.partial(jax.jit, static_argnames=("method",), donate_argnames=("state",))
 def reclaim(method: Adaptive, state, slot):
     """Takes back every optional page of ``slot``: its ready-map row becomes -1 and the pages
     are poisoned with NaN. Nothing is lost: every lent page has its host copy."""
-    tier, page = state.tier, method.engine.cache.page_size
+    tier = state.tier
     row = tier.ready[slot]
-    nan = lambda o: jax.tree.map(  # noqa: E731
+    nan = lambda o, page: jax.tree.map(  # noqa: E731
         lambda leaf: jnp.full((page,) + leaf.shape[1:], jnp.nan, leaf.dtype), o)
-    pools = _with_optional(tier, lambda o, p: put_pages(o, row, lambda j: nan(o), row.shape[0],
-                                                        page))
+    pools = _with_optional(method, tier, lambda o, p, page: put_pages(
+        o, row, lambda j: nan(o, page), row.shape[0], page))
     return state.replace(tier=tier.replace(optional_pools=pools,
                                            ready=tier.ready.at[slot].set(-1)))
 
@@ -150,20 +150,20 @@ def reclaim(method: Adaptive, state, slot):
 def refill(method: Adaptive, state, slot, logical, lent):
     """Lends optional page lent[j] to logical page logical[j] of ``slot``, for j with
     lent[j] >= 0: copies the page from its host copy and marks it ready."""
-    tier, page = state.tier, method.engine.cache.page_size
+    tier = state.tier
     host_pages = tier.page_table[slot, jnp.clip(logical, 0, None)]
     ok = (lent >= 0) & (logical >= 0) & (host_pages >= 0)
-    ids = jnp.where(ok[:, None], host_pages[:, None] * page + jnp.arange(page), -1)  # [R, P]
     dest = jnp.where(ok, lent, -1)
 
-    def fill(optional, pool):
+    def fill(optional, pool, page):
+        ids = jnp.where(ok[:, None], host_pages[:, None] * page + jnp.arange(page), -1)  # [R, P]
         rows = jax.tree.map(lambda p: read_host_rows(p, ids), pool)  # [R, P, D] on the device
         return put_pages(optional, dest, lambda j: jax.tree.map(lambda r: r[j], rows),
                          dest.shape[0], page)
 
     where = jnp.where(ok, logical, tier.ready.shape[1])  # out of bounds -> dropped
     ready = tier.ready.at[slot, where].set(lent, mode="drop")
-    return state.replace(tier=tier.replace(optional_pools=_with_optional(tier, fill),
+    return state.replace(tier=tier.replace(optional_pools=_with_optional(method, tier, fill),
                                            ready=ready))
 
 
@@ -186,9 +186,10 @@ class AdaptiveController(PagedController):
                                            cache.refill_pages)
         self.budget = cache.shared_budget_bytes
         self.required: dict[int, int] = {}  # slot -> required device bytes (with a budget)
-        # one optional page id = P rows in every CSA layer's optional pool
-        self.page_bytes = (cache.page_size * KVRowFormat.of(engine.model).row_bytes
-                           * len(method.csa_layers))
+        # one optional page id = P rows in every CSA layer's optional pool (P * m f32 rows in
+        #   every DSA layer's)
+        self.page_bytes = sum(method.page_rows(i) * method.row_format(i).row_bytes
+                              for i in method.paged_layers)
 
     def spare(self) -> int:
         """Bytes of the shared budget neither required nor lent."""

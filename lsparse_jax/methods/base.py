@@ -40,7 +40,14 @@ from lsparse_jax.memory.device_pool import (
     write_completed_tails,
 )
 from lsparse_jax.memory.paging import CompletedPages
-from lsparse_jax.model.cache import CSACache, LayerCache, empty_cache, empty_layer_cache
+from lsparse_jax.model import store
+from lsparse_jax.model.cache import (
+    CSACache,
+    LayerCache,
+    dsa_row_format,
+    empty_cache,
+    empty_layer_cache,
+)
 from lsparse_jax.model.store import RESIDENT_KV, RESIDENT_ROWS, ExactIndex, KeyIndex, KVStore
 from lsparse_jax.quant import KVRowFormat
 
@@ -175,6 +182,33 @@ class Method:
         return tuple(i for i, k in enumerate(self.engine.model.layer_pattern) if k == "csa")
 
     @property
+    def dsa_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.engine.model.layer_pattern) if k == "dsa")
+
+    @property
+    def paged_layers(self) -> tuple[int, ...]:
+        """Layers whose rows this method places in pages (host pages, device pools) and that
+        go through ``admit_layer`` / ``write_pages``: CSA layers here (DSA layers stay
+        resident in the slot); the host-paged methods add DSA layers."""
+        return self.csa_layers
+
+    @property
+    def dsa_page_rows(self) -> int:
+        """Per-token rows of a DSA layer in one page id: P * m, the tokens of P CSA rows."""
+        return self.engine.cache.page_size * self.engine.model.csa_ratio
+
+    def page_rows(self, layer: int) -> int:
+        """Rows of ``layer`` in one page id: P compressed rows of a CSA layer, or the P * m
+        per-token rows of a DSA layer (the same tokens: one page table, one writeback)."""
+        dsa = self.engine.model.layer_pattern[layer] == "dsa"
+        return self.dsa_page_rows if dsa else self.engine.cache.page_size
+
+    def row_format(self, layer: int) -> KVRowFormat:
+        """How ``layer`` stores its KV rows (CSA: ``ModelConfig.kv_dtype``; DSA: f32)."""
+        cfg = self.engine.model
+        return dsa_row_format(cfg) if cfg.layer_pattern[layer] == "dsa" else KVRowFormat.of(cfg)
+
+    @property
     def hca_layers(self) -> tuple[int, ...]:
         return tuple(i for i, k in enumerate(self.engine.model.layer_pattern) if k == "hca")
 
@@ -202,10 +236,15 @@ class Method:
         """Where HCA layers keep their rows (``model.store.ResidentRowStore`` interface)."""
         return PooledRowStore(self.hca_page_rows) if self.pooled else RESIDENT_ROWS
 
+    def dsa_stores(self) -> store.DSAStores:
+        """Where DSA layers keep their per-token rows and keys: resident in the slot."""
+        return dataclasses.replace(store.RESIDENT_DSA,
+                                   location_reuse=self.engine.cache.location_reuse)
+
     def empty_slot(self) -> tuple[LayerCache, ...]:
         """One slot's decode-time caches (no slot axis), NaN poisoned."""
         return empty_cache(self.engine.model, self.kv_store(), self.key_index(),
-                           self.hca_store())
+                           self.hca_store(), self.dsa_stores())
 
     def empty_tier(self, codebooks: dict | None = None):
         """The state shared by all slots. ``codebooks`` ({CSA layer: [M, K, D_I/M]}) serve the
@@ -243,12 +282,12 @@ class Method:
         return (tier.pools.page_table if self.pooled else None,)
 
     def contexts(self, tier, rows) -> tuple:
-        """Per layer, what one slot's stores read of shared state (inside the slot map): CSA
+        """Per layer, what one slot's stores read of shared state (inside the slot map): paged
         layers (kv, keys) contexts (``csa_context``), HCA layers their device pool's view."""
         device = rows[-1]
         out = []
         for i, kind in enumerate(self.engine.model.layer_pattern):
-            if kind == "csa":
+            if i in self.paged_layers:
                 out.append(self.csa_context(tier, rows, i))
             elif kind == "hca" and device is not None:
                 out.append(PoolView(tier.pools.hca[i], device))
@@ -257,7 +296,7 @@ class Method:
         return tuple(out)
 
     def csa_context(self, tier, rows, layer: int):
-        """One CSA layer's (kv, keys) contexts for one slot (``rows``: its slot_rows)."""
+        """One paged layer's (kv, keys) contexts for one slot (``rows``: its slot_rows)."""
         device = rows[-1]
         if device is None:
             return None
@@ -265,8 +304,9 @@ class Method:
 
     def pool_view(self, tier, part: str, layer: int, row) -> PoolView | None:
         """One slot's view of device pool ``part`` ("kv", "keys", "codes") of ``layer``
-        (``row``: its device page-table row), None when not pooled."""
-        return None if row is None else PoolView(getattr(tier.pools, part)[layer], row)
+        (``row``: its device page-table row), None when not pooled or the layer has none."""
+        pool = None if row is None else getattr(tier.pools, part)[layer]
+        return None if pool is None else PoolView(pool, row)
 
     # ------------------------------------------------------------------------------ admission
     def admit(self, state, slot, caches: tuple[LayerCache, ...], length, grant: Grant):
@@ -284,9 +324,9 @@ class Method:
         engine = self.engine
         full_pages = (length // engine.model.csa_ratio) // engine.cache.page_size
         tier, kind = state.tier, engine.model.layer_pattern[layer]
-        if kind == "csa":
+        if layer in self.paged_layers:
             empty = empty_layer_cache(engine.model, layer, self.kv_store(), self.key_index(),
-                                      self.hca_store())
+                                      self.hca_store(), self.dsa_stores())
             cache, tier = self.admit_layer(layer, cache, empty, tier, grant, full_pages)
         elif kind == "hca" and self.pooled:  # HCA rows of the complete pages to device pages
             hca = list(tier.pools.hca)
@@ -308,8 +348,8 @@ class Method:
                     full_pages):
         """One CSA layer's admission: (its slot cache, the tier). Pooled parts (KV rows
         unless on the host, exact keys unless on the host) go to the device pages
-        ``grant.device``, their partial page to the tail."""
-        if not self.pooled:
+        ``grant.device``, their partial page to the tail (CSA layers only)."""
+        if not self.pooled or layer not in self.csa_layers:
             return cache, tier
         pools, page = tier.pools, self.engine.cache.page_size
         if not self.storage.kv_on_host:
@@ -347,8 +387,12 @@ class Method:
         host = of(self.host_table(state.tier))
         device = of(state.tier.pools.page_table if self.pooled else None)
         tier, caches = state.tier, list(state.caches)
-        for i in self.csa_layers:
-            caches[i], tier = self.write_pages(i, caches[i], tier, host, device)
+        for i in self.paged_layers:
+            if i in self.csa_layers:
+                caches[i], tier = self.write_pages(i, caches[i], tier, host, device)
+            else:  # a DSA page: the same page ids, P * m rows from row first * m
+                dsa = host.replace(first=host.first * cfg.csa_ratio)
+                caches[i], tier = self.write_pages(i, caches[i], tier, dsa, None)
         if device is not None:  # the HCA rows of the same pages (same slots, same pages)
             hca = list(tier.pools.hca)
             for i in self.hca_layers:

@@ -2,6 +2,12 @@
 (HiSparse); indexer keys stay on the device and the selection is exact, so every output equals
 ``resident``'s bit for bit (identity 3).
 
+GLM-5-style DSA layers are paged the same way (their per-token rows in pages of P * m rows,
+the tokens of one page id, so one page table and one writeback serve both kinds), each layer
+with its own hot cache; a share group's leader selects and resolves, and its members read their
+own rows at the leader's location vector (``CacheConfig.location_reuse``,
+``memory.paged_kv.FollowerKVStore``).
+
 Data plane: at admission every complete page of the prefilled prefix goes to the host pool and
 the partial page stays on the device as the tail; each decode step resolves the selected rows
 (tail, hot cache, or a copy from the host into LRU victims: ``memory.hot_cache.resolve``).
@@ -23,11 +29,11 @@ from flax import struct
 from lsparse_jax.config import EngineConfig, Storage, invalid
 from lsparse_jax.memory.device_pool import DevicePools
 from lsparse_jax.memory.host_pool import CapacityError, PageAllocator, empty_pool
-from lsparse_jax.memory.paged_kv import PagedKVStore, PageView
+from lsparse_jax.memory.paged_kv import FollowerKVStore, PagedKVStore, PageView
 from lsparse_jax.memory.paging import CompletedPages, page_out
 from lsparse_jax.methods.base import Grant, Method, PoolController, register
 from lsparse_jax.model.cache import CSACache
-from lsparse_jax.quant import KVRowFormat
+from lsparse_jax.model.store import DSAStores, KeyIndex
 
 
 @struct.dataclass
@@ -36,7 +42,7 @@ class HostTier:
 
     kv_pools: tuple[jax.Array | None, ...]  # per layer [NP * P, D] f32 pinned_host pages of
     #   compressed KV (page p: rows p*P ..), a pytree of [NP * P, ...] arrays for another
-    #   ModelConfig.kv_dtype; None for layers that are not CSA
+    #   ModelConfig.kv_dtype; DSA layers [NP * P * m, D] f32; None for other layers
     page_table: jnp.ndarray  # [S, max_pages] int32 physical page of each logical page, -1 none
     pools: DevicePools | None = None  # the device pools of the exact indexer keys
     #   (CacheConfig.device_pages), None: keys at max_len in each slot
@@ -55,24 +61,50 @@ class HiSparse(Method):
             invalid("EngineConfig", "cache.hot_cache_rows", None,
                     f"method {cls.name!r} needs a hot cache size B >= indexer.top_k")
 
+    @property
+    def paged_layers(self) -> tuple[int, ...]:
+        """CSA layers and the DSA layers with rows of their own (under
+        ``ModelConfig.dsa_shared_kv`` a group's members read their leader's)."""
+        cfg = self.engine.model
+        own = tuple(i for i in self.dsa_layers if cfg.kv_source(i) == i)
+        return tuple(sorted(self.csa_layers + own))
+
     def kv_store(self) -> PagedKVStore:
         cache = self.engine.cache
         return PagedKVStore(cache.page_size, cache.hot_cache_rows, self.engine.implementation)
 
-    def _pools(self, dim: int, dtype=jnp.float32) -> tuple:
-        """A NaN host pool per CSA layer (None elsewhere) of rows [dim] ``dtype``."""
-        n, size = self.engine.host_pages, self.engine.cache.page_size
-        return tuple(empty_pool(n, size, dim, dtype) if i in self.csa_layers else None
+    def dsa_stores(self) -> DSAStores:
+        """DSA rows paged as CSA rows are (``kv_store`` with pages of P * m rows); members
+        follow their leader's location vector (``CacheConfig.location_reuse``) or resolve
+        through their own hot cache."""
+        kv = dataclasses.replace(self.kv_store(), page_size=self.dsa_page_rows)
+        reuse = self.engine.cache.location_reuse
+        return DSAStores(kv, self.dsa_key_index(), FollowerKVStore(kv) if reuse else kv, reuse)
+
+    def dsa_key_index(self) -> KeyIndex | None:
+        """The DSA leaders' key index: None, every key resident in the slot (exact top-k)."""
+        return None
+
+    def _pools(self, dim: int, dtype=jnp.float32, layers=None) -> tuple:
+        """A NaN host pool per paged layer (``layers``; None elsewhere) of rows [dim]
+        ``dtype``, ``page_rows(layer)`` rows per page."""
+        n = self.engine.host_pages
+        layers = self.paged_layers if layers is None else layers
+        return tuple(empty_pool(n, self.page_rows(i), dim, dtype) if i in layers else None
                      for i in range(self.engine.model.num_layers))
 
     def _kv_pools(self) -> tuple:
-        """A NaN host pool per CSA layer (None elsewhere) of KV rows in the model's format
-        (``quant.KVRowFormat``: one pool per array of a row)."""
-        row = KVRowFormat.of(self.engine.model).template()
-        leaves, treedef = jax.tree.flatten(row)
-        per_leaf = [self._pools(leaf.shape[-1], leaf.dtype) for leaf in leaves]
-        return tuple(None if pools[0] is None else jax.tree.unflatten(treedef, pools)
-                     for pools in zip(*per_leaf))
+        """A NaN host pool per paged layer (None elsewhere) of KV rows in the layer's format
+        (``row_format``: one pool per array of a row)."""
+        out = []
+        for i in range(self.engine.model.num_layers):
+            if i not in self.paged_layers:
+                out.append(None)
+                continue
+            row = self.row_format(i).template()
+            out.append(jax.tree.map(lambda leaf, i=i: empty_pool(
+                self.engine.host_pages, self.page_rows(i), leaf.shape[-1], leaf.dtype), row))
+        return tuple(out)
 
     def _page_table(self) -> jnp.ndarray:
         shape = (self.engine.cache.num_slots, self.engine.pages_per_slot)
@@ -91,13 +123,13 @@ class HiSparse(Method):
     # ------------------------------------------------------------------------------ admission
     def admit_layer(self, layer: int, cache: CSACache, empty: CSACache, tier, grant: Grant,
                     full_pages):
-        """Each CSA layer's complete prefix pages go to the host pages ``grant.pages``; the
-        partial page stays as the tail; the GPU caches start empty (and the exact keys go
-        to device pages, with device pools)."""
+        """Each paged layer's complete prefix pages go to the host pages ``grant.pages``; the
+        partial page stays as the tail; the GPU caches start empty (and a CSA layer's exact
+        keys go to device pages, with device pools; a DSA leader's stay in the slot)."""
         cache, tier = super().admit_layer(layer, cache, empty, tier, grant, full_pages)
         pools = list(tier.kv_pools)
         pools[layer], tail = page_out(pools[layer], cache.kv.entries, grant.pages, full_pages,
-                                      self.engine.cache.page_size, grant.written)
+                                      self.page_rows(layer), grant.written)
         return (cache.replace(kv=empty.kv.replace(tail=tail)),
                 tier.replace(kv_pools=tuple(pools)))
 

@@ -5,6 +5,10 @@ coarse scores and top-C (``pallas_kernels.pq_topc``), the miss filter, exact FP8
 the kept candidates and the tail (keys resolved through the key cache, scored by
 ``pallas_kernels.index_scores``), exact top-k. Approximate: recall is measured, and with
 C >= the eligible length it equals ``resident`` (identity 6).
+
+DSA share groups: the leader's FP8 keys go to host pages too (pages of P * m per-token keys)
+and the leader alone runs the coarse-to-fine selection (PQ codes, key cache); its members run no
+indexer and read their own KV rows at the leader's location vector (as in ``hisparse``).
 """
 
 from __future__ import annotations
@@ -204,20 +208,31 @@ class LeanSparse(HiSparse):
                                  self.engine.cache.page_size, self.engine.pq_subspaces,
                                  self.engine.implementation, self.pooled)
 
+    def dsa_key_index(self) -> CoarseToFineIndex:
+        """The DSA leaders' keys paged as CSA keys are, in pages of P * m keys (their PQ codes
+        in the slot: device pools hold CSA state only)."""
+        return dataclasses.replace(self.key_index(), page_size=self.dsa_page_rows, pooled=False)
+
+    @property
+    def key_layers(self) -> tuple[int, ...]:
+        """Layers whose FP8 keys are paged (with codebooks): CSA layers and DSA leaders."""
+        return self.engine.model.indexer_layers
+
     def empty_tier(self, codebooks=None) -> LeanTier:
         ic = self.engine.model.indexer
-        values = self._pools(ic.head_dim, jnp.float8_e4m3fn)
-        scales = self._pools(ic.head_dim // ic.fp8_block)
+        values = self._pools(ic.head_dim, jnp.float8_e4m3fn, self.key_layers)
+        scales = self._pools(ic.head_dim // ic.fp8_block, layers=self.key_layers)
         keys = tuple(None if v is None else (v, s) for v, s in zip(values, scales))
         return LeanTier(self._kv_pools(), keys, self._page_table(),
                         self._check_codebooks(codebooks), self.empty_pools())
 
     def _check_codebooks(self, codebooks) -> tuple:
-        """Per-layer codebooks (None for layers that are not CSA), shape-checked."""
-        csa = list(self.csa_layers)
+        """Per-layer codebooks (None for layers without an indexer), shape-checked."""
+        csa = list(self.key_layers)
         if codebooks is None or sorted(codebooks) != csa:
             got = None if codebooks is None else sorted(codebooks)
-            raise ValueError(f"leansparse needs PQ codebooks for CSA layers {csa}, got {got} "
+            raise ValueError(f"leansparse needs PQ codebooks for CSA layers and DSA leaders "
+                             f"{csa}, got {got} "
                              "(train them with lsparse_jax.methods.leansparse."
                              "calibrate_codebooks)")
         m, ds = self.engine.pq_subspaces, self.settings.pq_subspace_dim
@@ -243,9 +258,11 @@ class LeanSparse(HiSparse):
 
     def admit_layer(self, layer, cache, empty, tier, grant, full_pages):
         """As hisparse, and the complete prefix pages of FP8 keys go to the host too, their PQ
-        codes to the device."""
+        codes to the device (DSA members have no keys)."""
         out, tier = super().admit_layer(layer, cache, empty, tier, grant, full_pages)
-        page = self.engine.cache.page_size
+        if layer not in self.key_layers:
+            return out, tier
+        page = self.page_rows(layer)
         rows = (cache.keys.values, cache.keys.scales)
         pools = list(tier.key_pools)
         pools[layer], key_tail = page_out(pools[layer], rows, grant.pages, full_pages, page,
@@ -254,7 +271,8 @@ class LeanSparse(HiSparse):
         paged = jnp.arange(codes.shape[0]) < full_pages * page
         codes = jnp.where(paged[:, None], codes, 0)
         tier = tier.replace(key_pools=tuple(pools))
-        if self.pooled:  # the complete pages' codes to device pages; the slot keeps none
+        if self.pooled and layer in self.csa_layers:  # the complete pages' codes to device
+            #   pages; the slot keeps none
             code_pools = list(tier.pools.codes)
             code_pools[layer], _ = page_in(code_pools[layer], codes, grant.device, full_pages,
                                            page)
@@ -267,6 +285,8 @@ class LeanSparse(HiSparse):
         """As hisparse, and each completed key page goes to the host, its PQ codes to the
         slot's codes (or its device page, with device pools)."""
         cache, tier = super().write_pages(layer, cache, tier, host, device)
+        if layer not in self.key_layers:
+            return cache, tier
         keys, book = cache.keys, tier.codebooks[layer]
         pools = list(tier.key_pools)
         pools[layer] = host.write_tails(pools[layer], keys.tail)

@@ -21,14 +21,17 @@ from lsparse_jax.model.cache import CSACache, DSACache, HCACache, SWACache
 from lsparse_jax.model.compressor import Compressor
 from lsparse_jax.model.layers import MLP, RMSNorm, dense, extend_window, matmul_precision, rope
 from lsparse_jax.model.store import (
+    RESIDENT_DSA,
     RESIDENT_KV,
     RESIDENT_ROWS,
+    DSAStores,
     ExactIndex,
     IndexerQuery,
     KeyIndex,
     KVStore,
+    Locations,
+    RowView,
     Selection,
-    exact_selection,
     write_rows,
 )
 from lsparse_jax.parallel import per_head
@@ -74,6 +77,7 @@ class AttentionLayer(nn.Module):
     kv_store: KVStore = RESIDENT_KV
     key_index: KeyIndex | None = None  # None: model.store.ExactIndex (every key resident)
     hca_store: Any = RESIDENT_ROWS  # where an HCA layer's rows live (model.store.RowStore-like)
+    dsa_stores: DSAStores = RESIDENT_DSA  # where a DSA layer's rows and keys live
 
     @property
     def kind(self) -> str:
@@ -123,9 +127,12 @@ class AttentionLayer(nn.Module):
         elif self.kind == "hca":
             cache = cache.replace(entries=self.hca_store.write(cache.entries, start // m, ids,
                                                                rows, ok))
-        elif self.kind == "dsa":
+        elif self.kind == "dsa":  # per-token rows: row i is position i (``completed`` = start)
             ok = jnp.arange(t_len) < num_valid
-            cache = cache.replace(entries=write_rows(cache.entries, positions, raw, ok))
+            dsa_kv = self.dsa_stores.kv if shared is None else self.dsa_stores.member
+            kv_ctx, key_ctx = (None, None) if context is None else context
+            if cache.kv is not None:  # None: a member reading its leader's rows
+                cache = cache.replace(kv=dsa_kv.write(cache.kv, start, positions, raw, ok))
             eligible = jnp.arange(num)[None, :] <= positions[:, None]
         if self.kind in ("csa", "hca", "dsa"):
             eligible &= (jnp.arange(t_len) < num_valid)[:, None]  # padding selects nothing
@@ -149,17 +156,13 @@ class AttentionLayer(nn.Module):
             kval, kscale = quantize_index_keys(krows, ic.fp8_block)
             query = IndexerQuery(iq, iw)
             if self.kind == "dsa":
-                cache = cache.replace(
-                    index_keys=write_rows(cache.index_keys, kids, kval, kok),
-                    index_scales=write_rows(cache.index_scales, kids, kscale, kok))
-                selection = exact_selection(query, cache.index_keys, cache.index_scales,
-                                            eligible, ic.top_k,
-                                            implementation=self.implementation)
+                index = self.dsa_stores.keys or ExactIndex(ic.top_k, self.implementation)
+                completed = start
             else:
                 index = self.key_index or ExactIndex(ic.top_k, self.implementation)
-                keys = index.write(cache.keys, completed, kids, kval, kscale, kok)
-                keys, selection = index.select(keys, completed, query, eligible, key_ctx)
-                cache = cache.replace(keys=keys)
+            keys = index.write(cache.keys, completed, kids, kval, kscale, kok)
+            keys, selection = index.select(keys, completed, query, eligible, key_ctx)
+            cache = cache.replace(keys=keys)
         elif self.kind == "dsa":
             selection = shared  # GLM-5 index sharing: reuse the group leader's positions
 
@@ -167,7 +170,10 @@ class AttentionLayer(nn.Module):
             groups.append((self.hca_store.rows(cache.entries, start // m, num, context)[None],
                            eligible))
         elif self.dense_selection and self.kind == "dsa":
-            groups.append((cache.entries[None], eligible))
+            if cache.kv is None:
+                raise ValueError("dense_selection reads every row of a layer; with "
+                                 "dsa_shared_kv a member has none of its own")
+            groups.append((dsa_kv.all_rows(cache.kv)[None], eligible))
         elif self.dense_selection and self.kind == "csa":
             groups.append((rowfmt.decode(self.kv_store.all_rows(cache.kv))[None], eligible))
         elif self.kind == "csa":
@@ -180,8 +186,29 @@ class AttentionLayer(nn.Module):
                 view = selected_rows(rowfmt, view)
             selection = selection.replace(sources=view.sources)
         elif self.kind == "dsa":
-            sel = selection.positions
-            groups.append((cache.entries[jnp.maximum(sel, 0)], sel >= 0))
+            dsa = self.dsa_stores
+            if shared is None:  # the leader resolves its selection; its members follow
+                kv, view = dsa_kv.gather(cache.kv, start, selection.positions, kv_ctx)
+                locations = Locations(view.slots, view.plan)
+                if cfg.dsa_shared_kv:  # V4-style: its members read these very rows
+                    locations = locations.replace(
+                        table=view.table if dsa.location_reuse else None,
+                        source=None if dsa.location_reuse else (kv, kv_ctx))
+                selection = selection.replace(sources=view.sources, locations=locations)
+                cache = cache.replace(kv=kv)
+            elif cache.kv is not None:  # GLM-5: its own rows at the leader's location vector
+                kv, view = dsa_kv.follow(cache.kv, start, shared.locations, kv_ctx)
+                selection = shared.replace(sources=view.sources)
+                cache = cache.replace(kv=kv)
+            elif dsa.location_reuse:  # V4-style: the leader's rows where it resolved them
+                loc = shared.locations
+                view = RowView(loc.table, loc.slots, jnp.zeros_like(shared.sources))
+                selection = shared.replace(sources=view.sources)
+            else:  # V4-style without location reuse: a second resolve of the leader's source
+                src, src_ctx = shared.locations.source  # (its state is the leader's: dropped)
+                _, view = dsa.kv.gather(src, start, selection.positions, src_ctx)
+                selection = shared.replace(sources=view.sources)
+            groups.append((view.table[0][jnp.maximum(view.slots, 0)], view.slots >= 0))
 
         if self.indexer_loss:
             if self.kind != "csa":
@@ -256,13 +283,14 @@ class Block(nn.Module):
     kv_store: KVStore = RESIDENT_KV
     key_index: KeyIndex | None = None
     hca_store: Any = RESIDENT_ROWS
+    dsa_stores: DSAStores = RESIDENT_DSA
 
     @nn.compact
     def __call__(self, x, cache, start, num_valid, shared=None, context=None):
         with matmul_precision(self.cfg.matmul_precision):
             attn = AttentionLayer(self.cfg, self.layer, self.dense_selection,
                                   self.implementation, self.indexer_loss, self.kv_store,
-                                  self.key_index, self.hca_store, name="attn")
+                                  self.key_index, self.hca_store, self.dsa_stores, name="attn")
             y, cache, selection = attn(RMSNorm(name="attn_norm")(x), cache, start, num_valid,
                                        shared, context)
             x = x + y

@@ -12,8 +12,10 @@ from flax import struct
 
 from lsparse_jax.config import ModelConfig
 from lsparse_jax.model.store import (
+    RESIDENT_DSA,
     RESIDENT_KV,
     RESIDENT_ROWS,
+    DSAStores,
     ExactIndex,
     KeyIndex,
     KVStore,
@@ -47,9 +49,11 @@ class HCACache:
 
 @struct.dataclass
 class DSACache:
-    entries: jnp.ndarray  # [L, D] f32 per-token KV rows
-    index_keys: jnp.ndarray  # [L, D_I] e4m3 (zero rows for layers that reuse a leader's selection)
-    index_scales: jnp.ndarray  # [L, D_I / fp8_block] f32
+    kv: Any  # the DSA store's state of the per-token KV rows (f32; row i = position i):
+    #   model.store.ResidentKV [L, D], or a serving method's paged store (``DSAStores``)
+    #   (None: a member reading its leader's rows, ModelConfig.dsa_shared_kv)
+    keys: Any  # the leader's KeyIndex state of its FP8 indexer keys (ResidentKeys [L, D_I]);
+    #   None for member layers, which reuse their group leader's selection
 
 
 LayerCache = SWACache | CSACache | HCACache | DSACache
@@ -57,15 +61,15 @@ LayerCache = SWACache | CSACache | HCACache | DSACache
 
 def empty_layer_cache(cfg: ModelConfig, layer: int, kv_store: KVStore = RESIDENT_KV,
                       key_index: KeyIndex | None = None,
-                      hca_store: ResidentRowStore = RESIDENT_ROWS) -> LayerCache:
+                      hca_store: ResidentRowStore = RESIDENT_ROWS,
+                      dsa: DSAStores = RESIDENT_DSA) -> LayerCache:
     """A NaN-poisoned cache for one layer of one slot; CSA layers keep their compressed KV and
-    indexer keys in ``kv_store`` / ``key_index``, HCA layers their rows in ``hca_store``
-    (default: the resident layout)."""
+    indexer keys in ``kv_store`` / ``key_index``, HCA layers their rows in ``hca_store``, DSA
+    layers their rows and keys in ``dsa`` (default: the resident layout)."""
     kind = cfg.layer_pattern[layer]
     d, di, w = cfg.head_dim, cfg.indexer.head_dim, cfg.swa_window
     nb = di // cfg.indexer.fp8_block
     nan = lambda *s: jnp.full(s, jnp.nan, jnp.float32)  # noqa: E731
-    fp8 = lambda *s: jnp.full(s, jnp.nan, jnp.float8_e4m3fn)  # noqa: E731
     n = cfg.num_compressed(kind)
     if kind == "swa":
         return SWACache(window=nan(w, d))
@@ -79,13 +83,22 @@ def empty_layer_cache(cfg: ModelConfig, layer: int, kv_store: KVStore = RESIDENT
         m = cfg.hca_ratio
         return HCACache(window=nan(w, d), kv_ring=nan(m, 2 * d),
                         entries=hca_store.empty(n, d))
-    leads = cfg.dsa_leader(layer) == layer
-    rows = n if leads else 0
-    return DSACache(entries=nan(n, d), index_keys=fp8(rows, di), index_scales=nan(rows, nb))
+    rows = dsa_row_format(cfg)
+    if cfg.dsa_leader(layer) != layer:  # no keys; no rows either under dsa_shared_kv
+        kv = None if cfg.kv_source(layer) != layer else dsa.member.empty(n, rows)
+        return DSACache(kv=kv, keys=None)
+    keys = (dsa.keys or ExactIndex(cfg.indexer.top_k)).empty(n, di, nb)
+    return DSACache(kv=dsa.kv.empty(n, rows), keys=keys)
+
+
+def dsa_row_format(cfg: ModelConfig) -> KVRowFormat:
+    """How DSA layers store their per-token KV rows: f32 (``ModelConfig.kv_dtype`` is CSA's)."""
+    return KVRowFormat("f32", cfg.head_dim, cfg.rope_dim)
 
 
 def empty_cache(cfg: ModelConfig, kv_store: KVStore = RESIDENT_KV,
                 key_index: KeyIndex | None = None,
-                hca_store: ResidentRowStore = RESIDENT_ROWS) -> tuple[LayerCache, ...]:
-    return tuple(empty_layer_cache(cfg, i, kv_store, key_index, hca_store)
+                hca_store: ResidentRowStore = RESIDENT_ROWS,
+                dsa: DSAStores = RESIDENT_DSA) -> tuple[LayerCache, ...]:
+    return tuple(empty_layer_cache(cfg, i, kv_store, key_index, hca_store, dsa)
                  for i in range(cfg.num_layers))

@@ -9,6 +9,8 @@ serving method's choice, so the model only calls:
   ``KVStore``   empty(num_rows, row_format) -> state
                 write(state, completed, ids, rows, ok) -> state
                 gather(state, completed, selected, context) -> (state, RowView)
+                follow(state, completed, locations, context) -> (state, RowView)
+                  (a DSA member layer: its own rows at the leader's ``Locations``)
                 all_rows(state) -> [N, ...] (the dense reference; resident layouts only)
   ``KeyIndex``  write(state, completed, ids, values, scales, ok) -> state
                 select(state, completed, query, eligible, context) -> (state, Selection)
@@ -50,6 +52,8 @@ class Selection:
     eligible: jnp.ndarray  # [T] int32 eligible positions per query
     sources: jnp.ndarray  # [T, 3] int32 selected KV rows found in (tail/resident, hot, host)
     key_sources: jnp.ndarray  # [T, 3] int32 exact keys scored from (tail/resident, cache, host)
+    locations: Any = None  # DSA share-group leaders: the location vector of the resolved
+    #   selection (``Locations``) that member layers read their own rows at; None elsewhere
 
 
 @struct.dataclass
@@ -72,6 +76,32 @@ class RowView:
     table: jnp.ndarray  # [1, R, D] rows, or a pytree of [1, R, ...] (NaN where never written)
     slots: jnp.ndarray  # [T, k] int32 row of each selected position in table[0], -1 none
     sources: jnp.ndarray  # [T, 3] int32 where the selected rows were found (NUM_SOURCES)
+    plan: Any = None  # how the store filled ``table`` (a paged store's resolve plan,
+    #   ``memory.hot_cache.Plan``); None: the table is the store's resident table
+
+
+@struct.dataclass
+class Locations:
+    """The location vector of a selection resolved by a share group's leader: where each
+    selected row sits, so that member layers read *their own* rows there without resolving
+    the selection again (GLM-5 index sharing with per-layer payloads; Adaptive DHiSparse's
+    "reuse layers inherit the prior location vector").
+
+    A member's store rebuilds its table from ``plan`` (a paged store: the same tail rows, lent
+    pages and hot rows as the leader's, after copying the leader's misses from its own host
+    pages into the same victim rows: each missing row fetched once per member layer, never
+    decided twice) and reads row ``slots[t, j]`` of it (``KVStore.follow``).
+    Under V4-style KV-source sharing (``ModelConfig.dsa_shared_kv``) the members have no rows
+    of their own: they read the leader's resolved ``table`` at ``slots`` (location reuse), or
+    resolve the selection against the leader's ``source`` a second time (no location reuse:
+    the reference; its rows are all on the device by then, so it fetches nothing).
+    """
+
+    slots: jnp.ndarray  # [T, k] int32 row of each selected position in the table, -1 none
+    plan: Any = None  # the leader's RowView.plan
+    table: Any = None  # dsa_shared_kv: the leader's RowView.table [1, R, D]
+    source: Any = None  # dsa_shared_kv without location reuse: (the leader's KV state after
+    #   its resolve, its context)
 
 
 class KVStore(Protocol):
@@ -82,6 +112,8 @@ class KVStore(Protocol):
     def write(self, state, completed, ids, rows, ok) -> Any: ...
 
     def gather(self, state, completed, selected, context) -> tuple[Any, RowView]: ...
+
+    def follow(self, state, completed, locations: Locations, context) -> tuple[Any, RowView]: ...
 
     def all_rows(self, state) -> Any: ...
 
@@ -184,6 +216,10 @@ class ResidentKVStore:
         table = jax.tree.map(lambda e: e[None], state.entries)
         return state, RowView(table, selected, resident_counts(selected))
 
+    def follow(self, state: ResidentKV, completed, locations: Locations, context):
+        """A member layer's own table read at the leader's slots (the positions)."""
+        return self.gather(state, completed, locations.slots, context)
+
     def all_rows(self, state: ResidentKV):
         return state.entries
 
@@ -238,7 +274,29 @@ class ResidentRowStore:
 
 RESIDENT_ROWS = ResidentRowStore()
 
-__all__ = ["ExactIndex", "IndexerQuery", "KVStore", "KeyIndex",
-           "NUM_SOURCES", "RESIDENT_KV", "RESIDENT_ROWS", "ResidentKV", "ResidentKVStore",
-           "ResidentKeys", "ResidentRowStore",
+
+@dataclasses.dataclass(frozen=True)
+class DSAStores:
+    """Where GLM-5-style DSA layers keep their per-token KV rows (f32) and FP8 indexer keys.
+
+    A share group's leader (``ModelConfig.dsa_leader``) writes its rows through ``kv``, its
+    keys through ``keys`` and selects with ``keys``; it then gathers the selection through
+    ``kv`` and hands the resolved ``Locations`` on with its ``Selection``. Each member layer
+    keeps its own rows in ``member`` (no keys, no indexer) and reads them with
+    ``member.follow`` at the leader's locations. The model's layout is resident
+    (``RESIDENT_DSA``); a serving method supplies paged ones (``Method.dsa_stores``).
+    """
+
+    kv: Any = RESIDENT_KV  # KVStore of the leaders' rows
+    keys: KeyIndex | None = None  # the leaders' KeyIndex; None: ExactIndex(top_k)
+    member: Any = RESIDENT_KV  # KVStore of the members' rows (``follow``)
+    location_reuse: bool = True  # dsa_shared_kv members read the leader's resolved rows
+    #   (True) or resolve its selection against its store again (``CacheConfig``)
+
+
+RESIDENT_DSA = DSAStores()
+
+__all__ = ["DSAStores", "ExactIndex", "IndexerQuery", "KVStore", "KeyIndex", "Locations",
+           "NUM_SOURCES", "RESIDENT_DSA", "RESIDENT_KV", "RESIDENT_ROWS", "ResidentKV",
+           "ResidentKVStore", "ResidentKeys", "ResidentRowStore",
            "RowView", "Selection", "exact_selection", "resident_counts", "write_rows"]

@@ -12,7 +12,14 @@ from lsparse_jax.config import ModelConfig
 from lsparse_jax.model.blocks import Block
 from lsparse_jax.model.cache import empty_cache
 from lsparse_jax.model.layers import RMSNorm, dense, matmul_precision
-from lsparse_jax.model.store import RESIDENT_KV, RESIDENT_ROWS, KeyIndex, KVStore
+from lsparse_jax.model.store import (
+    RESIDENT_DSA,
+    RESIDENT_KV,
+    RESIDENT_ROWS,
+    DSAStores,
+    KeyIndex,
+    KVStore,
+)
 
 
 class Transformer(nn.Module):
@@ -35,6 +42,7 @@ class Transformer(nn.Module):
     kv_store: KVStore = RESIDENT_KV
     key_index: KeyIndex | None = None  # None: every key resident, exact top-k
     hca_store: Any = RESIDENT_ROWS  # where HCA layers keep their rows (default: resident)
+    dsa_stores: DSAStores = RESIDENT_DSA  # where DSA layers keep rows and keys (resident)
     hidden_layers: tuple[int, ...] = ()  # also return the residual stream after these layers
     #   (a drafter's conditioning, model/drafter.py): a 4th output [T, len, hidden]
 
@@ -51,7 +59,7 @@ class Transformer(nn.Module):
             indexer_loss = self.indexer_loss and cfg.layer_pattern[i] == "csa"
             x, c, sel = Block(cfg, i, self.dense_selection, self.implementation, indexer_loss,
                               self.kv_store, self.key_index, self.hca_store,
-                              name=f"block_{i}")(
+                              self.dsa_stores, name=f"block_{i}")(
                 x, caches[i], start, num_valid, shared,
                 None if contexts is None else contexts[i])
             new_caches.append(c)

@@ -201,6 +201,11 @@ def check_reuse(engine: EngineConfig) -> None:
     if engine.tp != 1:
         invalid("EngineConfig", "tp", engine.tp, "prefix reuse (Engine.detach, "
                 "admit(prefix=...)) streams layers on one device; use tp = 1")
+    paged_dsa = [i for i in policy(engine).paged_layers if engine.model.layer_pattern[i] == "dsa"]
+    if paged_dsa:
+        invalid("EngineConfig", "method", engine.method, f"prefix reuse saves and reloads "
+                f"host-paged CSA layers only; this method pages DSA layers {paged_dsa} too "
+                "(not implemented): use the resident method for multi-turn reuse on DSA models")
 
 
 def tree_bytes(tree) -> int:

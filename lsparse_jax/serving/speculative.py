@@ -42,7 +42,15 @@ from lsparse_jax.config import DrafterConfig, EngineConfig, ModelConfig, invalid
 from lsparse_jax.methods import policy
 from lsparse_jax.model.cache import CSACache, DSACache, HCACache, SWACache, empty_cache
 from lsparse_jax.model.drafter import DrafterWindow, context_kv, draft_block, target_io
-from lsparse_jax.model.store import NUM_SOURCES, IndexerQuery, RowView, write_rows
+from lsparse_jax.model.store import (
+    NUM_SOURCES,
+    DSAStores,
+    ExactIndex,
+    IndexerQuery,
+    Locations,
+    RowView,
+    write_rows,
+)
 from lsparse_jax.model.transformer import Transformer
 from lsparse_jax.quant import KVRowFormat
 from lsparse_jax.serving.engine import Engine
@@ -98,7 +106,18 @@ class UnionKV:
         sources = jnp.stack([first, valid - per_query, per_query,
                              jnp.zeros((t_len,), jnp.int32).at[0].set(view.sources[0, 2])],
                             axis=-1).astype(jnp.int32)
-        return new, RowView(rows, slots, sources)
+        return new, RowView(rows, slots, sources, plan=Locations(view.slots, view.plan))
+
+    def follow(self, state, completed, locations: Locations, context):
+        """A DSA member layer: its own rows of the leader's union, rebuilt from the union's
+        location vector (``locations.plan``: the union's misses fetched once, from this
+        layer's host pages), read at the block's slots. sources: the union's host rows in
+        row 0 (as ``gather``)."""
+        new, view = self.inner.follow(state, completed, locations.plan, context)
+        rows = jax.tree.map(lambda t: t[0][jnp.maximum(view.slots[0], 0)][None], view.table)
+        t_len = locations.slots.shape[0]
+        sources = jnp.zeros((t_len, MISS_COLUMNS), jnp.int32).at[0, 3].set(view.sources[0, 2])
+        return new, RowView(rows, locations.slots, sources)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,13 +194,13 @@ def _rejected(start, committed, end, stride: int, count: int):
     return ids, ids < end // stride
 
 
-def commit(cfg: ModelConfig, kv_store, key_index, old, new, start, committed, end,
-           t_len: int):
+def commit(cfg: ModelConfig, kv_store, key_index, dsa: DSAStores, old, new, start, committed,
+           end, t_len: int):
     """One slot's caches after committing ``committed`` of the block's tokens at positions
     start .. end - 1 (end - start <= t_len, the block size): rings take back rejected slots,
     rows completed by rejected tokens are written NaN again (through the method's stores for
     CSA layers), so that every store holds exactly what plain decoding of the committed tokens
-    would have written."""
+    would have written (DSA layers through ``dsa``'s stores)."""
     out = []
     for o, n in zip(old, new):
         ring = functools.partial(commit_ring, start=start, committed=committed, end=end)
@@ -205,17 +224,20 @@ def commit(cfg: ModelConfig, kv_store, key_index, old, new, start, committed, en
             nan_rows = jnp.full((ids.shape[0], cfg.head_dim), jnp.nan)
             n = n.replace(window=ring(o.window, n.window), kv_ring=ring(o.kv_ring, n.kv_ring),
                           entries=write_rows(n.entries, ids, nan_rows, ok))
-        elif isinstance(n, DSACache):
+        elif isinstance(n, DSACache):  # per-token rows (row = position) of the block
             pos = start + committed + jnp.arange(t_len)
             ok = pos < end
-            n = n.replace(entries=write_rows(n.entries, pos, jnp.full(
-                (t_len,) + n.entries.shape[1:], jnp.nan), ok))
-            if n.index_keys.shape[0]:
-                n = n.replace(
-                    index_keys=write_rows(n.index_keys, pos, jnp.full(
-                        (t_len,) + n.index_keys.shape[1:], jnp.nan, n.index_keys.dtype), ok),
-                    index_scales=write_rows(n.index_scales, pos, jnp.full(
-                        (t_len,) + n.index_scales.shape[1:], jnp.nan), ok))
+            ic = cfg.indexer
+            leads = n.keys is not None
+            store = dsa.kv if leads else dsa.member
+            if n.kv is not None:  # None: a member reading its leader's rows (dsa_shared_kv)
+                n = n.replace(kv=store.write(n.kv, start, pos, jnp.full(
+                    (t_len, cfg.head_dim), jnp.nan), ok))
+            if leads:
+                n = n.replace(keys=(dsa.keys or ExactIndex(ic.top_k)).write(
+                    n.keys, start, pos, jnp.full((t_len, ic.head_dim), jnp.nan,
+                                                 jnp.float8_e4m3fn),
+                    jnp.full((t_len, ic.head_dim // ic.fp8_block), jnp.nan), ok))
         out.append(n)
     return tuple(out)
 
@@ -289,8 +311,11 @@ def verify_step(params, dparams, engine: EngineConfig, dcfg: DrafterConfig, stat
     """
     cfg, method = engine.model, policy(engine)
     kv_store, key_index = UnionKV(method.kv_store()), PerQueryIndex(method.key_index())
+    dsa = method.dsa_stores()  # DSA leaders and members alike: one union per group
+    dsa = DSAStores(UnionKV(dsa.kv), PerQueryIndex(dsa.keys or ExactIndex(cfg.indexer.top_k)),
+                    UnionKV(dsa.member), dsa.location_reuse)
     model = Transformer(cfg, implementation="xla", kv_store=kv_store, key_index=key_index,
-                        hidden_layers=dcfg.target_layers)
+                        hidden_layers=dcfg.target_layers, dsa_stores=dsa)
     temperature = engine.sampling.temperature
     rng, key = jax.random.split(state.rng)
     keys = jax.random.split(key, state.num_slots)
@@ -305,7 +330,8 @@ def verify_step(params, dparams, engine: EngineConfig, dcfg: DrafterConfig, stat
             a, bonus = accept_sampled(logits, q, draft, valid, k, temperature)
         emitted = jnp.where(valid > 0, a + 1, 0)
         t_len = block.shape[0]
-        new = commit(cfg, kv_store, key_index, caches, new, start, emitted, start + valid, t_len)
+        new = commit(cfg, kv_store, key_index, dsa, caches, new, start, emitted, start + valid,
+                     t_len)
         positions = start + jnp.arange(t_len)
         ck, cv = context_kv(dparams, dcfg, feats, positions)
         window = window.write(ck, cv, positions, jnp.arange(t_len) < emitted)

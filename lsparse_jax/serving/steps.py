@@ -31,8 +31,7 @@ class DecodeOutput:
 
 def sparse_layers(cfg: ModelConfig) -> tuple[int, ...]:
     """Layers that run their own indexer (CSA layers and leading DSA layers)."""
-    return tuple(i for i, k in enumerate(cfg.layer_pattern)
-                 if k == "csa" or (k == "dsa" and cfg.dsa_leader(i) == i))
+    return cfg.indexer_layers
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "dense_selection", "implementation"))
@@ -99,7 +98,8 @@ def decode_step(params, engine: EngineConfig, state: DecodeState, tokens, active
     """
     cfg, method = engine.model, policy(engine)
     model = Transformer(cfg, implementation=engine.implementation, kv_store=method.kv_store(),
-                        key_index=method.key_index(), hca_store=method.hca_store())
+                        key_index=method.key_index(), hca_store=method.hca_store(),
+                        dsa_stores=method.dsa_stores())
 
     def one(caches, rows, token, start, live):
         # the method's shared state (host pools, codebooks) is closed over, not mapped; its
