@@ -8,6 +8,9 @@
 #   STEP=b  issue 16: benchmarks/kernels_session7_gpu.py (kernel_compare's default config, the
 #           kernel GPU tests, the profiled decode step, a pq_topc jax_triton sweep); the
 #           speculative experiment's cells still missing after STEP=a, resumed.
+#   STEP=c  the kernel GPU tests after the topk fix; the decode step vs its kernels (issue 16
+#           item 4); leansparse C8 (speculative, resumed) and leansparse C4 with Triton kernels
+#           again; the GLM-5 DSA paging slice (benchmarks/dsa_paging_gpu.py).
 # Everything comes back in $OUT/<step>.tar (more files than $OUT returns).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
@@ -39,7 +42,13 @@ case "$STEP" in
     part kernels 370 "python3 benchmarks/kernels_session7_gpu.py --out \$OUT/session7 --budget-s 310"
     part speculative 130 "python3 -m experiments.cli run configs/experiments/speculative.gin \"--gin.speculative.methods=('resident', 'hisparse', 'leansparse', 'adaptive')\" \"--gin.speculative.concurrencies=(1, 2, 4, 8)\" --gin.speculative.decode_tokens=64 --gin.speculative.time_limit_s=80 --gin.speculative.results_dir=None \"--gin.speculative.resume_from='results/speculative/results.json'\""
     part leanxla 60 "python3 -m experiments.cli run configs/experiments/speculative.gin \"--gin.speculative.methods=('leansparse',)\" \"--gin.speculative.concurrencies=(4,)\" --gin.speculative.decode_tokens=64 --gin.speculative.results_dir=None \"--gin.speculative.implementation='xla'\" \"--gin.run.name='spec_lean_xla'\"" ;;
-  *) echo "STEP must be a or b" >&2; exit 2 ;;
+  c)
+    part gputests 120 "python3 -m pytest -q -p no:cacheprovider -m gpu -rf --tb=short --timeout 60 tests/test_kernel_topk.py tests/test_kernel_pq_topc.py tests/test_kernel_hot_resolve.py > \$OUT/gputests.log 2>&1; tail -25 \$OUT/gputests.log"
+    part decode_profile 160 "python3 benchmarks/decode_profile_gpu.py --out \$OUT --budget-s 150"
+    part speculative 80 "python3 -m experiments.cli run configs/experiments/speculative.gin \"--gin.speculative.methods=('resident', 'hisparse', 'leansparse', 'adaptive')\" \"--gin.speculative.concurrencies=(1, 2, 4, 8)\" --gin.speculative.decode_tokens=64 --gin.speculative.time_limit_s=30 --gin.speculative.results_dir=None \"--gin.speculative.resume_from='results/speculative/results.json'\""
+    part leantriton 60 "python3 -m experiments.cli run configs/experiments/speculative.gin \"--gin.speculative.methods=('leansparse',)\" \"--gin.speculative.concurrencies=(4,)\" --gin.speculative.decode_tokens=64 --gin.speculative.results_dir=None \"--gin.speculative.implementation='triton'\" \"--gin.run.name='spec_lean_triton'\""
+    part dsa 110 "python3 benchmarks/dsa_paging_gpu.py --out \$OUT --budget-s 60" ;;
+  *) echo "STEP must be a, b or c" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar -cf "/tmp/$STEP.tar" . && find . -mindepth 1 -delete && mv "/tmp/$STEP.tar" .)
 ls -la "$OUT"
