@@ -72,6 +72,8 @@ def main():
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--implementation", default="triton")
+    ap.add_argument("--kv-dtype", default=None, help="ModelConfig.kv_dtype (None: the "
+                    "preset's, f32 rows; fp8_v4: V4's 584-byte rows)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="kill the scale run after this many seconds (None: no limit)")
     a = ap.parse_args()
@@ -85,6 +87,8 @@ def main():
            f"--gin.scale.steps={a.steps}", "--gin.scale.warm_steps=2",
            f"--gin.scale.implementation='{a.implementation}'",
            f"--gin.scale.profile={cells!r}", "--gin.model_preset.matmul_precision='bf16'"]
+    if a.kv_dtype is not None:
+        cmd.append(f"--gin.model_preset.kv_dtype='{a.kv_dtype}'")
     print(" ".join(cmd), flush=True)
     out.mkdir(parents=True, exist_ok=True)
     status = None

@@ -11,6 +11,9 @@
 #   STEP=c  the kernel GPU tests after the topk fix; the decode step vs its kernels (issue 16
 #           item 4); leansparse C8 (speculative, resumed) and leansparse C4 with Triton kernels
 #           again; the GLM-5 DSA paging slice (benchmarks/dsa_paging_gpu.py).
+#   STEP=d  the decode step vs its kernels with V4's FP8 rows (kv_dtype fp8_v4; STEP=c ran f32
+#           rows, where sparse_attention was 58% of the step); leansparse C8 (resumed); leansparse
+#           C4 with Triton kernels again (call 1: greedy tokens differed).
 # Everything comes back in $OUT/<step>.tar (more files than $OUT returns).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
@@ -48,7 +51,11 @@ case "$STEP" in
     part speculative 80 "python3 -m experiments.cli run configs/experiments/speculative.gin \"--gin.speculative.methods=('resident', 'hisparse', 'leansparse', 'adaptive')\" \"--gin.speculative.concurrencies=(1, 2, 4, 8)\" --gin.speculative.decode_tokens=64 --gin.speculative.time_limit_s=30 --gin.speculative.results_dir=None \"--gin.speculative.resume_from='results/speculative/results.json'\""
     part leantriton 60 "python3 -m experiments.cli run configs/experiments/speculative.gin \"--gin.speculative.methods=('leansparse',)\" \"--gin.speculative.concurrencies=(4,)\" --gin.speculative.decode_tokens=64 --gin.speculative.results_dir=None \"--gin.speculative.implementation='triton'\" \"--gin.run.name='spec_lean_triton'\""
     part dsa 110 "python3 benchmarks/dsa_paging_gpu.py --out \$OUT --budget-s 60" ;;
-  *) echo "STEP must be a, b or c" >&2; exit 2 ;;
+  d)
+    part decode_fp8 170 "python3 benchmarks/decode_profile_gpu.py --kv-dtype fp8_v4 --out \$OUT --budget-s 160"
+    part speculative 90 "python3 -m experiments.cli run configs/experiments/speculative.gin \"--gin.speculative.methods=('resident', 'hisparse', 'leansparse', 'adaptive')\" \"--gin.speculative.concurrencies=(1, 2, 4, 8)\" --gin.speculative.decode_tokens=64 --gin.speculative.time_limit_s=30 --gin.speculative.results_dir=None \"--gin.speculative.resume_from='results/speculative/results.json'\""
+    part leantriton 110 "python3 -m experiments.cli run configs/experiments/speculative.gin \"--gin.speculative.methods=('leansparse',)\" \"--gin.speculative.concurrencies=(4,)\" --gin.speculative.decode_tokens=64 --gin.speculative.results_dir=None \"--gin.speculative.implementation='triton'\" \"--gin.run.name='spec_lean_triton'\"" ;;
+  *) echo "STEP must be a, b, c or d" >&2; exit 2 ;;
 esac
 (cd "$OUT" && tar -cf "/tmp/$STEP.tar" . && find . -mindepth 1 -delete && mv "/tmp/$STEP.tar" .)
 ls -la "$OUT"

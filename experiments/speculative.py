@@ -32,6 +32,7 @@ from lsparse_jax.config import (
     DrafterConfig,
     EngineConfig,
     LeanSparseConfig,
+    ModelConfig,
     SamplingConfig,
     method_storage,
 )
@@ -182,7 +183,15 @@ def resumed(resume_from: str, meta: dict, cells) -> list[dict]:
     when it was run with another setting of ``meta``."""
     path = v.resolve_path("speculative.resume_from", resume_from)
     prev = json.loads(path.read_text())
-    differs = [k for k, val in json.loads(json.dumps(meta)).items() if prev.get(k) != val]
+    now = json.loads(json.dumps(meta))
+    for key, cls in (("model", ModelConfig), ("drafter", DrafterConfig)):
+        # a config field added since the earlier run counts as unchanged at its default
+        added = {f.name: f.default for f in dataclasses.fields(cls)
+                 if f.name not in prev.get(key, {}) and f.default is not dataclasses.MISSING}
+        if isinstance(prev.get(key), dict) and all(now[key].get(n) == json.loads(
+                json.dumps(d)) for n, d in added.items()):
+            prev[key] = {**prev[key], **{n: now[key][n] for n in added}}
+    differs = [k for k, val in now.items() if prev.get(k) != val]
     if differs:
         raise v.ConfigError(f"speculative.resume_from: {path} was run with other {differs}; "
                             "resume only a run of the same settings")
