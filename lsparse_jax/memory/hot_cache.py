@@ -53,7 +53,7 @@ class Plan:
     """
 
     selected: jnp.ndarray  # [k] int32 the positions (-1 none)
-    paged: jnp.ndarray  # [] int32 rows already in host pages (the tail holds paged ..)
+    paged_rows: jnp.ndarray  # [] int32 rows already in host pages (the tail holds them ..)
     in_tail: jnp.ndarray  # [k] bool read from the tail
     opt: jnp.ndarray  # [k] int32 lent optional page holding the row (adaptive), -1 none
     row_of: jnp.ndarray  # [k] int32 hot row holding the row otherwise, -1 none
@@ -69,7 +69,7 @@ def _pick(plan: Plan, tail, rows, optional=None):
 
     def pick(t, r, o=None):
         mask = lambda m: m.reshape(m.shape + (1,) * (t.ndim - 1))  # noqa: E731
-        got = jnp.where(mask(plan.in_tail), t[jnp.clip(sel - plan.paged, 0, page - 1)],
+        got = jnp.where(mask(plan.in_tail), t[jnp.clip(sel - plan.paged_rows, 0, page - 1)],
                         r[jnp.clip(plan.row_of, 0, b - 1)])
         if o is not None:
             at = jnp.clip(plan.opt * page + sel % page, 0, o.shape[0] - 1)

@@ -103,26 +103,26 @@ class FollowerKV:
 @dataclasses.dataclass(frozen=True)
 class FollowerKVStore:
     """``KVStore`` of a DSA share group's member layers under location reuse: rows paged as
-    ``paged`` pages them (tail, host pages, lent pages), read with ``follow`` at the leader's
+    ``store`` pages them (tail, host pages, lent pages), read with ``follow`` at the leader's
     location vector (``hot_cache.Plan``): the leader's resolve decides the missing positions
     once, and this layer copies its own rows of them from its host pages into the same victim
     rows (fetched once per step). It never resolves, so it keeps no LRU metadata."""
 
-    paged: PagedKVStore
+    store: PagedKVStore  # the leader's paged layout, which this layer's rows follow
 
     def empty(self, num_rows: int, rows: KVRowFormat) -> FollowerKV:
-        empty = self.paged.empty(num_rows, rows)
+        empty = self.store.empty(num_rows, rows)
         return FollowerKV(empty.tail, empty.hot.rows)  # rows only: no positions, stamps
 
     def write(self, state: FollowerKV, completed, ids, rows, ok) -> FollowerKV:
-        paged = paged_rows(self.paged.page_size, completed)
+        paged = paged_rows(self.store.page_size, completed)
         return state.replace(tail=write_rows(state.tail, ids - paged, rows, ok))
 
     def follow(self, state: FollowerKV, completed, locations: Locations, context: PageView):
         plan: Plan = locations.plan
-        optional = self.paged.lent(context)
+        optional = self.store.lent(context)
         got, hot, counts = follow(plan, state.hot, state.tail, context.pool,
-                                  self.paged.implementation, optional[0] if optional else None)
+                                  self.store.implementation, optional[0] if optional else None)
         table = jax.tree.map(lambda r: r[None], got)
         return state.replace(hot=hot), RowView(table, locations.slots, counts[None])
 
@@ -131,7 +131,7 @@ class FollowerKVStore:
                          "resolves its selection with PagedKVStore")
 
     def all_rows(self, state):
-        return self.paged.all_rows(state)
+        return self.store.all_rows(state)
 
 
 __all__ = ["FollowerKV", "FollowerKVStore", "PageView", "PagedKV", "PagedKVStore",
