@@ -13,15 +13,7 @@
 #            (hot_resolve), and prefill (this tree: 128K bf16 prefill at chunks 4096 / 8192).
 #            The commands are the helpers' GPU_READY lines, recorded in RESULTS.md.
 # Everything comes back in $OUT/<step>.tar (more files than $OUT returns).
-set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
-export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache  # persistent compile cache within the call
-OUT=${OUT:-/tmp/out}
-export LSPARSE_RUNS=$OUT
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
-quiet() { tr '\r' '\n' | grep -v "it/s\]\|tok/s\]\|req/s\]\|Deprecation" ; }
+source benchmarks/gpu_lib.sh
 STEP=${STEP:-a}
 case "$STEP" in
   a)
@@ -47,22 +39,10 @@ case "$STEP" in
       "--gin.scale.batches=${SCALE_BATCHES:-(1,)}" "--gin.run.name='scale_long'" \
       "--gin.model_preset.matmul_precision='bf16'" 2>&1 | quiet | tail -24 ;;
   final)
-    ROOT=$PWD
-    part() {  # part NAME SECONDS COMMAND...: from .branches/NAME (or this tree), timed out
-      local name=$1 secs=$2; shift 2
-      case " ${PARTS:-accuracy serving prefix kernels prefill} " in *" $name "*) ;; *) return;; esac
-      echo "== $name ($secs s)"; mkdir -p "$OUT/$name"
-      local dir=$ROOT/.branches/$name; [ -d "$dir" ] || dir=$ROOT
-      (cd "$dir" && export PYTHONPATH=/tmp/site:$dir OUT=$OUT/$name LSPARSE_RUNS=$OUT/$name \
-        && timeout "$secs" bash -c "$*" 2>&1 | quiet | tail -${TAIL:-25}
-        echo "-- $name exit ${PIPESTATUS[0]} (124: cut by its timeout)")
-    }
-    export ROOT
     part kernels 45 "python3 benchmarks/kernels_session6_gpu.py --out \$OUT --budget-s 36 --cells hot_resolve,nosync"
-    part prefill 45 "python3 benchmarks/prefill_precision_gpu.py --contexts 131072 --precisions bf16 --chunk 4096 --out \$OUT"
+    part prefill 45 "python3 benchmarks/prefill_precision_gpu.py --contexts 131072 --precisions bf16 --chunks 4096 --out \$OUT"
     part prefix 65 "python3 benchmarks/prefill_host_gpu.py --quick --contexts 131072 --methods leansparse,hisparse,adaptive --budget-s 52 --out \$OUT/prefill_host"
     part accuracy 178 "mkdir -p checkpoints && cp -r \$ROOT/checkpoints/long checkpoints/ && STEP=accuracy TASKS=\"('niah',)\" METHODS=\"('resident','leansparse_C64','leansparse_C128','direct_pq')\" EXAMPLES=200 SLOTS=100 LENGTHS='(1024,2048,4096,8192,16384)' ACC_TIMEOUT=170 bash benchmarks/train_long_gpu.sh; rm -f \$OUT/jaxcache.tar"
     part serving 250 "STEP=session bash benchmarks/serving_gpu.sh" ;;
 esac
-(cd "$OUT" && tar -cf "/tmp/$STEP.tar" . && find . -mindepth 1 -delete && mv "/tmp/$STEP.tar" .)
-ls -la "$OUT"
+pack "$STEP"

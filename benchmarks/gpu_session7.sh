@@ -15,26 +15,7 @@
 #           rows, where sparse_attention was 58% of the step); leansparse C8 (resumed); leansparse
 #           C4 with Triton kernels again (call 1: greedy tokens differed).
 # Everything comes back in $OUT/<step>.tar (more files than $OUT returns).
-set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
-export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache  # persistent compile cache within the call
-OUT=${OUT:-/tmp/out}
-export LSPARSE_RUNS=$OUT
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
-quiet() { tr '\r' '\n' | grep -v "it/s\]\|tok/s\]\|req/s\]\|example/s\]\|Deprecation" ; }
-ROOT=$PWD
-part() {  # part NAME SECONDS COMMAND...: from .branches/NAME (or this tree), timed out
-  local name=$1 secs=$2; shift 2
-  case " ${PARTS:-$name} " in *" $name "*) ;; *) return;; esac
-  echo "== $name ($secs s)"; mkdir -p "$OUT/$name"
-  local dir=$ROOT/.branches/$name; [ -d "$dir" ] || dir=$ROOT
-  (cd "$dir" && export PYTHONPATH=/tmp/site:$dir OUT=$OUT/$name LSPARSE_RUNS=$OUT/$name \
-    && timeout "$secs" bash -c "$*" 2>&1 | quiet | tail -${TAIL:-25}
-    echo "-- $name exit ${PIPESTATUS[0]} (124: cut by its timeout)")
-}
-export ROOT
+source benchmarks/gpu_lib.sh
 STEP=${STEP:-a}
 case "$STEP" in
   a)
@@ -57,5 +38,4 @@ case "$STEP" in
     part leantriton 110 "python3 -m experiments.cli run configs/experiments/speculative.gin \"--gin.speculative.methods=('leansparse',)\" \"--gin.speculative.concurrencies=(4,)\" --gin.speculative.decode_tokens=64 --gin.speculative.results_dir=None \"--gin.speculative.implementation='triton'\" \"--gin.run.name='spec_lean_triton'\"" ;;
   *) echo "STEP must be a, b, c or d" >&2; exit 2 ;;
 esac
-(cd "$OUT" && tar -cf "/tmp/$STEP.tar" . && find . -mindepth 1 -delete && mv "/tmp/$STEP.tar" .)
-ls -la "$OUT"
+pack "$STEP"

@@ -1,0 +1,32 @@
+# Shared by the benchmarks/gpu_session*.sh scripts (sourced, not run): the GPU machine's setup
+# (carried wheels into /tmp/site, a persistent compilation cache within the call), `quiet` (drops
+# progress-bar lines), `part` (one bounded piece of a call) and `pack` (one tar to bring back).
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache
+OUT=${OUT:-/tmp/out}
+export LSPARSE_RUNS=$OUT ROOT=$PWD
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+
+quiet() { tr '\r' '\n' | grep -v "it/s\]\|tok/s\]\|req/s\]\|example/s\]\|Deprecation" ; }
+
+# part NAME SECONDS COMMAND: runs COMMAND (a bash string) with a timeout, from the carried
+# branch snapshot .branches/NAME when there is one (else this tree), its output under
+# $OUT/NAME; skipped unless NAME is in $PARTS (unset: every part runs).
+part() {
+  local name=$1 secs=$2; shift 2
+  if [ -n "${PARTS:-}" ]; then case " $PARTS " in *" $name "*) ;; *) return;; esac; fi
+  echo "== $name ($secs s)"; mkdir -p "$OUT/$name"
+  local dir=$ROOT/.branches/$name; [ -d "$dir" ] || dir=$ROOT
+  (cd "$dir" && export PYTHONPATH=/tmp/site:$dir OUT=$OUT/$name LSPARSE_RUNS=$OUT/$name \
+    && timeout "$secs" bash -c "$*" 2>&1 | quiet | tail -${TAIL:-25}
+    echo "-- $name exit ${PIPESTATUS[0]} (124: cut by its timeout)")
+}
+
+# pack NAME: everything under $OUT into $OUT/NAME.tar (the device tool returns few files)
+pack() {
+  (cd "$OUT" && tar -cf "/tmp/$1.tar" . && find . -mindepth 1 -delete && mv "/tmp/$1.tar" .)
+  ls -la "$OUT"
+}
