@@ -74,6 +74,9 @@ def main():
     ap.add_argument("--implementation", default="triton")
     ap.add_argument("--kv-dtype", default=None, help="ModelConfig.kv_dtype (None: the "
                     "preset's, f32 rows; fp8_v4: V4's 584-byte rows)")
+    ap.add_argument("--attention-precision", default=None, help="ModelConfig."
+                    "attention_precision (None: the preset's, 'f32'; 'bf16': the "
+                    "sparse_attention kernel's fast formats, FP8/bf16 rows in place)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="kill the scale run after this many seconds (None: no limit)")
     a = ap.parse_args()
@@ -89,6 +92,8 @@ def main():
            f"--gin.scale.profile={cells!r}", "--gin.model_preset.matmul_precision='bf16'"]
     if a.kv_dtype is not None:
         cmd.append(f"--gin.model_preset.kv_dtype='{a.kv_dtype}'")
+    if a.attention_precision is not None:
+        cmd.append(f"--gin.model_preset.attention_precision='{a.attention_precision}'")
     print(" ".join(cmd), flush=True)
     out.mkdir(parents=True, exist_ok=True)
     status = None

@@ -15,6 +15,7 @@ LayerKind = Literal["swa", "csa", "hca", "dsa"]
 LAYER_KINDS: tuple[str, ...] = ("swa", "csa", "hca", "dsa")
 KV_DTYPES: tuple[str, ...] = ("f32", "bf16", "fp8_v4")  # stored CSA KV rows (quant.kv_rows)
 MATMUL_PRECISIONS: tuple[str, ...] = ("highest", "tf32", "bf16")  # ModelConfig.matmul_precision
+ATTENTION_PRECISIONS: tuple[str, ...] = ("f32", "bf16")  # ModelConfig.attention_precision
 
 
 
@@ -134,6 +135,16 @@ class ModelConfig:
       matmul_precision: the model's matmuls and indexer scores (``model.layers``): "highest"
         (f32; decode equals forward bit for bit on CPU), "tf32" (GPU tensor cores at TF32;
         f32 on CPU) or "bf16" (bf16 operands, f32 accumulation). Pallas kernels keep their own.
+      attention_precision: what a CSA layer's decode hands the sparse_attention kernel
+        (implementation != "xla"; the XLA decode path always attends in f32):
+        "f32" (default): f32 rows: bf16 and FP8 rows decoded to f32 after the gather, f32
+        rows as stored; the kernel's f32 path (3-pass TF32 on the GPU, within ~1e-6 of XLA).
+        "bf16": rows in the kernel's fast formats: FP8 (fp8_v4) and bf16 rows read in place
+        as stored (no decoded copy), f32 rows' selected ones and the window rounded to bf16;
+        bf16 tensor-core dots (q and the probabilities rounded to bf16, f32 accumulation).
+        Its logit error (tests/test_kv_rows.py) is below what fp8_v4 rows already cost.
+        Every method reads the kernel in the same form, so the hierarchy identities
+        (hisparse == resident, ...) hold bit for bit at either setting.
     """
 
     vocab_size: int = 256
@@ -153,6 +164,7 @@ class ModelConfig:
     max_len: int = 2048
     kv_dtype: str = "f32"
     matmul_precision: str = "highest"
+    attention_precision: str = "f32"
 
     def __post_init__(self):
         if isinstance(self.layer_pattern, list):
@@ -186,6 +198,9 @@ class ModelConfig:
         if self.matmul_precision not in MATMUL_PRECISIONS:
             invalid("ModelConfig", "matmul_precision", self.matmul_precision,
                     f"allowed: {MATMUL_PRECISIONS}")
+        if self.attention_precision not in ATTENTION_PRECISIONS:
+            invalid("ModelConfig", "attention_precision", self.attention_precision,
+                    f"allowed: {ATTENTION_PRECISIONS}")
         if self.kv_dtype == "fp8_v4" and not 0 < self.rope_dim < self.head_dim:
             invalid("ModelConfig", "kv_dtype", self.kv_dtype,
                     f"'fp8_v4' splits a row into FP8 non-RoPE and bf16 RoPE parts: needs "

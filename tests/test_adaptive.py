@@ -145,10 +145,13 @@ def test_optional_pages_only_with_adaptive():
 
 
 # fp8_v4 is slow (~1.5 min interpreted); the kernels' FP8 rows are also tested in their own files
-@pytest.mark.parametrize("kv_dtype", ["f32", pytest.param("fp8_v4", marks=pytest.mark.slow)])
-def test_adaptive_with_the_triton_kernels_is_bit_identical(kv_dtype):
-    """Lent pages resolve before the hot_resolve kernel; sparse_attention reads them alike."""
-    cfg = tiny(max_len=512, kv_dtype=kv_dtype)
+@pytest.mark.parametrize("kv_dtype,precision", [
+    ("f32", "f32"), pytest.param("fp8_v4", "f32", marks=pytest.mark.slow),
+    pytest.param("fp8_v4", "bf16", marks=pytest.mark.slow)])
+def test_adaptive_with_the_triton_kernels_is_bit_identical(kv_dtype, precision):
+    """Lent pages resolve before the hot_resolve kernel; sparse_attention reads them alike
+    (attention_precision "bf16": FP8 rows in place, from lent pages and the hot cache)."""
+    cfg = tiny(max_len=512, kv_dtype=kv_dtype, attention_precision=precision)
     params, prompt = model_and_tokens(cfg, 200, seed=2)
     engines = [Engine(EngineConfig(model=cfg, method=m, implementation="triton", cache=CacheConfig(
         num_slots=2, prefill_chunk=32, hot_cache_rows=rows, page_size=PAGE, optional_pages=opt)),

@@ -146,3 +146,47 @@ def test_leansparse_with_fp8_rows_equals_resident_with_fp8_rows():
     assert hierarchy_violations(lean.config, lean.state, resident.state.caches,
                                 resident.active) == []
     assert lean.metrics()["selection"]["host_rows"] > 0
+
+
+def test_attention_precision_is_validated():
+    with pytest.raises(ValueError, match=r"ModelConfig.attention_precision='fp16' is invalid"):
+        ModelConfig(attention_precision="fp16")
+    assert ModelConfig().attention_precision == "f32"  # the default keeps the kernel's f32 path
+
+
+@pytest.mark.parametrize("kind", ["f32", "bf16", "fp8_v4"])
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_kernel_rows_hand_the_kernel_its_format(kind, precision):
+    """model.blocks.kernel_rows: at "f32" the kernel gets f32 rows (f32 tables as stored, the
+    selected rows of others decoded); at "bf16" bf16 and FP8 tables as stored (the same
+    arrays: read in place), f32 tables' selected rows rounded to bf16. Either way the rows the
+    slots name, in slot order, are the decoded selected rows (in the kernel's dtype)."""
+    from lsparse_jax.model.blocks import kernel_rows
+    from lsparse_jax.model.store import RowView
+
+    fmt = KVRowFormat(kind, 128, 64)
+    stored = jax.tree.map(lambda a: a[None], fmt.encode(jnp.asarray(_rows(20, 128)[4:])))
+    slots = jnp.asarray([[3, -1, 7, 0, 3]], jnp.int32)
+    view = RowView(stored, slots, jnp.zeros((1, 3), jnp.int32))
+    got = kernel_rows(fmt, view, precision)
+    in_place = (precision == "f32") == (kind == "f32") or (precision, kind) == ("bf16", "bf16")
+    leaves = jax.tree.leaves(got.table)
+    if in_place:
+        assert all(a is b for a, b in zip(leaves, jax.tree.leaves(stored)))
+        np.testing.assert_array_equal(got.slots, slots)
+    else:
+        assert got.table.shape == (1, 5, 128)
+        assert got.table.dtype == (jnp.float32 if precision == "f32" else jnp.bfloat16)
+        np.testing.assert_array_equal(got.slots, [[0, -1, 2, 3, 4]])
+    if kind == "fp8_v4" and precision == "bf16":
+        assert isinstance(got.table, tuple) and not isinstance(got.table, FP8Rows)
+    dtype = jnp.float32 if precision == "f32" else jnp.bfloat16
+    table = got.table if not isinstance(got.table, tuple) else FP8Rows(*got.table)
+    rows = fmt.decode(table)[0] if kind == "fp8_v4" and in_place else got.table[0]
+    picked = rows[jnp.maximum(got.slots[0], 0)].astype(jnp.float32)
+    want = fmt.decode(jax.tree.map(lambda a: a[0], stored))[jnp.maximum(slots[0], 0)]
+    valid = np.asarray(slots[0]) >= 0
+    np.testing.assert_array_equal(np.asarray(picked)[valid], np.asarray(
+        want.astype(dtype).astype(jnp.float32))[valid])
+    with pytest.raises(ValueError, match="attention_precision='fp16'"):
+        kernel_rows(fmt, view, "fp16")

@@ -66,7 +66,9 @@ class AttentionLayer(nn.Module):
     (``model.store``: the resident layout by default; a serving method passes its own, and a
     per-slot ``context`` of shared state to both); the layer itself is only the math. Its
     compressed rows are stored in ``cfg.kv_dtype`` (``quant.KVRowFormat``): encoded when
-    written, decoded to f32 after the selected rows are gathered.
+    written, decoded to f32 after the selected rows are gathered (the XLA path), or handed to
+    the sparse_attention kernel in the form ``cfg.attention_precision`` names
+    (``kernel_rows``).
     """
 
     cfg: ModelConfig
@@ -182,8 +184,8 @@ class AttentionLayer(nn.Module):
             if not kernel_decode:  # XLA path: the selected rows, query by query
                 picked = jax.tree.map(lambda t: t[0][jnp.maximum(view.slots, 0)], view.table)
                 groups.append((rowfmt.decode(picked), view.slots >= 0))
-            elif rowfmt.kind != "f32":  # the kernel reads f32 rows: decode the selected ones
-                view = selected_rows(rowfmt, view)
+            else:  # the rows in the form cfg.attention_precision hands the kernel
+                view = kernel_rows(rowfmt, view, cfg.attention_precision)
             selection = selection.replace(sources=view.sources)
         elif self.kind == "dsa":
             dsa = self.dsa_stores
@@ -220,6 +222,8 @@ class AttentionLayer(nn.Module):
                 iq, iw, krows, kval, kscale, kids, kok, num, eligible, attended, probs[-1]))
         elif kernel_decode:
             ((window_rows, window_mask),) = groups
+            if cfg.attention_precision == "bf16":  # the window as the rows: bf16
+                window_rows = window_rows.astype(jnp.bfloat16)
             attend = functools.partial(sparse_attention, implementation=self.implementation)
             # tp > 1: each device attends with its query heads (q [1, H, D], sink [H])
             out = per_head(attend, (1, None, None, None, None, 0), 1)(
@@ -230,12 +234,33 @@ class AttentionLayer(nn.Module):
         return y, cache, selection
 
 
-def selected_rows(rowfmt: KVRowFormat, view):
-    """A decode query's view (T = 1) whose table is its k selected rows, decoded to f32
-    (table [1, k, D], slots 0..k-1 where selected, -1 elsewhere)."""
+def kernel_rows(rowfmt: KVRowFormat, view, precision: str):
+    """A decode query's view (T = 1) in the form the sparse_attention kernel reads at
+    ``precision`` (``ModelConfig.attention_precision``):
+      "f32"   f32 rows as stored; bf16 / fp8_v4 rows: the selected ones decoded to f32
+              (``selected_rows``), the kernel's f32 path.
+      "bf16"  bf16 and fp8_v4 rows as stored (the kernel gathers them in place, FP8 in its
+              three leaves); f32 rows: the selected ones rounded to bf16 (``selected_rows``:
+              k rows, not the whole table). The kernel's bf16 path.
+    The kernel's output depends only on the selected rows' values in slot order (not on
+    where they sit in the table), so every method's view gives the same output."""
+    if precision == "f32":
+        return view if rowfmt.kind == "f32" else selected_rows(rowfmt, view)
+    if precision != "bf16":
+        raise ValueError(f"attention_precision={precision!r}: allowed 'f32', 'bf16'")
+    if rowfmt.kind == "f32":
+        return selected_rows(rowfmt, view, jnp.bfloat16)
+    if rowfmt.kind == "fp8_v4":  # the FP8Rows leaves (nope, scales, rope) as a plain tuple
+        return view.replace(table=tuple(view.table))
+    return view
+
+
+def selected_rows(rowfmt: KVRowFormat, view, dtype=jnp.float32):
+    """A decode query's view (T = 1) whose table is its k selected rows, decoded to f32 and
+    cast to ``dtype`` (table [1, k, D], slots 0..k-1 where selected, -1 elsewhere)."""
     slots = view.slots
     rows = rowfmt.decode(jax.tree.map(lambda t: t[0][jnp.maximum(slots[0], 0)], view.table))
-    return view.replace(table=rows[None],
+    return view.replace(table=rows[None].astype(dtype),
                         slots=jnp.where(slots >= 0, jnp.arange(slots.shape[-1]), -1))
 
 

@@ -55,6 +55,24 @@ MIN_DOT = 16  # smallest dimension of a Triton tl.dot
 LOG2E = math.log2(math.e)
 TARGET_PROGRAMS = 132  # the H200's SMs: splits fill about one wave
 E8M0_NAN = 255
+# f32 rows: the D columns in chunks of this width. Why (the H200's session-7 decode profile:
+# V4 CSA, S = 64, H = 64, D = 512, K + W = 640, one chunk of D, BH = BK = 16: 7.1 ms a launch,
+# 85x the bf16 rows' 0.083 ms). 3-pass TF32 has no wgmma form at M = BH = 16 (wgmma needs
+# M = 64 a warpgroup), so Triton lowers each dot to mma.sync (MMAv2), whose operands live in
+# registers: the [BH, D] = [16, 512] f32 query as the A operand of one dot is 16 x 512 / 32 =
+# 256 registers a thread in every warp, twice (its TF32 high and low parts), and the [512, 16]
+# row block as B another 2 x 128: ~770 registers a thread against the 255 that exist, so
+# (our reading of the lowering, not yet a measurement: benchmarks/attention_precision_gpu.py
+# sweeps block_d for f32 rows) the operands spill to local memory at each of a program's 40
+# row blocks.
+# Arithmetic: the launch moves (K + W) rows x 2 KB x S = 84 MB (x4 head blocks, mostly from
+# L2) and does 3 x 4 S H (K + W) D = 16 GFLOP of TF32: ~0.07 ms of HBM, ~0.05 ms of TF32
+# tensor cores; the measured 7.1 ms = 256 programs (2 a SM: 96 KB shared memory, 25%
+# occupancy, about one wave) x 40 blocks of 16 rows = ~310,000 cycles (1.75 GHz) a block of
+# 16 rows, i.e. neither bandwidth nor FLOPs but the spilled operands. In 64-wide chunks each
+# dot's operands are 2 x 32 (A) + 2 x 16 (B) registers a thread and the [16, 64] accumulator
+# per chunk 4: the sum over chunks of the logits is the same arithmetic in 8 dots.
+F32_BLOCK_D = 64
 
 
 def _pow2(n: int) -> bool:
@@ -100,13 +118,14 @@ def default_config(s: int, h: int, d: int, k: int, w: int, row_bytes: int, fp8: 
     whole rows dequantized in registers; block_d = 64 reads them in their scale blocks, the
     only form when D is not a power of two). P = TARGET_PROGRAMS // (S HP / BH), at most the
     number of blocks: about one wave of programs (B = 64: 2, B = 8: 16). 8 warps; 3 stages of
-    rows when a block of rows is at most 16 KB, else 2. f32 rows
-    (3-pass TF32 keeps each operand and its split in shared memory: BH = 64, BK = 32 asked
-    448 KB on the H200): BH = 16, BK = 16.
+    rows when a block of rows is at most 16 KB, else 2. f32 rows: BH = 16, BK = 16 and
+    D cut into F32_BLOCK_D = 64-wide chunks (``F32_BLOCK_D`` says why).
     """
     hp = max(MIN_DOT, _next_pow2(h))
     block_h = (min(16, hp) if f32 else hp) if block_h is None else block_h
     block_k = (16 if f32 else 32) if block_k is None else block_k
+    if f32 and block_d is None:
+        block_d = min(F32_BLOCK_D, d)
     if fp8 and block_d not in (None, d, rowfmt.FP8_BLOCK):
         raise ValueError(f"sparse_attention: FP8 rows are read whole (block_d=D={d}) or in "
                          f"their {rowfmt.FP8_BLOCK}-wide scale blocks, got block_d={block_d}")
