@@ -20,3 +20,12 @@ def _backend_ok() -> bool:
         return True
     except RuntimeError:
         return False
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+    """Drops the jit caches after each test module. A pytest worker runs hundreds of tests, and
+    every compiled program they leave behind stays in its memory (measured: +2.6 GB over four
+    modules); two workers then ran a 2-core CI machine out of memory inside an XLA compile."""
+    yield
+    jax.clear_caches()
