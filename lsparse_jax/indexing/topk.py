@@ -13,8 +13,8 @@ __all__ = ["topk_positions", "select_topk"]
 
 # The ``topk`` op has one kernel family (Pallas-Triton): an engine that asks its other ops for
 # another kernel implementation gets that kernel for its top-k.
-TOPK_KERNEL = {"xla": "xla", None: None, "triton": "triton", "triton_fused": "triton",
-               "triton_fp8": "triton", "jax_triton": "triton", "mosaic": "triton"}
+TOPK_KERNEL = {"xla": "xla", None: None, "triton": "triton", "jax_triton": "triton",
+               "mosaic": "triton"}  # EngineConfig.implementation -> the topk op's
 
 
 def select_topk(scores, eligible, k: int, implementation: str | None = "xla"):
