@@ -160,17 +160,11 @@ def table(out: pathlib.Path) -> str:
               for p in STATE["parts"]]
     kc = out / "results" / "kernel_compare" / "results.json"
     if kc.exists():
+        from experiments.kernel_compare import format_table
+
         rows = json.loads(kc.read_text())["rows"]
-        lines += ["", "kernel_compare (target shapes first; ms per call, x XLA, % roofline):"]
-        for r in rows:
-            shape = ",".join(f"{k}={r[k]}" for k in ("B", "N", "k", "misses") if k in r)
-            if "seconds" in r:
-                lines.append(f"  {r['op']:16s} {r['implementation']:24s} {shape:26s} "
-                             f"{r['seconds'] * 1e3:9.4f} {r.get('speedup_vs_xla', 0):7.2f}x "
-                             f"{100 * r['fraction_of_roofline']:6.1f}% ({r['bound']})")
-            elif "error" in r:
-                lines.append(f"  {r['op']:16s} {r['implementation']:24s} {shape:26s} "
-                             f"error: {r['error'][:70]}")
+        lines += ["", "kernel_compare (target shapes first):",
+                  format_table([r for r in rows if "skipped" not in r])]
         skipped = sum("skipped" in r for r in rows)
         lines.append(f"  ({skipped} timings skipped by the budget)")
     dp = out / "decode_profile" / "decode_profile.json"
