@@ -12,8 +12,9 @@ interpret mode without a GPU), "jax_triton" (a plain Triton kernel via jax-trito
 "triton_fp8" (the Pallas kernel as an fp8 x fp8
 tensor-core dot: q quantized per head to e4m3 with its scale moved into the head weight,
 ``reference.quantize_queries``; twin ``reference.index_scores_fp8_xla``; ~3% per-value rounding
-of q). None picks "triton" on a GPU and "xla" elsewhere. The Triton kernels round q to bf16 (~1e-2
-relative error) and need D a power of two >= 16 with scale blocks of >= 16 values.
+of q). None picks "triton" on a GPU and "xla" elsewhere. "triton" splits an f32 q into bf16 hi + lo
+parts (~1e-5 relative error); "jax_triton" rounds q to bf16 (~1e-2). Both need D a power of two
+>= 16 with scale blocks of >= 16 values.
 """
 
 from __future__ import annotations

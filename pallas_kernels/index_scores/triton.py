@@ -10,7 +10,7 @@ Design: grid (B, cdiv(C, STEPS * BC)); program (b, i) scores candidates
 [i * STEPS * BC, (i + 1) * STEPS * BC) of request b. It loads q[b] [HP, D] once, cast to bf16,
 and for each of its STEPS blocks of BC candidates (a loop that Triton software-pipelines with
 num_stages when STEPS > 1; straight-line code when STEPS = 1) loads the FP8 key block [BC, D],
-casts it to bf16 (exact: every e4m3 value is a bf16 value) and dots it with q, accumulating in
+casts it to bf16 (exact: every e4m3 value is a bf16 value) and dots it with q (hi and lo parts), accumulating in
 f32 -> [BC, HP]. Each scale block j contributes dot(k[:, j], q[:, j]) * scale[:, j] (one dot
 when NB = 1), so the scales multiply the f32 dot products instead of the keys. Then ReLU, the
 weighted sum over heads and a ``jnp.where`` that writes -inf to invalid rows (NaN poison in
@@ -19,8 +19,12 @@ Out-of-range rows of the last block are masked by the Triton lowering. The keys 
 at B = 64, C = 2048, D = 128 that is 17 MB, ~6 us at the H200's ~3 TB/s; q (re-read by every
 program, 32 KB in f32) and the weights come from L2.
 
-Precision: q is rounded to bf16, so scores differ from the f32 reference by ~1e-2 relative
-(the FP8 keys and the f32 scales are used exactly).
+Precision: an f32 q is split into two bf16 parts (hi = bf16(q), lo = bf16(q - hi)), each
+dotted with the keys (two tensor-core dots; the kernel is bound by reading the keys, so the
+second costs little): scores within ~1e-5 relative of the f32 reference, where rounding q to
+bf16 alone gave ~1e-2 and let a query's ~1e-6 float noise (a decode step vs a speculative
+verification of the same position) flip near-tied candidates. A bf16 q is used as it is. The
+FP8 keys and the f32 scales are used exactly.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from pallas_kernels.index_scores.reference import quantize_queries
 
 MIN_DOT = 16  # smallest dimension of a Triton tl.dot
 FP8_MIN_DOT = 32  # smallest contraction of an FP8 tensor-core dot
+LO_SCALE = 256.0  # the f32 q's low bf16 part is held as 2^8 * (q - bf16(q))
 
 
 def _pow2(n: int) -> bool:
@@ -87,7 +92,7 @@ def default_config(b: int, h: int, c: int) -> tuple[int, int, int]:
 
 
 def _kernel(q_ref, w_ref, kv_ref, ks_ref, valid_ref, out_ref, *, nb: int, bs: int, bc: int,
-            steps: int, fp8: bool = False):
+            steps: int, fp8: bool = False, barrier: bool = False):
     # inputs
     #   q_ref      [HP, D]          f32 or bf16 (request b)
     #   w_ref      [HP]             f32
@@ -99,9 +104,18 @@ def _kernel(q_ref, w_ref, kv_ref, ks_ref, valid_ref, out_ref, *, nb: int, bs: in
     # scratch: none
     # fp8: q_ref holds FP8 queries (``reference.quantize_queries``) and the dot takes FP8 keys
     # as they are (an fp8 x fp8 tensor-core dot); else both are widened to bf16.
+    # Else an f32 q is split into bf16 parts q = hi + lo (+ ~2^-17 |q|), each dotted with the
+    # keys: scores within ~1e-5 of f32, so a query's 1e-6 noise cannot flip near-ties the way
+    # a bf16 rounding of q (~4e-3) does.
     operand = (lambda x: x) if fp8 else (lambda x: x.astype(jnp.bfloat16))
     cols = [pl.ds(j * bs, bs) for j in range(nb)]
     qs = [operand(q_ref[:, col]) for col in cols]                 # NB x [HP, BS], loaded once
+    # lo is kept as 2^8 * lo (exact; clear of bf16 subnormals) and its dot scaled back. In
+    # interpret mode XLA's simplifier would rewrite dot(k, hi) + dot(k, lo) into
+    # dot(k, hi + lo), whose bf16 sum is hi: a barrier stops it (Triton does no such rewrite).
+    split = not fp8 and q_ref.dtype == jnp.float32
+    q_lo = [((q_ref[:, col] - q.astype(jnp.float32)) * LO_SCALE).astype(jnp.bfloat16)
+            for col, q in zip(cols, qs)] if split else None       # NB x [HP, BS] 2^8 * lo
     w = w_ref[...].astype(jnp.float32)                             # [HP]
 
     def score_block(start):
@@ -109,8 +123,14 @@ def _kernel(q_ref, w_ref, kv_ref, ks_ref, valid_ref, out_ref, *, nb: int, bs: in
         dots = None                                                # [BC, HP] f32
         for j, col in enumerate(cols):
             k = operand(kv_ref[rows, col])                         # [BC, BS] (exact)
-            part = jax.lax.dot_general(k, qs[j], (((1,), (1,)), ((), ())),
+            dims = (((1,), (1,)), ((), ()))
+            part = jax.lax.dot_general(k, qs[j], dims,
                                        preferred_element_type=jnp.float32)  # [BC, HP]
+            if split:
+                lo = jax.lax.dot_general(k, q_lo[j], dims, preferred_element_type=jnp.float32)
+                if barrier:  # interpret mode runs through XLA, see q_lo
+                    lo = jax.lax.optimization_barrier(lo)
+                part = part + lo * (1.0 / LO_SCALE)
             scale = ks_ref[rows] if nb == 1 else ks_ref[rows, j]  # [BC] scale of block j
             part = part * scale[:, None]
             dots = part if dots is None else dots + part
@@ -155,7 +175,9 @@ def index_scores_triton(q: jnp.ndarray, weights: jnp.ndarray, key_values: jnp.nd
         q = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
         weights = jnp.pad(weights, ((0, 0), (0, hp - h)))
     rows = block_c * steps                                         # candidates per program
-    kernel = functools.partial(_kernel, nb=nb, bs=d // nb, bc=block_c, steps=steps, fp8=fp8)
+    interpret = common.interpret()
+    kernel = functools.partial(_kernel, nb=nb, bs=d // nb, bc=block_c, steps=steps, fp8=fp8,
+                               barrier=interpret)
     scale_block = (None, rows, None if nb == 1 else nb)            # NB = 1: a vector
     return pl.pallas_call(
         kernel,
@@ -170,7 +192,7 @@ def index_scores_triton(q: jnp.ndarray, weights: jnp.ndarray, key_values: jnp.nd
         ],
         out_specs=pl.BlockSpec((None, rows), lambda i, j: (i, j)),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=common.interpret(),
+        interpret=interpret,
         name="index_scores",
     )(q, weights.astype(jnp.float32), key_values, key_scales, valid)
 

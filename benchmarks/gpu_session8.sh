@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The GPU calls of session 8, one device call each (device tool: carry [".whl"]):
+#   STEP=a  issue 13/16: the decode attention's f32 chunking and bf16 / FP8-in-place paths,
+#           then the decode step (benchmarks/attention_precision_gpu.py); issue 15: where
+#           LeanSparse speculative decoding departs from plain decoding with Triton kernels
+#           (scripts/spec_divergence.py, as-is and with exact rescoring in XLA); the GLM-5 DSA
+#           paging slice (benchmarks/dsa_paging_gpu.py).
+# Everything comes back in $OUT/<step>.tar (more files than $OUT returns).
+source benchmarks/gpu_lib.sh
+STEP=${STEP:-a}
+case "$STEP" in
+  a)
+    part attn 165 "python3 benchmarks/attention_precision_gpu.py --out \$OUT --budget-s 150"
+    part specdiv 115 "python3 scripts/spec_divergence.py --variant none --time-limit 105"
+    part specdiv_scores 100 "python3 scripts/spec_divergence.py --variant scores_xla --time-limit 90"
+    part dsa 100 "python3 benchmarks/dsa_paging_gpu.py --out \$OUT --budget-s 60" ;;
+  *) echo "unknown STEP $STEP" >&2; exit 2 ;;
+esac
+pack "$STEP"
