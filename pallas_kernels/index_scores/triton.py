@@ -10,11 +10,12 @@ Design: grid (B, cdiv(C, STEPS * BC)); program (b, i) scores candidates
 [i * STEPS * BC, (i + 1) * STEPS * BC) of request b. It loads q[b] [HP, D] once, cast to bf16,
 and for each of its STEPS blocks of BC candidates (a loop that Triton software-pipelines with
 num_stages when STEPS > 1; straight-line code when STEPS = 1) loads the FP8 key block [BC, D],
-casts it to bf16 (exact: every e4m3 value is a bf16 value) and dots it with q (hi and lo parts), accumulating in
-f32 -> [BC, HP]. Each scale block j contributes dot(k[:, j], q[:, j]) * scale[:, j] (one dot
-when NB = 1), so the scales multiply the f32 dot products instead of the keys. Then ReLU, the
-weighted sum over heads and a ``jnp.where`` that writes -inf to invalid rows (NaN poison in
-their values and scales only reaches their own row of the dot, which the select discards).
+casts it to bf16 (exact: every e4m3 value is a bf16 value) and dots it with q (hi and lo
+parts, see Precision), accumulating in f32 -> [BC, HP]. Each scale block j contributes
+dot(k[:, j], q[:, j]) * scale[:, j] (one dot when NB = 1), so the scales multiply the f32
+dot products instead of the keys. Then ReLU, the weighted sum over heads and a
+``jnp.where`` that writes -inf to invalid rows (NaN poison in their values and scales only
+reaches their own row of the dot, which the select discards).
 Out-of-range rows of the last block are masked by the Triton lowering. The keys are read once:
 at B = 64, C = 2048, D = 128 that is 17 MB, ~6 us at the H200's ~3 TB/s; q (re-read by every
 program, 32 KB in f32) and the weights come from L2.
