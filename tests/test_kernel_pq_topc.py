@@ -473,14 +473,14 @@ def test_fp8_matches_its_reference(implementation):
 
 
 def test_fp8_exact_inputs_are_exact():
-    """Small-integer q and codebooks with max |value| 1 quantize exactly (scales 1/448 and
-    powers of two cancel), so every implementation's fp8 top-C equals the exact one, ties
-    included."""
+    """Small-integer q and codebooks with max |value| 1 quantize exactly (every scale is the
+    same 1/448 factor, up to its f32 rounding), so the fp8 top-C (xla, fused Pallas) equals the
+    exact one, ties included, and its scores agree to f32 rounding."""
     rng = np.random.default_rng(32)
     b, h, d, m, k, n, c = 3, 16, 32, 8, 10, 120, 16
     q, w, codes, books, lengths = make_inputs(rng, b, h, d, m, k, n, [n, 5, 77], exact=True)
     want_pos, want_vals = numpy_top_c(numpy_scores(q, w, codes, books, lengths), c)
-    for implementation in IMPLEMENTATIONS:
+    for implementation in ("xla", "triton"):
         pos, vals = run(implementation, q, w, codes, books, lengths, c=c, precision="fp8")
         assert_same_sets(pos, want_pos)
         got, want = values_at(pos, vals, numpy_scores(q, w, codes, books, lengths))

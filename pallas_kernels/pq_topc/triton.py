@@ -35,6 +35,9 @@ Precision: q and the codebooks are rounded to bf16 (relative error <= 2^-9 each;
 accumulates in f32), so scores differ from the f32 reference by a small fraction of the largest
 |score| (tests hold them to ``TOLERANCE['bfloat16']`` = 2e-2) and top-C sets may differ at the
 boundary; inputs exact in bf16 (small integers, dyadic weights) give bit-identical scores.
+precision="fp8": q and the codebooks quantized by ``reference.quantize_fp8`` (scales folded
+into the head weights), e4m3 codebook gathers and an e4m3 x e4m3 dot (contraction dim >= 32)
+with f32 accumulation; the fp8 reference twin differs only in accumulation order.
 
 Pallas-Triton needs power-of-two block shapes and tl.dot needs every dim >= 16, so the wrapper
 pads with zeros where needed (exact: a zero query row / zero codebook column adds nothing):
