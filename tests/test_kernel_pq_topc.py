@@ -92,13 +92,15 @@ def check_exact(got_pos, got_vals, want_pos, want_vals):
 
 def run(implementation, *args, c, **kwargs):
     """pq_topc by ``implementation``; "triton_unfused" is pq_topc_triton(fused=False)."""
+    precision = kwargs.pop("precision", "bf16")
     if implementation == "triton_unfused":
         args = [jnp.asarray(a) for a in args]
-        return pq_triton.pq_topc_triton(*args, num_candidates=c, fused=False, **kwargs)
+        return pq_triton.pq_topc_triton(*args, num_candidates=c, fused=False,
+                                        precision=precision, **kwargs)
     if kwargs:
         args = [jnp.asarray(a) for a in args]
-        return pq_triton.pq_topc_triton(*args, num_candidates=c, **kwargs)
-    return pq_topc(*args, num_candidates=c, implementation=implementation)
+        return pq_triton.pq_topc_triton(*args, num_candidates=c, precision=precision, **kwargs)
+    return pq_topc(*args, num_candidates=c, implementation=implementation, precision=precision)
 
 
 # ------------------------------------------------------------------------ all implementations
@@ -402,6 +404,151 @@ def test_jax_triton_refused_without_gpu():
                                        params=pq_jt.Params(decode="gather"))
 
 
+# ------------------------------------------------------------------------ precision="fp8"
+
+
+def test_fp8_quantization_rule():
+    """``quantize_fp8``: every codebook subspace and every (request, head) query row reaches
+    +-448 exactly at its largest magnitude and nothing exceeds it (no NaN), all-zero blocks get
+    scale 1, and dequantizing (books8 * sc, q8 * sq / sc) is within the e4m3 bound of the
+    inputs; the fp8 reference equals the exact scores of the dequantized values."""
+    rng = np.random.default_rng(30)
+    b, h, d, m, k = 2, 4, 16, 4, 8
+    q = rng.normal(size=(b, h, d)).astype(np.float32) * np.float32(1e3)
+    q[1, 2] = 0.0  # an all-zero head
+    books = rng.standard_t(3, size=(m, k, d // m)).astype(np.float32)
+    books[3] = 0.0  # an all-zero subspace
+    w = rng.uniform(-0.5, 1.0, (b, h)).astype(np.float32)
+    q8, w8, books8 = (np.asarray(x, np.float32) for x in reference.quantize_fp8(
+        jnp.asarray(q), jnp.asarray(w), jnp.asarray(books)))
+    amax = np.abs(books).max(axis=(1, 2))
+    sc = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)
+    np.testing.assert_array_equal(np.abs(books8).max(axis=(1, 2)), [448.0] * 3 + [0.0])
+    back = books8 * sc[:, None, None]
+    assert np.all(np.abs(back - books) <= 2.0**-4 * np.abs(books) + 2.0**-9 * sc[:, None, None]
+                  * (1 + 1e-6))
+    qmax = np.abs(q8).max(axis=2)
+    assert qmax[1, 2] == 0.0 and np.all(np.delete(qmax.ravel(), 1 * h + 2) == 448.0)
+    sq = w8 / w  # [B, H]: the folded query scales
+    assert sq[1, 2] == 1.0
+    qs = (q.reshape(b, h, m, -1) * sc[:, None]).reshape(b, h, d)
+    np.testing.assert_allclose(q8 * sq[:, :, None], qs, rtol=2.0**-4 + 1e-6,
+                               atol=float(2.0**-9 * sq.max()))
+    codes = rng.integers(0, k, (b, 10, m)).astype(np.uint8)
+    got = np.asarray(reference.coarse_scores_fp8(q, w, codes, books))
+    deq_q = (q8 * sq[:, :, None]).reshape(b, h, m, -1) / sc[:, None]
+    want = numpy_scores(deq_q.reshape(b, h, d), w, codes, back, np.full((b,), 10))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_fp8_matches_its_reference(implementation):
+    """precision="fp8": scores equal the fp8 reference (same quantization, f32 accumulation;
+    interpret mode accumulates exactly as XLA) to f32 rounding, -inf past each length (garbage
+    codes there), positions the top-C of the implementation's own scores; the fp8 selection
+    stays close to the unquantized one (scores within 2^-4 of the largest |score|; e4m3 keeps
+    3 mantissa bits)."""
+    rng = np.random.default_rng(31)
+    b, h, d, m, k, n, c = 3, 16, 32, 8, 16, 160, 24
+    lengths = [n, 0, 70]
+    args = [jnp.asarray(a) for a in make_inputs(rng, b, h, d, m, k, n, lengths, exact=False,
+                                                q_dtype=jnp.bfloat16)]
+    ref8 = np.asarray(reference.masked_coarse_scores_fp8(*args))
+    if implementation == "xla":
+        own = ref8
+        pos, vals = pq_topc(*args, num_candidates=c, implementation="xla", precision="fp8")
+    else:
+        own = np.asarray(pq_triton.coarse_scores_triton(*args, precision="fp8"))
+        assert np.array_equal(np.isneginf(own), np.isneginf(ref8)), "mask differs"
+        assert_close(own, ref8, "float32", mask=np.isfinite(ref8))
+        pos, vals = run(implementation, *args, c=c, precision="fp8")
+    want_pos, _ = numpy_top_c(own.astype(np.float64), c)
+    assert_same_sets(pos, want_pos)
+    got, want = values_at(pos, vals, own)
+    np.testing.assert_array_equal(got, want)
+    exact = np.asarray(reference.masked_coarse_scores(*args))
+    live = np.isfinite(exact)
+    err = np.abs(own[live] - exact[live]).max() / np.abs(exact[live]).max()
+    assert err <= 2.0**-4, f"fp8 scores off the unquantized ones by {err:.3g} of max |score|"
+
+
+def test_fp8_exact_inputs_are_exact():
+    """Small-integer q and codebooks with max |value| 1 quantize exactly (every scale is the
+    same 1/448 factor, up to its f32 rounding), so the fp8 top-C (xla, fused Pallas) equals the
+    exact one, ties included, and its scores agree to f32 rounding."""
+    rng = np.random.default_rng(32)
+    b, h, d, m, k, n, c = 3, 16, 32, 8, 10, 120, 16
+    q, w, codes, books, lengths = make_inputs(rng, b, h, d, m, k, n, [n, 5, 77], exact=True)
+    want_pos, want_vals = numpy_top_c(numpy_scores(q, w, codes, books, lengths), c)
+    for implementation in ("xla", "triton"):
+        pos, vals = run(implementation, q, w, codes, books, lengths, c=c, precision="fp8")
+        assert_same_sets(pos, want_pos)
+        got, want = values_at(pos, vals, numpy_scores(q, w, codes, books, lengths))
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(3, 6, 12, 4, 10), (2, 4, 128, 32, 256)],
+                         ids=["d3", "v4_dims"])
+def test_jax_triton_fp8_packed_decode(shape):
+    """The fp8 book (four e4m3 bytes per 32-bit word) decodes to the quantized codebook rows
+    bit for bit, zero at padded columns (DP >= 32), and the emulated fp8 kernel math equals the
+    fp8 reference to f32 rounding."""
+    rng = np.random.default_rng(33)
+    b, h, d, m, k = shape
+    n = 40
+    q, w, codes, books, lengths = (jnp.asarray(a) for a in make_inputs(
+        rng, b, h, d, m, k, n, [n, 11, 0][:b], exact=False))
+    _, _, books8 = reference.quantize_fp8(q, w, books)
+    lay = pq_jt.layout(h, m, k, d // m, fp8=True)
+    assert lay.dp >= pq_jt.MIN_DOT_K_FP8
+    live = jnp.minimum(codes, k - 1)
+    keys = np.asarray(pq_jt.decode_packed(pq_jt.packed_codebook(books8, lay), live, lay),
+                      np.float32).reshape(b, n, lay.mp, lay.dsp)
+    want = np.asarray(reference.decode_codes(live, books8.astype(jnp.float32)))
+    np.testing.assert_array_equal(keys[:, :, :m, :d // m], want.reshape(b, n, m, d // m))
+    assert not keys[:, :, m:].any() and not keys[:, :, :, d // m:].any()
+    got = np.asarray(pq_jt.emulated_scores(q, w, codes, books, lengths, precision="fp8"))
+    ref8 = np.asarray(reference.masked_coarse_scores_fp8(q, w, codes, books, lengths))
+    assert np.array_equal(np.isneginf(got), np.isneginf(ref8))
+    assert_close(got, ref8, "float32", mask=np.isfinite(ref8))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_jax_triton_compiles_for_sm90(fp8):
+    """With the triton package (no GPU needed; skipped without it): the score kernel at the
+    V4 shape compiles to PTX whose tile dot is a Hopper wgmma of e4m3 (fp8) or bf16 operands."""
+    pytest.importorskip("triton")
+    lay = pq_jt.layout(64, 32, 256, 4, fp8=fp8)
+    ptx = pq_jt.compile_ptx(lay, V4_FLASH["n"])
+    kind = "e4m3.e4m3" if fp8 else "bf16.bf16"
+    assert f".f32.{kind}" in ptx and "wgmma.mma_async" in ptx
+
+
+def test_fp8_lowers_for_cuda():
+    """The fused Pallas kernel lowers for CUDA with e4m3 operands at the V4-Flash shape."""
+    s = dict(V4_FLASH)
+    c = s.pop("c")
+    text = common.lower_for_cuda(
+        lambda *a: pq_topc(*a, num_candidates=c, implementation="triton", precision="fp8"),
+        *_specs(**s))
+    assert "pq_coarse_scores_count" in text and "f8E4M3FN" in text
+    assert text.count(common.TRITON_CALL_TARGET) == 4
+
+
+@pytest.mark.parametrize("implementation", ["xla", "triton", "jax_triton"])
+def test_bad_precision(implementation):
+    with pytest.raises(ValueError, match="precision='fp16' is unknown"):
+        pq_topc(**_good(), num_candidates=4, implementation=implementation, precision="fp16")
+    if implementation == "triton":
+        args = [jnp.asarray(a) for a in _good().values()]
+        with pytest.raises(ValueError, match="precision"):
+            pq_triton.pq_topc_triton(*args, num_candidates=4, precision="int8")
+    if implementation == "jax_triton":
+        args = [jnp.asarray(a) for a in _good().values()]
+        with pytest.raises(ValueError, match="precision"):
+            pq_jt.coarse_scores_jax_triton(*args, precision="int8")
+
+
 # ---------------------------------------------------------------------------------- GPU only
 
 
@@ -512,3 +659,36 @@ def test_gpu_v4_flash_shape_matches_xla(implementation):
     overlap = np.mean([len(set(np.asarray(got[0][i]).tolist())
                            & set(np.asarray(want[0][i]).tolist())) / c for i in range(b)])
     assert overlap > 0.98, f"top-C overlap with xla only {overlap:.3f}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("implementation", ["triton", "jax_triton"])
+def test_gpu_fp8_against_its_reference(implementation):
+    """precision="fp8" compiled: scores within accumulation error of the fp8 reference
+    (same e4m3 values; Hopper fp8 MMAs accumulate with reduced precision, hence tf32's
+    tolerance), -inf exactly past each length, top-C sets those of the kernel's own scores,
+    and the top-C overlap with the xla fp8 twin nearly complete."""
+    rng = np.random.default_rng(24)
+    b, h, d, m, k, n, c = 8, 64, 128, 32, 256, 32768 + 77, 2048
+    lengths = [n, 0, 100, 2048, 30000, n - 1, 5000, 17]
+    args = [jnp.asarray(a) for a in make_inputs(rng, b, h, d, m, k, n, lengths, exact=False,
+                                                q_dtype=jnp.bfloat16)]
+    if implementation == "jax_triton":
+        own = pq_jt.coarse_scores_jax_triton(*args, precision="fp8")
+    else:
+        own = pq_triton.coarse_scores_triton(*args, precision="fp8")
+    own = np.asarray(own)
+    ref8 = np.asarray(reference.masked_coarse_scores_fp8(*args))
+    assert np.array_equal(np.isneginf(own), np.isneginf(ref8)), "mask differs"
+    assert_close(own, ref8, "tf32", mask=np.isfinite(ref8))
+    pos, vals = pq_topc(*args, num_candidates=c, implementation=implementation,
+                        precision="fp8")
+    want_pos, _ = numpy_top_c(own.astype(np.float64), c)
+    assert_same_sets(pos, want_pos)
+    got, want = values_at(pos, vals, own)
+    np.testing.assert_array_equal(got, want)
+    xla_pos = np.asarray(pq_topc(*args, num_candidates=c, implementation="xla",
+                                 precision="fp8")[0])
+    for r in range(b):
+        mine, theirs = set(np.asarray(pos[r]).tolist()), set(xla_pos[r].tolist())
+        assert len(mine & theirs) >= 0.98 * len(theirs), f"row {r}: overlap with xla fp8"

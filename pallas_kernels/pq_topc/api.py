@@ -11,6 +11,13 @@ pass of the top-C threshold search, then the rest of ``pallas_kernels.topk``'s s
 interpret mode without a GPU) and "jax_triton" (``jax_triton.py``: a plain Triton score kernel
 that holds the packed codebook on chip and decodes with ``tl.gather``, then
 ``pallas_kernels.topk``; GPU only). None picks "triton" on a GPU and "xla" elsewhere.
+
+precision: "bf16" (the default) rounds q and the codebooks to bf16 in the kernels (the "xla"
+reference scores the given values exactly in f32); "fp8" quantizes them to float8_e4m3fn with
+per-subspace codebook and per-(request, head) query scales (``reference.quantize_fp8``, whose
+docstring states the scale rule), the kernels take an e4m3 x e4m3 dot with f32 accumulation
+(Hopper fp8 tensor cores: twice the bf16 rate) and "xla" scores the same quantized values
+exactly in f32, so kernel and reference differ only in accumulation order.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ OP = "pq_topc"
 AVAILABLE = ("xla", "triton", "jax_triton")
 MAX_CENTROIDS = 256  # codes are uint8
 
-_pq_topc_xla = jax.jit(reference.pq_topc_xla, static_argnames=("num_candidates",))
+_pq_topc_xla = jax.jit(reference.pq_topc_xla, static_argnames=("num_candidates", "precision"))
 
 
 def _shape(x) -> tuple[int, ...]:
@@ -86,7 +93,7 @@ def _validate(q, weights, codes, codebooks, lengths, num_candidates) -> int:
 
 
 def pq_topc(q, weights, codes, codebooks, lengths, *, num_candidates: int,
-            implementation: str | None = None):
+            implementation: str | None = None, precision: str = "bf16"):
     """Top-C positions of PQ-coded keys by coarse score (LeanSparse's coarse pass).
 
     Notation: B requests, H indexer heads, D head dim, M subspaces of d = D / M dims, K <= 256
@@ -101,15 +108,20 @@ def pq_topc(q, weights, codes, codebooks, lengths, *, num_candidates: int,
       num_candidates: C >= 1 (may exceed N: the rest is padding).
       implementation: "xla", "triton", "jax_triton" (GPU only) or None (triton on a GPU, xla
         elsewhere).
+      precision: "bf16" or "fp8" (see the module docstring; all implementations).
     Returns:
       positions [B, C] int32: the set of the C best eligible positions (higher score first,
         ties to the lower position), -1 where fewer than C are eligible; in any order (the
         "xla" implementation returns them best-first).
       scores [B, C] float32 aligned with positions, -inf where the position is -1. The
         "triton" and "jax_triton" scores use bf16 q and codebooks (~1e-2 relative to the f32
-        reference).
-    Raises ValueError on bad shapes, dtypes, num_candidates or implementation.
+        reference); with precision="fp8" every implementation scores e4m3 values (~3e-2
+        relative to the unquantized scores; kernels within f32 accumulation of "xla").
+    Raises ValueError on bad shapes, dtypes, num_candidates, implementation or precision.
     """
+    if precision not in reference.PRECISIONS:
+        raise ValueError(f"{OP}: precision={precision!r} is unknown; allowed: "
+                         f"{reference.PRECISIONS}")
     impl = common.choose(OP, implementation, AVAILABLE, fastest_on_gpu="triton")
     q, weights, codes = jnp.asarray(q), jnp.asarray(weights), jnp.asarray(codes)
     codebooks, lengths = jnp.asarray(codebooks), jnp.asarray(lengths)
@@ -118,11 +130,11 @@ def pq_topc(q, weights, codes, codebooks, lengths, *, num_candidates: int,
     codebooks = codebooks.astype(jnp.float32)
     lengths = lengths.astype(jnp.int32)
     if impl == "xla":
-        fn = partial(_pq_topc_xla, num_candidates=c)
+        fn = partial(_pq_topc_xla, num_candidates=c, precision=precision)
     elif impl == "jax_triton":
         from pallas_kernels.pq_topc.jax_triton import pq_topc_jax_triton
 
-        fn = partial(pq_topc_jax_triton, num_candidates=c)
+        fn = partial(pq_topc_jax_triton, num_candidates=c, precision=precision)
     else:
-        fn = partial(triton_impl.pq_topc_triton, num_candidates=c)
+        fn = partial(triton_impl.pq_topc_triton, num_candidates=c, precision=precision)
     return fn(q, weights, codes, codebooks, lengths)

@@ -5,8 +5,9 @@ Notation:
   B requests, H indexer heads (HP = H padded to a power of two >= 16), D = M * d head dim,
   M subspaces (MP padded) of d dims (d' = max(4, 2^ceil(log2 d)) padded), K <= 256 centroids
   (KP = K padded to a power of two), N positions, C = num_candidates,
-  WPS = d' / 4 64-bit words per centroid row (4 bf16 values a word), W = MP * WPS words per
-  decoded key, DP = MP * d' = 4 W decoded dims, BN keys per tile, STEPS tiles per program.
+  WPS = d' / 4 64-bit words per centroid row (4 bf16 values a word; fp8: 32-bit words of four
+  e4m3), W = MP * WPS words per decoded key, DP = MP * d' = 4 W decoded dims, BN keys per tile,
+  STEPS tiles per program.
 
 Why decode + dot, not look-up tables. Eq. 6 is s[n] = sum_h w[h] ReLU(sum_j q[h, j] . C_j[c_nj]).
 The per-request table LUT[h, j, c] = q[h, j] . C_j[c] holds H * M * K = 64 * 32 * 256 = 524,288
@@ -42,6 +43,15 @@ to the decode, and would tie this kernel to topk's two-read tail. Not done here.
 Precision as ``triton.py``: q and the codebooks rounded to bf16, f32 accumulation
 (``TOLERANCE['bfloat16']``); small-integer inputs give the exact scores.
 
+precision="fp8" (``FP8=True``): q and the codebooks quantized by ``reference.quantize_fp8``
+(scales folded into the head weights), so a centroid row of d' = 4 dims is one 32-bit word of
+four e4m3 bytes (the book [KP, W] int32: 32 KiB at the V4 shape, half the bf16 book; one 32-bit
+gather per (key, word)); q is passed as [B, HP, DP] e4m3 (contraction dim contiguous, the
+K-major operand Hopper's fp8 MMA wants) and the tile dot is e4m3 x e4m3 with f32 accumulation
+(2x the bf16 tensor-core rate; Triton's default on sm_90 accumulates fp8 MMAs without the
+periodic f32 promotion, ~2^-13 relative, far below the e4m3 rounding). DP >= 32 (an fp8 dot's
+contraction dim).
+
 ``triton`` and ``jax_triton`` are imported lazily (the package imports without them); this path
 needs a CUDA GPU. ``packed_codebook`` and ``decode_packed`` (plain jnp) are the kernel's packing
 and its unpacking, so CPU tests check the layout against ``reference.decode_codes``.
@@ -56,10 +66,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.pq_topc import reference
 from pallas_kernels.topk import topk
 
 MIN_DOT_DIM = 16  # tl.dot needs every operand dim >= 16
-WORD_VALUES = 4  # bf16 values per 64-bit codebook word
+MIN_DOT_K_FP8 = 32  # an fp8 tl.dot needs a contraction dim >= 32
+WORD_VALUES = 4  # values per codebook word: 4 bf16 in 64 bits, or 4 e4m3 in 32 bits (fp8)
 DECODES = ("smem", "shuffle")
 
 
@@ -94,6 +106,7 @@ class Layout:
     dsp: int
     k: int
     kp: int
+    fp8: bool = False
 
     @property
     def wps(self) -> int:
@@ -108,21 +121,30 @@ class Layout:
         return self.mp * self.dsp
 
 
-def layout(h: int, m: int, k: int, ds: int) -> Layout:
+def layout(h: int, m: int, k: int, ds: int, fp8: bool = False) -> Layout:
     """Zero padding to power-of-two dims that tl.arange / tl.dot accept (exact: a zero query
     column or zero centroid value adds nothing)."""
     dsp = max(WORD_VALUES, _pow2(ds))
-    mp = max(_pow2(m), MIN_DOT_DIM // min(dsp, MIN_DOT_DIM))
+    min_k = MIN_DOT_K_FP8 if fp8 else MIN_DOT_DIM
+    mp = max(_pow2(m), min_k // min(dsp, min_k))
     return Layout(h=h, hp=max(MIN_DOT_DIM, _pow2(h)), m=m, mp=mp, ds=ds, dsp=dsp, k=k,
-                  kp=_pow2(k))
+                  kp=_pow2(k), fp8=fp8)
 
 
 def packed_codebook(codebooks, lay: Layout) -> jnp.ndarray:
     """Codebooks [M, K, d] -> the kernel's book [KP, W, 2] uint32 (little-endian halves of the
     int64 word): word j * WPS + g of row c = bf16 bits of C_j[c, 4g + f] at bits 16 f.
+    fp8 (codebooks already e4m3): [KP, W] uint32, e4m3 bits of C_j[c, 4g + f] at bits 8 f.
     Padded subspaces, dims and rows are zero."""
-    books = jnp.pad(codebooks.astype(jnp.bfloat16),
-                    ((0, lay.mp - lay.m), (0, lay.kp - lay.k), (0, lay.dsp - lay.ds)))
+    pad = ((0, lay.mp - lay.m), (0, lay.kp - lay.k), (0, lay.dsp - lay.ds))
+    if lay.fp8:
+        if codebooks.dtype != jnp.float8_e4m3fn:
+            raise ValueError(f"pq_topc: the fp8 book packs e4m3 codebooks, got {codebooks.dtype}")
+        bits = lax.bitcast_convert_type(jnp.pad(codebooks, pad), jnp.uint8).astype(jnp.uint32)
+        bits = bits.reshape(lay.mp, lay.kp, lay.wps, WORD_VALUES)
+        words = bits[..., 0] | (bits[..., 1] << 8) | (bits[..., 2] << 16) | (bits[..., 3] << 24)
+        return words.transpose(1, 0, 2).reshape(lay.kp, lay.words)
+    books = jnp.pad(codebooks.astype(jnp.bfloat16), pad)
     bits = lax.bitcast_convert_type(books, jnp.uint16).astype(jnp.uint32)  # [MP, KP, d']
     bits = bits.reshape(lay.mp, lay.kp, lay.wps, 2, 2)  # [.., g, half, f within the half]
     halves = bits[..., 0] | (bits[..., 1] << 16)  # [MP, KP, WPS, 2]
@@ -131,11 +153,16 @@ def packed_codebook(codebooks, lay: Layout) -> jnp.ndarray:
 
 def decode_packed(book, codes, lay: Layout) -> jnp.ndarray:
     """The kernel's decode in jnp: book [KP, W, 2] uint32, codes [..., N, M] uint8 ->
-    keys [..., N, DP] bf16 (column 4 w + f = field f of word w), codes clamped to K - 1."""
+    keys [..., N, DP] bf16 (column 4 w + f = field f of word w), codes clamped to K - 1.
+    fp8: book [KP, W] uint32 -> keys [..., N, DP] e4m3."""
     sub = jnp.arange(lay.words) // lay.wps  # [W] subspace of each word
     ids = jnp.minimum(codes.astype(jnp.int32), lay.k - 1)
     ids = jnp.where(sub < lay.m, ids[..., jnp.minimum(sub, lay.m - 1)], 0)  # [..., N, W]
-    words = book[ids, jnp.arange(lay.words)]  # [..., N, W, 2]
+    words = book[ids, jnp.arange(lay.words)]  # [..., N, W, 2] ([..., N, W] fp8)
+    if lay.fp8:
+        fields = jnp.stack([(words >> (8 * f)) & 0xFF for f in range(WORD_VALUES)], axis=-1)
+        keys = lax.bitcast_convert_type(fields.astype(jnp.uint8), jnp.float8_e4m3fn)
+        return keys.reshape(*codes.shape[:-1], lay.dp)
     fields = jnp.stack([words[..., 0] & 0xFFFF, words[..., 0] >> 16,
                         words[..., 1] & 0xFFFF, words[..., 1] >> 16], axis=-1)
     keys = lax.bitcast_convert_type(fields.astype(jnp.uint16), jnp.bfloat16)
@@ -143,22 +170,44 @@ def decode_packed(book, codes, lay: Layout) -> jnp.ndarray:
 
 
 def padded_query(q, lay: Layout) -> jnp.ndarray:
-    """q [B, H, D] -> q^T [B, DP, HP] bf16, zero padded per subspace."""
+    """q [B, H, D] -> q^T [B, DP, HP] bf16, zero padded per subspace; fp8 (q already e4m3):
+    [B, HP, DP] e4m3, not transposed."""
     b = q.shape[0]
-    qp = q.astype(jnp.bfloat16).reshape(b, lay.h, lay.m, lay.ds)
+    qp = q.astype(jnp.float8_e4m3fn if lay.fp8 else jnp.bfloat16)
+    qp = qp.reshape(b, lay.h, lay.m, lay.ds)
     qp = jnp.pad(qp, ((0, 0), (0, lay.hp - lay.h), (0, lay.mp - lay.m), (0, lay.dsp - lay.ds)))
-    return qp.reshape(b, lay.hp, lay.dp).transpose(0, 2, 1)
+    qp = qp.reshape(b, lay.hp, lay.dp)
+    return qp if lay.fp8 else qp.transpose(0, 2, 1)
 
 
-@jax.jit
-def emulated_scores(q, weights, codes, codebooks, lengths) -> jnp.ndarray:
-    """The kernel's math in jnp (packed book, decode, bf16 dot with f32 accumulation, ReLU,
-    head weights, mask): masked scores [B, N] f32. For CPU tests of the decomposition."""
+def _check_precision(precision: str) -> None:
+    if precision not in reference.PRECISIONS:
+        raise ValueError(f"pq_topc: precision={precision!r} is unknown; allowed: "
+                         f"{reference.PRECISIONS}")
+
+
+def _quantized(q, weights, codebooks, precision: str):
+    """(q, weights, codebooks) as the kernel takes them (fp8: ``reference.quantize_fp8``)."""
+    if precision == "fp8":
+        return reference.quantize_fp8(q, weights, codebooks)
+    return q, weights, codebooks
+
+
+@functools.partial(jax.jit, static_argnames=("precision",))
+def emulated_scores(q, weights, codes, codebooks, lengths, precision: str = "bf16"):
+    """The kernel's math in jnp (packed book, decode, bf16 or e4m3 dot with f32 accumulation,
+    ReLU, head weights, mask): masked scores [B, N] f32. For CPU tests of the decomposition."""
+    _check_precision(precision)
+    q, weights, codebooks = _quantized(q, weights, codebooks, precision)
     h, (m, k, ds) = q.shape[1], codebooks.shape
-    lay = layout(h, m, k, ds)
+    lay = layout(h, m, k, ds, fp8=precision == "fp8")
     keys = decode_packed(packed_codebook(codebooks, lay), codes, lay)  # [B, N, DP]
-    dots = jnp.einsum("bnd,bdh->bnh", keys, padded_query(q, lay),
-                      preferred_element_type=jnp.float32)
+    qp = padded_query(q, lay)
+    if lay.fp8:  # e4m3 products are exact in f32
+        dots = jnp.einsum("bnd,bhd->bnh", keys.astype(jnp.float32), qp.astype(jnp.float32),
+                          precision=lax.Precision.HIGHEST)
+    else:
+        dots = jnp.einsum("bnd,bdh->bnh", keys, qp, preferred_element_type=jnp.float32)
     w = jnp.pad(weights.astype(jnp.float32), ((0, 0), (0, lay.hp - h)))
     s = jnp.sum(jnp.maximum(dots, 0.0) * w[:, None, :], axis=2)
     pos = jnp.arange(codes.shape[1], dtype=jnp.int32)[None, :]
@@ -175,28 +224,35 @@ def _kernel():
     def pq_scores_kernel(
         # inputs
         len_ptr,    # [B]         int32, clipped to [0, N]
-        qt_ptr,     # [B, DP, HP] bf16   q^T, zero padded
-        w_ptr,      # [B, HP]     f32    head weights, zero padded
+        qt_ptr,     # [B, DP, HP] bf16   q^T, zero padded (FP8: [B, HP, DP] e4m3 bits, uint8)
+        w_ptr,      # [B, HP]     f32    head weights, zero padded (FP8: times q's scales)
         codes_ptr,  # [B, N, M]   uint8
-        book_ptr,   # [KP, W, 2]  uint32 = [KP, W] int64 packed codebook
+        book_ptr,   # [KP, W, 2]  uint32 = [KP, W] int64 packed codebook (FP8: [KP, W] uint32)
         # outputs
         out_ptr,    # [B, N]      f32    masked scores
         N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
         W: tl.constexpr, WPS: tl.constexpr, DP: tl.constexpr, HP: tl.constexpr,
-        BN: tl.constexpr, STEPS: tl.constexpr, FLAT: tl.constexpr,
+        BN: tl.constexpr, STEPS: tl.constexpr, FLAT: tl.constexpr, FP8: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)
         first = tl.program_id(1) * (BN * STEPS)
         length = tl.load(len_ptr + b)
         words = tl.arange(0, W)
         sub = words // WPS  # [W] subspace of each word
-        book64 = book_ptr.to(tl.pointer_type(tl.int64))
-        if FLAT:
-            book = tl.load(book64 + tl.arange(0, KP * W))  # [KP * W] (row-major [KP, W])
+        if FP8:
+            book_words = book_ptr.to(tl.pointer_type(tl.int32))
         else:
-            book = tl.load(book64 + tl.arange(0, KP)[:, None] * W + words[None, :])  # [KP, W]
+            book_words = book_ptr.to(tl.pointer_type(tl.int64))
+        if FLAT:
+            book = tl.load(book_words + tl.arange(0, KP * W))  # [KP * W] (row-major [KP, W])
+        else:
+            book = tl.load(book_words + tl.arange(0, KP)[:, None] * W + words[None, :])  # [KP, W]
         dims, heads = tl.arange(0, DP), tl.arange(0, HP)
-        qt = tl.load(qt_ptr + b * (DP * HP) + dims[:, None] * HP + heads[None, :])  # [DP, HP]
+        if FP8:  # [HP, DP] e4m3, transposed as a view: the K-major B operand
+            q8 = tl.load(qt_ptr + b * (DP * HP) + heads[:, None] * DP + dims[None, :])
+            qt = tl.trans(q8.to(tl.float8e4nv, bitcast=True))  # [DP, HP]
+        else:
+            qt = tl.load(qt_ptr + b * (DP * HP) + dims[:, None] * HP + heads[None, :])  # [DP, HP]
         w = tl.load(w_ptr + b * HP + heads)  # [HP]
         for t in range(STEPS):
             start = first + t * BN
@@ -210,15 +266,23 @@ def _kernel():
                     flat = tl.reshape(idx * W + words[None, :], (BN * W,))
                     packed = tl.reshape(tl.gather(book, flat, 0), (BN, W))
                 else:
-                    packed = tl.gather(book, idx, 0)  # [BN, W] int64
-                f0 = (packed & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
-                f1 = ((packed >> 16) & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
-                f2 = ((packed >> 32) & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
-                f3 = ((packed >> 48) & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                    packed = tl.gather(book, idx, 0)  # [BN, W] int64 (FP8: int32)
+                if FP8:  # int8 fields, bitcast to e4m3 after the reshape
+                    f0 = (packed & 0xFF).to(tl.int8)
+                    f1 = ((packed >> 8) & 0xFF).to(tl.int8)
+                    f2 = ((packed >> 16) & 0xFF).to(tl.int8)
+                    f3 = ((packed >> 24) & 0xFF).to(tl.int8)
+                else:
+                    f0 = (packed & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                    f1 = ((packed >> 16) & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                    f2 = ((packed >> 32) & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                    f3 = ((packed >> 48) & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
                 # join appends its axis last: join(join(f0, f2), join(f1, f3))[n, w, p, i] =
                 # field 2 p + i of word w, so the reshape puts it at column 4 w + 2 p + i
                 keys = tl.reshape(tl.join(tl.join(f0, f2), tl.join(f1, f3)), (BN, DP))
-                dots = tl.dot(keys, qt)  # [BN, HP] f32
+                if FP8:
+                    keys = keys.to(tl.float8e4nv, bitcast=True)
+                dots = tl.dot(keys, qt, out_dtype=tl.float32)  # [BN, HP] f32
                 s = tl.sum(tl.maximum(dots, 0.0) * w[None, :], axis=1)  # [BN]
                 s = tl.where(rows < length, s, float("-inf"))
             else:
@@ -226,6 +290,26 @@ def _kernel():
             tl.store(out_ptr + b * N + rows, s, mask=rows < N)
 
     return pq_scores_kernel
+
+
+def compile_ptx(lay: Layout, n: int, params: Params | None = None, arch: int = 90) -> str:
+    """PTX of the score kernel for CUDA sm_``arch`` (needs only the triton package, no GPU):
+    for tests that the fp8 path lowers to e4m3 tensor-core MMAs."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    p = params or DEFAULT_PARAMS
+    block_n, steps = _tile(n, p)
+    consts = dict(N=n, M=lay.m, K=lay.k, KP=lay.kp, W=lay.words, WPS=lay.wps, DP=lay.dp,
+                  HP=lay.hp, BN=block_n, STEPS=steps, FLAT=p.decode == "smem", FP8=lay.fp8)
+    sig = dict(len_ptr="*i32", qt_ptr="*u8" if lay.fp8 else "*bf16", w_ptr="*fp32",
+               codes_ptr="*u8", book_ptr="*u32", out_ptr="*fp32")
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    out = triton.compile(ASTSource(fn=_kernel(), signature=sig, constexprs=consts),
+                         target=GPUTarget("cuda", arch, 32),
+                         options=dict(num_warps=p.num_warps, num_stages=p.num_stages))
+    return out.asm["ptx"]
 
 
 def _tile(n: int, params: Params) -> tuple[int, int]:
@@ -236,36 +320,46 @@ def _tile(n: int, params: Params) -> tuple[int, int]:
 
 
 def coarse_scores_jax_triton(q, weights, codes, codebooks, lengths, *,
-                             params: Params | None = None) -> jnp.ndarray:
+                             params: Params | None = None,
+                             precision: str = "bf16") -> jnp.ndarray:
     """Masked coarse scores [B, N] f32 (-inf at n >= lengths[b]) by the Triton kernel.
-    Inputs as ``api.pq_topc`` (validated there). Needs a CUDA GPU."""
+    Inputs as ``api.pq_topc`` (validated there); precision "bf16" or "fp8" (module docstring).
+    Needs a CUDA GPU."""
     p = params or DEFAULT_PARAMS
     if p.decode not in DECODES:
         raise ValueError(f"pq_topc: decode={p.decode!r}; allowed: {DECODES}")
+    _check_precision(precision)
     import jax_triton
+    q, weights, codebooks = _quantized(q, weights, codebooks, precision)
     (b, h, _), (n, m), (k, ds) = q.shape, codes.shape[1:], codebooks.shape[1:]
-    lay = layout(h, m, k, ds)
+    lay = layout(h, m, k, ds, fp8=precision == "fp8")
     block_n, steps = _tile(n, p)
     w = jnp.pad(weights.astype(jnp.float32), ((0, 0), (0, lay.hp - h)))
     lens = jnp.clip(lengths.astype(jnp.int32), 0, n)
+    qt = padded_query(q, lay)
+    if lay.fp8:  # passed as raw bytes, bitcast back in the kernel
+        qt = lax.bitcast_convert_type(qt, jnp.uint8)
     return jax_triton.triton_call(
-        lens, padded_query(q, lay), w, codes, packed_codebook(codebooks, lay),
+        lens, qt, w, codes, packed_codebook(codebooks, lay),
         kernel=_kernel(),
         out_shape=jax.ShapeDtypeStruct((b, n), jnp.float32),
         grid=(b, -(-n // (block_n * steps))),
         num_warps=p.num_warps, num_stages=p.num_stages,
         N=n, M=m, K=k, KP=lay.kp, W=lay.words, WPS=lay.wps, DP=lay.dp, HP=lay.hp,
-        BN=block_n, STEPS=steps, FLAT=p.decode == "smem",
+        BN=block_n, STEPS=steps, FLAT=p.decode == "smem", FP8=lay.fp8,
     )
 
 
 @functools.partial(jax.jit, static_argnames=("num_candidates", "params",
-                                             "topk_implementation"))
+                                             "topk_implementation", "precision"))
 def pq_topc_jax_triton(q, weights, codes, codebooks, lengths, *, num_candidates: int,
-                       params: Params | None = None, topk_implementation: str = "triton"):
+                       params: Params | None = None, topk_implementation: str = "triton",
+                       precision: str = "bf16"):
     """Top-C positions of PQ-coded keys: the Triton score kernel, then ``pallas_kernels.topk``
     (``topk_implementation``). Returns (positions [B, C] int32 in any order, -1 padded;
-    scores [B, C] f32, -inf at padding). Inputs validated by ``api.pq_topc``."""
-    scores = coarse_scores_jax_triton(q, weights, codes, codebooks, lengths, params=params)
+    scores [B, C] f32, -inf at padding). Inputs validated by ``api.pq_topc``; precision
+    "bf16" or "fp8" (module docstring)."""
+    scores = coarse_scores_jax_triton(q, weights, codes, codebooks, lengths, params=params,
+                                      precision=precision)
     lens = jnp.clip(lengths.astype(jnp.int32), 0, scores.shape[1])
     return topk(scores, lens, num_candidates, implementation=topk_implementation)

@@ -35,6 +35,9 @@ Precision: q and the codebooks are rounded to bf16 (relative error <= 2^-9 each;
 accumulates in f32), so scores differ from the f32 reference by a small fraction of the largest
 |score| (tests hold them to ``TOLERANCE['bfloat16']`` = 2e-2) and top-C sets may differ at the
 boundary; inputs exact in bf16 (small integers, dyadic weights) give bit-identical scores.
+precision="fp8": q and the codebooks quantized by ``reference.quantize_fp8`` (scales folded
+into the head weights), e4m3 codebook gathers and an e4m3 x e4m3 dot (contraction dim >= 32)
+with f32 accumulation; the fp8 reference twin differs only in accumulation order.
 
 Pallas-Triton needs power-of-two block shapes and tl.dot needs every dim >= 16, so the wrapper
 pads with zeros where needed (exact: a zero query row / zero codebook column adds nothing):
@@ -55,11 +58,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import common
+from pallas_kernels.pq_topc import reference
 from pallas_kernels.topk import topk
 from pallas_kernels.topk import triton as topk_impl
 from pallas_kernels.topk.triton import count_at_least, eligible_keys
 
 MIN_DOT_DIM = 16  # tl.dot needs every operand dim >= 16
+MIN_DOT_K_FP8 = 32  # and an fp8 dot a contraction dim >= 32 (one e4m3 MMA k-step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +178,7 @@ class _Layout:
     dsp: int
     k: int
     p: Params
+    fp8: bool = False
 
     @property
     def span(self) -> int:
@@ -180,29 +186,34 @@ class _Layout:
 
 
 def _layout(q, codes, codebooks, params: Params | None) -> _Layout:
+    """Sizes of one call; fp8 when q (already quantized) is float8_e4m3fn."""
     b, h, _ = q.shape
     n, m = codes.shape[1:]
     k, ds = codebooks.shape[1:]
+    fp8 = q.dtype == jnp.float8_e4m3fn
+    min_k = MIN_DOT_K_FP8 if fp8 else MIN_DOT_DIM
     # Zero padding to power-of-two dims that tl.dot accepts (exact, see the module docstring).
     hp, dsp = max(MIN_DOT_DIM, _pow2(h)), _pow2(ds)
-    mp = max(_pow2(m), MIN_DOT_DIM // min(dsp, MIN_DOT_DIM))
+    mp = max(_pow2(m), min_k // min(dsp, min_k))
     p = _params_for(hp, mp * dsp, mp, k, n, params)
     span = p.block_n * p.blocks_per_program
     return _Layout(b=b, n=n, n_pad=-(-n // span) * span, hp=hp, dp=mp * dsp, mp=mp, dsp=dsp,
-                   k=k, p=p)
+                   k=k, p=p, fp8=fp8)
 
 
 def _operands(q, weights, codes, codebooks, lengths, lay: _Layout):
     """Kernel operands (lengths [B] clipped to N, q^T [B, D', H'] bf16, weights [B, H'],
-    codes [B, N_pad, M'], codebooks [M' * K, d'] bf16), zero padded."""
+    codes [B, N_pad, M'], codebooks [M' * K, d'] bf16; e4m3 instead of bf16 when lay.fp8, the
+    inputs then being ``reference.quantize_fp8``'s), zero padded."""
     b, h, _ = q.shape
     n, m = codes.shape[1:]
     ds = codebooks.shape[2]
-    qt = q.astype(jnp.bfloat16).reshape(b, h, m, ds)
+    dtype = jnp.float8_e4m3fn if lay.fp8 else jnp.bfloat16
+    qt = q.astype(dtype).reshape(b, h, m, ds)
     qt = jnp.pad(qt, ((0, 0), (0, lay.hp - h), (0, lay.mp - m), (0, lay.dsp - ds)))
     qt = qt.reshape(b, lay.hp, lay.dp).transpose(0, 2, 1)  # [B, D', H']
     w = jnp.pad(weights.astype(jnp.float32), ((0, 0), (0, lay.hp - h)))  # [B, H']
-    books = jnp.pad(codebooks.astype(jnp.bfloat16),
+    books = jnp.pad(codebooks.astype(dtype),
                     ((0, lay.mp - m), (0, 0), (0, lay.dsp - ds)))
     books = books.reshape(lay.mp * lay.k, lay.dsp)  # [M' * K, d']
     if (lay.n_pad, lay.mp) != (n, m):
@@ -241,23 +252,39 @@ def _score_call(lay: _Layout, interpret: bool, nt: int | None = None):
 
 
 def coarse_scores_triton(q, weights, codes, codebooks, lengths, *, params: Params | None = None,
-                         interpret: bool | None = None) -> jnp.ndarray:
+                         interpret: bool | None = None, precision: str = "bf16") -> jnp.ndarray:
     """Masked coarse scores [B, N] f32 (-inf at positions >= lengths[b]) by the Pallas kernel.
 
     q [B, H, D], weights [B, H], codes [B, N, M] uint8, codebooks [M, K, D/M], lengths [B]
     (validated by ``api.pq_topc``). ``params`` overrides the tuned launch parameters;
     ``interpret`` defaults to ``common.interpret()`` (True without a GPU, False while
-    ``common.abstract_gpu`` lowers for CUDA).
+    ``common.abstract_gpu`` lowers for CUDA). ``precision`` as ``pq_topc_triton``.
     """
+    _check_precision(precision)
     if interpret is None:  # resolved outside jit: it reads the abstract-mesh context
         interpret = common.interpret()
     return _coarse_scores(q, weights, codes, codebooks, lengths, params=params,
-                          interpret=interpret)
+                          interpret=interpret, precision=precision)
 
 
-@functools.partial(jax.jit, static_argnames=("params", "interpret"))
+def _check_precision(precision: str) -> None:
+    if precision not in reference.PRECISIONS:
+        raise ValueError(f"pq_topc: precision={precision!r} is unknown; allowed: "
+                         f"{reference.PRECISIONS}")
+
+
+def _quantized(q, weights, codebooks, precision: str):
+    """(q, weights, codebooks) as the kernel takes them: unchanged for "bf16" (rounded in
+    ``_operands``), ``reference.quantize_fp8``'s e4m3 values and folded weights for "fp8"."""
+    if precision == "fp8":
+        return reference.quantize_fp8(q, weights, codebooks)
+    return q, weights, codebooks
+
+
+@functools.partial(jax.jit, static_argnames=("params", "interpret", "precision"))
 def _coarse_scores(q, weights, codes, codebooks, lengths, *, params: Params | None,
-                   interpret: bool) -> jnp.ndarray:
+                   interpret: bool, precision: str) -> jnp.ndarray:
+    q, weights, codebooks = _quantized(q, weights, codebooks, precision)
     lay = _layout(q, codes, codebooks, params)
     scores = _score_call(lay, interpret)(*_operands(q, weights, codes, codebooks, lengths, lay))
     return scores[:, :lay.n] if lay.n_pad != lay.n else scores
@@ -325,11 +352,13 @@ _first_pass_jit = jax.jit(_first_pass, static_argnums=(5, 6, 7))
 
 def fused_first_pass(q, weights, codes, codebooks, lengths, *, num_candidates: int,
                      params: Params | None = None, interpret: bool | None = None,
-                     topk_tunables: dict | None = None):
+                     topk_tunables: dict | None = None, precision: str = "bf16"):
     """The fused kernel's raw outputs, for tests and inspection: (thresholds [B, NT] int32,
     scores [B, N_pad] f32, per-span counts [B, N_pad / SPAN, NT] int32, SPAN)."""
+    _check_precision(precision)
     if interpret is None:
         interpret = common.interpret()
+    q, weights, codebooks = _quantized(q, weights, codebooks, precision)
     lay = _layout(q, codes, codebooks, params)
     cfg = _topk_config(lay, num_candidates, interpret, _frozen(topk_tunables))
     _, thr, scores, counts = _first_pass_jit(q, weights, codes, codebooks, lengths, lay, cfg,
@@ -338,9 +367,10 @@ def fused_first_pass(q, weights, codes, codebooks, lengths, *, num_candidates: i
 
 
 @functools.partial(jax.jit, static_argnames=("num_candidates", "params", "interpret",
-                                             "tunables"))
+                                             "tunables", "precision"))
 def _pq_topc_fused(q, weights, codes, codebooks, lengths, *, num_candidates: int,
-                   params: Params | None, interpret: bool, tunables: tuple):
+                   params: Params | None, interpret: bool, tunables: tuple, precision: str):
+    q, weights, codebooks = _quantized(q, weights, codebooks, precision)
     lay = _layout(q, codes, codebooks, params)
     cfg = _topk_config(lay, num_candidates, interpret, tunables)
     length, thr, scores, counts = _first_pass(q, weights, codes, codebooks, lengths, lay, cfg,
@@ -360,13 +390,17 @@ def select_top_c(scores, lengths, num_candidates: int, implementation: str = "tr
 def pq_topc_triton(q, weights, codes, codebooks, lengths, *, num_candidates: int,
                    params: Params | None = None, interpret: bool | None = None,
                    fused: bool = True, topk_implementation: str = "triton",
-                   topk_tunables: dict | None = None):
+                   topk_tunables: dict | None = None, precision: str = "bf16"):
     """Top-C positions of PQ-coded keys (see the module docstring); inputs as in
     ``api.pq_topc``. fused=True: the score kernel also runs topk's first counting pass, then
     topk continues from there. fused=False: the score kernel, then ``select_top_c`` with
     ``topk_implementation`` ("triton" or "xla"; the fused path is triton only).
     ``topk_tunables``: keyword arguments of ``topk.triton.topk_triton`` (block, cap, sample,
-    digit_bits, chunk, num_warps, select_warps) for the triton top-C stage; None: defaults."""
+    digit_bits, chunk, num_warps, select_warps) for the triton top-C stage; None: defaults.
+    ``precision`` "bf16": q and codebooks rounded to bf16; "fp8": quantized to e4m3 by
+    ``reference.quantize_fp8`` (scales folded into the head weights), an e4m3 x e4m3 dot with
+    f32 accumulation."""
+    _check_precision(precision)
     if interpret is None:  # resolved outside jit: it reads the abstract-mesh context
         interpret = common.interpret()
     if fused:
@@ -375,9 +409,10 @@ def pq_topc_triton(q, weights, codes, codebooks, lengths, *, num_candidates: int
                              f"got {topk_implementation!r}")
         return _pq_topc_fused(q, weights, codes, codebooks, lengths,
                               num_candidates=num_candidates, params=params,
-                              interpret=bool(interpret), tunables=_frozen(topk_tunables))
+                              interpret=bool(interpret), tunables=_frozen(topk_tunables),
+                              precision=precision)
     scores = coarse_scores_triton(q, weights, codes, codebooks, lengths, params=params,
-                                  interpret=interpret)
+                                  interpret=interpret, precision=precision)
     if topk_tunables and topk_implementation == "triton":
         lengths = jnp.clip(lengths.astype(jnp.int32), 0, scores.shape[1])
         return topk_impl.topk_triton(scores, lengths, num_candidates, interpret=interpret,
