@@ -5,6 +5,9 @@
 #           LeanSparse speculative decoding departs from plain decoding with Triton kernels
 #           (scripts/spec_divergence.py, as-is and with exact rescoring in XLA); the GLM-5 DSA
 #           paging slice (benchmarks/dsa_paging_gpu.py).
+#   STEP=b  issue 15: spec_divergence and the LeanSparse C4 speculative cell with Triton kernels
+#           after the index_scores hi/lo split; issue 13/16: the attention variants in place and
+#           the decode step at 128K, B 64 (fp8_v4 rows, f32 attention after the 4-warp fix).
 # Everything comes back in $OUT/<step>.tar (more files than $OUT returns).
 source benchmarks/gpu_lib.sh
 STEP=${STEP:-a}
@@ -14,6 +17,10 @@ case "$STEP" in
     part specdiv 115 "python3 scripts/spec_divergence.py --variant none --time-limit 105"
     part specdiv_scores 100 "python3 scripts/spec_divergence.py --variant scores_xla --time-limit 90"
     part dsa 100 "python3 benchmarks/dsa_paging_gpu.py --out \$OUT --budget-s 60" ;;
+  b)
+    part specdiv 150 "python3 scripts/spec_divergence.py --variant none --time-limit 140"
+    part leantriton 90 "python3 -m experiments.cli run configs/experiments/speculative.gin \"--gin.speculative.methods=('leansparse',)\" \"--gin.speculative.concurrencies=(4,)\" --gin.speculative.decode_tokens=64 --gin.speculative.results_dir=None \"--gin.speculative.implementation='triton'\" \"--gin.run.name='spec_lean_triton'\""
+    part attn 265 "python3 benchmarks/attention_precision_gpu.py --out \$OUT --budget-s 255 --op-budget-s 75 --decode hisparse+leansparse:fp8_v4:f32" ;;
   *) echo "unknown STEP $STEP" >&2; exit 2 ;;
 esac
 pack "$STEP"
