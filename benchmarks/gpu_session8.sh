@@ -8,6 +8,8 @@
 #   STEP=b  issue 15: spec_divergence and the LeanSparse C4 speculative cell with Triton kernels
 #           after the index_scores hi/lo split; issue 13/16: the attention variants in place and
 #           the decode step at 128K, B 64 (fp8_v4 rows, f32 attention after the 4-warp fix).
+#   STEP=c  issue 17: the NIAH half of the 200-example accuracy study (resumable); issue 13: the
+#           LeanSparse decode step at 128K, B 64 after the attention fix; issue 16: pq_topc fp8.
 # Everything comes back in $OUT/<step>.tar (more files than $OUT returns).
 source benchmarks/gpu_lib.sh
 STEP=${STEP:-a}
@@ -21,6 +23,10 @@ case "$STEP" in
     part specdiv 150 "python3 scripts/spec_divergence.py --variant none --time-limit 140"
     part leantriton 90 "python3 -m experiments.cli run configs/experiments/speculative.gin \"--gin.speculative.methods=('leansparse',)\" \"--gin.speculative.concurrencies=(4,)\" --gin.speculative.decode_tokens=64 --gin.speculative.results_dir=None \"--gin.speculative.implementation='triton'\" \"--gin.run.name='spec_lean_triton'\""
     part attn 265 "python3 benchmarks/attention_precision_gpu.py --out \$OUT --budget-s 255 --op-budget-s 75 --decode hisparse+leansparse:fp8_v4:f32" ;;
+  c)
+    part acc 200 "STEP=accuracy TASKS=\"('niah',)\" ACC_SECONDS=150 ACC_TIMEOUT=195 bash benchmarks/train_long_gpu.sh; rm -f \$OUT/jaxcache.tar"
+    part leandecode 185 "python3 benchmarks/decode_profile_gpu.py --methods leansparse --kv-dtype fp8_v4 --attention-precision f32 --out \$OUT --budget-s 170"
+    part pqfp8 125 "python3 benchmarks/pq_fp8_gpu.py --out \$OUT --budget-s 110" ;;
   *) echo "unknown STEP $STEP" >&2; exit 2 ;;
 esac
 pack "$STEP"
