@@ -10,6 +10,9 @@
 #           the decode step at 128K, B 64 (fp8_v4 rows, f32 attention after the 4-warp fix).
 #   STEP=c  issue 17: the NIAH half of the 200-example accuracy study (resumable); issue 13: the
 #           LeanSparse decode step at 128K, B 64 after the attention fix; issue 16: pq_topc fp8.
+#   STEP=d  (right after c, on the warm machine: its runs/jaxcache holds c's compiles) the NIAH
+#           study resumed from results/accuracy_long; issue 14's serving session (capacity,
+#           loadstep, replay at one-call scale: benchmarks/serving_gpu.sh STEP=session).
 # Everything comes back in $OUT/<step>.tar (more files than $OUT returns).
 source benchmarks/gpu_lib.sh
 STEP=${STEP:-a}
@@ -27,6 +30,9 @@ case "$STEP" in
     part acc 200 "STEP=accuracy TASKS=\"('niah',)\" ACC_SECONDS=150 ACC_TIMEOUT=195 bash benchmarks/train_long_gpu.sh; rm -f \$OUT/jaxcache.tar"
     part leandecode 185 "python3 benchmarks/decode_profile_gpu.py --methods leansparse --kv-dtype fp8_v4 --attention-precision f32 --out \$OUT --budget-s 170"
     part pqfp8 125 "python3 benchmarks/pq_fp8_gpu.py --out \$OUT --budget-s 110" ;;
+  d)
+    part acc ${ACC_PART_S:-215} "STEP=accuracy TASKS=\"('niah',)\" ACC_SECONDS=${ACC_S:-170} ACC_TIMEOUT=${ACC_T:-210} bash benchmarks/train_long_gpu.sh; rm -f \$OUT/jaxcache.tar"
+    part serving 260 "STEP=session bash benchmarks/serving_gpu.sh" ;;
   *) echo "unknown STEP $STEP" >&2; exit 2 ;;
 esac
 pack "$STEP"
