@@ -237,12 +237,11 @@ class Engine:
         prefix.state, prefix.layers = "dropped", ()
 
     def _host_page_bytes(self) -> int:
-        """Bytes of one host page id: its P rows in every host pool (KV rows, and FP8 keys
-        for leansparse) of every CSA layer."""
+        """Bytes of one host page id: its rows in every host pool (KV rows, and FP8 keys for
+        leansparse) of every paged layer (P rows of a CSA layer, P * m of a DSA layer)."""
         tier = self.state.tier
         pools = [getattr(tier, name, None) for name in ("kv_pools", "key_pools")]
-        rows = sum(leaf.nbytes // leaf.shape[0] for leaf in jax.tree.leaves(pools))
-        return rows * self.config.cache.page_size
+        return sum(leaf.nbytes for leaf in jax.tree.leaves(pools)) // self.config.host_pages
 
     def release(self, slot: int) -> list[int]:
         """Ends a request: frees its slot and what the method reserved; returns its tokens."""
