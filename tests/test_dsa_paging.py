@@ -224,10 +224,15 @@ def test_prefix_reuse_with_paged_dsa_equals_full_prefill(method):
     two complete pages, an empty tail), the same greedy tokens when it holds decode-written
     rows (55 tokens: one page and a 23-row tail). The prefix holds the host bytes the
     accounting says."""
+    check_prefix_reuse(make(method), make(method))
+
+
+def check_prefix_reuse(engine, fresh):
+    """The identities of ``test_prefix_reuse_with_paged_dsa_equals_full_prefill`` on two
+    engines of one config (P = 8, chunks of 32)."""
     from lsparse_jax.memory.accounting import prefix_host_bytes
 
     tokens = np.random.default_rng(4).integers(0, 256, 200).astype(np.int32)
-    engine, fresh = make(method), make(method)
 
     def steps(e, n):
         outs = [e.step() for _ in range(n)]
@@ -286,6 +291,17 @@ def test_v4_shared_kv_source_location_reuse_changes_nothing_in_prefill():
                                       np.asarray(sels[MEMBERS[i]].positions))
     assert off_sels[1].locations.table is None and sels[1].locations.table is not None
     assert not np.array_equal(np.asarray(on), np.asarray(run(glm, True)[0]))
+
+
+@pytest.mark.slow
+def test_prefix_reuse_with_a_shared_kv_source():
+    """Prefix reuse on a ``dsa_shared_kv`` model under hisparse: only the leaders' rows are
+    paged (members hold none); the reused call equals a fresh admission as above."""
+    cfg, params = tiny(max_len=256, dsa_shared_kv=True, **GLM), setup()[1]
+    cache = CacheConfig(num_slots=2, prefill_chunk=32, page_size=8, hot_cache_rows=16)
+    engines = [Engine(EngineConfig(model=cfg, cache=cache, method="hisparse"), params)
+               for _ in range(2)]
+    check_prefix_reuse(*engines)
 
 
 @pytest.mark.slow
