@@ -48,6 +48,7 @@ def make(method, reuse=True, hot_rows=16, slots=2):
     cache = CacheConfig(num_slots=slots, prefill_chunk=32, page_size=8,
                         hot_cache_rows=None if method == "resident" else hot_rows,
                         optional_pages=3 if method == "adaptive" else None,
+                        shared_pool_rows=4096 if method == "echo" else None,
                         location_reuse=reuse)
     return Engine(EngineConfig(model=cfg, cache=cache, method=method,
                                leansparse=LeanSparseConfig(128, None, 128)), params, books)
@@ -212,14 +213,55 @@ def test_dsa_members_keep_their_own_rows_not_the_leaders():
     assert jax.tree.leaves(paged.state.caches[1].keys) == []  # members keep no keys
 
 
-def test_prefix_reuse_with_paged_dsa_is_a_clear_error():
-    from lsparse_jax.serving.prefix import check_reuse
+@pytest.mark.parametrize("method", ["hisparse", pytest.param("adaptive", marks=pytest.mark.slow),
+                                    pytest.param("leansparse", marks=pytest.mark.slow),
+                                    pytest.param("echo", marks=pytest.mark.slow)])
+def test_prefix_reuse_with_paged_dsa_equals_full_prefill(method):
+    """Multi-turn reuse with host-paged DSA layers: a detached prefix keeps its complete DSA
+    pages (P * m = 32 per-token rows a page id, leansparse's leader keys too) and saves the
+    tails; a call extending it emits what a fresh whole-prompt admission of its full prompt
+    emits: the same logits bit for bit when the prefix is a chunk-aligned prompt (64 tokens:
+    two complete pages, an empty tail), the same greedy tokens when it holds decode-written
+    rows (55 tokens: one page and a 23-row tail). The prefix holds the host bytes the
+    accounting says."""
+    check_prefix_reuse(make(method), make(method))
 
-    cfg = setup()[0]
-    with pytest.raises(ValueError, match=r"pages DSA layers \[0, 1, 2, 3, 4\]"):
-        check_reuse(EngineConfig(model=cfg, method="hisparse",
-                                 cache=CacheConfig(hot_cache_rows=16)))
-    check_reuse(EngineConfig(model=cfg))  # resident DSA layers: reuse works as before
+
+def check_prefix_reuse(engine, fresh):
+    """The identities of ``test_prefix_reuse_with_paged_dsa_equals_full_prefill`` on two
+    engines of one config (P = 8, chunks of 32)."""
+    from lsparse_jax.memory.accounting import prefix_host_bytes
+
+    tokens = np.random.default_rng(4).integers(0, 256, 200).astype(np.int32)
+
+    def steps(e, n):
+        outs = [e.step() for _ in range(n)]
+        return [int(o.tokens[0]) for o in outs], [np.asarray(o.logits[0]) for o in outs]
+
+    engine.admit(tokens[:64], 20)
+    prefix = engine.detach(0)
+    assert len(prefix.pages) == 2
+    assert prefix.host_bytes == prefix_host_bytes(engine.config, 64)
+    engine.admit(tokens[:100], 8, prefix=prefix)
+    fresh.admit(tokens[:100], 8)
+    (want, want_logits), (got, got_logits) = steps(fresh, 6), steps(engine, 6)
+    assert got == want
+    for a, b in zip(want_logits, got_logits):
+        np.testing.assert_array_equal(a, b)
+    engine.release(0)
+    fresh.release(0)
+    engine.admit(tokens[:50], 20)
+    steps(engine, 5)
+    prefix = engine.detach(0)
+    assert prefix.length == 55 and len(prefix.pages) == 1
+    assert prefix.host_bytes == prefix_host_bytes(engine.config, 55)
+    prompt = np.concatenate([prefix.tokens, tokens[150:180]])
+    engine.admit(prompt, 8, prefix=prefix)
+    fresh.admit(prompt, 8)
+    (want, want_logits), (got, got_logits) = steps(fresh, 6), steps(engine, 6)
+    assert got == want
+    for a, b in zip(want_logits, got_logits):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
 
 
 # ------------------------------------------------------------ V4-style KV-source sharing
@@ -249,6 +291,17 @@ def test_v4_shared_kv_source_location_reuse_changes_nothing_in_prefill():
                                       np.asarray(sels[MEMBERS[i]].positions))
     assert off_sels[1].locations.table is None and sels[1].locations.table is not None
     assert not np.array_equal(np.asarray(on), np.asarray(run(glm, True)[0]))
+
+
+@pytest.mark.slow
+def test_prefix_reuse_with_a_shared_kv_source():
+    """Prefix reuse on a ``dsa_shared_kv`` model under hisparse: only the leaders' rows are
+    paged (members hold none); the reused call equals a fresh admission as above."""
+    cfg, params = tiny(max_len=256, dsa_shared_kv=True, **GLM), setup()[1]
+    cache = CacheConfig(num_slots=2, prefill_chunk=32, page_size=8, hot_cache_rows=16)
+    engines = [Engine(EngineConfig(model=cfg, cache=cache, method="hisparse"), params)
+               for _ in range(2)]
+    check_prefix_reuse(*engines)
 
 
 @pytest.mark.slow

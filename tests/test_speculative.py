@@ -310,6 +310,63 @@ def test_scheduler_serves_a_spec_engine_with_the_tokens_of_plain_greedy():
     assert {r.id: r.tokens for r in sched.finished} == want
 
 
+def test_chunked_admission_equals_whole_prompt_admission():
+    """The last ``SpecPrefill`` of ``SpecEngine.prefill_chunks`` (a scheduler's chunked
+    admission) admits a slot whose caches and drafter ring equal bit for bit those of the
+    engine's own whole-prompt admission; a prefill without the target features, and a prefix,
+    are refused."""
+    config = engine_config("hisparse")
+    cfg, params, books = setup()
+    spec = SpecEngine(config, params, (init_drafter(cfg, DCFG, 1), DCFG), books)
+    prompt = PROMPT[:70]  # three chunks of 32; the ring's W = 16 positions from the last
+    chunks = list(spec.prefill_chunks(prompt))
+    assert [v for _, v in chunks] == [32, 32, 6] and chunks[0][0] is None
+    with pytest.raises(ValueError, match="SpecPrefill"):
+        spec.admit(prompt, 8, prefilled=(chunks[-1][0].caches, chunks[-1][0].last))
+    with pytest.raises(ValueError, match="prefix reuse"):
+        spec.admit(prompt, 8, prefix=object())
+    whole = spec.admit(prompt, 8)
+    chunked = spec.admit(prompt, 8, prefilled=chunks[-1][0])
+    assert spec.next_token[whole] == spec.next_token[chunked]
+    for tree in (spec.state.caches, spec.spec.windows):
+        for leaf in jax.tree.leaves(tree):
+            np.testing.assert_array_equal(np.asarray(leaf[whole], np.float32),
+                                          np.asarray(leaf[chunked], np.float32))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["hisparse", "leansparse"])
+def test_scheduler_chunked_prefill_serves_a_spec_engine_with_the_tokens_of_plain_greedy(
+        method):
+    """Chunked prefill under the scheduler (``prefill_token_budget``, one chunk an iteration
+    beside the verification steps) with a SpecEngine: every request gets exactly the tokens
+    plain greedy decoding gives it alone."""
+    from lsparse_jax.serving.request import Request
+    from lsparse_jax.serving.scheduler import Clock, Scheduler
+
+    config = engine_config(method)
+    cfg, params, books = setup()
+    rng = np.random.default_rng(7)
+    requests = [Request(rng.integers(0, 256, n).astype(np.int32), new, arrival_time=t, id=i)
+                for i, (n, new, t) in enumerate([(90, 14, 0.0), (45, 20, 0.0),
+                                                 (70, 12, 0.02)])]
+    plain = Engine(config, params, books)
+
+    def alone(r):
+        slot = plain.admit(Request(r.prompt, r.max_new_tokens))
+        while not plain.requests[slot].done:
+            plain.step()
+        return plain.release(slot)
+
+    want = {r.id: alone(r) for r in requests}
+    spec = SpecEngine(config, params, (init_drafter(cfg, DCFG, 1), DCFG), books)
+    sched = Scheduler(spec, prefill_token_budget=32, clock=Clock(step_s=0.01))
+    sched.submit(requests)
+    sched.run()
+    assert any(t["active"] and t["prefilling"] for t in sched.trace)  # beside verification
+    assert {r.id: r.tokens for r in sched.finished} == want
+
+
 def test_union_gather_fetches_each_missing_row_once():
     """Shared miss retrieval (UnionKV over hisparse's PagedKVStore): T queries with
     overlapping selections read their true rows; the host rows fetched are the distinct missing

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from lsparse_jax.config import DrafterConfig, EngineConfig, ModelConfig
-from lsparse_jax.model.cache import empty_layer_cache
+from lsparse_jax.model.cache import dsa_row_format, empty_layer_cache
 from lsparse_jax.quant import KVRowFormat
 
 GPU_COMPONENTS = ("weights_share", "swa_window", "compressor_state", "attention_kv",
@@ -235,18 +235,29 @@ def admission_device_bytes(engine: EngineConfig, context: int | None = None) -> 
 def prefix_host_bytes(engine: EngineConfig, length: int) -> int:
     """Host bytes of a detached prefix of ``length`` tokens (``serving.prefix.Prefix``).
 
-    Notation: S_l as in ``layer_state_bytes``, m CSA stride, P page rows, N = max_len / m,
-    f = (length // m) // P complete pages, L_c CSA layers, r the bytes of one row in host
-    pages (a KV row, plus an FP8 key for leansparse; 0 without host pages).
-    The saved state is each layer's resident state with the host-paged rows of a CSA layer
-    cut to the P-row tail: sum_l S_l - L_c (N - P) r; the pages: f P r L_c.
+    Notation: S_l as in ``layer_state_bytes``, m CSA stride, P page rows, f = (length // m)
+    // P complete pages; per host-paged layer l: N_l rows at max_len (max_len / m for CSA,
+    max_len for DSA), P_l rows a page (P for CSA, P * m for DSA), r_l the bytes of one row in
+    host pages (a KV row, plus an FP8 key for leansparse's CSA layers and DSA leaders; 0
+    without host pages; DSA members under dsa_shared_kv hold none).
+    The saved state is each layer's resident state with its host-paged rows cut to the
+    P_l-row tail: sum_l S_l - sum_l (N_l - P_l) r_l; the pages: f sum_l P_l r_l.
     """
     cfg, storage, page = engine.model, engine.storage, engine.cache.page_size
-    row = ((KVRowFormat.of(cfg).row_bytes if storage.kv_on_host else 0)
-           + (cfg.indexer.key_bytes if storage.keys_on_host else 0))
-    csa, n = cfg.layer_pattern.count("csa"), cfg.num_compressed("csa")
     full = (length // cfg.csa_ratio) // page
-    return sum(layer_state_bytes(cfg)) - csa * (n - page) * row + full * page * row * csa
+    total = sum(layer_state_bytes(cfg))
+    for i, kind in enumerate(cfg.layer_pattern):
+        if kind == "csa":
+            rows, per_page, kv = cfg.num_compressed("csa"), page, KVRowFormat.of(cfg).row_bytes
+        elif kind == "dsa" and cfg.kv_source(i) == i:
+            rows, per_page, kv = cfg.max_len, page * cfg.csa_ratio, dsa_row_format(cfg).row_bytes
+        else:
+            continue
+        leads = i in cfg.indexer_layers
+        row = ((kv if storage.kv_on_host else 0)
+               + (cfg.indexer.key_bytes if storage.keys_on_host and leads else 0))
+        total += full * per_page * row - (rows - per_page) * row
+    return total
 
 
 def device_page_bytes(engine: EngineConfig, layout: Layout | None = None) -> int:

@@ -30,7 +30,13 @@ from lsparse_jax.serving.state import (
     empty_state,
     slot_bytes,
 )
-from lsparse_jax.serving.steps import DecodeOutput, decode_step, prefill, sparse_layers
+from lsparse_jax.serving.steps import (
+    DecodeOutput,
+    decode_step,
+    prefill,
+    prefill_chunks,
+    sparse_layers,
+)
 
 
 class Engine:
@@ -105,8 +111,9 @@ class Engine:
         finishes (``state.admit_layer``): the device never holds more than the decode state
         and two layer buffers. Otherwise ``steps.prefill`` computes every layer's caches on the
         device and ``state.admit`` admits them.
-        prefilled: (caches, last logits) that ``steps.prefill`` returned for this prompt and
-        model, to share one prefill between engines (every method prefills alike).
+        prefilled: (caches, last logits) that ``steps.prefill`` (or the last chunk of
+        ``prefill_chunks``) returned for this prompt and model, to share one prefill between
+        engines (every method prefills alike).
         prefix: a ``Prefix`` from ``detach``; ``request.prompt`` must extend its tokens. Only
         the suffix is prefilled, the prefix state streamed in from the host; the prefix is
         consumed (its host pages become the request's) unless this raises.
@@ -158,6 +165,16 @@ class Engine:
         self.lengths[slot] = len(prompt)
         self.stats = stats.admitted(self.stats, slot)
         return slot
+
+    def prefill_chunks(self, prompt: np.ndarray):
+        """Chunked prefill of ``prompt``, one ``prefill_chunk`` per ``next`` (a scheduler
+        interleaves them with decode steps): yields (prefilled, valid tokens of the chunk); the
+        last ``prefilled`` is what ``admit(prefilled=...)`` takes, the same as ``admit``'s own
+        prefill computes."""
+        cfg = self.config
+        for caches, last, valid in prefill_chunks(self.params, cfg.model, prompt,
+                                                  cfg.cache.prefill_chunk, cfg.implementation):
+            yield (caches, last), valid
 
     def _check_prefix(self, prefix: Prefix, prompt: np.ndarray, prefilled) -> None:
         prefix.check_held(self.control, "admit")
@@ -220,12 +237,11 @@ class Engine:
         prefix.state, prefix.layers = "dropped", ()
 
     def _host_page_bytes(self) -> int:
-        """Bytes of one host page id: its P rows in every host pool (KV rows, and FP8 keys
-        for leansparse) of every CSA layer."""
+        """Bytes of one host page id: its rows in every host pool (KV rows, and FP8 keys for
+        leansparse) of every paged layer (P rows of a CSA layer, P * m of a DSA layer)."""
         tier = self.state.tier
         pools = [getattr(tier, name, None) for name in ("kv_pools", "key_pools")]
-        rows = sum(leaf.nbytes // leaf.shape[0] for leaf in jax.tree.leaves(pools))
-        return rows * self.config.cache.page_size
+        return sum(leaf.nbytes for leaf in jax.tree.leaves(pools)) // self.config.host_pages
 
     def release(self, slot: int) -> list[int]:
         """Ends a request: frees its slot and what the method reserved; returns its tokens."""

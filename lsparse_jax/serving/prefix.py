@@ -3,8 +3,9 @@ computed by an earlier request, streamed in layer by layer from host memory).
 
 ``Engine.detach(slot)`` ends a request but keeps its context (prompt + the generated tokens
 whose KV was written) as a ``Prefix``:
-  - paged methods (compressed KV, and leansparse's FP8 indexer keys, in host pages): the
-    request's complete host pages stay reserved and become the prefix's; nothing is copied;
+  - paged methods (compressed KV, and leansparse's FP8 indexer keys, in host pages; with
+    GLM-5-style DSA layers also their per-token rows and leaders' keys, P * m rows a page id):
+    the request's complete host pages stay reserved and become the prefix's; nothing is copied;
   - everything else a slot keeps on the device is saved to ``pinned_host`` memory per layer,
     in the resident layout the prefill stream computes on: SWA windows, compressor rings,
     the tail rows of the partial page, exact indexer keys (resident, hisparse, adaptive),
@@ -17,7 +18,9 @@ by page into the layer buffer) and the admission takes the prefix's pages as the
 logical pages. ``Engine.drop(p)`` frees them.
 
 Notation: m CSA stride, P rows per page, n prefix tokens, c = n // m compressed rows of which
-f = c // P fill complete pages (held) and c - fP sit in the saved tail; N = max_len // m.
+f = c // P fill complete pages (held) and c - fP sit in the saved tail; N = max_len // m. A
+paged DSA layer's pages hold P * m per-token rows each (the same f page ids), its tail the
+n - fPm rows after them, its resident layout max_len rows.
 """
 
 from __future__ import annotations
@@ -42,9 +45,10 @@ DEVICE = jax.memory.Space.Device
 
 @struct.dataclass
 class HostPaged:
-    """Stands in for rows of a saved CSA layer that live in the prefix's host pages."""
+    """Stands in for rows of a saved CSA or DSA layer that live in the prefix's host pages."""
 
-    tail: Any  # [P, ...] rows of the partial page (NaN past the prefix's rows)
+    tail: Any  # [P, ...] rows of the partial page (NaN past the prefix's rows; a DSA layer's
+    #   [P * m, ...])
 
 
 @dataclasses.dataclass(eq=False)
@@ -103,7 +107,7 @@ def _from_pool(view: PoolView, tail, written, page: int, num_rows: int):
 def export_layer(engine: EngineConfig, state, slot, layer: int):
     """What a prefix saves of ``slot``'s layer ``layer`` (on the device; the caller moves it to
     the host): the slot's cache in the resident layout the prefill computes on, except the
-    CSA rows and keys in host pages, of which only the tail (partial page) is kept."""
+    CSA and DSA rows and keys in host pages, of which only the tail (partial page) is kept."""
     method, cfg, page = policy(engine), engine.model, engine.cache.page_size
     cache = jax.tree.map(lambda a: a[slot], state.caches[layer])
     length, kind = state.lengths[slot], cfg.layer_pattern[layer]
@@ -113,6 +117,11 @@ def export_layer(engine: EngineConfig, state, slot, layer: int):
         return cache.replace(entries=_from_pool(
             PoolView(pools.hca[layer], device), cache.entries.tail, length // cfg.hca_ratio,
             method.hca_page_rows, cfg.num_compressed("hca")))
+    if kind == "dsa" and layer in method.paged_layers:  # rows (and leansparse's leader keys)
+        keys = cache.keys  # in host pages; hisparse/adaptive leaders' keys stay resident
+        if keys is not None and method.storage.keys_on_host:
+            keys = HostPaged(keys.tail)
+        return cache.replace(kv=HostPaged(cache.kv.tail), keys=keys)
     if kind != "csa":
         return cache
     rows, n, storage = length // cfg.csa_ratio, cfg.num_compressed("csa"), method.storage
@@ -149,16 +158,15 @@ def _from_host(pool, pages, full, tail, page: int, num_rows: int):
     return jax.tree.map(lambda b: b[:num_rows], buf)
 
 
-@functools.partial(jax.jit, static_argnames=("engine",))
-def _assemble(engine: EngineConfig, saved, kv_pool, key_pool, pages, full):
-    """A saved CSA layer (on the device) with its host-paged parts read back: the resident
-    layout ``stream_prefix`` computes on."""
-    n, page = engine.model.num_compressed("csa"), engine.cache.page_size
+@functools.partial(jax.jit, static_argnames=("num_rows", "page"))
+def _assemble(saved, kv_pool, key_pool, pages, full, num_rows: int, page: int):
+    """A saved CSA or DSA layer (on the device) with its host-paged parts read back: the
+    resident layout ``stream_prefix`` computes on (``num_rows`` rows, ``page`` rows a page)."""
     kv, keys = saved.kv, saved.keys
     if isinstance(kv, HostPaged):
-        kv = ResidentKV(_from_host(kv_pool, pages, full, kv.tail, page, n))
+        kv = ResidentKV(_from_host(kv_pool, pages, full, kv.tail, page, num_rows))
     if isinstance(keys, HostPaged):
-        keys = ResidentKeys(*_from_host(key_pool, pages, full, keys.tail, page, n))
+        keys = ResidentKeys(*_from_host(key_pool, pages, full, keys.tail, page, num_rows))
     return saved.replace(kv=kv, keys=keys)
 
 
@@ -183,8 +191,10 @@ class PrefixLoad:
         tier = self.tier()
         kv_pool = tier.kv_pools[self.layer] if isinstance(saved.kv, HostPaged) else None
         key_pool = tier.key_pools[self.layer] if isinstance(saved.keys, HostPaged) else None
-        return _assemble(self.engine, saved, kv_pool, key_pool, jnp.asarray(self.pages),
-                         self.full)
+        kind = self.engine.model.layer_pattern[self.layer]
+        return _assemble(saved, kv_pool, key_pool, jnp.asarray(self.pages), self.full,
+                         self.engine.model.num_compressed(kind),
+                         policy(self.engine).page_rows(self.layer))
 
 
 def loaders(engine: EngineConfig, prefix: Prefix, tier) -> tuple[PrefixLoad, ...]:
@@ -201,11 +211,6 @@ def check_reuse(engine: EngineConfig) -> None:
     if engine.tp != 1:
         invalid("EngineConfig", "tp", engine.tp, "prefix reuse (Engine.detach, "
                 "admit(prefix=...)) streams layers on one device; use tp = 1")
-    paged_dsa = [i for i in policy(engine).paged_layers if engine.model.layer_pattern[i] == "dsa"]
-    if paged_dsa:
-        invalid("EngineConfig", "method", engine.method, f"prefix reuse saves and reloads "
-                f"host-paged CSA layers only; this method pages DSA layers {paged_dsa} too "
-                "(not implemented): use the resident method for multi-turn reuse on DSA models")
 
 
 def tree_bytes(tree) -> int:

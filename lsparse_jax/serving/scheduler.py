@@ -16,11 +16,12 @@ Prefill, two modes. Whole-prompt (``prefill_token_budget`` None): ``Engine.admit
 the prompt blocking, so every decoding request stalls meanwhile. Chunked (Sarathi-style
 stall-free batching at iteration level): an admitted request first holds a slot and its bytes
 while its prompt is prefilled ``prefill_token_budget`` tokens (whole chunks) per iteration
-beside the decode step, and enters the engine (``Engine.admit(prefilled=...)``, which then
-reserves its host pages) when its prompt is done. The chunks run as separate calls before the
-decode step, not fused into one mixed batch, and the same chunking as ``steps.prefill``, so
-the tokens equal those of whole-prompt admission. Host pages are reserved only then: a
-prefilled request the host pool cannot hold yet waits, holding its slot and bytes.
+beside the decode step (``Engine.prefill_chunks``: a ``SpecEngine``'s also keep the target
+features its drafter's ring needs), and enters the engine (``Engine.admit(prefilled=...)``,
+which then reserves its host pages) when its prompt is done. The chunks run as separate calls
+before the decode step, not fused into one mixed batch, and the same chunking as the engine's
+own prefill, so the tokens equal those of whole-prompt admission. Host pages are reserved only
+then: a prefilled request the host pool cannot hold yet waits, holding its slot and bytes.
 
 Workloads (``serving.workloads``): ``workload`` submits its ``initial()`` requests and, as
 each request finishes, those ``on_finish(request, now)`` returns (closed-loop clients, the next
@@ -44,6 +45,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 from lsparse_jax.memory.accounting import request_bytes
 from lsparse_jax.memory.device_pool import DeviceCapacityError
@@ -51,7 +53,6 @@ from lsparse_jax.memory.host_pool import CapacityError
 from lsparse_jax.serving.engine import Engine
 from lsparse_jax.serving.metrics import request_metrics, summarize
 from lsparse_jax.serving.request import Request
-from lsparse_jax.serving.steps import prefill_chunks
 
 WAIT_REASONS = ("slots", "device_budget", "host_pool", "device_pool", "shared_pool",
                 "shared_budget")
@@ -76,10 +77,10 @@ class Prefill:
     """A request whose prompt is being prefilled in chunks."""
 
     request: Request
-    chunks: Iterator  # steps.prefill_chunks
+    chunks: Iterator  # Engine.prefill_chunks
     started: float  # when it was admitted (scheduler clock)
     done: int = 0  # prompt tokens prefilled
-    result: tuple | None = None  # (caches, last logits) once every chunk ran
+    result: Any = None  # what Engine.admit(prefilled=...) takes, once every chunk ran
 
 
 class Scheduler:
@@ -227,18 +228,16 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             self.device_bytes_in_use += self.device_bytes(r)
-            self.prefilling.append(Prefill(r, prefill_chunks(
-                self.engine.params, cfg.model, r.prompt, cfg.cache.prefill_chunk,
-                cfg.implementation),
-                self.clock.now))
+            self.prefilling.append(Prefill(r, self.engine.prefill_chunks(r.prompt),
+                                           self.clock.now))
         t0, tokens, entered = time.perf_counter(), 0, []
         calls = max(1, self.prefill_token_budget // cfg.cache.prefill_chunk)
         for job in self.prefilling:
             while calls and job.result is None:
-                caches, last, valid = next(job.chunks)
+                prefilled, valid = next(job.chunks)
                 calls, tokens, job.done = calls - 1, tokens + valid, job.done + valid
                 if job.done == len(job.request.prompt):
-                    job.result = (caches, last)
+                    job.result = prefilled
         while self.prefilling and self.prefilling[0].result is not None:
             job = self.prefilling[0]
             if (slot := self._engine_admit(job.request, job.result)) is None:

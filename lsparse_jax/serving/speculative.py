@@ -370,11 +370,23 @@ def _chunk_with_features(params, cfg: ModelConfig, layers, caches, tokens, start
     return logits, caches, feats
 
 
-def prefill_features(params, cfg: ModelConfig, tokens, chunk: int, layers: tuple[int, ...],
-                     window: int, implementation: str | None = "xla"):
-    """Chunked prefill (as ``steps.prefill``, top-k by ``implementation``) that also returns
-    the target features of the last ``window`` prompt positions: (caches, last logits [V],
-    feats [W, n_L, H], positions [W] int32, ok [W] bool)."""
+@struct.dataclass
+class SpecPrefill:
+    """A prompt's prefill as ``SpecEngine.admit(prefilled=...)`` takes it: the caches and last
+    logits, and the target features of its last W positions (the drafter's ring)."""
+
+    caches: tuple
+    last: jnp.ndarray  # [V] logits of the last prompt token
+    feats: jnp.ndarray  # [W, n_L, H] target features, zero where not ok
+    positions: jnp.ndarray  # [W] int32 their positions, -1 where not ok
+    ok: jnp.ndarray  # [W] bool
+
+
+def feature_chunks(params, cfg: ModelConfig, tokens, chunk: int, layers: tuple[int, ...],
+                   window: int, implementation: str | None = "xla"):
+    """Chunked prefill (as ``steps.prefill_chunks``, top-k by ``implementation``), one chunk
+    per ``next``, that also keeps the target features of the last ``window`` prompt positions:
+    yields (``SpecPrefill`` once the last chunk ran, else None; valid tokens of the chunk)."""
     tokens = jnp.asarray(tokens, jnp.int32)
     n = tokens.shape[0]
     if not 0 < n <= cfg.max_len:
@@ -386,14 +398,23 @@ def prefill_features(params, cfg: ModelConfig, tokens, chunk: int, layers: tuple
                                                      padded[start:start + chunk], start, valid,
                                                      implementation)
         if start + chunk > n - window:
-            kept.append((start, feats[:valid]))
-    feats = jnp.concatenate([f for _, f in kept])[-window:]
+            kept.append(feats[:valid])
+        if start + chunk < n:
+            yield None, valid
+    feats = jnp.concatenate(kept)[-window:]
     first = n - feats.shape[0]
     pad = window - feats.shape[0]
     positions = jnp.concatenate([first + jnp.arange(feats.shape[0]),
                                  jnp.full((pad,), -1)]).astype(jnp.int32)
     feats = jnp.pad(feats, ((0, pad), (0, 0), (0, 0)))
-    return caches, logits[valid - 1], feats, positions, positions >= 0
+    yield SpecPrefill(caches, logits[valid - 1], feats, positions, positions >= 0), valid
+
+
+def prefill_features(params, cfg: ModelConfig, tokens, chunk: int, layers: tuple[int, ...],
+                     window: int, implementation: str | None = "xla") -> SpecPrefill:
+    """``feature_chunks`` run to the end: the prompt's ``SpecPrefill``."""
+    chunks = feature_chunks(params, cfg, tokens, chunk, layers, window, implementation)
+    return [out for out, _ in chunks][-1]
 
 
 # ---------------------------------------------------------------------------------- the engine
@@ -453,21 +474,39 @@ class SpecEngine(Engine):
         self.state = self.control.warmup(self.state)
         jax.block_until_ready(self.state)
 
+    def prefill_chunks(self, prompt: np.ndarray):
+        """``Engine.prefill_chunks`` whose last ``prefilled`` is a ``SpecPrefill`` (the
+        prompt's caches and the target features of its last W positions)."""
+        cfg = self.config
+        yield from feature_chunks(self.params, cfg.model, prompt, cfg.cache.prefill_chunk,
+                                  self.dcfg.target_layers, self.dcfg.window, cfg.implementation)
+
     def admit(self, request: Request | np.ndarray, max_new_tokens: int | None = None,
-              progress=None, prefilled=None) -> int:
-        if prefilled is not None:
-            raise ValueError("SpecEngine.admit prefills itself (the drafter needs the prompt's "
-                             "target features)")
-        prompt = request.prompt if isinstance(request, Request) else np.asarray(request)
-        cfg = self.config.model
+              progress=None, prefilled: SpecPrefill | None = None, *, prefix=None) -> int:
+        """``Engine.admit`` that also fills the slot's drafter ring from the prompt's last W
+        target features. prefilled: the last ``SpecPrefill`` of ``prefill_chunks`` (chunked
+        admission); None prefills here. prefix: not supported (the ring would need the
+        prefix's target features)."""
+        if prefix is not None:
+            raise ValueError("SpecEngine.admit: prefix reuse (admit(prefix=...)) is not "
+                             "implemented for speculative decoding (the drafter ring needs "
+                             "the target features of the prompt's last positions)")
+        if prefilled is not None and not isinstance(prefilled, SpecPrefill):
+            raise ValueError("SpecEngine.admit: prefilled must be the SpecPrefill that "
+                             "SpecEngine.prefill_chunks yields last (the drafter needs the "
+                             f"prompt's target features), got {type(prefilled).__name__}")
         t0 = time.perf_counter()
-        caches, last, feats, positions, ok = prefill_features(
-            self.params, cfg, prompt, self.config.cache.prefill_chunk,
-            self.dcfg.target_layers, self.dcfg.window, self.config.implementation)
-        jax.block_until_ready(last)
+        if prefilled is None:
+            prompt = request.prompt if isinstance(request, Request) else np.asarray(request)
+            prefilled = prefill_features(
+                self.params, self.config.model, prompt, self.config.cache.prefill_chunk,
+                self.dcfg.target_layers, self.dcfg.window, self.config.implementation)
+            jax.block_until_ready(prefilled.last)
         prefill_s = time.perf_counter() - t0
-        slot = super().admit(request, max_new_tokens, progress, prefilled=(caches, last))
-        self.spec = fill_window(self.dparams, self.dcfg, self.spec, slot, feats, positions, ok)
+        p = prefilled
+        slot = super().admit(request, max_new_tokens, progress, prefilled=(p.caches, p.last))
+        self.spec = fill_window(self.dparams, self.dcfg, self.spec, slot, p.feats, p.positions,
+                                p.ok)
         self.requests[slot].admitted_at = t0  # the prefill ran here, before Engine.admit
         self.prefill_seconds += prefill_s
         return slot
@@ -590,6 +629,7 @@ class SpecEngine(Engine):
         }
 
 
-__all__ = ["PerQueryIndex", "SpecEngine", "SpecState", "UnionKV", "VerifyOutput",
-           "accept_greedy", "accept_sampled", "check_spec", "commit", "commit_ring",
-           "draft_step", "empty_spec_state", "fill_window", "prefill_features", "verify_step"]
+__all__ = ["PerQueryIndex", "SpecEngine", "SpecPrefill", "SpecState", "UnionKV",
+           "VerifyOutput", "accept_greedy", "accept_sampled", "check_spec", "commit",
+           "commit_ring", "draft_step", "empty_spec_state", "feature_chunks", "fill_window",
+           "prefill_features", "verify_step"]
