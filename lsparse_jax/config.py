@@ -337,6 +337,9 @@ class LeanSparseConfig:
       fetch_stream: with groups > 1, the GPU stream (>= 1) that each group's key fetch runs
         on as an async call; None keeps it on the main stream (the grouping alone). Ignored
         off the GPU and with groups = 1.
+      coarse_precision: the coarse pass's dot: "bf16" (q and codebooks in bf16) or "fp8"
+        (e4m3 with per-head / per-subspace scales, ``pallas_kernels.pq_topc``; H200: 1.33 vs
+        2.36 ms at B 64, N 131072, top-C recall 0.956 on random data).
     """
 
     num_candidates: int = 2048
@@ -346,6 +349,7 @@ class LeanSparseConfig:
     warm_steps: int = 1
     groups: int = 1
     fetch_stream: int | None = 1
+    coarse_precision: str = "bf16"
 
     def __post_init__(self):
         _positive("LeanSparseConfig", num_candidates=self.num_candidates,
@@ -367,6 +371,9 @@ class LeanSparseConfig:
                                               or self.fetch_stream < 1):
             invalid("LeanSparseConfig", "fetch_stream", self.fetch_stream,
                     "must be an int >= 1 (a GPU stream other than the main one) or None")
+        if self.coarse_precision not in ("bf16", "fp8"):
+            invalid("LeanSparseConfig", "coarse_precision", self.coarse_precision,
+                    'must be "bf16" or "fp8"')
 
 
 @dataclasses.dataclass(frozen=True)

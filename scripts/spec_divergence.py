@@ -50,7 +50,7 @@ def patch(variant: str):
         leansparse.index_scores = forced(leansparse.index_scores)
     elif variant == "topc_xla":
         orig = leansparse.coarse_topc
-        leansparse.coarse_topc = lambda *a: orig(*a[:-1], "xla")
+        leansparse.coarse_topc = lambda *a: orig(*a[:6], "xla", *a[7:])
     elif variant == "attn_xla":
         blocks.sparse_attention = forced(blocks.sparse_attention)
     else:

@@ -162,3 +162,27 @@ def test_leansparse_needs_valid_codebooks():
     with pytest.raises(ValueError, match="num_candidates"):
         EngineConfig(model=cfg, method="leansparse", cache=CacheConfig(hot_cache_rows=16),
                      leansparse=LeanSparseConfig(8, 1.0, 48))
+
+
+def test_coarse_precision_reaches_the_coarse_pass():
+    """``LeanSparseConfig.coarse_precision`` picks the coarse pass's dot: "fp8" selects the
+    top-C of ``pq_topc``'s fp8 twin (as sets), which on random data is not bf16's set."""
+    from lsparse_jax.methods.leansparse import coarse_topc
+    from pallas_kernels.pq_topc.reference import pq_topc_xla
+
+    rng = np.random.default_rng(3)
+    b, h, d, m, k, n, c = 2, 4, 32, 8, 64, 2048, 256
+    q = jnp.asarray(rng.standard_normal((b, h, d)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((b, h)), jnp.float32)
+    codes = jnp.asarray(rng.integers(0, k, (b, n, m)), jnp.uint8)
+    books = jnp.asarray(rng.standard_normal((m, k, d // m)), jnp.float32)
+    lengths = jnp.asarray([n, 1500], jnp.int32)
+    got = {p: np.asarray(coarse_topc(q, w, codes, books, lengths, c, "xla", p)[0])
+           for p in ("bf16", "fp8")}
+    want = np.asarray(pq_topc_xla(q, w, codes, books, lengths, num_candidates=c,
+                                  precision="fp8")[0])
+    for row_got, row_want in zip(got["fp8"], want):
+        assert set(row_got) == set(row_want)
+    assert any(set(a) != set(b) for a, b in zip(got["fp8"], got["bf16"]))
+    with pytest.raises(ValueError, match="coarse_precision"):
+        LeanSparseConfig(coarse_precision="fp16")

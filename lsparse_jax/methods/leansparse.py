@@ -44,13 +44,14 @@ from lsparse_jax.quant.pq import encode, train_codebooks
 from lsparse_jax.request_groups import grouped, on_stream
 from pallas_kernels.index_scores.api import index_scores
 from pallas_kernels.pq_topc.api import pq_topc
-from pallas_kernels.pq_topc.reference import masked_coarse_scores
+from pallas_kernels.pq_topc.reference import masked_coarse_scores, masked_coarse_scores_fp8
 from pallas_kernels.topk.api import topk
 
 
 def coarse_topc(q, w, codes, codebooks, lengths, num_candidates: int,
-                implementation: str | None):
-    """Step 1 of the selection: the top-C positions by PQ coarse score (``pq_topc``).
+                implementation: str | None, precision: str = "bf16"):
+    """Step 1 of the selection: the top-C positions by PQ coarse score (``pq_topc``; precision
+    "bf16" or "fp8": ``LeanSparseConfig.coarse_precision``).
 
     Under tensor parallelism (inside ``lsparse_jax.parallel.mesh_scope``) each device scores
     the codes with its indexer heads, the partial scores are summed over devices, then the
@@ -59,12 +60,15 @@ def coarse_topc(q, w, codes, codebooks, lengths, num_candidates: int,
     """
     if current_mesh() is None:
         return pq_topc(q, w, codes, codebooks, lengths, num_candidates=num_candidates,
-                       implementation=implementation)
+                       implementation=implementation, precision=precision)
 
     def pick(scores, *args):  # args[-1]: lengths
         return topk(scores, args[-1], num_candidates, implementation=implementation)
 
-    return head_sum(masked_coarse_scores, (1, 1, None, None, None), pick)(
+    # fp8: quantize_fp8's scales are per head and per subspace, so a device's share of the
+    # heads quantizes to the same values as all heads do
+    scores = masked_coarse_scores_fp8 if precision == "fp8" else masked_coarse_scores
+    return head_sum(scores, (1, 1, None, None, None), pick)(
         q, w.astype(jnp.float32), codes, codebooks.astype(jnp.float32), lengths)
 
 
@@ -129,7 +133,8 @@ class CoarseToFineIndex:
             context.codes, jnp.arange(n), None, paged, self.page_size)  # one gather
         cand, cand_scores = coarse_topc(q[None], w[None], codes[None], context.codebooks,
                                         jnp.reshape(paged, (1,)).astype(jnp.int32),
-                                        self.settings.num_candidates, self.implementation)
+                                        self.settings.num_candidates, self.implementation,
+                                        self.settings.coarse_precision)
         held = state.cache.positions
         cached = jnp.zeros((n,), bool).at[jnp.where(held >= 0, held, n)].set(True, mode="drop")
         tail = paged + jnp.arange(self.page_size)
