@@ -14,8 +14,9 @@
 #                  leansparse; then echo, hisparse: one call each, ~4-6 min)
 #   STEP=loadstep  experiments/residency.py, configs/experiments/loadstep.gin: C8 load step,
 #                  resident / hisparse / adaptive at 32K (~4 min)
-#   STEP=session   the three in one call of <= 255 s (timeouts 105 + 65 + 70 s after the wheel
-#                  install), each at a scale that compiles in time: capacity at 200K (N
+#   STEP=session   the three in one call of <= 345 s (timeouts 105 + 110 + 130 s after the wheel
+#                  install; session 8 cut loadstep at 65 s and replay at 70 s while compiling),
+#                  each at a scale that compiles in time: capacity at 200K (N
 #                  predicted for all contexts, decode timed at 8 copies, f32 rows), loadstep
 #                  C8 at 8K prompts, replay of 4 sessions x 3 calls (echo, leansparse, then
 #                  hisparse if time is left). Results: $OUT/{capacity,loadstep,replay}_session
@@ -23,6 +24,8 @@
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+# compiled programs persist across the parts of a call and across calls on a warm machine
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-$PWD/runs/jaxcache}
 OUT=${OUT:-/tmp/out}
 export LSPARSE_RUNS=$OUT
 LIMIT=${LIMIT:-560}
@@ -51,13 +54,13 @@ case "${STEP:-capacity}" in
       --gin.capacity.max_timed_batch=8 --gin.capacity.steps=8 --gin.capacity.warm_steps=2 \
       "--gin.model_preset.kv_dtype='f32'" --gin.capacity.calibration_tokens=2048
     echo "== loadstep (C8, 8K prompts)"
-    LIMIT=65 run loadstep_session configs/experiments/loadstep.gin \
+    LIMIT=${LOADSTEP_LIMIT:-110} run loadstep_session configs/experiments/loadstep.gin \
       "--gin.run.name='loadstep_session'" --gin.residency.prompt_tokens=8192 \
       --gin.residency.requests=10 --gin.residency.arrival_steps=2 \
       --gin.residency.decode_tokens=16 --gin.residency.hot_cache_rows=1024 \
       --gin.residency.optional_pages=96 --gin.residency.refill_pages=8
     echo "== replay (4 sessions x 3 calls)"
-    LIMIT=70 run replay_session configs/experiments/replay.gin \
+    LIMIT=${REPLAY_LIMIT:-130} run replay_session configs/experiments/replay.gin \
       "--gin.run.name='replay_session'" "--gin.replay.methods=('echo', 'leansparse', 'hisparse')" \
       --gin.replay.sessions=4 --gin.replay.calls=3 "--gin.replay.first_prompt_tokens=(2048, 4096)" \
       "--gin.replay.turn_tokens=(256, 512)" "--gin.replay.output_tokens=(16, 32)" \
