@@ -182,3 +182,45 @@ def test_prefixes_are_evicted_for_host_pages_and_tokens_do_not_change(params):
     assert len(reused.finished) == 9
     assert {r.id: r.tokens for r in reused.finished} == {r.id: r.tokens
                                                           for r in plain.finished}
+
+
+def test_repeat_inputs_draws_and_errors():
+    """repeat 1 keeps every slot's input, repeat 0 draws fresh tokens; seeded; bad args raise."""
+    from lsparse_jax.serving.workloads import RepeatInputs
+
+    start = np.array([3, 9, 200], np.int32)
+    keep = RepeatInputs(1.0, 256)
+    assert all(np.array_equal(keep(start), start) for _ in range(5))
+    a, b = RepeatInputs(0.0, 256, seed=4), RepeatInputs(0.0, 256, seed=4)
+    draws = np.stack([a(start) for _ in range(50)])
+    assert np.array_equal(draws, np.stack([b(start) for _ in range(50)]))
+    assert draws.min() >= 0 and draws.max() < 256 and len(np.unique(draws)) > 100
+    half = RepeatInputs(0.5, 256, seed=1)
+    seq = np.stack([half(start) for _ in range(400)])
+    same = np.mean(seq[1:] == seq[:-1])
+    assert 0.4 < same < 0.6  # repeats (plus 1/256 chance agreements)
+    for bad in (dict(repeat=1.5, vocab=8), dict(repeat=0.5, vocab=0)):
+        with pytest.raises(ValueError):
+            RepeatInputs(**bad)
+
+
+@pytest.mark.slow  # ~16 s of compiles on 2 CPU cores
+def test_repeat_inputs_raise_selection_reuse():
+    """Through the engine (hisparse, 450-token context): repeating inputs makes each step's
+    selection repeat the previous one's far more often than fresh random inputs do."""
+    from lsparse_jax.serving.workloads import RepeatInputs
+
+    cfg = tiny(max_len=480)
+    params = model_and_tokens(cfg, 1, seed=3)[0]
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, 450).astype(np.int32)
+    reuse = {}
+    for repeat in (0.0, 1.0):
+        engine = Engine(EngineConfig(model=cfg, method="hisparse", cache=CacheConfig(
+            num_slots=2, prefill_chunk=256, hot_cache_rows=64, page_size=8)), params)
+        engine.admit(prompt, 14)
+        engine.admit(prompt[:400], 14)
+        inputs = RepeatInputs(repeat, cfg.vocab_size, seed=2)
+        for _ in range(10):
+            engine.step(tokens=inputs(engine.next_token))
+        reuse[repeat] = engine.metrics()["selection"]["reuse_fraction"]
+    assert reuse[1.0] > reuse[0.0] + 0.3, reuse
