@@ -6,7 +6,8 @@ It runs experiments/scale.py (configs/experiments/scale.gin: V4-Flash 4-layer sl
 hca, csa; random weights) at one context and batch (default 128K, B = 64), bf16 model matmuls,
 Triton kernels, with the timed steps' cell profiled (jax.profiler, 3 extra steps), then reads
 each cell's Perfetto trace:
-  step_ms        wall time of one Engine.step (scale.py, host work included),
+  step_ms        wall time per decode step (scale.py, host work included; Engine.decode's
+                 pipelined steps unless --stepwise; the profiled steps run the same way),
   kernels_ms     sum of the durations of the GPU events of one step (kernels + copies),
   span_ms        first GPU event start to last event end, per step,
   ratio          step_ms / kernels_ms (issue target <= 1.25: the rest is glue / host time),
@@ -77,6 +78,13 @@ def main():
     ap.add_argument("--attention-precision", default=None, help="ModelConfig."
                     "attention_precision (None: the preset's, 'f32'; 'bf16': the "
                     "sparse_attention kernel's fast formats, FP8/bf16 rows in place)")
+    ap.add_argument("--stepwise", action="store_true", help="time one Engine.step at a time "
+                    "(each read back before the next; default: Engine.decode, pipelined)")
+    ap.add_argument("--time-both", action="store_true", help="also time the other mode "
+                    "(scale.time_both_modes: step_ms_pipelined and step_ms_stepwise)")
+    ap.add_argument("--input-repeat", type=float, default=None, help="scale.input_repeat: "
+                    "teacher-forced inputs with this repeat probability (selection reuse)")
+    ap.add_argument("--prefill-cache", default=None, help="scale.prefill_cache (a directory)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="kill the scale run after this many seconds (None: no limit)")
     a = ap.parse_args()
@@ -90,6 +98,14 @@ def main():
            f"--gin.scale.steps={a.steps}", "--gin.scale.warm_steps=2",
            f"--gin.scale.implementation='{a.implementation}'",
            f"--gin.scale.profile={cells!r}", "--gin.model_preset.matmul_precision='bf16'"]
+    if a.stepwise:
+        cmd.append("--gin.scale.pipelined=False")
+    if a.time_both:
+        cmd.append("--gin.scale.time_both_modes=True")
+    if a.input_repeat is not None:
+        cmd.append(f"--gin.scale.input_repeat={a.input_repeat}")
+    if a.prefill_cache is not None:
+        cmd.append(f"--gin.scale.prefill_cache='{a.prefill_cache}'")
     if a.kv_dtype is not None:
         cmd.append(f"--gin.model_preset.kv_dtype='{a.kv_dtype}'")
     if a.attention_precision is not None:
@@ -111,8 +127,9 @@ def main():
                 for m in methods if m not in done]
     rows = []
     for rec in records:
-        row = {k: rec.get(k) for k in ("method", "context", "batch", "step_ms", "error",
-                                       "skipped")}
+        row = {k: rec.get(k) for k in ("method", "context", "batch", "step_ms",
+                                       "step_ms_pipelined", "step_ms_stepwise", "reuse",
+                                       "pipelined", "input_repeat", "error", "skipped")}
         trace = run / f"trace_{rec['method']}_{rec['context']}_{rec['batch']}.json.gz"
         if trace.exists():
             row.update(analyze(trace))
@@ -124,6 +141,8 @@ def main():
         print(f"{r['method']:10s} ctx {r['context']} B {r['batch']}: step "
               f"{r.get('step_ms') or float('nan'):.3f} ms, kernels {r.get('kernels_ms', 0):.3f}"
               f" ms, span {r.get('span_ms', 0):.3f} ms, ratio {r.get('ratio', float('nan')):.2f}"
+              f" (pipelined {r.get('step_ms_pipelined')}, stepwise {r.get('step_ms_stepwise')},"
+              f" reuse {r.get('reuse')})"
               f" {r.get('error') or r.get('skipped') or ''}")
         for k, v in r.get("by_kind", {}).items():
             print(f"    {k:24s} {v:8.3f} ms")

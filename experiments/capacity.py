@@ -101,11 +101,13 @@ def capacity(name: str, model=gin.REQUIRED, predict_model=gin.REQUIRED,
              max_timed_batch: int = 256, equal_concurrency: bool = True, steps: int = 16,
              warm_steps: int = 4, prefill_chunk: int = 4096, calibration_tokens: int = 4096,
              device_budget_gb: float = 120.0, implementation: str | None = "xla",
-             time_steps: bool = True, time_contexts=None, seed: int = 0):
+             time_steps: bool = True, time_contexts=None, seed: int = 0,
+             pipelined: bool = True, input_repeat: float | None = None):
     """Predicts N per (method, context) from one calibrated budget, then times decode at
     min(N, max_timed_batch); returns the records. hot_cache_rows: {method: B} (the paper:
     HiSparse 4096, LeanSparse 2048). time_contexts: the contexts timed in this call (None:
-    all; one per device call keeps each under its time limit)."""
+    all; one per device call keeps each under its time limit). pipelined, input_repeat:
+    how the timed steps run (``common.timed_steps``)."""
     lean = leansparse or LeanSparseConfig()
     if isinstance(predict_model, str):
         predict_model = preset(predict_model)
@@ -158,11 +160,13 @@ def capacity(name: str, model=gin.REQUIRED, predict_model=gin.REQUIRED,
                 try:
                     got = decode_cell(cfg, params, books, pre, prompt, m, batch, steps,
                                       warm_steps, prefill_chunk, hot.get(m, 0), page_size,
-                                      lean, 0.5, device_budget_gb, implementation)
+                                      lean, 0.5, device_budget_gb, implementation,
+                                      pipelined=pipelined, input_repeat=input_repeat)
                 except Exception as err:  # noqa: BLE001  (recorded; the grid goes on)
                     got = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"}
                 if rec is not None:
-                    rec.update(timed_batch=batch, **{k: got[k] for k in (
+                    rec.update(timed_batch=batch, pipelined=pipelined,
+                               input_repeat=input_repeat, **{k: got[k] for k in (
                         "step_ms", "reuse", "resolved_fraction", "error", "skipped")
                         if k in got})
                     if "step_ms" in got:

@@ -15,6 +15,7 @@ from experiments import validate
 from lsparse_jax.config import LeanSparseConfig, ModelConfig
 from lsparse_jax.model import preset
 from lsparse_jax.model.presets import fit_max_len  # noqa: F401  (experiments import it here)
+from lsparse_jax.serving.workloads import RepeatInputs
 
 gin.external_configurable(LeanSparseConfig)
 
@@ -79,16 +80,35 @@ def selection_recall(got, want) -> float:
     return found / max(total, 1)
 
 
-def timed_steps(engine, warm_steps: int, steps: int) -> float:
+def timed_steps(engine, warm_steps: int, steps: int, pipelined: bool = True,
+                input_repeat: float | None = None, seed: int = 0) -> float:
     """Runs ``warm_steps`` decode steps of ``engine`` (the first compiles), then ``steps``
-    timed ones; returns the mean wall time of a timed step in ms (``Engine.step`` reads the
-    tokens back, so each step is complete when it returns)."""
-    for _ in range(warm_steps):
-        engine.step()
+    timed ones; returns the mean wall time of a timed step in ms.
+
+    pipelined: the steps run as ``Engine.decode(n)`` (step t + 1 launched before step t's
+    tokens are read back: the host's per-step work overlaps the device); False: one
+    ``Engine.step`` at a time, each read back before the next starts (the device idles
+    through the host's work). input_repeat: teacher-forced inputs from
+    ``workloads.RepeatInputs(input_repeat)`` (a tunable selection reuse; None: each slot
+    feeds what it sampled).
+    """
+    inputs = None if input_repeat is None else RepeatInputs(
+        input_repeat, engine.config.model.vocab_size, seed)
+
+    def run(n):
+        if n == 0:
+            return
+        feed = None if inputs is None else inputs.block(n, engine.next_token)
+        if pipelined:
+            engine.decode(n, feed)
+        else:
+            for t in range(n):
+                engine.step(None if feed is None else feed[t])
+
+    run(warm_steps)
     jax.block_until_ready(engine.state)
     t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
+    run(steps)
     jax.block_until_ready(engine.state)
     return (time.perf_counter() - t0) / steps * 1e3
 

@@ -69,15 +69,20 @@ from lsparse_jax.serving.request import Request
 from lsparse_jax.serving.steps import prefill
 
 PROFILED_STEPS = 3  # extra steps traced in profiled cells (not timed)
-_GROUPS = re.compile(r"leansparse_g(\d+)$")
+_VARIANT = re.compile(r"leansparse(?:_g(\d+))?(_fp8)?$")
 
 
 def method_variant(name: str, lean: LeanSparseConfig) -> tuple[str, LeanSparseConfig]:
     """The serving method of a grid entry and its LeanSparse settings: ``leansparse_g<G>`` is
-    leansparse with G request groups; any other entry is a method name, unchanged."""
-    match = _GROUPS.match(name)
+    leansparse with G request groups, a ``_fp8`` suffix (``leansparse_fp8``,
+    ``leansparse_g2_fp8``) its FP8 coarse pass (``coarse_precision="fp8"``); any other entry
+    is a method name, unchanged."""
+    match = _VARIANT.match(name)
     if match:
-        return "leansparse", dataclasses.replace(lean, groups=int(match.group(1)))
+        groups, fp8 = match.groups()
+        return "leansparse", dataclasses.replace(
+            lean, groups=int(groups) if groups else lean.groups,
+            coarse_precision="fp8" if fp8 else lean.coarse_precision)
     return name, lean
 
 
@@ -85,7 +90,7 @@ def _check(methods, contexts, batches, steps, by_context=None):
     for m in methods:
         if method_variant(m, LeanSparseConfig())[0] not in method_names():
             raise ValueError(f"scale.methods: unknown method {m!r}; allowed: {method_names()} "
-                             "or leansparse_g<groups>")
+                             "or leansparse[_g<groups>][_fp8]")
     for context, values in (by_context or {}).items():
         if context not in contexts or not values \
                 or any(not isinstance(v, int) or v < 1 for v in values):
@@ -107,13 +112,17 @@ def scale(name: str, model=gin.REQUIRED, methods=("resident", "hisparse", "leans
           device_budget_gb: float = 120.0, implementation: str | None = "xla",
           profile: tuple = (), full_pattern: tuple | None = None, seed: int = 0,
           batches_by_context: dict | None = None, time_budget_s: float | None = None,
-          prefill_cache: str | None = None):
+          prefill_cache: str | None = None, pipelined: bool = True,
+          input_repeat: float | None = None, time_both_modes: bool = False):
     """Runs the grid; returns the records. ``lent_fraction``: adaptive's optional pages as a
     fraction of the batch's complete prompt pages. ``profile``: (method, context, batch) cells
     whose timed steps are also traced (jax.profiler; a Perfetto trace per cell is copied to
     runs/<name>/trace_<method>_<context>_<batch>.json.gz). ``full_pattern``: the whole
     model's layer pattern (e.g. V4-Flash's 43 layers) for ``extrapolate``.
-    ``batches_by_context``, ``time_budget_s``, ``prefill_cache``: the module docstring."""
+    ``batches_by_context``, ``time_budget_s``, ``prefill_cache``: the module docstring.
+    ``pipelined``, ``input_repeat``: how the steps run (``common.timed_steps``);
+    ``time_both_modes``: each cell also times ``steps`` steps the other way (pipelined or
+    one step at a time), recorded as ``step_ms_pipelined`` / ``step_ms_stepwise``."""
     _check(methods, contexts, batches, steps, batches_by_context)
     lean = leansparse or LeanSparseConfig()
     started = time.perf_counter()
@@ -131,7 +140,8 @@ def scale(name: str, model=gin.REQUIRED, methods=("resident", "hisparse", "leans
         todo = [(m, b) for m, c, b in pending() if c == context]
         if not todo:
             continue
-        cfg = fit_max_len(model, context + steps + warm_steps + PROFILED_STEPS + 2)
+        cfg = fit_max_len(model, context + (2 if time_both_modes else 1) * steps + warm_steps
+                          + PROFILED_STEPS + 2)
         prompt = np.random.default_rng(seed + context).integers(
             0, min(cfg.vocab_size, 256), context).astype(np.int32)
         cache_dir = None if prefill_cache is None else prefill_cache_dir(
@@ -173,12 +183,14 @@ def scale(name: str, model=gin.REQUIRED, methods=("resident", "hisparse", "leans
                     rec = decode_cell(cfg, params, books, pre, prompt, method, batch, steps,
                                       warm_steps, prefill_chunk, hot_cache_rows, page_size,
                                       settings, lent_fraction, device_budget_gb,
-                                      implementation, trace)
+                                      implementation, trace, pipelined=pipelined,
+                                      input_repeat=input_repeat, both=time_both_modes)
                 except Exception as err:  # noqa: BLE001  (recorded, the grid goes on)
                     rec = {"error": f"{type(err).__name__}: "
                                     f"{str(err).splitlines()[0][:300]}"}
             rec.update(method=entry, context=context, batch=batch, layers=cfg.num_layers,
-                       prefill_s=prefill_s, cell_s=time.perf_counter() - t0)
+                       prefill_s=prefill_s, cell_s=time.perf_counter() - t0,
+                       pipelined=pipelined, input_repeat=input_repeat)
             if settings.groups > 1:
                 rec["groups"] = settings.groups
             if full_pattern and "step_ms" in rec:
@@ -277,10 +289,11 @@ class _Estimates:
 
 def decode_cell(cfg, params, books, pre, prompt, method, batch, steps, warm_steps, chunk,
                 hot_rows, page, lean, lent_fraction, budget_gb, implementation,
-                trace=None) -> dict:
+                trace=None, *, pipelined: bool = True,
+                input_repeat: float | None = None, both: bool = False) -> dict:
     """``batch`` copies of one prefill (``pre`` of ``prompt``) decoded by ``method``: the
-    mean of ``steps`` decode steps after ``warm_steps``, with the selection statistics (also
-    the capacity experiment's timing)."""
+    mean of ``steps`` decode steps after ``warm_steps`` (``common.timed_steps``), with the
+    selection statistics (also the capacity experiment's timing)."""
     storage = method_storage(method)
     pages = len(prompt) // cfg.csa_ratio // page
     cache = CacheConfig(batch, chunk, hot_rows if storage.kv_on_host else None, page,
@@ -299,21 +312,24 @@ def decode_cell(cfg, params, books, pre, prompt, method, batch, steps, warm_step
     warmup_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     for _ in range(batch):
-        eng.admit(Request(prompt, max_new_tokens=steps + warm_steps + PROFILED_STEPS + 1),
-                  prefilled=pre)
+        eng.admit(Request(prompt, max_new_tokens=(2 if both else 1) * steps + warm_steps
+                          + PROFILED_STEPS + 1), prefilled=pre)
     admit_s = time.perf_counter() - t0
-    step_ms = timed_steps(eng, warm_steps, steps)
+    step_ms = timed_steps(eng, warm_steps, steps, pipelined, input_repeat)
+    modes = {}
+    if both:  # the same engine, the other way (its first steps compile nothing new)
+        modes = {"step_ms_pipelined" if pipelined else "step_ms_stepwise": step_ms,
+                 "step_ms_stepwise" if pipelined else "step_ms_pipelined":
+                     timed_steps(eng, 0, steps, not pipelined, input_repeat, seed=2)}
     if trace is not None:  # a few more steps under the profiler (not in step_ms)
         with jax.profiler.trace(str(trace), create_perfetto_trace=True):
-            for _ in range(PROFILED_STEPS):
-                eng.step()
-            jax.block_until_ready(eng.state)
+            timed_steps(eng, 0, PROFILED_STEPS, pipelined, input_repeat, seed=1)
         for f in trace.rglob("*.trace.json.gz"):
             shutil.copy(f, trace.with_suffix(".json.gz"))
         shutil.rmtree(trace)
     m = eng.metrics()
     sel = m["selection"]
-    return {"step_ms": step_ms, "warmup_s": warmup_s, "admit_s": admit_s,
+    return {"step_ms": step_ms, **modes, "warmup_s": warmup_s, "admit_s": admit_s,
             "device_bytes_per_request": m["device_bytes_per_request"],
             "host_bytes_per_request": per.host_total,
             "host_bytes_per_token": m["host_bytes_per_token"],

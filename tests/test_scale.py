@@ -18,13 +18,16 @@ def test_scale_study_runs_every_cell_and_resumes(tmp_path, monkeypatch):
             "--gin.scale.warm_steps=1", "--gin.scale.prefill_chunk=128",
             "--gin.scale.hot_cache_rows=32", "--gin.scale.page_size=8",
             "--gin.LeanSparseConfig.num_candidates=32", "--gin.LeanSparseConfig.key_cache_rows=48",
-            "--gin.scale.calibration_tokens=256", "--gin.run.name='scale'"]
+            "--gin.scale.calibration_tokens=256", "--gin.run.name='scale'",
+            "--gin.scale.time_both_modes=True", "--gin.scale.input_repeat=0.5"]
     assert main(args) == 0
     records = json.loads((tmp_path / "scale" / "results.json").read_text())["records"]
     cells = {(r["method"], r["context"], r["batch"]) for r in records}
     assert cells == {(m, 256, 2) for m in ("resident", "hisparse", "leansparse", "adaptive")}
     for r in records:
         assert r["step_ms"] > 0 and r["layers"] == 4
+        assert r["step_ms"] == r["step_ms_pipelined"] and r["step_ms_stepwise"] > 0
+        assert r["pipelined"] and r["input_repeat"] == 0.5
     by = {(r["method"], r["batch"]): r for r in records}
     # paged methods keep less per request on the device than resident
     assert by[("hisparse", 2)]["device_bytes_per_request"] < \
@@ -32,7 +35,7 @@ def test_scale_study_runs_every_cell_and_resumes(tmp_path, monkeypatch):
     assert by[("resident", 2)]["host_bytes_per_token"] == 0
     # the whole-model extrapolation: 43 layers; with the slice's own pattern it reproduces
     # the measured allocation and step (it sizes the same configuration)
-    cfg = fit_max_len(preset("tiny"), 256 + 2 + 1 + 3 + 2)
+    cfg = fit_max_len(preset("tiny"), 256 + 2 * 2 + 1 + 3 + 2)
     lean = LeanSparseConfig(num_candidates=32, key_cache_rows=48, miss_filter_offset=1.0)
     for r in records:
         assert r["full_model"]["layers"] == 43
@@ -50,7 +53,12 @@ def test_variants_estimates_and_grid_checks():
     lean = LeanSparseConfig(num_candidates=32, key_cache_rows=48)
     assert method_variant("leansparse_g2", lean) == ("leansparse", LeanSparseConfig(
         num_candidates=32, key_cache_rows=48, groups=2))
+    assert method_variant("leansparse_g2_fp8", lean) == ("leansparse", LeanSparseConfig(
+        num_candidates=32, key_cache_rows=48, groups=2, coarse_precision="fp8"))
+    assert method_variant("leansparse_fp8", lean)[1].groups == lean.groups
     assert method_variant("hisparse", lean) == ("hisparse", lean)
+    with pytest.raises(ValueError, match="unknown method 'leansparse_fp16'"):
+        _check(("leansparse_fp16",), (256,), (1,), 2)
     with pytest.raises(ValueError, match="unknown method 'hisparse_g2'"):
         _check(("hisparse_g2",), (256,), (1,), 2)
     with pytest.raises(ValueError, match="batches_by_context: 512"):

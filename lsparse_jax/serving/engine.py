@@ -257,36 +257,103 @@ class Engine:
     def step(self, tokens=None) -> DecodeOutput:
         """One decode step of every active slot. ``tokens`` [S] forces each active slot's
         next input (teacher forcing, e.g. to compare methods on identical contexts); by
-        default each slot feeds the token it sampled last."""
+        default each slot feeds the token it sampled last. Reads the step's tokens back before
+        it returns (``decode`` runs several steps without waiting for each)."""
         if tokens is not None:
-            tokens = np.asarray(tokens, np.int32)
+            tokens = self._forced(tokens)
             self.next_token = np.where(self.active, tokens, self.next_token)
-            for s in np.flatnonzero(self.active):
-                self.generated[s][-1] = int(tokens[s])  # the request's token list
-        full = self.active & (self.lengths >= self.limit)
-        if full.any():
-            raise RuntimeError(f"step: slots {np.flatnonzero(full).tolist()} reached their "
-                               "reserved length (max_new_tokens or max_len); release them")
-        for update in self.control.before_step():  # e.g. adaptive's refill of lent pages
-            self.state = update(self.state)
+        self._check_room(1)
         t0 = time.perf_counter()
-        active = jnp.asarray(self.active)
-        self.state, out = decode_step(self.params, self.config, self.state,
-                                      jnp.asarray(self.next_token), active)
-        tokens = np.asarray(out.tokens)
+        out = self._launch(jnp.asarray(self.next_token), jnp.asarray(self.active))
+        sampled = np.asarray(out.tokens)
         now = time.perf_counter()
         self.decode_seconds += now - t0
-        self.decode_tokens += int(self.active.sum())
-        self.next_token = np.where(self.active, tokens, self.next_token)
-        for s in np.flatnonzero(self.active):
-            self.generated[s].append(int(tokens[s]))
-            self.requests[s].token_times.append(now)
+        self._collect(sampled, tokens, now)
+        return out
+
+    def decode(self, n: int, inputs=None) -> np.ndarray:
+        """``n`` decode steps of every active slot: the same tokens, state and statistics as
+        ``n`` calls of ``step`` (tested), pipelined: step t + 1 is launched from step t's
+        tokens on the device before step t's tokens are read back, so the host's per-step work
+        (the read, token lists and timestamps, the controller's updates, the next launch)
+        overlaps the device's next step instead of leaving it idle between steps.
+
+        inputs: [n, S] teacher-forced inputs, row t as ``step(inputs[t])`` takes it.
+        The active set is fixed for the n steps: every active slot needs room for n more
+        tokens. Returns the sampled tokens [n, S] (an inactive slot's column: its last token).
+        Token timestamps are taken as each step's tokens reach the host, as in ``step``.
+        """
+        if n < 1:
+            raise ValueError(f"decode: n must be >= 1, got {n}")
+        slots = self.active.size
+        if inputs is not None:
+            inputs = np.asarray(inputs, np.int32)
+            if inputs.shape != (n, slots):
+                raise ValueError(f"decode: inputs must be [n={n}, slots={slots}], "
+                                 f"got {inputs.shape}")
+            self._forced(inputs[0])
+        self._check_room(n)
+        t0 = time.perf_counter()
+        active = jnp.asarray(self.active)
+        feed = jnp.asarray(self.next_token)
+        if inputs is not None:
+            forced = jnp.asarray(inputs)
+        sampled = np.empty((n, slots), np.int32)
+        pending = None  # (step, its output) launched, not yet read back
+        for t in range(n + 1):
+            launched = None
+            if t < n:
+                if inputs is not None:
+                    feed = jnp.where(active, forced[t], feed)
+                launched = self._launch(feed, active)
+                feed = jnp.where(active, launched.tokens, feed)
+            if pending is not None:
+                i, out = pending
+                tokens = np.asarray(out.tokens)  # waits for step i only; step i + 1 runs
+                self._collect(tokens, None if inputs is None else inputs[i],
+                              time.perf_counter())
+                sampled[i] = self.next_token
+            pending = (t, launched)
+        self.decode_seconds += time.perf_counter() - t0
+        return sampled
+
+    def _forced(self, tokens) -> np.ndarray:
+        tokens = np.asarray(tokens, np.int32)
+        if tokens.shape != self.active.shape:
+            raise ValueError(f"step: tokens must be [{self.active.size}], got {tokens.shape}")
+        return tokens
+
+    def _check_room(self, n: int) -> None:
+        full = self.active & (self.lengths + n > self.limit)
+        if full.any():
+            raise RuntimeError(f"step: slots {np.flatnonzero(full).tolist()} have room for "
+                               f"fewer than {n} more tokens (max_new_tokens or max_len "
+                               "reached); release them")
+
+    def _launch(self, feed, active) -> DecodeOutput:
+        """Dispatches one decode step (feed [S] on the device) and the updates around it;
+        waits for nothing on the device. The host mirrors (lengths) advance here."""
+        for update in self.control.before_step():  # e.g. adaptive's refill of lent pages
+            self.state = update(self.state)
+        self.state, out = decode_step(self.params, self.config, self.state, feed, active)
         for update in self.control.after_step(self.lengths, self.active):  # page writeback
             self.state = update(self.state)
         self.lengths += self.active
         self.stats = stats.record(self.stats, out.selected, out.eligible, out.sources,
                                   out.key_sources, active)
         return out
+
+    def _collect(self, sampled: np.ndarray, forced, now: float) -> None:
+        """The host bookkeeping of one finished step: its tokens [S] into the requests."""
+        live = np.flatnonzero(self.active)
+        self.decode_tokens += live.size
+        self.next_token = np.where(self.active, sampled, self.next_token)
+        for s in live:
+            tokens = self.generated[s]
+            if forced is not None:
+                tokens[-1] = int(forced[s])  # the input the step was given
+            tokens.append(int(sampled[s]))
+            self.requests[s].token_times.append(now)
 
     def metrics(self) -> dict:
         row_bytes = KVRowFormat.of(self.config.model).row_bytes  # a CSA row as stored

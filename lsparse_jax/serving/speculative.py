@@ -551,6 +551,11 @@ class SpecEngine(Engine):
         self.verifications += int(self.active.sum())
         return out
 
+    def decode(self, n: int, inputs=None):
+        raise NotImplementedError(
+            "SpecEngine.decode: a verification's accepted count decides the next block's "
+            "length on the host, so speculative steps are not pipelined; call step()")
+
     def _emit(self, slot: int, tokens: list[int]) -> int:
         """Gives the request the block's tokens one by one until it is done (max_new_tokens,
         a stop token or a stop string: a block may commit past them, the request ends there,

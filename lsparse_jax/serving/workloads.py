@@ -200,7 +200,9 @@ class RepeatInputs:
     1. Calibrate ``repeat`` at the shapes of a run against the reuse it reports.
 
     Use: ``inputs = RepeatInputs(0.5, vocab); engine.step(tokens=inputs(engine.next_token))``
-    each step; the first call starts from the given tokens.
+    each step (the first call starts from the given tokens), or
+    ``engine.decode(n, inputs.block(n, engine.next_token))``; ``experiments.common.timed_steps``
+    takes ``input_repeat``.
     """
 
     repeat: float
@@ -222,3 +224,8 @@ class RepeatInputs:
         self._last = np.where(self._rng.random(prev.shape) < self.repeat, prev,
                               new).astype(np.int32)
         return self._last
+
+    def block(self, n: int, start: np.ndarray) -> np.ndarray:
+        """The next ``n`` steps' inputs [n, S] (``Engine.decode(n, inputs)``): the same
+        sequence as ``n`` calls."""
+        return np.stack([self(start) for _ in range(n)])

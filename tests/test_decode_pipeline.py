@@ -1,0 +1,98 @@
+"""``Engine.decode(n)``: n pipelined decode steps equal n calls of ``Engine.step``, bit for
+bit (tokens, each request's token list, the decode state, the selection statistics)."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from lsparse_jax.config import CacheConfig, EngineConfig
+from lsparse_jax.methods.leansparse import calibrate_codebooks
+from lsparse_jax.serving.engine import Engine
+from tests.helpers import model_and_tokens, tiny
+
+
+@functools.cache
+def setup():
+    cfg = tiny(max_len=256)
+    params, _ = model_and_tokens(cfg, 1, seed=5)
+    calib = np.random.default_rng(7).integers(0, 256, 400).astype(np.int32)
+    return cfg, params, calibrate_codebooks(params, cfg, calib, iters=2)
+
+
+def make(method):
+    cfg, params, books = setup()
+    cache = CacheConfig(num_slots=3, prefill_chunk=32, page_size=4,
+                        hot_cache_rows=None if method == "resident" else 16,
+                        optional_pages=6 if method == "adaptive" else None, refill_pages=2)
+    engine = Engine(EngineConfig(model=cfg, cache=cache, method=method), params,
+                    books if method == "leansparse" else None)
+    rng = np.random.default_rng(3)
+    for n in (41, 70):  # slot 2 stays idle
+        engine.admit(rng.integers(0, 256, n).astype(np.int32), max_new_tokens=40)
+    return engine
+
+
+def assert_same(a: Engine, b: Engine):
+    assert a.generated == b.generated
+    np.testing.assert_array_equal(a.lengths, b.lengths)
+    np.testing.assert_array_equal(a.next_token, b.next_token)
+    assert a.decode_tokens == b.decode_tokens
+    for x, y in zip(jax.tree.leaves((a.state, a.stats)), jax.tree.leaves((b.state, b.stats)),
+                    strict=True):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert a.metrics()["selection"] == b.metrics()["selection"]
+    for s in a.requests:
+        assert len(a.requests[s].token_times) == len(b.requests[s].token_times)
+
+
+# 20 steps complete tail pages (page 4 x ratio 4 = 16 tokens) mid-run: the writeback is
+# launched inside the pipeline
+@pytest.mark.parametrize("method", ["resident", "hisparse", "leansparse", "adaptive"])
+def test_decode_equals_repeated_steps(method):
+    stepped, piped = make(method), make(method)
+    want = np.stack([np.asarray(stepped.step().tokens) for _ in range(20)])
+    got = piped.decode(20)
+    active = stepped.active
+    np.testing.assert_array_equal(got[:, active], want[:, active])
+    assert_same(stepped, piped)
+
+
+def test_forced_decode_equals_forced_steps():
+    stepped, piped = make("hisparse"), make("hisparse")
+    inputs = np.random.default_rng(9).integers(0, 256, (12, 3)).astype(np.int32)
+    for row in inputs:
+        stepped.step(row)
+    piped.decode(12, inputs)
+    assert_same(stepped, piped)
+    # the forced inputs replace what each step sampled, as step(tokens) records them
+    assert piped.generated[0][-13:-1] == inputs[:, 0].tolist()
+
+
+def test_decode_refuses_what_it_cannot_run():
+    engine = make("resident")
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        engine.decode(0)
+    with pytest.raises(ValueError, match=r"inputs must be \[n=2, slots=3\]"):
+        engine.decode(2, np.zeros((2, 2), np.int32))
+    before = [list(t) for t in engine.generated]
+    with pytest.raises(RuntimeError, match="room for fewer than 41 more tokens"):
+        engine.decode(41)  # max_new_tokens 40
+    assert engine.generated == before  # nothing ran
+
+
+def test_timed_steps_feed_repeat_inputs_alike_pipelined_or_not():
+    from experiments.common import timed_steps
+    from lsparse_jax.serving.workloads import RepeatInputs
+
+    a, b = make("hisparse"), make("hisparse")
+    start = a.next_token.copy()
+    timed_steps(a, 2, 3, pipelined=True, input_repeat=0.5)
+    timed_steps(b, 2, 3, pipelined=False, input_repeat=0.5)
+    assert_same(a, b)
+    source = RepeatInputs(0.5, a.config.model.vocab_size, 0)
+    want = np.concatenate([source.block(2, start), source.block(3, start)])
+    assert a.generated[1][-6:-1] == want[:, 1].tolist()
