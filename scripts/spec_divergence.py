@@ -14,6 +14,10 @@ point noise between a T = 1 step and a T = gamma + 1 verification).
   scores_xla  LeanSparse's exact rescoring (``index_scores``) in f32 XLA instead of bf16-q Triton
   topc_xla    LeanSparse's coarse pass (``pq_topc``) in f32 XLA instead of bf16 Triton
   attn_xla    the plain step's CSA attention (``sparse_attention``) in XLA (as verification's)
+  scores_check  runs as-is, and every ``index_scores`` call also computes its XLA twin on the
+              same inputs: per phase (plain, spec) the largest |triton - xla| over valid
+              candidates relative to the largest |xla|, and the non-finite outputs at valid
+              candidates (does the kernel itself depart in one context, or do its inputs?)
 If a variant's selections then agree everywhere, that op is where the paths part.
 
 GPU: python scripts/spec_divergence.py [--variant ...]  (compiles ~120 s at first use; --time-limit
@@ -29,6 +33,8 @@ import time
 import numpy as np
 
 T0 = time.perf_counter()
+PHASE = ["setup"]  # scores_check: the phase its records go to
+CHECKS: dict[str, list] = {}
 
 
 def log(*a):
@@ -52,6 +58,26 @@ def patch(variant: str):
     elif variant == "topc_xla":
         orig = leansparse.coarse_topc
         leansparse.coarse_topc = lambda *a: orig(*a[:6], "xla", *a[7:])
+    elif variant == "scores_check":
+        import jax
+        import jax.numpy as jnp
+
+        op = leansparse.index_scores
+
+        def record(err, ref, bad):
+            CHECKS.setdefault(PHASE[0], []).append(
+                (float(np.max(err)), float(np.max(ref)), int(np.sum(bad))))
+
+        def checked(q, w, values, scales, valid, implementation=None):
+            got = op(q, w, values, scales, valid, implementation=implementation)
+            want = op(q, w, values, scales, valid, implementation="xla")
+            ok = valid & jnp.isfinite(want)
+            jax.debug.callback(record, jnp.max(jnp.where(ok, jnp.abs(got - want), 0.0)),
+                               jnp.max(jnp.where(ok, jnp.abs(want), 0.0)),
+                               jnp.sum(valid & ~jnp.isfinite(got)))
+            return got
+
+        leansparse.index_scores = checked
     elif variant == "attn_xla":
         blocks.sparse_attention = forced(blocks.sparse_attention)
     else:
@@ -98,7 +124,8 @@ def main():
     ap.add_argument("--method", default="leansparse")
     ap.add_argument("--implementation", default="triton")
     ap.add_argument("--variant", default="none",
-                    choices=("none", "scores_xla", "topc_xla", "attn_xla"))
+                    choices=("none", "scores_xla", "topc_xla", "attn_xla",
+                                             "scores_check"))
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--prompt-tokens", type=int, default=4096)
     ap.add_argument("--decode-tokens", type=int, default=64)
@@ -138,6 +165,7 @@ def main():
 
     # ---- plain: per slot, per generated index j (the step that fed token j): selection, logits
     plain = Engine(config, params, books)
+    PHASE[0] = "plain"
     slots = [plain.admit(p, args.decode_tokens) for p in prompts]
     log("plain admitted")
     p_sel, p_logits, want = {s: [] for s in slots}, {s: [] for s in slots}, {}
@@ -159,6 +187,9 @@ def main():
     del plain
 
     # ---- speculative with oracle drafts (the plain tokens)
+    import jax
+    jax.effects_barrier()
+    PHASE[0] = "spec"
     spec = SpecEngine(config, params, drafter, books)
     sslots = [spec.admit(p, args.decode_tokens) for p in prompts]
     assert sslots == slots
@@ -212,6 +243,12 @@ def main():
               f"sparse layer #{layer}: plain-only {only_plain}, spec-only {only_spec}; "
               f"logits max|diff| there {first_sel[6]:.3g}")
     print("first token difference:", first_tok or "none")
+    jax.effects_barrier()
+    for phase, rows in CHECKS.items():
+        err = max(r[0] for r in rows)
+        rel = max(r[0] / max(r[1], 1e-30) for r in rows)
+        print(f"scores_check {phase}: {len(rows)} calls, max |triton - xla| {err:.3g}, max "
+              f"relative {rel:.3g}, non-finite at valid candidates {sum(r[2] for r in rows)}")
 
 
 if __name__ == "__main__":

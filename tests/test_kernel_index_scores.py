@@ -341,3 +341,20 @@ def test_gpu_fp8_variants_at_v4_shape(nb):
         pos, val, scores = fn(*args, k=512)
         assert_close(scores, _twin_scores(args), "float32", mask=valid)
         _assert_topk(pos, val, np.asarray(scores), valid, 512)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "triton_fp8", "jax_triton"])
+@pytest.mark.parametrize("c", [2112, 80])
+def test_gpu_partial_last_block_stays_in_its_request(impl, c):
+    """The engine's rescoring width C + T (V4: 2048 + 64; the small model: 64 + 16) is not a
+    multiple of the kernel's block: with B > 1 the last block of a request must not reach the
+    next request's rows (it did before the padding: scores off by ~100% at B 4, C 2112)."""
+    args = _inputs(4, 64, 128, c, 1, "random", seed=5)
+    valid = args[-1]
+    got = np.asarray(index_scores(*args, implementation=impl))
+    assert np.all(got[~valid] == -np.inf)
+    if impl == "triton_fp8":
+        assert_close(got, _twin_scores(args), "float32", mask=valid)
+    else:
+        _check(got, args, "float32" if impl == "triton" else "bfloat16")

@@ -16,7 +16,7 @@ dot(k[:, j], q[:, j]) * scale[:, j] (one dot when NB = 1), so the scales multipl
 dot products instead of the keys. Then ReLU, the weighted sum over heads and a
 ``jnp.where`` that writes -inf to invalid rows (NaN poison in their values and scales only
 reaches their own row of the dot, which the select discards).
-Out-of-range rows of the last block are masked by the Triton lowering. The keys are read once:
+C is padded to whole programs with invalid rows (see index_scores_triton). The keys are read once:
 at B = 64, C = 2048, D = 128 that is 17 MB, ~6 us at the H200's ~3 TB/s; q (re-read by every
 program, 32 KB in f32) and the weights come from L2.
 
@@ -176,14 +176,24 @@ def index_scores_triton(q: jnp.ndarray, weights: jnp.ndarray, key_values: jnp.nd
         q = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
         weights = jnp.pad(weights, ((0, 0), (0, hp - h)))
     rows = block_c * steps                                         # candidates per program
+    c_pad = -(-c // rows) * rows
+    if c_pad != c:
+        # C padded to whole programs with invalid rows: on the GPU, Pallas-Triton did not
+        # confine a partial last block of candidates to its request (H200, jax 0.11.2: scores
+        # off by ~100% at B 4, C 2112, exact at B 1; interpret mode is exact), which made
+        # speculative and plain greedy decoding differ (issue 15)
+        key_values = jnp.pad(key_values, ((0, 0), (0, c_pad - c), (0, 0)))
+        key_scales = jnp.pad(key_scales, ((0, 0), (0, c_pad - c), (0, 0)),
+                             constant_values=1.0)
+        valid = jnp.pad(valid, ((0, 0), (0, c_pad - c)))
     interpret = common.interpret()
     kernel = functools.partial(_kernel, nb=nb, bs=d // nb, bc=block_c, steps=steps, fp8=fp8,
                                barrier=interpret)
     scale_block = (None, rows, None if nb == 1 else nb)            # NB = 1: a vector
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((b, c), jnp.float32),
-        grid=(b, pl.cdiv(c, rows)),
+        out_shape=jax.ShapeDtypeStruct((b, c_pad), jnp.float32),
+        grid=(b, c_pad // rows),
         in_specs=[
             pl.BlockSpec((None, hp, d), lambda i, j: (i, 0, 0)),        # q
             pl.BlockSpec((None, hp), lambda i, j: (i, 0)),              # weights
@@ -195,7 +205,7 @@ def index_scores_triton(q: jnp.ndarray, weights: jnp.ndarray, key_values: jnp.nd
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="index_scores",
-    )(q, weights.astype(jnp.float32), key_values, key_scales, valid)
+    )(q, weights.astype(jnp.float32), key_values, key_scales, valid)[:, :c]
 
 
 def resolve_config(b: int, h: int, c: int, block_c: int | None, steps: int | None,
