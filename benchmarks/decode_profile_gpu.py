@@ -85,6 +85,8 @@ def main():
     ap.add_argument("--input-repeat", type=float, default=None, help="scale.input_repeat: "
                     "teacher-forced inputs with this repeat probability (selection reuse)")
     ap.add_argument("--prefill-cache", default=None, help="scale.prefill_cache (a directory)")
+    ap.add_argument("--gin", action="append", default=[], help="extra gin binding for the "
+                    "scale run, e.g. LeanSparseConfig.coarse_implementation=\"'jax_triton'\"")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="kill the scale run after this many seconds (None: no limit)")
     a = ap.parse_args()
@@ -106,6 +108,7 @@ def main():
         cmd.append(f"--gin.scale.input_repeat={a.input_repeat}")
     if a.prefill_cache is not None:
         cmd.append(f"--gin.scale.prefill_cache='{a.prefill_cache}'")
+    cmd += [f"--gin.{binding}" for binding in a.gin]
     if a.kv_dtype is not None:
         cmd.append(f"--gin.model_preset.kv_dtype='{a.kv_dtype}'")
     if a.attention_precision is not None:

@@ -12,6 +12,8 @@ import contextlib
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
 
 Implementation = Literal["xla", "triton", "triton_fused", "triton_copy", "triton_fp8",
                          "jax_triton", "mosaic"]
@@ -73,3 +75,40 @@ def lower_for_cuda(fn, *specs) -> str:
 
 
 TRITON_CALL_TARGET = "__gpu$xla.gpu.triton"  # the custom call a Pallas-Triton kernel becomes
+
+
+def batch_folding(fn, batched: tuple[bool, ...]):
+    """``fn(*args)`` made vmappable for kernels without a batching rule (jax-triton's
+    ``triton_call`` raises under ``jax.vmap``).
+
+    ``batched[i]``: argument i has a leading batch axis B that ``fn`` maps over (its outputs
+    lead with B too); the other arguments are shared by the batch (e.g. codebooks). Under a
+    vmap over V the batched arguments [V, B, ...] are folded into [V * B, ...] (an unmapped one
+    broadcast first), ``fn`` runs once, and its outputs are unfolded to [V, B, ...]: the same
+    as V separate calls, because ``fn``'s batch entries are independent. Nested vmaps fold
+    again. A vmap over a shared argument raises ValueError (``fn`` takes one copy).
+    """
+
+    @custom_vmap
+    def call(*args):
+        return fn(*args)
+
+    @call.def_vmap
+    def _fold(axis_size, in_batched, *args):
+        folded = []
+        for i, (arg, mapped, per) in enumerate(zip(args, in_batched, batched, strict=True)):
+            if not per:
+                if mapped:
+                    raise ValueError(f"batch_folding: argument {i} is shared by the batch "
+                                     "and cannot be vmapped")
+                folded.append(arg)
+                continue
+            if not mapped:
+                arg = jnp.broadcast_to(arg, (axis_size, *arg.shape))
+            folded.append(arg.reshape(axis_size * arg.shape[1], *arg.shape[2:]))
+        out = call(*folded)
+        out = jax.tree.map(lambda o: o.reshape(axis_size, o.shape[0] // axis_size,
+                                               *o.shape[1:]), out)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return call

@@ -10,6 +10,8 @@ compare positions with the top-C of the kernel's own scores.
 """
 
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -692,3 +694,34 @@ def test_gpu_fp8_against_its_reference(implementation):
     for r in range(b):
         mine, theirs = set(np.asarray(pos[r]).tolist()), set(xla_pos[r].tolist())
         assert len(mine & theirs) >= 0.98 * len(theirs), f"row {r}: overlap with xla fp8"
+
+
+def test_batch_folding_makes_a_batch_op_vmappable():
+    """common.batch_folding (how the jax-triton pq_topc runs under the decode step's vmap over
+    slots): a vmap, nested vmaps and an unmapped batched argument give the direct call's
+    result; a vmapped shared argument is refused."""
+    rng = np.random.default_rng(4)
+    b, h, d, m, k, n, c = 6, 4, 32, 8, 16, 64, 8
+    q = jnp.asarray(rng.standard_normal((b, h, d)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((b, h)), jnp.float32)
+    codes = jnp.asarray(rng.integers(0, k, (b, n, m)), jnp.uint8)
+    books = jnp.asarray(rng.standard_normal((m, k, d // m)), jnp.float32)
+    lengths = jnp.asarray(rng.integers(1, n + 1, b), jnp.int32)
+    op = functools.partial(pq_topc, num_candidates=c, implementation="xla")
+    folded = common.batch_folding(op, (True, True, True, False, True))
+    want = op(q, w, codes, books, lengths)
+    one = lambda *a: jax.tree.map(lambda x: x[0], folded(*(x[None] for x in a[:3]),  # noqa: E731
+                                                         books, a[3][None]))
+    got = jax.jit(jax.vmap(one))(q, w, codes, lengths)
+    nested = jax.vmap(jax.vmap(one))(*(x.reshape(2, 3, *x.shape[1:])
+                                       for x in (q, w, codes, lengths)))
+    for g in (got, jax.tree.map(lambda x: x.reshape(b, *x.shape[2:]), nested)):
+        np.testing.assert_array_equal(np.asarray(g[0]), np.asarray(want[0]))
+        np.testing.assert_array_equal(np.asarray(g[1]), np.asarray(want[1]))
+    # an unmapped batched argument (every slot the same lengths) is broadcast
+    shared_len = jax.vmap(lambda q1: folded(q1[None], w[:1], codes[:1], books, lengths[:1]))(q)
+    direct = op(q, jnp.repeat(w[:1], b, 0), jnp.repeat(codes[:1], b, 0), books,
+                jnp.repeat(lengths[:1], b))
+    np.testing.assert_array_equal(np.asarray(shared_len[0][:, 0]), np.asarray(direct[0]))
+    with pytest.raises(ValueError, match="argument 3 is shared"):
+        jax.vmap(lambda bk: folded(q, w, codes, bk, lengths))(jnp.stack([books, books]))

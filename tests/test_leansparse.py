@@ -186,3 +186,17 @@ def test_coarse_precision_reaches_the_coarse_pass():
     assert any(set(a) != set(b) for a, b in zip(got["fp8"], got["bf16"]))
     with pytest.raises(ValueError, match="coarse_precision"):
         LeanSparseConfig(coarse_precision="fp16")
+
+
+def test_coarse_implementation_reaches_the_coarse_pass():
+    """``LeanSparseConfig.coarse_implementation`` overrides the engine's implementation for the
+    coarse pass only: "jax_triton" (GPU only) is refused by pq_topc on CPU at the first step,
+    which the engine's own "xla" would not be."""
+    lean = LeanSparseConfig(num_candidates=32, key_cache_rows=48,
+                            coarse_implementation="jax_triton")
+    engine = make("leansparse", lean)
+    engine.admit(np.arange(70, dtype=np.int32) % 256, max_new_tokens=4)
+    with pytest.raises(ValueError, match="pq_topc: implementation='jax_triton' needs a CUDA"):
+        engine.step()
+    with pytest.raises(ValueError, match="coarse_implementation"):
+        LeanSparseConfig(coarse_implementation="cuda")

@@ -133,7 +133,9 @@ class CoarseToFineIndex:
             context.codes, jnp.arange(n), None, paged, self.page_size)  # one gather
         cand, cand_scores = coarse_topc(q[None], w[None], codes[None], context.codebooks,
                                         jnp.reshape(paged, (1,)).astype(jnp.int32),
-                                        self.settings.num_candidates, self.implementation,
+                                        self.settings.num_candidates,
+                                        self.settings.coarse_implementation
+                                        or self.implementation,
                                         self.settings.coarse_precision)
         held = state.cache.positions
         cached = jnp.zeros((n,), bool).at[jnp.where(held >= 0, held, n)].set(True, mode="drop")

@@ -134,7 +134,10 @@ def pq_topc(q, weights, codes, codebooks, lengths, *, num_candidates: int,
     elif impl == "jax_triton":
         from pallas_kernels.pq_topc.jax_triton import pq_topc_jax_triton
 
-        fn = partial(pq_topc_jax_triton, num_candidates=c, precision=precision)
+        # vmappable (the decode step runs the coarse pass under a vmap over slots); the
+        # codebooks are shared by the batch
+        fn = common.batch_folding(partial(pq_topc_jax_triton, num_candidates=c,
+                                          precision=precision), (True, True, True, False, True))
     else:
         fn = partial(triton_impl.pq_topc_triton, num_candidates=c, precision=precision)
     return fn(q, weights, codes, codebooks, lengths)
