@@ -50,13 +50,15 @@ def serve(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
           hot_cache_rows: int = 32, page_size: int = 16, host_pages: int | None = None,
           optional_pages: int = 32, step_s: float | None = None, prefill_token_s: float = 0.0,
           stop_strings=(), leansparse=None, clients: int | None = None,
-          think_s: float = 0.0, echo_pool_rows: int = 4096, seed: int = 0):
+          think_s: float = 0.0, echo_pool_rows: int = 4096, overlap: bool = False,
+          seed: int = 0):
     """Serves ``requests`` Poisson arrivals with ``method``; returns the summary.
 
     clients: a closed loop instead (``serving.workloads.ClosedLoop``): C clients at fixed
     lengths (prompt_tokens[1] in, max_new_tokens[1] out), each sending its next request
     ``think_s`` after its previous one finishes, requests // clients each (arrival_rate
-    unused). echo_pool_rows: echo's shared GPU KV pool entries per CSA layer.
+    unused). echo_pool_rows: echo's shared GPU KV pool entries per CSA layer. overlap: each
+    decode step launched before the previous one is read (``Scheduler(overlap=True)``).
 
     checkpoint: None serves random weights (seeded). prefill_token_budget: None prefills
     each prompt whole at admission (decode stalls); a value prefills that many prompt tokens
@@ -98,7 +100,7 @@ def serve(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
                           cfg.vocab_size, think_s, seed)
         requests = clients * (requests // clients)
     sched = Scheduler(engine, device_budget_bytes, Clock(step_s, prefill_token_s),
-                      prefill_token_budget, workload=work)
+                      prefill_token_budget, workload=work, overlap=overlap)
     with tqdm(total=requests, desc=f"serve {method}", unit="req") as bar:
         sched.run(bar)
     summary = sched.summary()
@@ -112,7 +114,7 @@ def serve(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
                    "clients": clients, "think_s": think_s,
                    "max_new_tokens": list(max_new_tokens), "stop_strings": list(stop_strings),
                    "device_budget_bytes": device_budget_bytes,
-                   "prefill_token_budget": prefill_token_budget,
+                   "prefill_token_budget": prefill_token_budget, "overlap": overlap,
                    "clock": "measured wall time" if step_s is None else
                    {"step_s": step_s, "prefill_token_s": prefill_token_s}, "seed": seed},
         "note": ("whole-prompt prefill (an admission stalls decoding)"

@@ -142,24 +142,30 @@ def test_device_pool_admission_waits_and_tokens_equal_alone(method, resident):
         assert r.tokens == alone(resident, r), r.id
 
 
-@pytest.mark.parametrize("method", ["leansparse", "adaptive"])
-def test_every_method_under_load_equals_alone(method):
+@pytest.mark.parametrize("method,overlap", [("leansparse", False), ("adaptive", False),
+                                            ("adaptive", True)])
+def test_every_method_under_load_equals_alone(method, overlap):
     """Identity 9 for an approximate method (leansparse, 32 candidates, miss filter) and for
     adaptive with 4 optional pages of 4 rows for prompts of 1-3 complete pages (reclaimed as
-    requests join, refilled as they leave), under chunked prefill."""
+    requests join, refilled as they leave), under chunked prefill; adaptive also with each
+    step launched before the previous one is read (its refills planned a step ahead)."""
     if method == "leansparse":
         engine = make_engine(method, lean=LeanSparseConfig(
             num_candidates=32, miss_filter_offset=1.0, key_cache_rows=48))
     else:
         engine = make_engine(method, page_size=4, optional_pages=4, refill_pages=2)
     requests = workload(5, seed=10, arrivals=[0.0, 0.0, 0.01, 0.02, 0.2])
-    sched = serve(engine, requests, prefill_token_budget=32, clock=Clock(step_s=0.01))
+    sched = serve(engine, requests, prefill_token_budget=32, clock=Clock(step_s=0.01),
+                  overlap=overlap)
     assert max(t["active"] for t in sched.trace) == 3
     for r in requests:
         assert r.tokens == alone(engine, r), r.id
 
 
-def test_stop_tokens_and_strings_end_requests(resident):
+# overlap: each step launched before the previous one is read (a stop token's request is
+# launched once more, its token dropped): the same tokens and finish reasons
+@pytest.mark.parametrize("overlap", [False, True])
+def test_stop_tokens_and_strings_end_requests(resident, overlap):
     base = workload(1, seed=5)[0]
     base = Request(base.prompt, 12, id="base")
     full = alone(resident, base)
@@ -172,7 +178,7 @@ def test_stop_tokens_and_strings_end_requests(resident):
                 Request(base.prompt, 12, stop_strings=(s,), id="str"),
                 Request(base.prompt, 1, id="one"), Request(base.prompt, 12, id="len"),
                 Request(np.resize(base.prompt, 120), None, id="max_len")]  # 8 to max_len
-    serve(resident, requests, clock=Clock(step_s=0.01))
+    serve(resident, requests, clock=Clock(step_s=0.01), overlap=overlap)
     got = {r.id: r for r in requests}
     assert got["max_len"].tokens == alone(resident, Request(np.resize(base.prompt, 120), 8))
     assert got["max_len"].finish_reason == "length"
@@ -183,16 +189,20 @@ def test_stop_tokens_and_strings_end_requests(resident):
     assert got["len"].tokens == full
 
 
-def test_metrics_exact_on_a_fixed_clock(resident):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_metrics_exact_on_a_fixed_clock(resident, overlap):
     """One slot; decode steps cost 0.25 s, prefill 2^-7 s per prompt token.
     a (t=0, 32 tokens prompt, 4 new): admitted 0, tokens at 0.25, 0.5, 0.75, 1.0.
     b (t=0.5, 16, 3): waits two iterations, admitted 1.0, tokens at 1.125, 1.375, 1.625.
-    c (t=10, 32, 2): the clock jumps to 10 while idle; tokens at 10.25, 10.5."""
+    c (t=10, 32, 2): the clock jumps to 10 while idle; tokens at 10.25, 10.5.
+    overlap: a step's time is charged when it is read, the iteration after its launch (a
+    run's first launch costs nothing on this clock): the same figures."""
     engine = make_engine(slots=1)
     rng = np.random.default_rng(6)
     reqs = [Request(rng.integers(0, 256, n).astype(np.int32), new, arrival_time=t, id=i)
             for i, (n, new, t) in enumerate([(32, 4, 0.0), (16, 3, 0.5), (32, 2, 10.0)])]
-    sched = serve(engine, reqs, clock=Clock(step_s=0.25, prefill_token_s=2 ** -7))
+    sched = serve(engine, reqs, clock=Clock(step_s=0.25, prefill_token_s=2 ** -7),
+                  overlap=overlap)
     a, b, c = reqs
     assert a.token_times == [0.25, 0.5, 0.75, 1.0] and a.finished_at == 1.0
     assert b.admitted_at == 1.0 and b.token_times == [1.125, 1.375, 1.625]
@@ -215,13 +225,14 @@ def test_metrics_exact_on_a_fixed_clock(resident):
 
 
 
-def test_chunked_prefill_interleaves_and_tokens_equal_alone(resident):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_chunked_prefill_interleaves_and_tokens_equal_alone(resident, overlap):
     requests = workload(6, seed=7, arrivals=[0.0, 0.0, 0.01, 0.02, 0.03, 0.5])
     per = [request_bytes(resident.config, len(r.prompt) + r.max_new_tokens).gpu_total
            for r in requests]
     budget = sorted(per)[-1] + sorted(per)[-2]
     sched = serve(resident, requests, device_budget_bytes=budget, prefill_token_budget=32,
-                  clock=Clock(step_s=0.01, prefill_token_s=1e-4))
+                  clock=Clock(step_s=0.01, prefill_token_s=1e-4), overlap=overlap)
     assert max(t["device_bytes"] for t in sched.trace) <= budget
     assert max(t["active"] + t["prefilling"] for t in sched.trace) == 2
     assert any(t["active"] and t["prefilling"] for t in sched.trace)  # decode beside prefill
@@ -254,10 +265,18 @@ def test_serve_experiment_smoke(tmp_path, monkeypatch):
 
     monkeypatch.setenv("LSPARSE_RUNS", str(tmp_path))
     assert main(["run", "configs/experiments/serve_smoke.gin", "--gin.run.name='smoke'",
-                 "--gin.serve.requests=6", "--gin.serve.max_new_tokens=(2, 6)"]) == 0
+                 "--gin.serve.requests=6", "--gin.serve.max_new_tokens=(2, 6)",
+                 "--gin.serve.overlap=True"]) == 0
     out = json.loads((tmp_path / "smoke" / "results.json").read_text())
-    assert out["completed"] == 6 and len(out["requests"]) == 6
+    assert out["completed"] == 6 and len(out["requests"]) == 6 and out["config"]["overlap"]
     for key in ("ttft_p50_s", "tpot_p50_s", "throughput_tok_s", "admission_waits"):
         assert key in out
     assert out["peak_device_bytes"] <= out["device_budget_bytes"]
     assert (tmp_path / "smoke" / "latency_cdf.png").is_file()
+
+
+def test_overlap_refuses_prefix_reuse(resident):
+    from lsparse_jax.serving.workloads import MultiTurn
+
+    with pytest.raises(ValueError, match="overlap launches a step past"):
+        Scheduler(resident, workload=MultiTurn, prefix_reuse=True, overlap=True)

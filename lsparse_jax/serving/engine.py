@@ -7,6 +7,7 @@ Multi-turn reuse: ``detach`` keeps a finished request's context host-resident as
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -37,6 +38,17 @@ from lsparse_jax.serving.steps import (
     prefill_chunks,
     sparse_layers,
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class InFlight:
+    """A decode step ``Engine.launch`` dispatched (``Engine.collect`` reads it back)."""
+
+    out: DecodeOutput
+    active: np.ndarray  # [S] bool: the slots it ran
+    feed: jax.Array  # [S] int32 on the device: each slot's next input (its sampled token)
+    requests: dict  # slot -> the Request it ran for
+    forced_host: np.ndarray | None  # [S] teacher-forced inputs, if any
 
 
 class Engine:
@@ -264,19 +276,19 @@ class Engine:
             self.next_token = np.where(self.active, tokens, self.next_token)
         self._check_room(1)
         t0 = time.perf_counter()
-        out = self._launch(jnp.asarray(self.next_token), jnp.asarray(self.active))
+        out = self._launch(jnp.asarray(self.next_token), jnp.asarray(self.active), self.active)
         sampled = np.asarray(out.tokens)
         now = time.perf_counter()
         self.decode_seconds += now - t0
-        self._collect(sampled, tokens, now)
+        self._collect(sampled, tokens, now, self.active)
         return out
 
     def decode(self, n: int, inputs=None) -> np.ndarray:
         """``n`` decode steps of every active slot: the same tokens, state and statistics as
-        ``n`` calls of ``step`` (tested), pipelined: step t + 1 is launched from step t's
-        tokens on the device before step t's tokens are read back, so the host's per-step work
-        (the read, token lists and timestamps, the controller's updates, the next launch)
-        overlaps the device's next step instead of leaving it idle between steps.
+        ``n`` calls of ``step`` (tested), pipelined (``launch`` / ``collect``): step t + 1 is
+        launched from step t's tokens on the device before step t's tokens are read back, so
+        the host's per-step work (the read, token lists and timestamps, the controller's
+        updates, the next launch) overlaps the device's next step instead of leaving it idle.
 
         inputs: [n, S] teacher-forced inputs, row t as ``step(inputs[t])`` takes it.
         The active set is fixed for the n steps: every active slot needs room for n more
@@ -294,27 +306,60 @@ class Engine:
             self._forced(inputs[0])
         self._check_room(n)
         t0 = time.perf_counter()
-        active = jnp.asarray(self.active)
-        feed = jnp.asarray(self.next_token)
-        if inputs is not None:
-            forced = jnp.asarray(inputs)
+        forced = None if inputs is None else jnp.asarray(inputs)
         sampled = np.empty((n, slots), np.int32)
-        pending = None  # (step, its output) launched, not yet read back
+        pending = None  # launched, not yet read back
         for t in range(n + 1):
             launched = None
             if t < n:
-                if inputs is not None:
-                    feed = jnp.where(active, forced[t], feed)
-                launched = self._launch(feed, active)
-                feed = jnp.where(active, launched.tokens, feed)
+                launched = self.launch(pending, None if forced is None else forced[t],
+                                       None if inputs is None else inputs[t])
             if pending is not None:
-                i, out = pending
-                tokens = np.asarray(out.tokens)  # waits for step i only; step i + 1 runs
-                self._collect(tokens, None if inputs is None else inputs[i],
-                              time.perf_counter())
-                sampled[i] = self.next_token
-            pending = (t, launched)
+                self.collect(pending)  # waits for that step only; the next one runs
+                sampled[t - 1] = self.next_token
+            pending = launched
         self.decode_seconds += time.perf_counter() - t0
+        return sampled
+
+    def launch(self, prev: InFlight | None = None, forced=None, forced_host=None,
+               skip: np.ndarray | None = None) -> InFlight:
+        """Dispatches one decode step of the active slots that have room for a token, and
+        returns at once (nothing on the device is waited for); ``collect`` reads it back.
+
+        A slot that ran in ``prev`` (a launched step, collected or not) and still serves the
+        same request feeds prev's sampled token straight from the device; a slot admitted
+        since feeds the token its admission sampled. forced: [S] device inputs overriding
+        both (teacher forcing; forced_host: the same on the host, for the token lists).
+        Slots without room (their reserved length reached) and those in ``skip`` [S] sit
+        the step out: a scheduler that launches ahead of reading tokens
+        (``Scheduler(overlap=True)``) skips those whose last token is in flight and finishes
+        them when it reads it.
+        """
+        live = self.active & (self.lengths < self.limit)
+        if skip is not None:
+            live &= ~skip
+        feed = jnp.asarray(self.next_token)
+        if prev is not None:
+            same = np.array([prev.requests.get(s) is self.requests.get(s)
+                             for s in range(live.size)]) & prev.active
+            feed = jnp.where(jnp.asarray(same), prev.feed, feed)
+        if forced is not None:
+            feed = jnp.where(jnp.asarray(live), forced, feed)
+        requests = {s: self.requests[s] for s in np.flatnonzero(live)}
+        out = self._launch(feed, jnp.asarray(live), live)
+        return InFlight(out, live, jnp.where(jnp.asarray(live), out.tokens, feed), requests,
+                        forced_host)
+
+    def collect(self, step: InFlight) -> np.ndarray:
+        """Reads a launched step's tokens back (waiting for that step only) and hands each
+        to its request, unless the slot has been released or re-admitted since (the token of
+        a request that ended meanwhile is dropped). Returns the step's tokens [S]."""
+        sampled = np.asarray(step.out.tokens)
+        now = time.perf_counter()
+        mine = np.array([step.requests.get(s) is not None
+                         and step.requests[s] is self.requests.get(s)
+                         for s in range(sampled.size)])
+        self._collect(sampled, step.forced_host, now, mine)
         return sampled
 
     def _forced(self, tokens) -> np.ndarray:
@@ -330,24 +375,26 @@ class Engine:
                                f"fewer than {n} more tokens (max_new_tokens or max_len "
                                "reached); release them")
 
-    def _launch(self, feed, active) -> DecodeOutput:
-        """Dispatches one decode step (feed [S] on the device) and the updates around it;
-        waits for nothing on the device. The host mirrors (lengths) advance here."""
+    def _launch(self, feed, active, live: np.ndarray) -> DecodeOutput:
+        """Dispatches one decode step (feed [S] on the device; active: ``live`` on the device)
+        and the updates around it; waits for nothing on the device. The host mirrors
+        (lengths) advance here."""
         for update in self.control.before_step():  # e.g. adaptive's refill of lent pages
             self.state = update(self.state)
         self.state, out = decode_step(self.params, self.config, self.state, feed, active)
-        for update in self.control.after_step(self.lengths, self.active):  # page writeback
+        for update in self.control.after_step(self.lengths, live):  # page writeback
             self.state = update(self.state)
-        self.lengths += self.active
+        self.lengths += live
         self.stats = stats.record(self.stats, out.selected, out.eligible, out.sources,
                                   out.key_sources, active)
         return out
 
-    def _collect(self, sampled: np.ndarray, forced, now: float) -> None:
-        """The host bookkeeping of one finished step: its tokens [S] into the requests."""
-        live = np.flatnonzero(self.active)
+    def _collect(self, sampled: np.ndarray, forced, now: float, mine: np.ndarray) -> None:
+        """The host bookkeeping of one finished step: its tokens [S] into the requests of
+        the slots in ``mine``."""
+        live = np.flatnonzero(mine)
         self.decode_tokens += live.size
-        self.next_token = np.where(self.active, sampled, self.next_token)
+        self.next_token = np.where(mine, sampled, self.next_token)
         for s in live:
             tokens = self.generated[s]
             if forced is not None:

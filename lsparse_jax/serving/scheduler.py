@@ -34,6 +34,14 @@ prefixes keep host pages: an admission the host pool cannot hold evicts the olde
 session's prefix (``Engine.drop``; that session's next call prefills its whole prompt) and
 retries at the next iteration.
 
+Overlap (``overlap=True``, as SGLang's overlap scheduler): each iteration launches the next
+decode step (``Engine.launch``) before reading the previous one back (``Engine.collect``), so
+the host's scheduling work runs while the device decodes. A request that ends on a stop token
+or stop string has then already been launched into one more step, whose token is dropped (the
+slot's extra row is freed with it); one that reaches max_new_tokens sits that step out. Tokens
+equal the non-overlapped schedule's (tested); selection statistics count the dropped steps.
+Not with prefix reuse (a detached context would hold the dropped step's row).
+
 Time is the scheduler's ``Clock``, starting at 0: arrivals are read on it and every timestamp
 of a ``Request`` is restamped on it. It advances by each admission's and step's measured wall
 time, or by fixed costs (deterministic metrics), and jumps to the next arrival when idle.
@@ -92,12 +100,13 @@ class Scheduler:
     prompt whole at admission. After ``run``: ``finished`` (requests in finishing order),
     ``admission_waits`` (iterations the head of the queue had arrived but did not fit) and
     ``waits_by`` (the same by reason), ``trace`` (per iteration: time, active, prefilling,
-    waiting, device bytes in use), ``records()`` and ``summary()``.
+    waiting, device bytes in use), ``records()`` and ``summary()``. overlap: launch each
+    decode step before reading the previous one (the module docstring).
     """
 
     def __init__(self, engine: Engine, device_budget_bytes: int | None = None,
                  clock: Clock | None = None, prefill_token_budget: int | None = None,
-                 workload=None, prefix_reuse: bool = False):
+                 workload=None, prefix_reuse: bool = False, overlap: bool = False):
         if prefill_token_budget is not None and engine.config.cache.streamed_prefill:
             raise ValueError("Scheduler: chunked prefill (prefill_token_budget) does not "
                              "stream layers; use streamed_prefill with whole-prompt prefill")
@@ -107,6 +116,13 @@ class Scheduler:
         if prefix_reuse and workload is None:
             raise ValueError("Scheduler: prefix_reuse needs a workload whose sessions go on "
                              "(e.g. serving.workloads.MultiTurn)")
+        if overlap and prefix_reuse:
+            raise ValueError("Scheduler: overlap launches a step past a request's stop token, "
+                             "whose row a detached prefix would keep; use one or the other")
+        if overlap and type(engine).launch is not Engine.launch:
+            raise ValueError(f"Scheduler: overlap needs Engine.launch; {type(engine).__name__}"
+                             " does not pipeline its steps")
+        self.overlap, self._in_flight = overlap, None
         self.engine, self.budget = engine, device_budget_bytes
         self.clock = clock or Clock()
         self.prefill_token_budget = prefill_token_budget
@@ -272,7 +288,9 @@ class Scheduler:
         else:
             self._admit_chunked()
         in_use = self.device_bytes_in_use  # the peak of this iteration (before releases)
-        if self.running:
+        if self.overlap and (self.running or self._in_flight is not None):
+            self._overlapped_step()
+        elif self.running:
             t0 = time.perf_counter()
             self.engine.step()
             now = self.clock.charge(time.perf_counter() - t0, self.clock.step_s or 0.0)
@@ -290,11 +308,33 @@ class Scheduler:
                            "prefix_host_bytes": sum(p.host_bytes
                                                     for p in self.prefixes.values())})
 
+    def _overlapped_step(self) -> None:
+        """Overlap mode: launch the next step of the running requests that have room, then
+        read the previous step back and finish the requests it ended."""
+        t0 = time.perf_counter()
+        engine, prev = self.engine, self._in_flight
+        # a request's last token (max_new_tokens or max_len) is the one a step at length
+        # limit - 2 samples: from there on it sits out (finished when that token is read)
+        last = engine.lengths + 1 >= engine.limit
+        room = engine.active & ~last
+        self._in_flight = engine.launch(prev, skip=last) if room.any() else None
+        if prev is not None:
+            before = {slot: len(r.tokens) for slot, r in self.running.items()}
+            engine.collect(prev)
+            now = self.clock.charge(time.perf_counter() - t0, self.clock.step_s or 0.0)
+            for slot, r in list(self.running.items()):
+                if len(r.tokens) > before[slot]:
+                    r.token_times[-1] = now
+                if self._stop_reason(r):
+                    self._finish(slot)
+        else:  # the first step of a run: nothing to read yet
+            self.clock.charge(time.perf_counter() - t0, 0.0)
+
     def run(self, progress=None) -> list[Request]:
         """Iterates until every submitted request finished; returns them in finishing order.
         progress: a tqdm-like bar (total = requests), updated with live aggregates."""
         live = {}
-        while self.waiting or self.prefilling or self.running:
+        while self.waiting or self.prefilling or self.running or self._in_flight is not None:
             done = len(self.finished)
             self.iterate()
             if progress is not None:
