@@ -33,3 +33,13 @@ def model_and_tokens(cfg, length, seed=0):
     params = init_params(cfg, seed)
     tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, length).astype(np.int32)
     return params, tokens
+
+
+def model_and_codebooks(cfg, seed, calib_seed, calib_tokens, iters):
+    """Random parameters of ``cfg`` and LeanSparse PQ codebooks calibrated on
+    ``calib_tokens`` random tokens (``calibrate_codebooks``)."""
+    from lsparse_jax.methods.leansparse import calibrate_codebooks
+
+    params, _ = model_and_tokens(cfg, 1, seed=seed)
+    calib = np.random.default_rng(calib_seed).integers(0, 256, calib_tokens).astype(np.int32)
+    return params, calibrate_codebooks(params, cfg, calib, iters=iters)

@@ -8,17 +8,14 @@ import numpy as np
 import pytest
 
 from lsparse_jax.config import CacheConfig, EngineConfig
-from lsparse_jax.methods.leansparse import calibrate_codebooks
 from lsparse_jax.serving.engine import Engine
-from tests.helpers import model_and_tokens, tiny
+from tests.helpers import model_and_codebooks, tiny
 
 
 @functools.cache
 def setup():
     cfg = tiny(max_len=256)
-    params, _ = model_and_tokens(cfg, 1, seed=5)
-    calib = np.random.default_rng(7).integers(0, 256, 400).astype(np.int32)
-    return cfg, params, calibrate_codebooks(params, cfg, calib, iters=2)
+    return cfg, *model_and_codebooks(cfg, 5, 7, 400, iters=2)
 
 
 def make(method):
