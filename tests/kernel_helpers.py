@@ -40,3 +40,15 @@ def gpu_topk_rows(rng, b: int, n: int, k: int, kind: str):
     else:
         scores = rng.normal(size=(b, n)).astype(np.float32)
     return scores, lengths
+
+
+def pq_problem(seed: int, b: int, h: int, d: int, m: int, k: int, n: int):
+    """A random coarse-pass problem: q [B, H, D], weights [B, H] (f32), codes [B, N, M]
+    (uint8 < K) and codebooks [M, K, D / M] (f32), as jax arrays."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.standard_normal((b, h, d)), jnp.float32),
+            jnp.asarray(rng.standard_normal((b, h)), jnp.float32),
+            jnp.asarray(rng.integers(0, k, (b, n, m)), jnp.uint8),
+            jnp.asarray(rng.standard_normal((m, k, d // m)), jnp.float32))

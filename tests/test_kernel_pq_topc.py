@@ -21,7 +21,7 @@ from pallas_kernels import common
 from pallas_kernels.pq_topc import jax_triton as pq_jt
 from pallas_kernels.pq_topc import pq_topc, reference
 from pallas_kernels.pq_topc import triton as pq_triton
-from tests.kernel_helpers import TOLERANCE, assert_close, assert_same_sets
+from tests.kernel_helpers import TOLERANCE, assert_close, assert_same_sets, pq_problem
 
 IMPLEMENTATIONS = ("xla", "triton", "triton_unfused")
 V4_FLASH = dict(b=64, h=64, d=128, m=32, k=256, n=131072, c=2048)
@@ -700,13 +700,9 @@ def test_batch_folding_makes_a_batch_op_vmappable():
     """common.batch_folding (how the jax-triton pq_topc runs under the decode step's vmap over
     slots): a vmap, nested vmaps and an unmapped batched argument give the direct call's
     result; a vmapped shared argument is refused."""
-    rng = np.random.default_rng(4)
-    b, h, d, m, k, n, c = 6, 4, 32, 8, 16, 64, 8
-    q = jnp.asarray(rng.standard_normal((b, h, d)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((b, h)), jnp.float32)
-    codes = jnp.asarray(rng.integers(0, k, (b, n, m)), jnp.uint8)
-    books = jnp.asarray(rng.standard_normal((m, k, d // m)), jnp.float32)
-    lengths = jnp.asarray(rng.integers(1, n + 1, b), jnp.int32)
+    b, n, c = 6, 64, 8
+    q, w, codes, books = pq_problem(4, b, 4, 32, 8, 16, n)
+    lengths = jnp.asarray(np.random.default_rng(4).integers(1, n + 1, b), jnp.int32)
     op = functools.partial(pq_topc, num_candidates=c, implementation="xla")
     folded = common.batch_folding(op, (True, True, True, False, True))
     want = op(q, w, codes, books, lengths)

@@ -169,13 +169,10 @@ def test_coarse_precision_reaches_the_coarse_pass():
     top-C of ``pq_topc``'s fp8 twin (as sets), which on random data is not bf16's set."""
     from lsparse_jax.methods.leansparse import coarse_topc
     from pallas_kernels.pq_topc.reference import pq_topc_xla
+    from tests.kernel_helpers import pq_problem
 
-    rng = np.random.default_rng(3)
-    b, h, d, m, k, n, c = 2, 4, 32, 8, 64, 2048, 256
-    q = jnp.asarray(rng.standard_normal((b, h, d)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((b, h)), jnp.float32)
-    codes = jnp.asarray(rng.integers(0, k, (b, n, m)), jnp.uint8)
-    books = jnp.asarray(rng.standard_normal((m, k, d // m)), jnp.float32)
+    n, c = 2048, 256
+    q, w, codes, books = pq_problem(3, 2, 4, 32, 8, 64, n)
     lengths = jnp.asarray([n, 1500], jnp.int32)
     got = {p: np.asarray(coarse_topc(q, w, codes, books, lengths, c, "xla", p)[0])
            for p in ("bf16", "fp8")}
