@@ -43,3 +43,18 @@ def model_and_codebooks(cfg, seed, calib_seed, calib_tokens, iters):
     params, _ = model_and_tokens(cfg, 1, seed=seed)
     calib = np.random.default_rng(calib_seed).integers(0, 256, calib_tokens).astype(np.int32)
     return params, calibrate_codebooks(params, cfg, calib, iters=iters)
+
+
+def slot0_steps(engine, n):
+    """``n`` decode steps of ``engine``: slot 0's tokens and logits."""
+    outs = [engine.step() for _ in range(n)]
+    return [int(o.tokens[0]) for o in outs], [np.asarray(o.logits[0]) for o in outs]
+
+
+def assert_same_continuation(want_engine, got_engine, n):
+    """``n`` decode steps of slot 0 on both engines: equal tokens, bit-equal logits."""
+    (want, want_logits), (got, got_logits) = slot0_steps(want_engine, n), \
+        slot0_steps(got_engine, n)
+    assert got == want
+    for a, b in zip(want_logits, got_logits, strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -17,7 +17,7 @@ from lsparse_jax.memory.invariant import hierarchy_violations
 from lsparse_jax.memory.paged_kv import FollowerKV
 from lsparse_jax.methods.leansparse import calibrate_codebooks
 from lsparse_jax.serving.engine import Engine
-from tests.helpers import model_and_tokens, tiny
+from tests.helpers import assert_same_continuation, model_and_tokens, slot0_steps, tiny
 
 # five DSA layers in share groups of 3: leaders 0 and 3, members 1, 2 and 4
 GLM = dict(layer_pattern=("dsa",) * 5, dsa_share_group=3)
@@ -234,31 +234,24 @@ def check_prefix_reuse(engine, fresh):
 
     tokens = np.random.default_rng(4).integers(0, 256, 200).astype(np.int32)
 
-    def steps(e, n):
-        outs = [e.step() for _ in range(n)]
-        return [int(o.tokens[0]) for o in outs], [np.asarray(o.logits[0]) for o in outs]
-
     engine.admit(tokens[:64], 20)
     prefix = engine.detach(0)
     assert len(prefix.pages) == 2
     assert prefix.host_bytes == prefix_host_bytes(engine.config, 64)
     engine.admit(tokens[:100], 8, prefix=prefix)
     fresh.admit(tokens[:100], 8)
-    (want, want_logits), (got, got_logits) = steps(fresh, 6), steps(engine, 6)
-    assert got == want
-    for a, b in zip(want_logits, got_logits):
-        np.testing.assert_array_equal(a, b)
+    assert_same_continuation(fresh, engine, 6)
     engine.release(0)
     fresh.release(0)
     engine.admit(tokens[:50], 20)
-    steps(engine, 5)
+    slot0_steps(engine, 5)
     prefix = engine.detach(0)
     assert prefix.length == 55 and len(prefix.pages) == 1
     assert prefix.host_bytes == prefix_host_bytes(engine.config, 55)
     prompt = np.concatenate([prefix.tokens, tokens[150:180]])
     engine.admit(prompt, 8, prefix=prefix)
     fresh.admit(prompt, 8)
-    (want, want_logits), (got, got_logits) = steps(fresh, 6), steps(engine, 6)
+    (want, want_logits), (got, got_logits) = slot0_steps(fresh, 6), slot0_steps(engine, 6)
     assert got == want
     for a, b in zip(want_logits, got_logits):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)

@@ -29,7 +29,7 @@ from lsparse_jax.memory.host_pool import HostCapacityError
 from lsparse_jax.methods.leansparse import calibrate_codebooks
 from lsparse_jax.serving.engine import Engine
 from lsparse_jax.serving.steps import prefill
-from tests.helpers import model_and_tokens, tiny
+from tests.helpers import assert_same_continuation, model_and_tokens, slot0_steps, tiny
 
 CHUNK, PAGE = 16, 4
 slow = pytest.mark.slow
@@ -75,11 +75,6 @@ def assert_trees_equal(a, b):
         np.testing.assert_array_equal(as_bits(x), as_bits(y))
 
 
-def steps(engine, n):
-    outs = [engine.step() for _ in range(n)]
-    return [int(o.tokens[0]) for o in outs], [np.asarray(o.logits[0]) for o in outs]
-
-
 @pytest.mark.parametrize("method", METHODS)
 def test_streamed_admission_equals_todays_admission(method):
     cfg, params, tokens = setup()
@@ -89,7 +84,7 @@ def test_streamed_admission_equals_todays_admission(method):
                                                                  CHUNK))
     streamed.admit(tokens[:n], max_new_tokens=20)
     assert_trees_equal(today.state, streamed.state)  # caches, tier (host pages too), lengths
-    (want, want_logits), (got, got_logits) = steps(today, 5), steps(streamed, 5)
+    (want, want_logits), (got, got_logits) = slot0_steps(today, 5), slot0_steps(streamed, 5)
     assert got == want and len(set(got)) > 1
     for a, b in zip(want_logits, got_logits):
         np.testing.assert_array_equal(a, b)
@@ -143,15 +138,12 @@ def test_prefix_reuse_equals_full_prefill(method):
     engine.admit(prompt, max_new_tokens=8, prefix=prefix)
     assert prefix.state == "consumed"
     fresh.admit(prompt, max_new_tokens=8)
-    (want, want_logits), (got, got_logits) = steps(fresh, 6), steps(engine, 6)
-    assert got == want
-    for a, b in zip(want_logits, got_logits):
-        np.testing.assert_array_equal(a, b)
+    assert_same_continuation(fresh, engine, 6)
     # 2. a multi-turn call: prompt + response (its KV written by decode steps) + a new turn
     engine.release(0)
     fresh.release(0)
     engine.admit(tokens[:50], max_new_tokens=20)
-    steps(engine, 5)
+    slot0_steps(engine, 5)
     generated = list(engine.requests[0].tokens)  # 6: the last one's KV is not written yet
     prefix = engine.detach(0)
     assert np.array_equal(prefix.tokens, np.concatenate([tokens[:50], generated[:5]]))
@@ -159,7 +151,7 @@ def test_prefix_reuse_equals_full_prefill(method):
     prompt = np.concatenate([prefix.tokens, tokens[150:180]])
     engine.admit(prompt, max_new_tokens=8, prefix=prefix)
     fresh.admit(prompt, max_new_tokens=8)
-    (want, want_logits), (got, got_logits) = steps(fresh, 6), steps(engine, 6)
+    (want, want_logits), (got, got_logits) = slot0_steps(fresh, 6), slot0_steps(engine, 6)
     assert got == want
     for a, b in zip(want_logits, got_logits):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
@@ -176,7 +168,7 @@ def test_prefix_reuse_with_device_pools_is_bit_identical(method):
     assert prefix.host_bytes == prefix_host_bytes(engine.config, 64)
     engine.admit(tokens[:100], max_new_tokens=8, prefix=prefix)
     fresh.admit(tokens[:100], max_new_tokens=8)
-    (want, want_logits), (got, got_logits) = steps(fresh, 5), steps(engine, 5)
+    (want, want_logits), (got, got_logits) = slot0_steps(fresh, 5), slot0_steps(engine, 5)
     assert got == want
     for a, b in zip(want_logits, got_logits):
         np.testing.assert_array_equal(a, b)
