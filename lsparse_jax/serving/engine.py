@@ -371,9 +371,9 @@ class Engine:
     def _check_room(self, n: int) -> None:
         full = self.active & (self.lengths + n > self.limit)
         if full.any():
-            raise RuntimeError(f"step: slots {np.flatnonzero(full).tolist()} have room for "
-                               f"fewer than {n} more tokens (max_new_tokens or max_len "
-                               "reached); release them")
+            raise RuntimeError(f"step: slots {np.flatnonzero(full).tolist()} reached their "
+                               f"reserved length (max_new_tokens or max_len): room for fewer "
+                               f"than {n} more tokens; release them")
 
     def _launch(self, feed, active, live: np.ndarray) -> DecodeOutput:
         """Dispatches one decode step (feed [S] on the device; active: ``live`` on the device)
