@@ -19,7 +19,8 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # compilation cache entry ... truncated stream" and compiles the program itself (harmless).
 _CACHE_ENV = "LSPARSE_TEST_JAX_CACHE_DIR"
 _made_cache_dir = None
-if (os.environ.get("LSPARSE_TEST_JAX_CACHE", "1") != "0"
+# Only where the run is pinned to the CPU (make test): GPU runs are left as they were.
+if (os.environ.get("JAX_PLATFORMS") == "cpu" and os.environ.get("LSPARSE_TEST_JAX_CACHE") != "0"
         and "JAX_COMPILATION_CACHE_DIR" not in os.environ):
     if _CACHE_ENV not in os.environ:
         _made_cache_dir = os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="lsparse-jax-cache-")
