@@ -248,6 +248,14 @@ def test_bad_settings_are_refused():
         init_drafter(cfg, DrafterConfig(target_layers=(7,)))
     with pytest.raises(ValueError, match="swa window"):
         init_drafter(cfg, DrafterConfig(gamma=8, window=16))
+    # a verification's accepted count decides the next block: no launch-ahead
+    spec = SpecEngine(engine_config("resident"), params, (init_drafter(cfg, DCFG), DCFG))
+    with pytest.raises(ValueError, match="SpecEngine does not launch steps ahead"):
+        spec.decode(2)
+    from lsparse_jax.serving.scheduler import Scheduler
+
+    with pytest.raises(ValueError, match="overlap launches steps ahead.*SpecEngine does not"):
+        Scheduler(spec, overlap=True)
 
 
 @pytest.mark.slow

@@ -59,6 +59,8 @@ class Engine:
     and what a release or a step must run. The engine itself never asks which method it runs.
     """
 
+    pipelines = True  # launch / decode: steps launched ahead of reading their tokens
+
     def __init__(self, config: EngineConfig, params, codebooks: dict | None = None):
         """codebooks: {CSA layer: [M, K, D_I/M]} PQ codebooks, needed by leansparse.
         With ``config.tp`` > 1 the parameters are split over the mesh (``lsparse_jax.parallel``)."""
@@ -335,6 +337,9 @@ class Engine:
         (``Scheduler(overlap=True)``) skips those whose last token is in flight and finishes
         them when it reads it.
         """
+        if not self.pipelines:
+            raise ValueError(f"{type(self).__name__} does not launch steps ahead of reading "
+                             "their tokens (Engine.launch / decode); call step()")
         live = self.active & (self.lengths < self.limit)
         if skip is not None:
             live &= ~skip

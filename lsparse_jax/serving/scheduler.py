@@ -119,9 +119,9 @@ class Scheduler:
         if overlap and prefix_reuse:
             raise ValueError("Scheduler: overlap launches a step past a request's stop token, "
                              "whose row a detached prefix would keep; use one or the other")
-        if overlap and type(engine).launch is not Engine.launch:
-            raise ValueError(f"Scheduler: overlap needs Engine.launch; {type(engine).__name__}"
-                             " does not pipeline its steps")
+        if overlap and not engine.pipelines:
+            raise ValueError(f"Scheduler: overlap launches steps ahead of reading them; "
+                             f"{type(engine).__name__} does not")
         self.overlap, self._in_flight = overlap, None
         self.engine, self.budget = engine, device_budget_bytes
         self.clock = clock or Clock()

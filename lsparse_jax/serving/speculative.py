@@ -442,6 +442,10 @@ class SpecEngine(Engine):
     (``drafter_seconds`` times the drafter apart).
     """
 
+    # a verification's accepted count decides the next block on the host: no launch-ahead
+    # (Engine.decode / launch / Scheduler(overlap=True) refuse it)
+    pipelines = False
+
     def __init__(self, config: EngineConfig, params, drafter, codebooks: dict | None = None,
                  time_drafter: bool = False):
         self.dparams, self.dcfg = drafter
@@ -550,11 +554,6 @@ class SpecEngine(Engine):
         self.query_misses += int(per_query.sum())
         self.verifications += int(self.active.sum())
         return out
-
-    def decode(self, n: int, inputs=None):
-        raise NotImplementedError(
-            "SpecEngine.decode: a verification's accepted count decides the next block's "
-            "length on the host, so speculative steps are not pipelined; call step()")
 
     def _emit(self, slot: int, tokens: list[int]) -> int:
         """Gives the request the block's tokens one by one until it is done (max_new_tokens,
