@@ -45,10 +45,9 @@ class InFlight:
     """A decode step ``Engine.launch`` dispatched (``Engine.collect`` reads it back)."""
 
     out: DecodeOutput
-    active: np.ndarray  # [S] bool: the slots it ran
     feed: jax.Array  # [S] int32 on the device: each slot's next input (its sampled token)
-    requests: dict  # slot -> the Request it ran for
-    forced_host: np.ndarray | None  # [S] teacher-forced inputs, if any
+    requests: dict  # slot -> the Request it ran for (the slots it ran)
+    forced: np.ndarray | None  # [S] teacher-forced inputs, if any
 
 
 class Engine:
@@ -305,17 +304,14 @@ class Engine:
             if inputs.shape != (n, slots):
                 raise ValueError(f"decode: inputs must be [n={n}, slots={slots}], "
                                  f"got {inputs.shape}")
-            self._forced(inputs[0])
         self._check_room(n)
         t0 = time.perf_counter()
-        forced = None if inputs is None else jnp.asarray(inputs)
         sampled = np.empty((n, slots), np.int32)
         pending = None  # launched, not yet read back
         for t in range(n + 1):
             launched = None
             if t < n:
-                launched = self.launch(pending, None if forced is None else forced[t],
-                                       None if inputs is None else inputs[t])
+                launched = self.launch(pending, None if inputs is None else inputs[t])
             if pending is not None:
                 self.collect(pending)  # waits for that step only; the next one runs
                 sampled[t - 1] = self.next_token
@@ -323,15 +319,15 @@ class Engine:
         self.decode_seconds += time.perf_counter() - t0
         return sampled
 
-    def launch(self, prev: InFlight | None = None, forced=None, forced_host=None,
+    def launch(self, prev: InFlight | None = None, forced: np.ndarray | None = None,
                skip: np.ndarray | None = None) -> InFlight:
         """Dispatches one decode step of the active slots that have room for a token, and
         returns at once (nothing on the device is waited for); ``collect`` reads it back.
 
         A slot that ran in ``prev`` (a launched step, collected or not) and still serves the
         same request feeds prev's sampled token straight from the device; a slot admitted
-        since feeds the token its admission sampled. forced: [S] device inputs overriding
-        both (teacher forcing; forced_host: the same on the host, for the token lists).
+        since feeds the token its admission sampled. forced: [S] inputs overriding both
+        (teacher forcing, as ``step(tokens)``).
         Slots without room (their reserved length reached) and those in ``skip`` [S] sit
         the step out: a scheduler that launches ahead of reading tokens
         (``Scheduler(overlap=True)``) skips those whose last token is in flight and finishes
@@ -345,15 +341,14 @@ class Engine:
             live &= ~skip
         feed = jnp.asarray(self.next_token)
         if prev is not None:
-            same = np.array([prev.requests.get(s) is self.requests.get(s)
-                             for s in range(live.size)]) & prev.active
-            feed = jnp.where(jnp.asarray(same), prev.feed, feed)
+            feed = jnp.where(jnp.asarray(self._serving(prev.requests)), prev.feed, feed)
         if forced is not None:
-            feed = jnp.where(jnp.asarray(live), forced, feed)
+            forced = np.asarray(forced, np.int32)
+            feed = jnp.where(jnp.asarray(live), jnp.asarray(forced), feed)
         requests = {s: self.requests[s] for s in np.flatnonzero(live)}
-        out = self._launch(feed, jnp.asarray(live), live)
-        return InFlight(out, live, jnp.where(jnp.asarray(live), out.tokens, feed), requests,
-                        forced_host)
+        active = jnp.asarray(live)
+        out = self._launch(feed, active, live)
+        return InFlight(out, jnp.where(active, out.tokens, feed), requests, forced)
 
     def collect(self, step: InFlight) -> np.ndarray:
         """Reads a launched step's tokens back (waiting for that step only) and hands each
@@ -361,11 +356,15 @@ class Engine:
         a request that ended meanwhile is dropped). Returns the step's tokens [S]."""
         sampled = np.asarray(step.out.tokens)
         now = time.perf_counter()
-        mine = np.array([step.requests.get(s) is not None
-                         and step.requests[s] is self.requests.get(s)
-                         for s in range(sampled.size)])
-        self._collect(sampled, step.forced_host, now, mine)
+        self._collect(sampled, step.forced, now, self._serving(step.requests))
         return sampled
+
+    def _serving(self, requests: dict) -> np.ndarray:
+        """[S] bool: slot s still serves ``requests[s]`` (a launched step's requests)."""
+        mask = np.zeros(self.active.shape, bool)
+        for s, r in requests.items():
+            mask[s] = self.requests.get(s) is r
+        return mask
 
     def _forced(self, tokens) -> np.ndarray:
         tokens = np.asarray(tokens, np.int32)
