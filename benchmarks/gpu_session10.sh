@@ -8,6 +8,7 @@
 #           LeanSparse rows predate it; leansparse C8 never ran), resumable (see the part).
 #   STEP=c  issue 14: capacity at 200K timed at min(N, 256) copies (pipelined steps), then replay
 #           and loadstep (benchmarks/serving_gpu.sh, one context / method per call).
+#   STEP=d  the word-view fix of 1-byte host pools on the GPU (tests), capacity at 200K resumed.
 source benchmarks/gpu_lib.sh
 STEP=${STEP:-a}
 JT="--gin LeanSparseConfig.coarse_implementation=\\\"'jax_triton'\\\""
@@ -21,6 +22,13 @@ case "$STEP" in
     part spec 560 "python3 -m experiments.cli run configs/experiments/speculative.gin --gin.speculative.time_limit_s=480 --gin.speculative.results_dir=None \"--gin.run.name='speculative'\"" ;;
   c)
     part capacity 560 "STEP=capacity bash benchmarks/serving_gpu.sh" ;;
+  d)
+    # after c's illegal address (leansparse 200K x 164: a 3.8 GB e4m3 host pool, int32 offsets
+    # in Pallas-Triton wrapped): the kernels' word view on the GPU, then capacity resumed
+    part big_pools 80 "python3 -m pytest -q -p no:cacheprovider -m gpu -k 3gib tests/test_kernel_hot_resolve.py tests/test_kernel_gather_rows.py"
+    # (part words added after session 10's run: is the e4m3 word view read in place?)
+    part words 60 "python3 benchmarks/gather_rows_gpu.py --out \$OUT --dtype float8_e4m3fn"
+    part capacity 280 "PRIOR=$ROOT/results/gpu_session10/capacity_first LIMIT=270 STEP=capacity bash benchmarks/serving_gpu.sh" ;;
   *) echo "unknown STEP $STEP" >&2; exit 2 ;;
 esac
 pack "$STEP"

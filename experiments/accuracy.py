@@ -10,7 +10,8 @@ Methods: "dense" (no sparsity: CSA layers attend to every eligible entry), "resi
 "hisparse", "leansparse_C<n>" (coarse top-n candidates, miss filter, exact rerank;
 "leansparse_C<n>_w<s>_B<b>": the miss filter starts after s decode steps, a key cache of b
 rows; LeanSparseConfig.warm_steps and key_cache_rows, default b = C; a "_seed" suffix seeds the
-key caches at admission from the final prefill chunk's selections, README "Cold start") and
+key caches at admission from the final prefill chunk's selections, README "Cold start"; a
+"_fp8" suffix scores the coarse pass in FP8, LeanSparseConfig.coarse_precision) and
 "direct_pq" (leansparse with C = k and no miss filter: the PQ coarse top-k, which exact scores
 only order and against which the not-yet-paged tail competes). Every method shares one
 prefill per example (prefill is the same computation for all of them) and decodes greedily.
@@ -64,7 +65,7 @@ from lsparse_jax.training.data import TRAIN_SEED_BASE, task_example
 CALIBRATION_SEED = TRAIN_SEED_BASE - 1
 # leansparse_C<C>[_w<warm steps>][_B<key-cache rows>] (defaults: LeanSparseConfig's warm_steps,
 # key_cache_rows = C)
-_LEAN = re.compile(r"leansparse_C(\d+)(?:_w(\d+))?(?:_B(\d+))?(_seed)?$")
+_LEAN = re.compile(r"leansparse_C(\d+)(?:_w(\d+))?(?:_B(\d+))?(_seed)?(_fp8)?$")
 FIXED_METHODS = ("dense", "resident", "hisparse", "direct_pq")
 TASKS = ("niah", "mrcr")
 IMPLEMENTATIONS = ("xla", "triton", "jax_triton", "mosaic", None)
@@ -95,12 +96,14 @@ def parse_method(name: str, top_k: int, miss_filter_offset: float | None) -> Met
         rows = c if match.group(3) is None else int(match.group(3))
         if rows < c:
             raise ValueError(f"accuracy: method {name!r} has key-cache rows {rows} < C={c}")
+        precision = "fp8" if match.group(5) else LeanSparseConfig.coarse_precision
         return Method(name, "leansparse", LeanSparseConfig(c, miss_filter_offset, rows,
-                                                           warm_steps=warm),
+                                                           warm_steps=warm,
+                                                           coarse_precision=precision),
                       seed=match.group(4) is not None)
     raise ValueError(f"accuracy: unknown method {name!r}; methods: dense, resident, hisparse, "
                      "direct_pq, leansparse_C<candidates>[_w<warm steps>][_B<key-cache rows>]"
-                     "[_seed]")
+                     "[_seed][_fp8]")
 
 
 def check_settings(model, checkpoint, tasks, lengths, examples, methods, num_slots,

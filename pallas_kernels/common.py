@@ -112,3 +112,41 @@ def batch_folding(fn, batched: tuple[bool, ...]):
         return out, jax.tree.map(lambda _: True, out)
 
     return call
+
+
+# Pallas-Triton indexes an array with int32 element offsets unless it holds more than 2^32
+# bytes (jax._src.pallas.triton.lowering._compute_offsets_from_indices, jax 0.11-0.12), and
+# Triton adds a signed offset to the pointer: a 1-byte array of 2-4 GiB (a host pool of FP8
+# rows at serving scale) then has offsets >= 2^31 that wrap negative, an illegal address on
+# the GPU. Seen on the H200: leansparse's host KV pool at 200K tokens x 164 requests (3.8 GB of
+# e4m3 rows). Kernels that take such arrays whole (memory_space=ANY) view them as words.
+OFFSET_LIMIT = 2**31
+
+
+def as_words(x: jax.Array) -> jax.Array:
+    """A 1-byte array [..., D] viewed as uint32 words [..., D/4] (uint16 [..., D/2] when D is
+    only even; a bitcast, no values move), so its element offsets stay < 2^31 below the
+    2^32 bytes where Pallas switches to int64 offsets; other arrays unchanged. Raises
+    ValueError for a 1-byte array of 2-4 GiB with an odd D (no word view to take)."""
+    if x.dtype.itemsize != 1:
+        return x
+    d = x.shape[-1]
+    for width, dtype in ((4, jnp.uint32), (2, jnp.uint16)):
+        if d % width == 0:
+            return jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], d // width, width),
+                                                dtype)
+    if OFFSET_LIMIT <= x.size <= 2**32:
+        raise ValueError(f"a {x.dtype} array of shape {x.shape} ({x.size / 2**30:.2f} GiB) with "
+                         "an odd row size D cannot be indexed by a Pallas-Triton kernel (int32 "
+                         "offsets wrap between 2 and 4 GiB); use an even D or implementation="
+                         "'xla'")
+    return x
+
+
+def from_words(x: jax.Array, like) -> jax.Array:
+    """Inverse of ``as_words``: ``x`` back to the dtype and last dim of ``like`` (an array or
+    ShapeDtypeStruct)."""
+    if x.dtype == like.dtype:
+        return x
+    b = jax.lax.bitcast_convert_type(x, like.dtype)  # [..., D/w, w]
+    return b.reshape(*b.shape[:-2], b.shape[-2] * b.shape[-1])

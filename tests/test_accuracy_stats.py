@@ -14,6 +14,7 @@ from experiments.accuracy import (
     format_table,
     mcnemar,
     pair_records,
+    parse_method,
     resumed_records,
     summarize,
     wilson,
@@ -178,3 +179,17 @@ def test_controller_warmup_without_writeback_compiles_none(monkeypatch):
     assert control.warmup(state, writeback=False) is state and lowered == []
     control.warmup(state)
     assert lowered == [1, 2, 4, 8]
+
+
+def test_method_names_parse_to_their_settings():
+    """leansparse_C<C>[_w][_B][_seed][_fp8]: each part sets its LeanSparseConfig field."""
+    full = parse_method("leansparse_C64_w2_B128_seed_fp8", top_k=16, miss_filter_offset=1.0)
+    assert (full.engine_method, full.seed) == ("leansparse", True)
+    lean = full.lean
+    assert (lean.num_candidates, lean.warm_steps, lean.key_cache_rows,
+            lean.coarse_precision, lean.miss_filter_offset) == (64, 2, 128, "fp8", 1.0)
+    plain = parse_method("leansparse_C64", top_k=16, miss_filter_offset=None)
+    assert (plain.seed, plain.lean.coarse_precision, plain.lean.key_cache_rows) == (
+        False, "bf16", 64)
+    with pytest.raises(ValueError, match="unknown method"):
+        parse_method("leansparse_C64_fp16", top_k=16, miss_filter_offset=None)

@@ -118,9 +118,33 @@ def test_triton_shape_limits_and_implementations():
 GPU_D, GPU_N = 128, 512  # 512-byte f32 rows; 512 ids
 
 
-def _host_table(n_rows, seed=0):
+def _host_table(n_rows, seed=0, dtype="float32"):
     rng = np.random.default_rng(seed)
-    return jax.device_put(rng.standard_normal((n_rows, GPU_D), np.float32), HOST)
+    if dtype == "float32":
+        return jax.device_put(rng.standard_normal((n_rows, GPU_D), np.float32), HOST)
+    raw = rng.integers(0, 126, (n_rows, GPU_D), np.uint8)  # e4m3 bytes, no NaN
+    return jax.device_put(raw.view(jnp.dtype(dtype)), HOST)
+
+
+@pytest.mark.parametrize("d,word", [(448, jnp.uint32), (14, jnp.uint16), (7, None)])
+def test_word_view_round_trips_bytes(d, word):
+    """``common.as_words``: 1-byte rows as uint32 (D % 4 == 0) or uint16 (D even) words whose
+    bytes are the rows' own, and back exactly; odd D stays bytes; wider dtypes are untouched."""
+    raw = np.random.default_rng(5).integers(0, 256, (6, d), np.uint8)
+    x = jnp.asarray(raw.view(jnp.float8_e4m3fn))
+    w = common.as_words(x)
+    assert w.dtype == (word or jnp.float8_e4m3fn)
+    assert np.asarray(w).tobytes() == raw.tobytes()
+    assert np.asarray(common.from_words(w, x)).tobytes() == raw.tobytes()
+    y = jnp.ones((3, 5), jnp.bfloat16)
+    assert common.as_words(y) is y
+
+
+def test_word_view_refuses_an_odd_row_in_the_wrapping_range():
+    """A 1-byte array of 2-4 GiB with odd D has no word view: a clear error, not a fault."""
+    big = jax.ShapeDtypeStruct(((3 << 30) // 7, 7), jnp.uint8)
+    with pytest.raises(ValueError, match="int32 offsets wrap"):
+        common.as_words(big)
 
 
 @pytest.mark.gpu
@@ -128,6 +152,21 @@ def test_gpu_4gib_host_table_matches_xla():
     """triton equals xla on a 4 GiB pinned_host table (2**23 rows of 128 f32)."""
     host = _host_table(1 << 23)
     ids = np.random.default_rng(1).integers(0, 1 << 23, GPU_N).astype(np.int32)
+    ids[::7] = -1
+    want = gather_rows(host, jnp.asarray(ids), implementation="xla")
+    got = gather_rows(host, jnp.asarray(ids), implementation="triton")
+    _assert_same_bytes(got, np.asarray(want))
+
+
+@pytest.mark.gpu
+def test_gpu_3gib_fp8_host_table_matches_xla():
+    """triton equals xla on a 3 GiB pinned_host table of e4m3 rows (2**24 + 2**23 rows of 128),
+    rows read from all of it: the table crosses the kernel as uint32 words (int32 offsets of
+    the byte view would wrap past 2 GiB)."""
+    n_rows = 3 << 23
+    host = _host_table(n_rows, seed=3, dtype="float8_e4m3fn")
+    ids = np.random.default_rng(4).integers(0, n_rows, GPU_N).astype(np.int32)
+    ids[:8] = n_rows - 1 - np.arange(8)
     ids[::7] = -1
     want = gather_rows(host, jnp.asarray(ids), implementation="xla")
     got = gather_rows(host, jnp.asarray(ids), implementation="triton")

@@ -456,3 +456,16 @@ def test_gpu_pinned_host_fp8_v4_rows_fused_equals_xla():
     leaves = [(448, "float8_e4m3fn"), (7, "float8_e8m0fnu"), (64, "bfloat16")]
     world = World(seed=8, s=4, b=256, k=64, leaves=leaves, page=64, mp=16, spare=64)
     _run_case(world, steps=3, pytree=True, impls=("xla", "triton_copy", "triton"))
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_host_pool_of_3gib_fused_equals_xla():
+    """fp8_v4 rows in a 3 GiB pinned_host pool (e4m3 [N, 448]: leansparse's host KV pool at
+    200K tokens x 164 requests is 3.8 GB), the requests' pages spread over all of it: the fused
+    kernels equal xla and the model. Before 1-byte leaves crossed the kernels as words
+    (``common.as_words``) Pallas-Triton's int32 offsets wrapped past 2 GiB: an illegal address."""
+    page, mp, s = 64, 16, 4
+    leaves = [(448, "float8_e4m3fn"), (7, "float8_e8m0fnu"), (64, "bfloat16")]
+    world = World(seed=9, s=s, b=256, k=64, leaves=leaves, page=page, mp=mp,
+                  spare=(3 << 30) // (page * 448) - s * mp)
+    _run_case(world, steps=2, pytree=True, impls=("xla", "triton"))

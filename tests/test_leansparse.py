@@ -42,10 +42,12 @@ def encoder(engine):
         dequantize_index_keys(jnp.asarray(values), jnp.asarray(scales)), books[layer])
 
 
-# device_pages: PQ codes in device pools (21 pages hold the three requests' 7 + 9 + 5)
+# device_pages: PQ codes in device pools (21 pages hold the three requests' 7 + 9 + 5); the
+# slot-held codes' identity case is slow (~15 s; the pooled case holds the same identity and
+# lean1 runs the slot-held codes in the fast suite)
 @pytest.mark.parametrize("lean,identical,device_pages", [
-    (LeanSparseConfig(num_candidates=128, miss_filter_offset=None, key_cache_rows=128), True,
-     None),
+    pytest.param(LeanSparseConfig(num_candidates=128, miss_filter_offset=None,
+                                  key_cache_rows=128), True, None, marks=pytest.mark.slow),
     (LeanSparseConfig(num_candidates=32, miss_filter_offset=1.0, key_cache_rows=48), False,
      None),
     (LeanSparseConfig(num_candidates=128, miss_filter_offset=None, key_cache_rows=128), True,

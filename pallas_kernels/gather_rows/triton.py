@@ -19,6 +19,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
@@ -35,10 +36,10 @@ def check_triton_shapes(op: str, d: int) -> None:
                          "kernel; use implementation='xla'")
 
 
-def _kernel(ids_ref, table_ref, out_ref, *, num_rows: int):
+def _kernel(ids_ref, table_ref, out_ref, *, num_rows: int, fill):
     # inputs
     #   ids_ref    [n]     int32 (whole array, memory_space=ANY)
-    #   table_ref  [N, D]  f32 / float8_e4m3fn (whole array, device or pinned_host)
+    #   table_ref  [N, D]  f32 / bf16 / words of 1-byte rows (whole array, device or pinned_host)
     # outputs
     #   out_ref    [n, D]  same dtype (whole array, device)
     # scratch: none
@@ -53,7 +54,7 @@ def _kernel(ids_ref, table_ref, out_ref, *, num_rows: int):
 
     @pl.when(rid < 0)
     def _skip():
-        out_ref[pl.ds(j, 1), :] = jnp.full((1, d), jnp.nan, jnp.float32).astype(out_ref.dtype)
+        out_ref[pl.ds(j, 1), :] = jnp.full((1, d), fill, out_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("num_warps",))
@@ -68,14 +69,19 @@ def gather_rows_triton(table: jnp.ndarray, ids: jnp.ndarray, *,
 
     (n,), (num_rows, d) = ids.shape, table.shape
     check_triton_shapes("gather_rows", d)
+    like = jax.ShapeDtypeStruct((n, d), table.dtype)
+    table = common.as_words(table)  # a 2-4 GiB 1-byte table's offsets stay in int32
+    # the NaN poison of skipped rows, as one element of the kernel's view of the table
+    nan = np.full(table.dtype.itemsize // like.dtype.itemsize, np.nan, np.float32)
+    fill = nan.astype(like.dtype).view(table.dtype)[0].item()
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    return pl.pallas_call(
-        functools.partial(_kernel, num_rows=num_rows),
-        out_shape=jax.ShapeDtypeStruct((n, d), table.dtype),
+    return common.from_words(pl.pallas_call(
+        functools.partial(_kernel, num_rows=num_rows, fill=fill),
+        out_shape=jax.ShapeDtypeStruct((n, table.shape[1]), table.dtype),
         grid=(n,),
         in_specs=[any_spec, any_spec],
         out_specs=any_spec,
         compiler_params=plt.CompilerParams(num_warps=num_warps),
         interpret=common.interpret(),
         name="gather_rows",
-    )(ids, table)
+    )(ids, table), like)

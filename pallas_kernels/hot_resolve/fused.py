@@ -28,8 +28,11 @@ Kernel boundaries order the scratch writes and reads (Pallas-Triton has no block
 Results equal ``reference.hot_resolve_xla`` bit for bit (same LRU rule, rows copied as bytes).
 e8m0 leaves (the power-of-two scales of ``kv_dtype="fp8_v4"`` rows) cross the kernels as their
 bytes: Triton 3.6 rejects f8E8M0FNU tensors (``tt.load`` verifies element types), so such a leaf
-and its pool are bitcast to uint8 before the launches and the hot rows back after (one rule,
-``_as_bytes``; a same-width bitcast moves no values, as sparse_attention's FP8 tables do).
+and its pool are bitcast to uint8 before the launches and the hot rows back after. Every 1-byte
+leaf (e4m3 values, those bytes) then crosses as uint32 words where its D allows
+(``common.as_words``): Pallas-Triton indexes arrays under 4 GiB with int32 element offsets, which
+wrap for a 1-byte host pool of 2-4 GiB (an illegal address on the H200 at 200K tokens x 164
+requests); words keep them < 2^31. One rule, ``_kernel_view``; bitcasts move no values.
 Scratch: 2 * S * NPOS int32 (64 MB at S = 64, 128K positions), never read in full.
 """
 
@@ -43,6 +46,8 @@ from jax import lax
 from jax.custom_batching import custom_vmap
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import common
 
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
@@ -283,9 +288,19 @@ def _batched_op(treedef, page, interpret, num_warps):
     return op
 
 
-def _as_bytes(x):
-    """An e8m0 leaf as its uint8 bytes (the kernels' view of it); other leaves unchanged."""
-    return lax.bitcast_convert_type(x, jnp.uint8) if x.dtype in BYTE_DTYPES else x
+def _kernel_view(x):
+    """A leaf as the kernels see it: an e8m0 leaf as its uint8 bytes, then any 1-byte leaf as
+    words (``common.as_words``: offsets of a 2-4 GiB host pool stay in int32); others as is."""
+    if x.dtype in BYTE_DTYPES:
+        x = lax.bitcast_convert_type(x, jnp.uint8)
+    return common.as_words(x)
+
+
+def _from_kernel_view(x, like):
+    """Inverse of ``_kernel_view`` for a leaf shaped and typed as ``like``."""
+    x = common.from_words(x, jax.ShapeDtypeStruct(like.shape, jnp.uint8)
+                          if like.dtype in BYTE_DTYPES else like)
+    return x if x.dtype == like.dtype else lax.bitcast_convert_type(x, like.dtype)
 
 
 def hot_resolve_fused(selected, hot_rows, hot_positions, hot_stamps, clock, page_table, pool, *,
@@ -298,19 +313,18 @@ def hot_resolve_fused(selected, hot_rows, hot_positions, hot_stamps, clock, page
     Returns (slots [k], hot_rows, hot_positions, hot_stamps, clock + 1, counts [2]).
     """
     rows, treedef = jax.tree.flatten(hot_rows)
-    dtypes = [r.dtype for r in rows]
-    rows = [_as_bytes(r) for r in rows]
-    pools = [_as_bytes(p) for p in jax.tree.leaves(pool)]
+    like = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in rows]
     for r in rows:
-        if r.dtype not in KERNEL_DTYPES:
+        if r.dtype not in KERNEL_DTYPES + BYTE_DTYPES:
             raise ValueError(f"hot_resolve: implementation='triton_fused' moves float32, "
                              f"bfloat16, float8_e4m3fn and float8_e8m0fnu rows, got {r.dtype} "
                              "(use 'xla')")
+    rows = [_kernel_view(r) for r in rows]
+    pools = [_kernel_view(p) for p in jax.tree.leaves(pool)]
     op = _batched_op(treedef, page_size, interpret, num_warps)
     one = lambda x: x[None]  # noqa: E731
     slots, rows, hp, st, clk, counts = op(
         one(selected), tuple(one(r) for r in rows), one(hot_positions), one(hot_stamps),
         one(clock), one(page_table), tuple(pools))
-    rows = [r[0] if r.dtype == dt else lax.bitcast_convert_type(r[0], dt)
-            for r, dt in zip(rows, dtypes)]
+    rows = [_from_kernel_view(r[0], lk) for r, lk in zip(rows, like)]
     return (slots[0], jax.tree.unflatten(treedef, rows), hp[0], st[0], clk[0], counts[0])

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import common
 from pallas_kernels.hot_resolve import reference
 
 
@@ -62,7 +63,8 @@ def _kernel(src_ref, dst_ref, pool_ref, rows_in_ref, rows_ref, *, pool_rows: int
 def move_rows_triton(hot_rows, pool, src, dst, *, interpret: bool, num_warps: int):
     """hot_rows[dst[j]] = pool[src[j]] for src[j] >= 0, by the in-place kernel.
 
-    hot_rows [B, D] device; pool [N, D] device or pinned_host; src, dst [n] int32.
+    hot_rows [B, D] device; pool [N, D] device or pinned_host; src, dst [n] int32. 1-byte
+    rows move as words (``common.as_words``: a 2-4 GiB pool's offsets stay in int32).
     """
     from jax.experimental.pallas import triton as plt
 
@@ -71,10 +73,11 @@ def move_rows_triton(hot_rows, pool, src, dst, *, interpret: bool, num_warps: in
         return hot_rows
     if not kernel_row(d, hot_rows.dtype):
         return reference.move_rows_xla(hot_rows, pool, src, dst)
+    like, hot_rows, pool = hot_rows, common.as_words(hot_rows), common.as_words(pool)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    return pl.pallas_call(
+    return common.from_words(pl.pallas_call(
         functools.partial(_kernel, pool_rows=pool.shape[0], hot_rows=b),
-        out_shape=jax.ShapeDtypeStruct((b, d), hot_rows.dtype),
+        out_shape=jax.ShapeDtypeStruct(hot_rows.shape, hot_rows.dtype),
         grid=(n,),
         in_specs=[any_spec] * 4,
         out_specs=any_spec,
@@ -82,7 +85,7 @@ def move_rows_triton(hot_rows, pool, src, dst, *, interpret: bool, num_warps: in
         compiler_params=plt.CompilerParams(num_warps=num_warps),
         interpret=interpret,
         name="hot_resolve_copy",
-    )(src, dst, pool, hot_rows)
+    )(src, dst, pool, hot_rows), like)
 
 
 @functools.lru_cache(maxsize=None)
