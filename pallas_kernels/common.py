@@ -135,12 +135,24 @@ def as_words(x: jax.Array) -> jax.Array:
         if d % width == 0:
             return jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], d // width, width),
                                                 dtype)
-    if OFFSET_LIMIT <= x.size <= 2**32:
-        raise ValueError(f"a {x.dtype} array of shape {x.shape} ({x.size / 2**30:.2f} GiB) with "
-                         "an odd row size D cannot be indexed by a Pallas-Triton kernel (int32 "
-                         "offsets wrap between 2 and 4 GiB); use an even D or implementation="
-                         "'xla'")
+    check_offsets("as_words", x=x)
     return x
+
+
+def check_offsets(op: str, **arrays) -> None:
+    """Raises ValueError naming the argument when a 1-byte leaf of ``arrays`` (arrays or
+    ShapeDtypeStructs) that a Pallas-Triton kernel indexes has more than 2^31 and at most 2^32
+    elements: its int32 offsets wrap (see OFFSET_LIMIT). Kernels that can take words use
+    ``as_words``; the others call this before the launch (an error, not an illegal address)."""
+    for name, x in arrays.items():
+        for leaf in jax.tree.leaves(x):
+            if leaf.dtype.itemsize == 1 and OFFSET_LIMIT < leaf.size <= 2**32:
+                raise ValueError(
+                    f"{op}: {name} is a {leaf.dtype} array of shape {leaf.shape} "
+                    f"({leaf.size / 2**30:.2f} GiB): Pallas-Triton indexes 1-byte arrays of 2-4 "
+                    "GiB with int32 offsets that wrap (an illegal address on the GPU); split the "
+                    "batch, use an even row size where the op takes words, or "
+                    "implementation='xla'")
 
 
 def from_words(x: jax.Array, like) -> jax.Array:

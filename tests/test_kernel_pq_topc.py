@@ -721,3 +721,16 @@ def test_batch_folding_makes_a_batch_op_vmappable():
     np.testing.assert_array_equal(np.asarray(shared_len[0][:, 0]), np.asarray(direct[0]))
     with pytest.raises(ValueError, match="argument 3 is shared"):
         jax.vmap(lambda bk: folded(q, w, codes, bk, lengths))(jnp.stack([books, books]))
+
+
+def test_triton_refuses_codes_whose_offsets_would_wrap():
+    """PQ codes of 2-4 GiB (3 x 2^25 positions x 32 subspaces) would be indexed with wrapping
+    int32 offsets by the Pallas kernel: a clear error at trace time; the XLA twin takes them."""
+    sd = jax.ShapeDtypeStruct
+    b, h, n, m, k, ds = 3, 16, 1 << 25, 32, 256, 4
+    args = (sd((b, h, m * ds), jnp.float32), sd((b, h), jnp.float32), sd((b, n, m), jnp.uint8),
+            sd((m, k, ds), jnp.float32), sd((b,), jnp.int32))
+    with pytest.raises(ValueError, match="codes is a uint8 array.*offsets that wrap"):
+        jax.eval_shape(functools.partial(pq_topc, num_candidates=64, implementation="triton"),
+                       *args)
+    jax.eval_shape(functools.partial(pq_topc, num_candidates=64, implementation="xla"), *args)

@@ -268,6 +268,22 @@ def test_triton_lowers_for_cuda_at_v4_shape(s, rows):
     assert text.count(common.TRITON_CALL_TARGET) == 1
 
 
+def test_triton_refuses_fp8_tables_whose_offsets_would_wrap():
+    """FP8 rows of 2-4 GiB (here 5 requests x 2^20 rows x 448 e4m3 bytes: resident KV at 512K x
+    37 requests is of this size) would be indexed with wrapping int32 offsets: a clear error at
+    trace time, under the decode step's vmap too; the XLA twin takes them."""
+    fn = functools.partial(sparse_attention, implementation="triton")
+    specs = _specs(5, **dict(V4, r=1 << 20, rope=64))
+    with pytest.raises(ValueError, match="table is a float8_e4m3fn array.*offsets that wrap"):
+        jax.eval_shape(fn, *specs)
+    per_slot = [a if a.ndim == 1 else jax.ShapeDtypeStruct((5, 1) + a.shape[1:], a.dtype)
+                for a in jax.tree.leaves(specs)]
+    per_slot = (per_slot[0], tuple(per_slot[1:4]), *per_slot[4:])
+    with pytest.raises(ValueError, match="offsets that wrap"):
+        jax.eval_shape(jax.vmap(fn, in_axes=(0, 0, 0, 0, 0, None)), *per_slot)
+    jax.eval_shape(functools.partial(sparse_attention, implementation="xla"), *specs)
+
+
 @pytest.mark.parametrize("s", [8])  # 8 row splits a request; one shape keeps CI fast
 def test_mosaic_lowers_for_cuda_at_v4_shape(s):
     """The Mosaic GPU kernel (TMA row copies, wgmma) lowers for the H200 from a CPU machine,

@@ -363,6 +363,7 @@ def sparse_attention_triton(q: jnp.ndarray, table, slots: jnp.ndarray, window: j
     s, h, d = q.shape
     num_rows, k, w = rowfmt.leading(table)[1], slots.shape[1], window.shape[1]
     check_triton_shapes("sparse_attention", table)
+    common.check_offsets("sparse_attention", table=table)  # FP8 rows: whole-array refs
     f32 = not fp8 and table.dtype == jnp.float32
     cfg = default_config(s, h, d, k, w, row_bytes(table), fp8, f32, block_h=block_h,
                          block_k=block_k, block_d=block_d, splits=splits, num_warps=num_warps,
