@@ -343,7 +343,7 @@ class Engine:
         if prev is not None:
             feed = jnp.where(jnp.asarray(self._serving(prev.requests)), prev.feed, feed)
         if forced is not None:
-            forced = np.asarray(forced, np.int32)
+            forced = self._forced(forced)
             feed = jnp.where(jnp.asarray(live), jnp.asarray(forced), feed)
         requests = {s: self.requests[s] for s in np.flatnonzero(live)}
         active = jnp.asarray(live)

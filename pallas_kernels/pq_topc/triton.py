@@ -197,10 +197,10 @@ def _layout(q, codes, codebooks, params: Params | None) -> _Layout:
     mp = max(_pow2(m), min_k // min(dsp, min_k))
     p = _params_for(hp, mp * dsp, mp, k, n, params)
     span = p.block_n * p.blocks_per_program
+    n_pad = -(-n // span) * span
     # the padded codes' offsets (per call: under a vmap the batched operand is larger)
-    common.check_offsets("pq_topc", codes=jax.ShapeDtypeStruct(
-        (b, -(-n // span) * span, mp), codes.dtype))
-    return _Layout(b=b, n=n, n_pad=-(-n // span) * span, hp=hp, dp=mp * dsp, mp=mp, dsp=dsp,
+    common.check_offsets("pq_topc", codes=jax.ShapeDtypeStruct((b, n_pad, mp), codes.dtype))
+    return _Layout(b=b, n=n, n_pad=n_pad, hp=hp, dp=mp * dsp, mp=mp, dsp=dsp,
                    k=k, p=p, fp8=fp8)
 
 
