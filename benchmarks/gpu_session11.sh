@@ -4,7 +4,7 @@
 #   STEP=a  the e4m3 word view of a pinned-host pool: read in place or staged?
 #           (benchmarks/gather_rows_gpu.py), then capacity at 200K resumed from session 10
 #           (LeanSparse at its N = 164, after the int32-offset fix).
-#   STEP=b  capacity at 512K, resumed from STEP=a's results (PRIOR=results/capacity).
+#   STEP=b  capacity at 512K, resumed from results/capacity/results.json (STEP=a's, copied there).
 #   STEP=c  capacity at 950K, resumed likewise.
 source "$(dirname "$0")/gpu_lib.sh"
 STEP=${STEP:-a}
@@ -15,8 +15,8 @@ case "$STEP" in
   a)
     part words 60 "python3 benchmarks/gather_rows_gpu.py --out \$OUT --dtype float8_e4m3fn"
     cap 204800 results/gpu_session10/capacity_first ${CAP_LIMIT:-470} ;;
-  b) cap 524288 results/capacity ${CAP_LIMIT:-540} ;;
-  c) cap 972800 results/capacity ${CAP_LIMIT:-540} ;;
+  b) cap 524288 results ${CAP_LIMIT:-540} ;;
+  c) cap 972800 results ${CAP_LIMIT:-540} ;;
   *) echo "unknown STEP $STEP" >&2; exit 2 ;;
 esac
 pack "$STEP"
