@@ -21,6 +21,7 @@
 #                  C8 at 8K prompts, replay of 4 sessions x 3 calls (echo, leansparse, then
 #                  hisparse if time is left). Results: $OUT/{capacity,loadstep,replay}_session
 # PRIOR=DIR: a folder holding earlier <run name>/results.json to resume from (copied into $OUT).
+# STEP=capacity: RUN_NAME (default capacity) names the run; extra arguments are gin overrides.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
@@ -42,8 +43,9 @@ run() {  # run NAME GIN [gin overrides...]: time-limited (LIMIT s), progress bar
   echo "exit ${PIPESTATUS[0]} (124: cut by the ${LIMIT} s limit; cells written so far kept)"
 }
 case "${STEP:-capacity}" in
-  capacity) run capacity configs/experiments/capacity.gin \
-              "--gin.capacity.time_contexts=${CONTEXTS:-(204800,)}" ;;
+  capacity) run "${RUN_NAME:-capacity}" configs/experiments/capacity.gin \
+              "--gin.capacity.time_contexts=${CONTEXTS:-(204800,)}" \
+              "--gin.run.name='${RUN_NAME:-capacity}'" "$@" ;;
   replay)   run replay configs/experiments/replay.gin \
               "--gin.replay.methods=('${METHOD:-leansparse}',)" ;;
   loadstep) run loadstep configs/experiments/loadstep.gin ;;

@@ -17,6 +17,16 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # it off; an existing JAX_COMPILATION_CACHE_DIR is left alone. JAX writes entries in place, so
 # a worker can read one the other is still writing: JAX then warns "Error reading persistent
 # compilation cache entry ... truncated stream" and compiles the program itself (harmless).
+# XLA's CPU backend at optimization level 0 (where the run is pinned to the CPU and XLA_FLAGS is
+# unset): compiling is most of the suite's time and these programs are tiny, so LLVM's
+# optimizations cost more than they save (measured: the suite 691 -> 542 s on 2 cores). Every
+# test compares two computations of one run, or against a tolerance, so both sides see the same
+# flags; `make test-all` and any run with XLA_FLAGS set keep XLA's defaults.
+# LSPARSE_TEST_FAST_COMPILE=0 turns it off.
+if (os.environ.get("JAX_PLATFORMS") == "cpu" and "XLA_FLAGS" not in os.environ
+        and os.environ.get("LSPARSE_TEST_FAST_COMPILE") != "0"):
+    os.environ["XLA_FLAGS"] = ("--xla_backend_optimization_level=0 "
+                               "--xla_llvm_disable_expensive_passes=true")
 _CACHE_ENV = "LSPARSE_TEST_JAX_CACHE_DIR"
 _made_cache_dir = None
 # Only where the run is pinned to the CPU (make test): GPU runs are left as they were.

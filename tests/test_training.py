@@ -19,9 +19,7 @@ def _is_indexer(path) -> bool:
     return "indexer" in names or "index_comp" in names
 
 
-# dense=True (the dense training phase) is slow on CPU (~24 s); False holds the identity on the
-# sparse path in the fast suite
-@pytest.mark.parametrize("dense", [pytest.param(True, marks=pytest.mark.slow), False])
+@pytest.mark.parametrize("dense", [True, False])
 def test_indexer_loss_reaches_only_the_indexer(dense):
     """Exact identity: with the LM loss alone every indexer gradient is 0; with the indexer KL
     alone every non-indexer gradient is 0 (and the indexer's is not)."""
@@ -35,7 +33,7 @@ def test_indexer_loss_reaches_only_the_indexer(dense):
         def f(p):
             _, aux = loss_fn(p, cfg, tokens, tokens, weights, dense, kl_weight)
             return lm_scale * aux["lm"] + kl_weight * aux["kl"]
-        return jax.tree_util.tree_leaves_with_path(jax.grad(f)(params))
+        return jax.tree_util.tree_leaves_with_path(jax.jit(jax.grad(f))(params))
 
     for path, g in grads(1.0, 0.0):
         g = np.asarray(g)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -76,7 +77,14 @@ class Transformer(nn.Module):
 
 def init_params(cfg: ModelConfig, seed: int = 0):
     """Random parameters of the model ``cfg`` from an integer seed."""
-    model = Transformer(cfg)
+    return _init_params(cfg, jax.random.key(seed))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _init_params(cfg: ModelConfig, key):
+    # one compiled program: flax's init runs the forward once for the shapes; eagerly that is
+    # hundreds of single-op compiles (most of a CPU test's time), under jit the forward and its
+    # empty cache are dead code
     tokens = jnp.zeros((cfg.csa_ratio,), jnp.int32)
-    variables = model.init(jax.random.key(seed), tokens, empty_cache(cfg), 0, cfg.csa_ratio)
+    variables = Transformer(cfg).init(key, tokens, empty_cache(cfg), 0, cfg.csa_ratio)
     return variables["params"]
