@@ -5,7 +5,8 @@
 #                  workloads.RepeatInputs(p) for p in $PS (default "0.5 0.8 0.9 0.95"): the
 #                  step-to-step reuse each p gives at V4 shapes (the scale experiment records
 #                  `reuse` per cell). Pick the p whose reuse matches the trained model's
-#                  (results/reuse_trained/: CPU, checkpoints/long) and pass it as P below.
+#                  (results/reuse_trained/: CPU, checkpoints/long: 0.245 / 0.225 / 0.205 at
+#                  4K / 8K / 16K; random weights 0.010) and pass it as P below.
 #   STEP=capacity  capacity at 200K / 512K / 950K (CONTEXTS, one per call) with
 #                  capacity.input_repeat=$P and LeanSparse's jax-triton FP8 coarse pass, into a
 #                  new run name (capacity_p<P>_jt) so session 11's random-input table stays.
