@@ -26,7 +26,8 @@ every timed cell and a rerun skips the cells it already holds.
 
 Record keys: method, context, max_concurrency, bytes_per_request, timed_batch, step_ms,
 throughput_tok_s, reuse, resolved_fraction, paper (the paper's N / tok/s / step ms where it
-gives them), or error; ``equal_n`` records: method, context, batch, step_ms.
+gives them), or error; ``equal_n`` records: method, context, batch, step_ms; ``step_fit``:
+``step_fit`` of every method timed at two batch sizes.
 """
 
 from __future__ import annotations
@@ -190,6 +191,36 @@ def capacity(name: str, model=gin.REQUIRED, predict_model=gin.REQUIRED,
     return records
 
 
+def step_fit(records, equal) -> list[dict]:
+    """Step time as a part that does not grow with the batch plus a cost per request, per
+    (method, context) timed at two batch sizes (its own N and the calibrated method's N), and
+    the same from the paper's two points (its step at HiSparse's N; N / its tok/s at its N).
+
+    Notation: step(n) = a + b n through the points (n1, s1), (n2, s2): b = (s2 - s1) / (n2 - n1),
+    a = s1 - b n1 (ms). A large a is what more concurrent requests amortise (the papers'
+    43-layer step: weights, MoE, collectives); a 4-layer attention slice has little of it."""
+    eq = {(e["method"], e["context"]): e for e in equal}
+    out = []
+    for r in records:
+        e = eq.get((r["method"], r["context"]))
+        if "step_ms" not in r or e is None or e["batch"] == r.get("timed_batch"):
+            continue
+        (n1, s1), (n2, s2) = sorted([(e["batch"], e["step_ms"]),
+                                     (r["timed_batch"], r["step_ms"])])
+        b = (s2 - s1) / (n2 - n1)
+        fit = {"method": r["method"], "context": r["context"], "batches": [n1, n2],
+               "fixed_ms": s1 - b * n1, "per_request_ms": b}
+        paper, his = r.get("paper"), PAPER.get(("hisparse", r["context"]))
+        if paper and his and paper["max_concurrency"] != his[0]:
+            p1, p2 = (his[0], paper["step_ms_at_his_n"]), (
+                paper["max_concurrency"], paper["max_concurrency"] / paper["throughput_tok_s"]
+                * 1e3)
+            pb = (p2[1] - p1[1]) / (p2[0] - p1[0])
+            fit |= {"paper_fixed_ms": p1[1] - pb * p1[0], "paper_per_request_ms": pb}
+        out.append(fit)
+    return out
+
+
 def _prefill(model, context, extra, chunk, lean, methods, calibration_tokens, seed):
     """The model sized to context + extra, its params, a random-token prompt of ``context``
     tokens prefilled once (after a one-chunk compile), and PQ codebooks if a method needs
@@ -211,6 +242,7 @@ def _prefill(model, context, extra, chunk, lean, methods, calibration_tokens, se
 
 def _write(out, facts, records, equal, config):
     write_results(out, {"budget": facts, "records": records, "equal_n": equal,
+                        "step_fit": step_fit(records, equal),
                         "device": jax.devices()[0].device_kind, "jax": jax.__version__,
                         "written_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **config})
     plt = pyplot()
@@ -253,3 +285,8 @@ def _table(facts, records, equal):
     for e in equal:
         print(f"equal N: {e['method']} at {e['context']}, batch {e['batch']}: "
               f"{e['step_ms']:.2f} ms")
+    for f in step_fit(records, equal):
+        paper = (f" (paper {f['paper_fixed_ms']:.1f} ms + {f['paper_per_request_ms']:.3f} ms x N)"
+                 if "paper_fixed_ms" in f else "")
+        print(f"step fit: {f['method']} at {f['context']}: {f['fixed_ms']:.2f} ms + "
+              f"{f['per_request_ms']:.3f} ms x N{paper}")

@@ -3,7 +3,7 @@ predictions, replay's statistics from request records."""
 
 import pytest
 
-from experiments.capacity import engine_for, predict
+from experiments.capacity import PAPER, engine_for, predict, step_fit
 from experiments.replay import replay_summary
 from lsparse_jax.config import LeanSparseConfig
 from lsparse_jax.memory.accounting import Layout, request_bytes
@@ -30,6 +30,27 @@ def test_capacity_budget_holds_exactly_the_calibrated_count():
     assert pred[("leansparse", 204800)][0] > 76
     eng = engine_for(model, "hisparse", hot, 64, lean)
     assert request_bytes(eng, 204800, Layout.v4_serving()).gpu_total == per
+
+
+def test_step_fit_passes_through_both_timed_points_and_the_papers():
+    """step = a + b n through the method's own cell and its equal-N cell; the paper's pair
+    (its step at HiSparse's N, N / tok/s at its own N) likewise; one timed point: no fit."""
+    paper = dict(zip(("max_concurrency", "throughput_tok_s", "step_ms_at_his_n"),
+                     PAPER[("leansparse", 204800)]))
+    records = [{"method": "leansparse", "context": 204800, "timed_batch": 164,
+                "step_ms": 25.5, "paper": paper},
+               {"method": "hisparse", "context": 204800, "timed_batch": 76, "step_ms": 11.2,
+                "paper": None}]
+    equal = [{"method": "leansparse", "context": 204800, "batch": 76, "step_ms": 12.4}]
+    (fit,) = step_fit(records, equal)
+    assert fit["batches"] == [76, 164]
+    for n, ms in ((76, 12.4), (164, 25.5)):
+        assert fit["fixed_ms"] + fit["per_request_ms"] * n == pytest.approx(ms)
+    his_n = PAPER[("hisparse", 204800)][0]
+    assert fit["paper_fixed_ms"] + fit["paper_per_request_ms"] * his_n == pytest.approx(33.3)
+    assert fit["paper_fixed_ms"] + fit["paper_per_request_ms"] * 156 == pytest.approx(
+        156 / 3216 * 1e3)
+    assert step_fit(records, []) == []
 
 
 def _rec(session, turn, arrival, first, finished, tokens):
