@@ -476,11 +476,15 @@ def accuracy(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
 def build_engines(params, cfg, specs, num_slots, prefill_chunk, hot_cache_rows, page_size,
                   calibration_tokens, implementation, host_pages) -> dict:
     """One engine per method (dense has none), at max_len; leansparse's PQ codebooks
-    calibrated once on the held-out calibration prompt."""
-    codebooks = None
-    if any(s.engine_method and method_storage(s.engine_method).keys_on_host for s in specs):
-        calib = task_example("niah", calibration_tokens, CALIBRATION_SEED)
-        codebooks = calibrate_codebooks(params, cfg, calib.prompt, seed=0)
+    calibrated once per subvector width on the held-out calibration prompt."""
+    books = {}  # pq_subspace_dim -> codebooks
+    for s in specs:
+        if s.engine_method and method_storage(s.engine_method).keys_on_host:
+            dim = s.lean.pq_subspace_dim
+            if dim not in books:
+                calib = task_example("niah", calibration_tokens, CALIBRATION_SEED)
+                books[dim] = calibrate_codebooks(params, cfg, calib.prompt, subspace_dim=dim,
+                                                 seed=0)
     engines = {}
     for s in specs:
         if s.engine_method is None:
@@ -491,7 +495,7 @@ def build_engines(params, cfg, specs, num_slots, prefill_chunk, hot_cache_rows, 
         engines[s.name] = Engine(EngineConfig(
             model=cfg, cache=cache, sampling=SamplingConfig(0.0, 0), method=s.engine_method,
             leansparse=s.lean or LeanSparseConfig(), implementation=implementation),
-            params, codebooks)
+            params, books.get(s.lean.pq_subspace_dim) if s.lean else None)
     return engines
 
 

@@ -193,3 +193,33 @@ def test_method_names_parse_to_their_settings():
         False, "bf16", 64)
     with pytest.raises(ValueError, match="unknown method"):
         parse_method("leansparse_C64_fp16", top_k=16, miss_filter_offset=None)
+
+
+def test_codebooks_are_calibrated_at_each_methods_subvector_width(monkeypatch):
+    """Methods whose LeanSparseConfig.pq_subspace_dim differ each get codebooks of their own
+    width (one calibration per width); an engine given another width's books would refuse."""
+    import dataclasses
+
+    import experiments.accuracy as acc
+    from lsparse_jax.model import init_params, preset
+    from lsparse_jax.model.presets import fit_max_len
+
+    cfg = fit_max_len(preset("tiny"), 512)
+    widths = []
+    real = acc.calibrate_codebooks
+
+    def spy(*args, subspace_dim, **kw):
+        widths.append(subspace_dim)
+        return real(*args, subspace_dim=subspace_dim, **kw)
+
+    monkeypatch.setattr(acc, "calibrate_codebooks", spy)
+    lean = parse_method("leansparse_C32", top_k=16, miss_filter_offset=1.0)
+    specs = [parse_method("resident", 16, 1.0), lean,
+             dataclasses.replace(lean, name="lean_w2",
+                                 lean=dataclasses.replace(lean.lean, pq_subspace_dim=2)),
+             parse_method("direct_pq", 16, None)]
+    engines = acc.build_engines(init_params(cfg, 0), cfg, specs, num_slots=1,
+                                prefill_chunk=128, hot_cache_rows=32, page_size=8,
+                                calibration_tokens=256, implementation=None, host_pages=None)
+    assert sorted(widths) == [2, 4]
+    assert set(engines) == {"resident", "leansparse_C32", "lean_w2", "direct_pq"}
