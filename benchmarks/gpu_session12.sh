@@ -10,6 +10,10 @@
 #   STEP=capacity  capacity at 200K / 512K / 950K (CONTEXTS, one per call) with
 #                  capacity.input_repeat=$P and LeanSparse's jax-triton FP8 coarse pass, into a
 #                  new run name (capacity_p<P>_jt) so session 11's random-input table stays.
+#   STEP=profile   where a step's time goes at HiSparse's N at 200K (B 76) with that reuse:
+#                  benchmarks/decode_profile_gpu.py, hisparse and leansparse_fp8 with the
+#                  jax-triton coarse pass (the capacity table's step_fit says the slice's step
+#                  is ~0.15 ms per request plus ~1 ms: the profile splits the per-request part).
 source "$(dirname "$0")/gpu_lib.sh"
 STEP=${STEP:-reuse}
 case "$STEP" in
@@ -29,6 +33,12 @@ case "$STEP" in
       --gin.capacity.input_repeat=$P \
       \"--gin.LeanSparseConfig.coarse_implementation='jax_triton'\" \
       \"--gin.LeanSparseConfig.coarse_precision='fp8'\"" ;;
+  profile)
+    : "${P:?set P (STEP=reuse)}"
+    part profile 560 "python3 benchmarks/decode_profile_gpu.py --methods hisparse,leansparse_fp8 \
+      --context 204800 --batch 76 --steps 8 --kv-dtype fp8_v4 --attention-precision f32 \
+      --input-repeat $P --gin \"LeanSparseConfig.coarse_implementation='jax_triton'\" \
+      --out \$OUT --budget-s 540" ;;
   *) echo "unknown STEP $STEP" >&2; exit 2 ;;
 esac
 pack "$STEP"
