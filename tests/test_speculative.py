@@ -318,6 +318,35 @@ def test_scheduler_serves_a_spec_engine_with_the_tokens_of_plain_greedy():
     assert {r.id: r.tokens for r in sched.finished} == want
 
 
+def test_scheduler_budget_counts_the_drafter_ring_and_staging():
+    """A SpecEngine's request holds its plain bytes plus ``spec_bytes`` (ring and staging):
+    under a budget that three plain requests fit but three speculative ones do not, the
+    scheduler runs two at a time (the third waits for the budget, not for a slot) and never
+    holds more than the budget."""
+    import dataclasses
+
+    from lsparse_jax.memory.accounting import request_bytes
+    from lsparse_jax.serving.request import Request
+    from lsparse_jax.serving.scheduler import Clock, Scheduler
+
+    config = engine_config("hisparse")
+    config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, num_slots=3))
+    cfg, params, books = setup()
+    spec = SpecEngine(config, params, (init_drafter(cfg, DCFG, 1), DCFG), books)
+    context = 60 + 6
+    plain = request_bytes(config, context).gpu_total
+    extra = sum(spec_bytes(config, DCFG).values())
+    assert spec.request_device_bytes(context) == plain + extra
+    budget = 2 * (plain + extra)
+    assert 3 * plain <= budget < 3 * (plain + extra)  # fits three plain requests, two spec
+    sched = Scheduler(spec, device_budget_bytes=budget, clock=Clock(step_s=0.01))
+    sched.submit([Request(PROMPT[:60], 6, id=i) for i in range(3)])
+    sched.run()
+    assert len(sched.finished) == 3
+    assert sched.waits_by["device_budget"] > 0 and sched.waits_by["slots"] == 0
+    assert max(t["device_bytes"] for t in sched.trace) == 2 * (plain + extra) <= budget
+
+
 def test_chunked_admission_equals_whole_prompt_admission():
     """The last ``SpecPrefill`` of ``SpecEngine.prefill_chunks`` (a scheduler's chunked
     admission) admits a slot whose caches and drafter ring equal bit for bit those of the

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lsparse_jax.config import EngineConfig
+from lsparse_jax.memory.accounting import request_bytes
 from lsparse_jax.methods import policy
 from lsparse_jax.parallel import engine_mesh, replicate, shard_params
 from lsparse_jax.quant import KVRowFormat
@@ -90,6 +91,11 @@ class Engine:
     def slot_bytes(self) -> int:
         """Device bytes of one slot's caches."""
         return slot_bytes(self.config, self.state)
+
+    def request_device_bytes(self, context: int) -> int:
+        """Device bytes one request of ``context`` tokens holds on this engine
+        (``memory.accounting.request_bytes``); a scheduler's budget admits by it."""
+        return request_bytes(self.config, context).gpu_total
 
     def warmup(self, writeback: bool = True):
         """Compiles the prefill chunk and the decode step so that timings exclude compilation,

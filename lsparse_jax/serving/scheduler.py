@@ -7,7 +7,8 @@ counted; (2) one decode step of the active set; (3) every request that hit max_n
 (or max_len), a stop token or a stop string is released at once, freeing its slot, bytes and
 host pages.
 
-Device bytes of a request are ``memory.accounting.request_bytes`` at prompt + max_new_tokens.
+Device bytes of a request are ``Engine.request_device_bytes`` at prompt + max_new_tokens
+(``memory.accounting.request_bytes``; a SpecEngine adds its ring and staging).
 With device pools (``CacheConfig.device_pages``) the pools are the budget: the controller's
 reservation of a request's pages says whether it fits now (``DeviceCapacityError``: it waits,
 reason "device_pool"), so each method's footprint per token decides how many fit.
@@ -55,7 +56,6 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from lsparse_jax.memory.accounting import request_bytes
 from lsparse_jax.memory.device_pool import DeviceCapacityError
 from lsparse_jax.memory.host_pool import CapacityError
 from lsparse_jax.serving.engine import Engine
@@ -148,7 +148,7 @@ class Scheduler:
         new = request.max_new_tokens
         context = cfg.model.max_len if new is None else len(request.prompt) + new
         if context not in self._bytes:
-            self._bytes[context] = request_bytes(cfg, context).gpu_total
+            self._bytes[context] = self.engine.request_device_bytes(context)
         return self._bytes[context]
 
     def submit(self, requests: Iterable[Request]) -> None:

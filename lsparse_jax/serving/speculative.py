@@ -39,6 +39,7 @@ import numpy as np
 from flax import struct
 
 from lsparse_jax.config import DrafterConfig, EngineConfig, ModelConfig, invalid
+from lsparse_jax.memory.accounting import spec_bytes
 from lsparse_jax.methods import policy
 from lsparse_jax.model.cache import CSACache, DSACache, HCACache, SWACache, empty_cache
 from lsparse_jax.model.drafter import DrafterWindow, context_kv, draft_block, target_io
@@ -460,6 +461,12 @@ class SpecEngine(Engine):
         self.draft_seconds = 0.0
         self.verifications = 0
         self.steps = 0  # verification steps with an active slot
+
+    def request_device_bytes(self, context: int) -> int:
+        """The plain engine's bytes plus the request's drafter ring and verification staging
+        (``memory.accounting.spec_bytes``: never lent, so a budget counts them)."""
+        return super().request_device_bytes(context) + sum(
+            spec_bytes(self.config, self.dcfg).values())
 
     def warmup(self):
         """Compiles prefill, drafting and verification (an all-idle verification)."""
