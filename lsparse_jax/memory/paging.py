@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from lsparse_jax.memory.host_pool import write_host_page
+from lsparse_jax.memory.host_pool import byte_view, from_byte_view, write_host_page
 
 
 def page_out(pool, rows, pages, count, page: int, start=0):
@@ -17,14 +17,14 @@ def page_out(pool, rows, pages, count, page: int, start=0):
     returns (pool, the next P rows as the tail)."""
     rows = jax.tree.map(lambda r: jnp.concatenate([r, jnp.full((page,) + r.shape[1:], jnp.nan,
                                                                  r.dtype)]), rows)
-
-    def body(j, pool):
-        chunk = jax.tree.map(lambda r: jax.lax.dynamic_slice_in_dim(r, j * page, page), rows)
-        return jax.tree.map(lambda p, c: write_host_page(p, pages[j], c), pool, chunk)
-
-    pool = jax.lax.fori_loop(start, count, body, pool)
     tail = jax.tree.map(lambda r: jax.lax.dynamic_slice_in_dim(r, count * page, page), rows)
-    return pool, tail
+    viewed, written = byte_view(pool, rows)
+
+    def body(j, out):
+        chunk = jax.tree.map(lambda r: jax.lax.dynamic_slice_in_dim(r, j * page, page), written)
+        return jax.tree.map(lambda p, c: write_host_page(p, pages[j], c), out, chunk)
+
+    return from_byte_view(jax.lax.fori_loop(start, count, body, viewed), pool), tail
 
 
 def put_pages(pool, dest, rows, count, page: int):
@@ -82,8 +82,9 @@ class CompletedPages:
 
     def write_tails(self, pool, tails):
         """Each completing slot's tail (tails [S, P, ...], a pytree like ``pool``) to its page."""
-        return self.for_each(lambda j, s, p: jax.tree.map(
-            lambda leaf, t: write_host_page(leaf, self.dest[j], t[s]), p, tails), pool)
+        viewed, tails = byte_view(pool, tails)
+        return from_byte_view(self.for_each(lambda j, s, p: jax.tree.map(
+            lambda leaf, t: write_host_page(leaf, self.dest[j], t[s]), p, tails), viewed), pool)
 
     def poison(self, tail):
         """The tails of completing slots NaN (they start a new page)."""
