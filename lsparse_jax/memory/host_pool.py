@@ -94,13 +94,10 @@ def byte_view(pool, rows):
     to f16 and back around each page written, O(pool) per page (measured: a 200-slot
     LeanSparse admission 15.7 s); as bytes the pages are written in place. Write the pages,
     then ``from_byte_view``."""
-    pairs = jax.tree.map(lambda p, r: (jax.lax.bitcast_convert_type(p, jnp.uint8),
-                                       jax.lax.bitcast_convert_type(r.astype(p.dtype),
-                                                                    jnp.uint8))
-                         if _cpu_fp8(p) else (p, r), pool, rows)
-    is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and hasattr(x[0], "dtype")  # noqa: E731
-    return (jax.tree.map(lambda x: x[0], pairs, is_leaf=is_pair),
-            jax.tree.map(lambda x: x[1], pairs, is_leaf=is_pair))
+    as_bytes = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8)  # noqa: E731
+    return (jax.tree.map(lambda p: as_bytes(p) if _cpu_fp8(p) else p, pool),
+            jax.tree.map(lambda p, r: as_bytes(r.astype(p.dtype)) if _cpu_fp8(p) else r,
+                         pool, rows))
 
 
 def from_byte_view(viewed, like):
