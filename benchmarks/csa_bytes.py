@@ -14,12 +14,11 @@ import argparse
 import json
 import os
 
-from experiments.capacity import engine_for
+from experiments.capacity import PAPER_HOT_ROWS, engine_for
 from lsparse_jax.config import LeanSparseConfig
 from lsparse_jax.memory.accounting import Layout, request_bytes
 from lsparse_jax.model import preset
 
-PAPER_ROWS = {"hisparse": 4096, "leansparse": 2048}  # KV buffer rows per CSA layer
 PAPER_LEAN = LeanSparseConfig(num_candidates=2048, key_cache_rows=4096, miss_filter_offset=1.0)
 
 
@@ -36,7 +35,8 @@ def records(contexts=(204800, 524288, 972800, 1048576)):
             for ctx in contexts:
                 rec = {"kv_dtype": kv_dtype, "layout": name, "context": ctx}
                 for m in ("hisparse", "leansparse"):
-                    rb = request_bytes(engine_for(model, m, PAPER_ROWS, 64, PAPER_LEAN), ctx, lay)
+                    engine = engine_for(model, m, PAPER_HOT_ROWS, 64, PAPER_LEAN)
+                    rb = request_bytes(engine, ctx, lay)
                     rec[f"{m}_csa_layer_bytes"] = sum(rb.per_layer[csa].values())
                     rec[f"{m}_request_bytes"] = rb.gpu_total
                 rec["csa_layer_ratio"] = rec["hisparse_csa_layer_bytes"] / rec[
@@ -54,7 +54,7 @@ def main(argv=None):
     recs = records()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"caches": {"hot_cache_rows": PAPER_ROWS, "key_cache_rows": 4096,
+        json.dump({"caches": {"hot_cache_rows": PAPER_HOT_ROWS, "key_cache_rows": 4096,
                               "page_size": 64, "model": "v4_flash (43 layers)"},
                    "records": recs}, f, indent=1)
     print(f"{'rows':>7} {'layout':>10} {'context':>8} {'his B/CSA':>11} {'lean B/CSA':>11} "

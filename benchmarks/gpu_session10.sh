@@ -28,8 +28,8 @@ case "$STEP" in
     part big_pools 80 "python3 -m pytest -q -p no:cacheprovider -m gpu -k 3gib tests/test_kernel_hot_resolve.py tests/test_kernel_gather_rows.py"
     # (part words added after session 10's run: is the e4m3 word view read in place?)
     part words 60 "python3 benchmarks/gather_rows_gpu.py --out \$OUT --dtype float8_e4m3fn"
-    # next session: PARTS="words capacity" CAP_LIMIT=480 STEP=d (session 10's 270 s was cut
-    # while compiling on a fresh machine)
+    # (session 10's 270 s was cut while compiling on a fresh machine; session 11 ran words and
+    # capacity as benchmarks/gpu_session11.sh STEP=a)
     part capacity $(( ${CAP_LIMIT:-270} + 10 )) "PRIOR=$ROOT/results/gpu_session10/capacity_first LIMIT=${CAP_LIMIT:-270} STEP=capacity bash benchmarks/serving_gpu.sh" ;;
   *) echo "unknown STEP $STEP" >&2; exit 2 ;;
 esac

@@ -61,6 +61,11 @@ PAPER = {("hisparse", 204800): (76, 2371, 32.1), ("leansparse", 204800): (156, 3
          ("hisparse", 972800): (19, 687, 27.6), ("leansparse", 972800): (56, 1474, 22.2)}
 
 
+# KV buffer rows per CSA layer in the LeanSparse paper's evaluation (section 6.1): HiSparse a 4K
+# buffer, LeanSparse 2K KV entries (beside 4K indexer keys); adaptive as HiSparse
+PAPER_HOT_ROWS = {"hisparse": 4096, "leansparse": 2048, "adaptive": 4096}
+
+
 def engine_for(model, method: str, hot_cache_rows: dict, page_size: int,
                lean: LeanSparseConfig, implementation=None) -> EngineConfig:
     """The method's engine with device pools (the accounting counts whole pages)."""
@@ -112,7 +117,7 @@ def capacity(name: str, model=gin.REQUIRED, predict_model=gin.REQUIRED,
     lean = leansparse or LeanSparseConfig()
     if isinstance(predict_model, str):
         predict_model = preset(predict_model)
-    hot = dict(hot_cache_rows or {"hisparse": 4096, "leansparse": 2048, "adaptive": 4096})
+    hot = dict(hot_cache_rows or PAPER_HOT_ROWS)
     if layout not in ("v4_serving", "ours"):
         raise ValueError(f"capacity.layout={layout!r}: 'v4_serving' or 'ours'")
     lay = Layout.v4_serving() if layout == "v4_serving" else Layout.ours(predict_model)

@@ -58,3 +58,10 @@ def test_byte_view_round_trip_leaves_other_dtypes_alone():
                                          [jnp.float8_e4m3fn, jnp.float32])
     back = from_byte_view(viewed, pool)
     assert [x.dtype for x in back] == [jnp.float8_e4m3fn, jnp.float32]
+    pool = (jnp.asarray(np.random.default_rng(2).normal(size=(8, D)), jnp.float8_e4m3fn),
+            pool[1])
+    back = from_byte_view(byte_view(pool, rows)[0], pool)  # the view loses no bit
+    np.testing.assert_array_equal(np.asarray(back[0]).view(np.uint8),
+                                  np.asarray(pool[0]).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(written[0]).view(np.uint8),
+                                  np.asarray(rows[0].astype(jnp.float8_e4m3fn)).view(np.uint8))
