@@ -3,9 +3,13 @@
 Triton runs in Pallas interpret mode on CPU (small shapes, small tunables so that the counting
 passes, several blocks and a partial last block are all exercised); the CUDA lowering is
 checked on CPU at the benchmark shape; GPU tests compare the real kernels with XLA.
+"triton_fused" (fused.py, two launches) is tested the same way, on both of its paths: rows
+its finish kernel takes from the candidates and rows it scans whole (a sample or floor hint
+above the m-th score, too low a floor, crowded blocks).
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -15,10 +19,12 @@ from kernel_helpers import assert_same_sets, gpu_topk_rows
 
 from pallas_kernels import common
 from pallas_kernels.topk import topk
+from pallas_kernels.topk import fused
 from pallas_kernels.topk import triton as topk_impl
+from pallas_kernels.topk.reference import topk_xla
 from pallas_kernels.topk.triton import topk_triton
 
-IMPLEMENTATIONS = ("xla", "triton")
+IMPLEMENTATIONS = ("xla", "triton", "triton_fused")
 
 
 def numpy_topk(scores, lengths, k):
@@ -108,6 +114,10 @@ CASES = {
     "special": (_special, None),
     "long": (_long, None),
 }
+# the same for "triton_fused": several select programs per row, a partial last block
+FUSED_TUNABLES = {"ties": dict(block=64, chunk=32, sample=32, window=4),
+                  "wide": dict(block=128, chunk=64, sample=64, digit_bits=2),
+                  "special": dict(block=16, sample=16, window=1)}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -118,6 +128,9 @@ def test_topk_matches_numpy(implementation, case):
     want = numpy_topk(scores, lengths, k)
     if implementation == "triton" and tunables is not None:
         got = topk_triton(jnp.asarray(scores), jnp.asarray(lengths), k, **tunables)
+    elif implementation == "triton_fused" and case in FUSED_TUNABLES:
+        got = fused.topk_fused(jnp.asarray(scores), jnp.asarray(lengths), k,
+                               **FUSED_TUNABLES[case])
     else:
         got = topk(jnp.asarray(scores), jnp.asarray(lengths), k, implementation=implementation)
     assert_topk_equal(got, want)
@@ -172,6 +185,179 @@ def test_triton_lowers_for_cuda(b, n, k):
     assert text.count(common.TRITON_CALL_TARGET) == 4  # count, refine, select, finish
 
 
+# ------------------------------------------------------------ triton_fused (fused.py)
+
+FUSED_POISON = np.array([np.nan, np.inf, 3e38, -1.0], np.float32)
+FUSED_TUN = dict(block=128, chunk=64, sample=256)  # 16 select programs a row, a partial last
+
+
+def _fused_rows(seed, kind, n=2000, k=24):
+    """Rows: lengths 0, < k, == k, a partial last block, N - 1, N; scores by kind; NaN /
+    +inf / huge / -1 poison past each length."""
+    rng = np.random.default_rng(seed)
+    lengths = np.array([0, k // 3, k, 333, n - 1, n], np.int32)
+    shape = (lengths.size, n)
+    if kind == "normal":
+        scores = rng.normal(size=shape)
+    elif kind == "ties":  # few distinct values: the k-th place is tied many times
+        scores = rng.integers(-2, 3, size=shape)
+    elif kind == "extreme":  # keys spanning the whole int32 range
+        pool = np.array([np.inf, -np.inf, 3.4e38, -3.4e38, 1e-45, -1e-45, 0.0, -0.0, 1.0])
+        scores = rng.choice(pool, size=shape)
+        scores[:, ::5] = rng.normal(size=scores[:, ::5].shape) * 1e30
+    else:  # "relu": most scores exactly 0
+        scores = np.maximum(rng.normal(size=shape) - 1.0, 0.0)
+    scores = scores.astype(np.float32)
+    for r, length in enumerate(lengths):
+        scores[r, length:] = rng.choice(FUSED_POISON, size=n - length)
+    return scores, lengths, k
+
+
+def _check_fused(scores, lengths, k, floor=None, **tun):
+    """topk_fused against topk_xla and numpy; returns fused.fast_rows (the rows finished from
+    the candidates rather than by the fallback scan)."""
+    args = (jnp.asarray(scores), jnp.asarray(lengths), k)
+    floor = None if floor is None else jnp.asarray(floor, jnp.float32)
+    got = fused.topk_fused(*args, floor=floor, **tun)
+    assert_topk_equal(got, topk_xla(*args))
+    assert_topk_equal(got, numpy_topk(scores, lengths, k))
+    return np.asarray(fused.fast_rows(*args, floor=floor, **tun))
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "extreme", "relu"])
+def test_fused_matches_xla(kind):
+    """Both paths of the finish kernel: the sampled floor's candidates (most rows) and the
+    whole-row scan for crowded blocks (an ascending row; a row whose winners sit in one
+    block)."""
+    scores, lengths, k = _fused_rows(11 + len(kind), kind)
+    lengths[1] = 2000  # the row shorter than k becomes two adversarial full rows
+    scores[1] = np.sort(scores[1])
+    scores[2] = -1.0
+    scores[2, 640:640 + k] = 5.0
+    lengths[2] = 2000
+    fast = _check_fused(scores, lengths, k, **FUSED_TUN)
+    if kind == "normal":
+        assert fast[[0, 3, 4, 5]].all() and not fast[1], fast
+
+
+def _sample_positions(length, sample, window):
+    """fused._sample_floor's sample positions of a row of the given length."""
+    ws = max(window, length // (sample // window))
+    i = np.arange(sample)
+    p = (i // window) * ws + i % window
+    return p[p < length]
+
+
+def test_fused_sample_too_high_or_too_low():
+    """A sample that sits above the m-th score (every sample position holds the row's top
+    score: c(t) < m) or far below it (every sample position holds its lowest: every block
+    overflows) sends the row to the fallback scan, from the bracket below / above t."""
+    rng = np.random.default_rng(3)
+    n, k, tun = 2000, 100, dict(block=128, chunk=64, sample=64, window=8)
+    lengths = np.array([n, n, n, n - 5], np.int32)
+    scores = rng.normal(size=(4, n)).astype(np.float32)
+    for r, value in ((0, 10.0), (1, -10.0), (3, 10.0)):
+        scores[r, _sample_positions(lengths[r], tun["sample"], tun["window"])] = value
+    scores[3, n - 5:] = np.nan
+    fast = _check_fused(scores, lengths, k, **tun)
+    assert fast.tolist() == [False, False, True, False]
+
+
+def test_fused_floor_hint():
+    """floor = a per-row score hint (the previous step's k-th score): a hint at or below the
+    m-th score finishes from the candidates; above every score, NaN or -inf (every position a
+    candidate: crowded blocks) the row is scanned; all rows exact."""
+    scores, lengths, k = _fused_rows(5, "normal")
+    srt = -np.sort(-np.where(np.arange(2000)[None] < lengths[:, None], scores, -np.inf), 1)
+    floor = srt[:, k + 5].copy()
+    floor[3] = srt[3, 0] + 1.0  # above every score
+    floor[4], floor[5] = np.nan, -np.inf
+    fast = _check_fused(scores, lengths, k, floor=floor, **FUSED_TUN)
+    assert fast.tolist() == [True, True, True, False, False, False]
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "extreme", "relu"])
+@pytest.mark.parametrize("hint,digit_bits", [("above", 4), ("above", 1), ("below", 8)])
+def test_fused_fallback_matches_xla(kind, hint, digit_bits):
+    """Every long row scanned whole (floor hints above every score: c(t) < m; or -inf: every
+    position a candidate, crowded blocks): the radix search over the row and the take pass
+    in position order give the reference's sets, ties and the full key range included."""
+    scores, lengths, k = _fused_rows(7 + len(kind), kind)
+    floor = np.full(lengths.shape, np.inf if hint == "above" else -np.inf, np.float32)
+    fast = _check_fused(scores, lengths, k, floor=floor, digit_bits=digit_bits,
+                        fallback_chunk=256, **FUSED_TUN)
+    if kind != "extreme":  # (there, +inf scores can fill a row's top k: c(+inf) >= m)
+        assert not fast[3:].any(), fast
+
+
+@pytest.mark.parametrize("n,k", [(300, 300), (1000, 999), (20, 40)])
+def test_fused_k_at_least_length(n, k):
+    """k >= N (or N - 1) and rows shorter than k: every eligible position wins."""
+    rng = np.random.default_rng(n)
+    lengths = np.array([n, 0, n - 7, 1], np.int32)
+    scores = rng.integers(-3, 4, size=(4, n)).astype(np.float32)
+    for r, length in enumerate(lengths):
+        scores[r, length:] = np.nan
+    _check_fused(scores, lengths, k, block=64, chunk=32, sample=128)
+
+
+def test_fused_n_not_a_power_of_two():
+    """N = 36864: 9 select programs a row (NBP = 16 count rows, 7 unset), a 65536-wide row
+    view in the finish; full, partial and short rows."""
+    rng = np.random.default_rng(36864)
+    n, k = 36864, 512
+    lengths = np.array([n, 20000, 511], np.int32)
+    scores = np.round(rng.normal(size=(3, n)), 3).astype(np.float32)
+    for r, length in enumerate(lengths):
+        scores[r, length:] = np.nan
+    assert _check_fused(scores, lengths, k, block=4096).all()
+
+
+def _xla_ops(text):
+    """StableHLO ops of a lowered module other than the Triton calls, reshapes and metadata
+    (sharding annotations, functions, constants): what XLA would run between the kernels."""
+    ops = re.findall(r"^\s*(?:%[^=]*= )?\"?(stablehlo\.[a-z_]+|chlo\.[a-z_]+)", text, re.M)
+    return sorted(op for op in ops if op not in (
+        "stablehlo.custom_call", "stablehlo.reshape", "stablehlo.constant", "stablehlo.return"))
+
+
+@pytest.mark.parametrize("b,n,k,tun,calls", [
+    (64, 262144, 2048, {}, 2), (64, 262144, 2048, dict(threshold_kernel=True), 3),
+    (64, 131072, 2048, {}, 2), (64, 32768, 512, {}, 2), (8, 36864, 512, {}, 2)])
+def test_fused_lowers_to_few_launches(b, n, k, tun, calls):
+    """Lowered for CUDA: the Triton calls and nothing else for XLA to run (no sort, fusion,
+    loop, conditional or host transfer; a reshape of the lengths is a bitcast), while the
+    default "triton" path has 5 Triton calls and XLA work between them."""
+    specs = (jax.ShapeDtypeStruct((b, n), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.int32))
+    text = common.lower_for_cuda(functools.partial(fused.topk_fused, k=k, **tun), *specs)
+    assert text.count(common.TRITON_CALL_TARGET) == calls
+    assert "topk_fused_select" in text and "topk_fused_finish" in text
+    assert _xla_ops(text) == []
+    if not tun and n == 262144:
+        old = common.lower_for_cuda(functools.partial(topk, k=k, implementation="triton"),
+                                    *specs)
+        assert old.count(common.TRITON_CALL_TARGET) == 5 and "chlo.top_k" in _xla_ops(old)
+
+
+def test_fused_api_has_no_device_predicate_control_flow():
+    """Through api.topk: no while / cond in the jaxpr outside the kernels, two Triton calls,
+    no host callback; a k too large for the register finish runs "triton" instead."""
+    from test_kernel_topk_nosync import _control_flow_prims
+
+    fn = functools.partial(topk, k=2048, implementation="triton_fused")
+    specs = (jax.ShapeDtypeStruct((64, 262144), jnp.float32),
+             jax.ShapeDtypeStruct((64,), jnp.int32))
+    with common.abstract_gpu():
+        jaxpr = jax.make_jaxpr(fn)(*specs)
+    assert _control_flow_prims(jaxpr.jaxpr, []) == []
+    text = common.lower_for_cuda(fn, *specs)
+    assert text.count(common.TRITON_CALL_TARGET) == 2 and "callback" not in text
+    big = functools.partial(topk, k=9000, implementation="triton_fused")
+    specs = (jax.ShapeDtypeStruct((2, 65536), jnp.float32), jax.ShapeDtypeStruct((2,), jnp.int32))
+    assert not fused.fits(65536, 9000)
+    assert "topk_select_seg" in common.lower_for_cuda(big, *specs)
+
+
 @pytest.mark.parametrize("bad,match", [
     (dict(scores=np.zeros((4,), np.float32)), "scores"),
     (dict(scores=np.zeros((2, 3, 4), np.float32)), "scores"),
@@ -209,4 +395,5 @@ def test_triton_matches_xla_on_gpu(b, n, k, kind):
     args = (jnp.asarray(scores), jnp.asarray(lengths), k)
     want = topk(*args, implementation="xla")
     assert_topk_equal(topk(*args, implementation="triton"), want)
+    assert_topk_equal(topk(*args, implementation="triton_fused"), want)
     assert_topk_equal(topk(*args), want)  # None picks triton on a GPU

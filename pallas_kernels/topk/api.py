@@ -12,13 +12,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import common
+from pallas_kernels.topk import fused
 from pallas_kernels.topk.reference import topk_xla
 from pallas_kernels.topk.triton import topk_triton
 
-AVAILABLE = ("xla", "triton")
+AVAILABLE = ("xla", "triton", "triton_fused")
 # What "triton" runs (H200, 64 x 262144, k = 2048, session 6): the one-read path with a
 # 4096-position sample and the register finish, 0.191 ms; the two-read sequence 0.285 ms.
 TRITON_OPTIONS = dict(one_read=True, sample=4096, finish_in_registers=True)
+# What "triton_fused" runs (fused.py: the same one-read idea in two launches, no XLA glue;
+# not yet timed on a GPU): fused.fused_config's defaults plus these.
+FUSED_OPTIONS: dict = {}
 
 
 def _validate(scores, lengths, k):
@@ -46,7 +50,9 @@ def topk(scores, lengths, k: int, *, implementation: str | None = None):
     min(k, lengths[b]) eligible positions with the highest scores (among equal scores the lower
     positions win), in any order ("xla" gives best-first), then -1; values are aligned (-inf at
     -1). implementation: "xla", "triton" (Pallas lowered through Triton; interpret mode without
-    a GPU) or None (triton on a GPU, xla elsewhere).
+    a GPU), "triton_fused" (fused.py: two launches, the sample floor and the fallback
+    in-kernel; a k too large for its register finish, see ``fused.fits``, runs "triton") or
+    None (triton on a GPU, xla elsewhere).
     """
     _validate(scores, lengths, k)
     k = int(k)
@@ -56,6 +62,8 @@ def topk(scores, lengths, k: int, *, implementation: str | None = None):
     b, n = scores.shape
     if n == 0 or b == 0:
         return (jnp.full((b, k), -1, jnp.int32), jnp.full((b, k), -jnp.inf, jnp.float32))
-    if impl == "triton":
+    if impl == "triton_fused" and fused.fits(n, k):
+        return fused.topk_fused(scores, lengths, k, interpret=common.interpret(), **FUSED_OPTIONS)
+    if impl in ("triton", "triton_fused"):
         return topk_triton(scores, lengths, k, interpret=common.interpret(), **TRITON_OPTIONS)
     return topk_xla(scores, lengths, k)

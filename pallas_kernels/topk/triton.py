@@ -333,30 +333,46 @@ def _finish_row_registers(row_ref, cpos_ref, cval_ref, wpos_ref, wval_ref, *, di
     T_u when #{candidates with u >= T_u | 2^i} >= r.
     """
     n, r, c, m = row_ref[0], row_ref[1], row_ref[2], row_ref[3]
-    kp, size = wpos_ref.shape[0], cval_ref.shape[0]
+    kp = wpos_ref.shape[0]
     slots = lax.broadcasted_iota(jnp.int32, (kp,), 0)
     pad = slots >= m
     plgpu.store(wpos_ref, jnp.full((kp,), -1, jnp.int32), mask=pad)
     plgpu.store(wval_ref, jnp.full((kp,), -jnp.inf, jnp.float32), mask=pad)
-    _, key = eligible_keys(cval_ref[...], 0, n)  # [size]
+    cval = cval_ref[...]
+    cpos = cpos_ref[...]
+    _, key = eligible_keys(cval, 0, n)  # [size]
     if by_pos:
-        key = jnp.where(cpos_ref[...] >= 0, key, INT32_MIN)
+        key = jnp.where(cpos >= 0, key, INT32_MIN)
+    take_top_registers(key, cpos, cval, r, c, row_ref[4] * digit_bits, row_ref[5], wpos_ref,
+                       wval_ref)
+
+
+def take_top_registers(key, pos, val, r, c, first_bit, t_u, wpos_ref, wval_ref):
+    """Writes the r best of candidates held in registers at output slots [c, c + r), in
+    candidate order (equal keys: the earlier candidates win). key [size] int32 (INT32_MIN:
+    not a candidate), pos / val [size] aligned (val raw, canonicalised on the way out).
+    first_bit, t_u: the search starts at bit 31 - first_bit with T_u = t_u (the bits above
+    it, known from a bracket; 0 and 0 for none).
+
+    Notation: u(key) = key ^ INT32_MIN; bit i (31 = top) is set in T_u when #{candidates
+    with u >= T_u | 2^i} >= r; T = T_u ^ INT32_MIN is the r-th largest candidate key.
+    """
+    kp, size = wpos_ref.shape[0], key.shape[0]
 
     def bit_step(p, t_u):
-        bit = 31 - p
-        cand = t_u | lax.shift_left(jnp.int32(1), bit)
+        cand = t_u | lax.shift_left(jnp.int32(1), 31 - p)
         count = jnp.sum((key >= (cand ^ INT32_MIN)).astype(jnp.int32))
         return jnp.where(count >= r, cand, t_u)
 
-    t = lax.fori_loop(row_ref[4] * digit_bits, 32, bit_step, row_ref[5]) ^ INT32_MIN
+    t = lax.fori_loop(first_bit, 32, bit_step, t_u) ^ INT32_MIN
     ties = r - jnp.sum((key > t).astype(jnp.int32))
     tie = (key == t).astype(jnp.int32)
     keep = (key > t) | ((tie != 0) & (jnp.cumsum(tie) - tie < ties))
     keep_i = keep.astype(jnp.int32)
     lane = lax.broadcasted_iota(jnp.int32, (size,), 0)
     slot = jnp.where(keep, c + jnp.cumsum(keep_i) - keep_i, kp + lane)
-    plgpu.store(wpos_ref.at[slot], cpos_ref[...], mask=keep)
-    plgpu.store(wval_ref.at[slot], canonical_scores(cval_ref[...]), mask=keep)
+    plgpu.store(wpos_ref.at[slot], pos, mask=keep)
+    plgpu.store(wval_ref.at[slot], canonical_scores(val), mask=keep)
 
 
 def _finish_row(row_ref, cpos_ref, cval_ref, wpos_ref, wval_ref, *, digit_bits, chunk, by_pos):

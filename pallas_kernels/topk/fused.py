@@ -1,0 +1,427 @@
+"""Exact top-k in two Pallas-Triton launches (``topk(..., implementation="triton_fused")``).
+
+The one-read path of ``triton.py`` with its XLA glue moved into the kernels, so that one call
+is a fixed sequence of two launches (no XLA sort, fusion, loop or cond between them; the host
+never waits on a device value):
+
+  1. select, grid (B, nblk), >= 2 programs per row when N > BLOCK: each program computes its
+     row's floor t from a sample of the row (every program of the row the same t, redundantly:
+     S scores, a few KB from L2) or takes the row's floor hint, then writes its block's
+     eligible keys >= t, in position order, into its own segment of the row's candidate
+     buffer, and its count c_j.
+  2. finish, grid (B,): a row is ok when c(t) = sum_j c_j >= m and no block overflowed its
+     segment; its m winners are then the m best candidates, found on keys held in registers
+     (``triton.take_top_registers``). Otherwise (a floor above the m-th key, or a crowded
+     block) the same program scans the whole row: a radix search of the m-th key over it,
+     then one take pass in position order. Exact either way; the fallback only costs time.
+
+``threshold_kernel=True`` computes t in its own grid (B,) launch before step 1 instead (three
+launches, no redundant sample work), to compare on the GPU.
+
+Notation:
+  B rows, N positions, L = clip(lengths[b], 0, N) eligible positions (n < L), m = min(k, L),
+  key(x) the order-preserving int32 key of a canonical score (``triton.order_keys``),
+  c(t) = #{n < L : key_n >= t}, KP = next power of two >= min(k, N) (output row),
+  BLOCK positions per select program, nblk = ceil(N / BLOCK), NBP = next power of two >= nblk,
+  NP = next power of two >= N (the finish program's view of a row; loads past N are masked),
+  CR = candidate slots per row (a power of two), nlive = max(1, ceil(L / BLOCK)) blocks that
+  hold eligible positions, seg = min(CR // nlive, BLOCK): block j < nlive owns slots
+  [j seg, (j + 1) seg), the last live block up to CR (unused slots: position -1),
+  S sample scores in S / W windows of W consecutive positions (W = 8: a 32-byte sector each),
+  window stride ws = max(W, L // (S / W)); ns = #{sample positions < L};
+  q = m ns / L - 1 the expected 0-based descending sample rank of the m-th key,
+  r = floor(q + Z sqrt(q + 1)) + 2 the sample rank of the floor (Z = triton.ONE_READ_Z),
+  t = the sample's r-th largest key with its low 32 - floor_bits bits cleared, at least
+  key(-inf) (so t <= that key: c(t) >= m unless the sample misleads).
+Tie rule: equal scores go to the lower position (segments and the fallback keep position
+order). Positions past a row's length never influence anything; NaN inside a length counts as
+-inf and -0.0 as +0.0 (as reference.canonical_scores).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import common
+from pallas_kernels.topk import triton as tk
+from pallas_kernels.topk.reference import canonical_scores
+
+INT32_MIN, INT32_MAX, KEY_NEG_INF = tk.INT32_MIN, tk.INT32_MAX, tk.KEY_NEG_INF
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedConfig:
+    """Static sizes of one call (hashable: a jit static argument); see ``fused_config``."""
+
+    k: int
+    n: int
+    block: int          # positions per select program (power of two)
+    chunk: int          # positions per step of the select program's loop (divides block)
+    sample: int         # S (power of two)
+    window: int         # W (power of two, divides S)
+    floor_bits: int     # bits of t searched (1..32)
+    cr: int             # candidate slots per row
+    digit_bits: int     # fallback radix digit
+    fallback_chunk: int  # positions per step of the fallback scan
+    select_warps: int
+    finish_warps: int
+    threshold_kernel: bool
+    interpret: bool
+
+    @property
+    def kn(self) -> int:
+        return min(self.k, self.n)
+
+    @property
+    def kp(self) -> int:
+        return tk._next_pow2(self.kn)
+
+    @property
+    def nblk(self) -> int:
+        return -(-self.n // self.block)
+
+    @property
+    def np_(self) -> int:
+        return tk._next_pow2(self.n)
+
+
+def fits(n: int, k: int) -> bool:
+    """Whether the finish's register search holds 2 KP candidate keys (KP <= 8192)."""
+    return 2 * tk._next_pow2(min(int(k), int(n))) <= tk.REGISTER_FINISH_MAX
+
+
+def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 4096, sample: int = 4096,
+                 window: int = 8, floor_bits: int = 20, digit_bits: int = 4,
+                 fallback_chunk: int = 1024, select_warps: int = 8, finish_warps: int = 8,
+                 threshold_kernel: bool = False, interpret: bool | None = None) -> FusedConfig:
+    """Tunables fitted to rows of N (call outside jit when interpret is None). Defaults, not
+    yet timed on a GPU: 16 programs a row at N = 262144 (each redoes the row's sample search,
+    floor_bits bit steps over S keys, so fewer, longer programs); floor_bits = 20 leaves t
+    within 2^-11 of the sample key (a few more candidates, 12 fewer steps). CR is twice a
+    full row's expected candidates (r + 1) * N / S, a power of two in [KP, 16384], at most NP.
+    Raises ValueError when KP > 8192 (the finish keeps CR >= 2 KP keys in registers)."""
+    for name, v in (("block", block), ("chunk", chunk), ("sample", sample), ("window", window),
+                    ("fallback_chunk", fallback_chunk)):
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"topk_fused: {name}={v} must be a power of two")
+    if digit_bits not in (1, 2, 4, 8) or not 1 <= floor_bits <= 32:
+        raise ValueError(f"topk_fused: digit_bits={digit_bits} (1, 2, 4, 8) or floor_bits="
+                         f"{floor_bits} (1..32) out of range")
+    n, k = int(n), int(k)
+    np_ = tk._next_pow2(n)
+    block = min(block, np_)
+    chunk = min(chunk, block)
+    sample = min(sample, np_)
+    window = min(window, sample)
+    kp = tk._next_pow2(min(k, n))
+    if not fits(n, k):
+        raise ValueError(f"topk_fused: k={k} too large for the register finish (KP={kp} > "
+                         f"{tk.REGISTER_FINISH_MAX // 2}); use implementation='triton'")
+    st = max(1, n // sample)
+    q = min(k, n) / st - 1.0
+    expected = (q + tk.ONE_READ_Z * math.sqrt(max(q, 0.0) + 1.0) + 3.0) * st
+    cr = min(tk._next_pow2(math.ceil(2 * expected)), tk.REGISTER_FINISH_MAX, np_)
+    if interpret is None:
+        interpret = common.interpret()
+    return FusedConfig(k=k, n=n, block=block, chunk=chunk, sample=sample, window=window,
+                       floor_bits=int(floor_bits), cr=max(cr, kp), digit_bits=digit_bits,
+                       fallback_chunk=min(fallback_chunk, np_), select_warps=select_warps,
+                       finish_warps=finish_warps, threshold_kernel=bool(threshold_kernel),
+                       interpret=bool(interpret))
+
+
+# ----------------------------------------------------------------------------- in-kernel pieces
+
+
+def _row_sizes(len_ref, cfg: FusedConfig):
+    """(L, m) of this program's row from its raw length."""
+    length = jnp.clip(len_ref[0], 0, cfg.n)
+    return length, jnp.minimum(length, cfg.k)
+
+
+def _sample_floor(row_ref, length, m, cfg: FusedConfig):
+    """The row's floor key t from its windowed sample (module docstring). row_ref [NP]: the
+    row (only sample positions < L are loaded)."""
+    s, w = cfg.sample, cfg.window
+    ws = jnp.maximum(w, length // (s // w))
+    i = lax.broadcasted_iota(jnp.int32, (s,), 0)
+    p = (i // w) * ws + (i % w)
+    inside = p < length
+    x = plgpu.load(row_ref.at[jnp.where(inside, p, 0)], mask=inside, other=0.0)
+    key = jnp.where(inside, tk.order_keys(canonical_scores(x)), INT32_MIN)
+    ns = jnp.sum(inside.astype(jnp.int32)).astype(jnp.float32)
+    q = m.astype(jnp.float32) * ns / jnp.maximum(length, 1).astype(jnp.float32) - 1.0
+    r = (q + tk.ONE_READ_Z * jnp.sqrt(jnp.maximum(q, 0.0) + 1.0)).astype(jnp.int32) + 2
+
+    def bit_step(b, t_u):  # T_u: the largest with #{u >= T_u} >= r + 1, bit by bit
+        cand = t_u | lax.shift_left(jnp.int32(1), 31 - b)
+        count = jnp.sum((key >= (cand ^ INT32_MIN)).astype(jnp.int32))
+        return jnp.where(count > r, cand, t_u)
+
+    t = lax.fori_loop(0, cfg.floor_bits, bit_step, jnp.int32(0)) ^ INT32_MIN
+    return jnp.maximum(t, KEY_NEG_INF)
+
+
+def _segment(j, length, cfg: FusedConfig):
+    """(first slot, end slot) of block j's segment of the candidate row (empty past nlive)."""
+    nlive = jnp.maximum(1, (length + cfg.block - 1) // cfg.block)
+    seg = jnp.minimum(cfg.cr // nlive, cfg.block)
+    start = j * seg
+    end = jnp.where(j == nlive - 1, cfg.cr, jnp.where(j < nlive, start + seg, start))
+    return start, end, nlive, seg
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _threshold_kernel(len_ref, row_ref, t_ref, *, cfg: FusedConfig):
+    """threshold_kernel=True: t of one row. Refs: len_ref [1], row_ref [NP] -> t_ref [1]."""
+    length, m = _row_sizes(len_ref, cfg)
+    t_ref[...] = jnp.full((1,), _sample_floor(row_ref, length, m, cfg), jnp.int32)
+
+
+def _select_kernel(len_ref, t_src_ref, x_ref, pos_ref, val_ref, cnt_ref, *, cfg: FusedConfig,
+                   t_from):
+    """Step 1 for block j of a row: candidates key >= t into the block's segment.
+
+    Refs: inputs  len_ref [1] int32 (raw length), t_src_ref: the row [NP] f32 (t_from =
+                  "sample"), its floor hint [1] f32 ("floor") or its key t [1] int32 ("key"),
+                  x_ref [BLOCK] f32 (the block; the last may run past N)
+          outputs pos_ref / val_ref [CR] (the whole candidate row; this block writes its
+                  segment: candidates in position order, then -1 positions; candidates past
+                  the segment are dropped), cnt_ref [2] int32 (c_j, t)
+    """
+    j = pl.program_id(1)
+    length, m = _row_sizes(len_ref, cfg)
+    if t_from == "sample":
+        t = _sample_floor(t_src_ref, length, m, cfg)
+    elif t_from == "floor":
+        hint = canonical_scores(t_src_ref[...])
+        t = jnp.maximum(jnp.max(tk.order_keys(hint)), KEY_NEG_INF)
+    else:
+        t = t_src_ref[0]
+    start, end, _, _ = _segment(j, length, cfg)
+    ch = cfg.chunk
+    live = jnp.clip(length - j * cfg.block, 0, cfg.block)
+    lane = lax.broadcasted_iota(jnp.int32, (ch,), 0)
+
+    def step(i, count):
+        s = pl.multiple_of(i * ch, ch)
+        x = x_ref[pl.ds(s, ch)]
+        pos, key = tk.eligible_keys(x, j * cfg.block + s, length)
+        is_c = key >= t  # t >= key(-inf) > INT32_MIN: ineligible never counts
+        ci = is_c.astype(jnp.int32)
+        slot = start + count + jnp.cumsum(ci) - ci
+        ok = is_c & (slot < end)
+        slot = jnp.where(ok, slot, cfg.cr + lane)
+        plgpu.store(pos_ref.at[slot], pos, mask=ok)
+        plgpu.store(val_ref.at[slot], x, mask=ok)
+        return count + jnp.sum(ci)
+
+    count = lax.fori_loop(0, (live + ch - 1) // ch, step, jnp.int32(0))
+    slots = lax.broadcasted_iota(jnp.int32, (cfg.cr,), 0)
+    plgpu.store(pos_ref, jnp.full((cfg.cr,), -1, jnp.int32),
+                mask=(slots >= start + count) & (slots < end))
+    two = lax.broadcasted_iota(jnp.int32, (2,), 0)
+    cnt_ref[...] = jnp.where(two == 0, count, t)
+
+
+def _finish_kernel(len_ref, cnt_ref, cpos_ref, cval_ref, row_ref, pos_ref, val_ref, *,
+                   cfg: FusedConfig):
+    """Step 2 of one row: its m winners at output slots [0, m), then -1 / -inf.
+
+    Refs: inputs  len_ref [1] int32, cnt_ref [NBP, 2] (c_j, t per block; rows >= nblk
+                  unset), cpos_ref / cval_ref [CR] (step 1's candidate row), row_ref [NP]
+                  (the row, read only by the fallback)
+          outputs pos_ref [KP] int32, val_ref [KP] f32
+    """
+    length, m = _row_sizes(len_ref, cfg)
+    kp = pos_ref.shape[0]
+    slots = lax.broadcasted_iota(jnp.int32, (kp,), 0)
+    plgpu.store(pos_ref, jnp.full((kp,), -1, jnp.int32), mask=slots >= m)
+    plgpu.store(val_ref, jnp.full((kp,), -jnp.inf, jnp.float32), mask=slots >= m)
+
+    nbp = cnt_ref.shape[0]
+    blocks = lax.broadcasted_iota(jnp.int32, (nbp,), 0)
+    counts = jnp.where(blocks < cfg.nblk, cnt_ref[:, 0], 0)  # [NBP]
+    t = cnt_ref[0, 1]
+    start, end, _, _ = _segment(blocks, length, cfg)
+    over = jnp.sum((counts > end - start).astype(jnp.int32))
+    total = jnp.sum(counts)
+    ok = (total >= m) & (over == 0)
+
+    @pl.when(ok)
+    def _():
+        cpos = cpos_ref[...]
+        cval = cval_ref[...]
+        key = jnp.where(cpos >= 0, tk.order_keys(canonical_scores(cval)), INT32_MIN)
+        # every candidate is >= t: the bits above the first where t and INT32_MAX differ
+        p0, u0 = tk._shared_digits(t, INT32_MAX, 1)
+        tk.take_top_registers(key, cpos, cval, m, 0, p0, u0, pos_ref, val_ref)
+
+    @pl.when(jnp.logical_not(ok))
+    def _():
+        _fallback_row(row_ref, length, m, t, total, pos_ref, val_ref, cfg)
+
+
+def _fallback_row(row_ref, length, m, t, total, pos_ref, val_ref, cfg: FusedConfig):
+    """The whole row scanned by one program: T = the m-th largest key by radix steps of
+    digit_bits over the row (started from the bracket t gives: [t, INT32_MAX) when c(t) >= m,
+    else [key(-inf), t); none when m = L: T = key(-inf)), then the keys > T and the first
+    (by position) keys == T written at slots [0, m).
+
+    Notation: u(key) = key ^ INT32_MIN; at radix step p (shift s = 32 - digit_bits (p + 1))
+    T_u | (d << s) for the largest digit d with #{n < L : u_n >= T_u | (d << s)} >= m.
+    """
+    db, ch = cfg.digit_bits, cfg.fallback_chunk
+    steps = (length + ch - 1) // ch
+    lo = jnp.where(total >= m, t, KEY_NEG_INF)
+    hi = jnp.where(total >= m, INT32_MAX, t)
+    p0, u0 = tk._shared_digits(lo, hi, db)
+    every = m == length  # every eligible position wins
+    p0 = jnp.where(every, 32 // db, p0)
+    u0 = jnp.where(every, KEY_NEG_INF ^ INT32_MIN, u0)
+    digits = lax.broadcasted_iota(jnp.int32, (1 << db,), 0)
+
+    def keys_at(i):  # (positions, keys, raw scores) of chunk i
+        s = pl.multiple_of(i * ch, ch)
+        x = row_ref[pl.ds(s, ch)]
+        return (*tk.eligible_keys(x, s, length), x)
+
+    def radix_step(p, t_u):
+        shift = 32 - db * (p + 1)
+        thr = (t_u | (digits << shift)) ^ INT32_MIN
+
+        def count(i, acc):
+            return acc + jnp.sum(tk.count_at_least(keys_at(i)[1], thr), axis=0)
+
+        c = lax.fori_loop(0, steps, count, jnp.zeros((1 << db,), jnp.int32))
+        return t_u | ((jnp.sum((c >= m).astype(jnp.int32)) - 1) << shift)
+
+    big = lax.fori_loop(p0, 32 // db, radix_step, u0) ^ INT32_MIN
+
+    def count_above(i, acc):
+        return acc + jnp.sum((keys_at(i)[1] > big).astype(jnp.int32))
+
+    ties = m - lax.fori_loop(0, steps, count_above, jnp.int32(0))
+    kp = pos_ref.shape[0]
+    lane = lax.broadcasted_iota(jnp.int32, (ch,), 0)
+
+    def take(i, carry):
+        seen, taken = carry
+        pos, key, x = keys_at(i)
+        tie = (key == big).astype(jnp.int32)
+        keep = (key > big) | ((tie != 0) & (seen + jnp.cumsum(tie) - tie < ties))
+        keep_i = keep.astype(jnp.int32)
+        slot = jnp.where(keep, taken + jnp.cumsum(keep_i) - keep_i, kp + lane)
+        plgpu.store(pos_ref.at[slot], pos, mask=keep)
+        plgpu.store(val_ref.at[slot], canonical_scores(x), mask=keep)
+        return seen + jnp.sum(tie), taken + jnp.sum(keep_i)
+
+    lax.fori_loop(0, steps, take, (jnp.int32(0), jnp.int32(0)))
+
+
+# ----------------------------------------------------------------------------- entry
+
+
+def _params(cfg: FusedConfig, warps: int) -> dict:
+    return dict(interpret=cfg.interpret,
+                compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1))
+
+
+def topk_fused(scores, lengths, k: int, *, floor=None, interpret: bool | None = None,
+               **tunables):
+    """Exact top-k in two launches: scores [B, N] f32, lengths [B] int, k >= 1 ->
+    (positions [B, k] int32, values [B, k] f32) as ``topk_triton`` (the set of the min(k, L)
+    best eligible positions, ties to the lower position, in no particular order, then -1 /
+    -inf). floor [B] f32 (optional): per-row floor hints replacing the sample (e.g. the
+    previous decode step's k-th score; a hint above a row's m-th score only costs that row the
+    fallback). tunables: ``fused_config``'s. Inputs are assumed validated (api.topk)."""
+    cfg = fused_config(scores.shape[1], k, interpret=interpret, **tunables)
+    return _topk_fused(scores, lengths, floor, cfg=cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _topk_fused(scores, lengths, floor=None, *, cfg: FusedConfig):
+    lens = lengths.astype(jnp.int32).reshape(-1, 1)
+    scores = scores.astype(jnp.float32)
+    cpos, cval, cnt = select_call(scores, lens, floor, cfg)
+    pos, val = finish_call(lens, cnt, cpos, cval, scores, cfg)
+    if cfg.kp != cfg.k:  # [B, KP] -> [B, k]: the first min(k, N) slots, then -1 / -inf
+        pad = ((0, 0), (0, cfg.k - cfg.kn))
+        pos = jnp.pad(pos[:, :cfg.kn], pad, constant_values=-1)
+        val = jnp.pad(val[:, :cfg.kn], pad, constant_values=-jnp.inf)
+    return pos, val
+
+
+_ONE = pl.BlockSpec((None, 1), lambda i, *_: (i, 0))
+
+
+def select_call(scores, lens, floor, cfg: FusedConfig):
+    """Step 1 (and the threshold launch when cfg.threshold_kernel): scores [B, N] f32, lens
+    [B, 1] int32, floor [B] f32 or None -> (cpos [B, CR] int32, cval [B, CR] f32, cnt
+    [B, NBP, 2] int32: c_j and t per block, rows >= nblk unset)."""
+    b = scores.shape[0]
+    whole_row = pl.BlockSpec((None, cfg.np_), lambda i, *_: (i, 0))
+    if floor is not None:
+        t_from, t_src, t_spec = "floor", floor.astype(jnp.float32).reshape(b, 1), _ONE
+    elif cfg.threshold_kernel:
+        t_from, t_spec = "key", _ONE
+        t_src = pl.pallas_call(
+            functools.partial(_threshold_kernel, cfg=cfg), grid=(b,),
+            in_specs=[_ONE, whole_row], out_specs=_ONE,
+            out_shape=jax.ShapeDtypeStruct((b, 1), jnp.int32),
+            name="topk_fused_threshold", **_params(cfg, cfg.finish_warps))(lens, scores)
+    else:
+        t_from, t_src, t_spec = "sample", scores, whole_row
+    row = pl.BlockSpec((None, cfg.cr), lambda i, j: (i, 0))
+    return pl.pallas_call(
+        functools.partial(_select_kernel, cfg=cfg, t_from=t_from),
+        grid=(b, cfg.nblk),
+        in_specs=[_ONE, t_spec, pl.BlockSpec((None, cfg.block), lambda i, j: (i, j))],
+        out_specs=[row, row, pl.BlockSpec((None, None, 2), lambda i, j: (i, j, 0))],
+        out_shape=[jax.ShapeDtypeStruct((b, cfg.cr), jnp.int32),
+                   jax.ShapeDtypeStruct((b, cfg.cr), jnp.float32),
+                   jax.ShapeDtypeStruct((b, tk._next_pow2(cfg.nblk), 2), jnp.int32)],
+        name="topk_fused_select", **_params(cfg, cfg.select_warps))(lens, t_src, scores)
+
+
+def finish_call(lens, cnt, cpos, cval, scores, cfg: FusedConfig):
+    """Step 2: (positions [B, KP] int32, values [B, KP] f32) from step 1's outputs."""
+    b, nbp = scores.shape[0], cnt.shape[1]
+    one_row = lambda i: (i, 0)  # noqa: E731
+    return pl.pallas_call(
+        functools.partial(_finish_kernel, cfg=cfg), grid=(b,),
+        in_specs=[_ONE, pl.BlockSpec((None, nbp, 2), lambda i: (i, 0, 0)),
+                  pl.BlockSpec((None, cfg.cr), one_row), pl.BlockSpec((None, cfg.cr), one_row),
+                  pl.BlockSpec((None, cfg.np_), one_row)],
+        out_specs=[pl.BlockSpec((None, cfg.kp), one_row)] * 2,
+        out_shape=[jax.ShapeDtypeStruct((b, cfg.kp), jnp.int32),
+                   jax.ShapeDtypeStruct((b, cfg.kp), jnp.float32)],
+        name="topk_fused_finish", **_params(cfg, cfg.finish_warps))(lens, cnt, cpos, cval,
+                                                                    scores)
+
+
+def fast_rows(scores, lengths, k: int, *, floor=None, interpret: bool | None = None,
+              **tunables):
+    """[B] bool: the rows step 2 finishes from the candidates (the rest take the fallback
+    scan); the finish kernel's test, in XLA, for tests and benchmarks."""
+    cfg = fused_config(scores.shape[1], k, interpret=interpret, **tunables)
+    return _fast_rows(scores, lengths, floor, cfg=cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _fast_rows(scores, lengths, floor=None, *, cfg: FusedConfig):
+    lens = lengths.astype(jnp.int32).reshape(-1, 1)
+    cnt = select_call(scores.astype(jnp.float32), lens, floor, cfg)[2][:, :cfg.nblk, 0]
+    length = jnp.clip(lens, 0, cfg.n)
+    start, end, _, _ = _segment(jnp.arange(cfg.nblk, dtype=jnp.int32)[None], length, cfg)
+    return (jnp.sum(cnt, 1) >= jnp.minimum(length[:, 0], cfg.k)) & jnp.all(cnt <= end - start, 1)
