@@ -18,8 +18,7 @@ import pytest
 from kernel_helpers import assert_same_sets, gpu_topk_rows
 
 from pallas_kernels import common
-from pallas_kernels.topk import topk
-from pallas_kernels.topk import fused
+from pallas_kernels.topk import fused, topk
 from pallas_kernels.topk import triton as topk_impl
 from pallas_kernels.topk.reference import topk_xla
 from pallas_kernels.topk.triton import topk_triton
