@@ -396,3 +396,25 @@ def test_triton_matches_xla_on_gpu(b, n, k, kind):
     assert_topk_equal(topk(*args, implementation="triton"), want)
     assert_topk_equal(topk(*args, implementation="triton_fused"), want)
     assert_topk_equal(topk(*args), want)  # None picks triton on a GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["normal", "ties", "relu"])
+@pytest.mark.parametrize("variant", ["default", "thr_kernel", "b8192", "hint_above", "hint_ok"])
+def test_fused_on_gpu(variant, kind):
+    """fused.py's compiled kernels at the target shape against XLA: the defaults, the separate
+    threshold launch, 32 programs a row, and floor hints that send every row to the whole-row
+    scan or finish it from the candidates; one ascending row (crowded last blocks) in each."""
+    b, n, k = 64, 262144, 2048
+    scores, lengths = _gpu_case(3 * b + k, b, n, k, kind)
+    scores[9] = np.sort(scores[9])
+    args = (jnp.asarray(scores), jnp.asarray(lengths), k)
+    want = topk_xla(*args)
+    floor = None
+    if variant.startswith("hint"):
+        vals = np.asarray(want[1])
+        floor = np.full((b,), np.inf, np.float32) if variant == "hint_above" else vals[:, -1]
+        floor = jnp.asarray(np.where(np.isfinite(floor) | (variant == "hint_above"), floor,
+                                     -np.inf).astype(np.float32))
+    tun = {"thr_kernel": dict(threshold_kernel=True), "b8192": dict(block=8192)}.get(variant, {})
+    assert_topk_equal(fused.topk_fused(*args, floor=floor, **tun), want)

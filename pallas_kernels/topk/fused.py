@@ -27,12 +27,14 @@ Notation:
   CR = candidate slots per row (a power of two), nlive = max(1, ceil(L / BLOCK)) blocks that
   hold eligible positions, seg = min(CR // nlive, BLOCK): block j < nlive owns slots
   [j seg, (j + 1) seg), the last live block up to CR (unused slots: position -1),
-  S sample scores in S / W windows of W consecutive positions (W = 8: a 32-byte sector each),
-  window stride ws = max(W, L // (S / W)); ns = #{sample positions < L};
+  S sample scores in S / W windows of W consecutive positions (W = 8: 32 bytes, at most two
+  sectors, where single scores would cost one sector each), window stride
+  ws = max(W, L // (S / W)); ns = #{sample positions < L};
   q = m ns / L - 1 the expected 0-based descending sample rank of the m-th key,
   r = floor(q + Z sqrt(q + 1)) + 2 the sample rank of the floor (Z = triton.ONE_READ_Z),
   t = the sample's r-th largest key with its low 32 - floor_bits bits cleared, at least
-  key(-inf) (so t <= that key: c(t) >= m unless the sample misleads).
+  key(-inf) (so t <= that key: c(t) >= m unless the sample misleads); with a floor hint,
+  t = key(canonical hint), at least key(-inf).
 Tie rule: equal scores go to the lower position (segments and the fallback keep position
 order). Positions past a row's length never influence anything; NaN inside a length counts as
 -inf and -0.0 as +0.0 (as reference.canonical_scores).
@@ -94,7 +96,8 @@ class FusedConfig:
 
 
 def fits(n: int, k: int) -> bool:
-    """Whether the finish's register search holds 2 KP candidate keys (KP <= 8192)."""
+    """Whether "triton_fused" takes (N, k): KP <= REGISTER_FINISH_MAX / 2, so that a candidate
+    row with room for about twice the expected candidates (>= 2 k) fits the register finish."""
     return 2 * tk._next_pow2(min(int(k), int(n))) <= tk.REGISTER_FINISH_MAX
 
 
@@ -200,6 +203,8 @@ def _select_kernel(len_ref, t_src_ref, x_ref, pos_ref, val_ref, cnt_ref, *, cfg:
                   the segment are dropped), cnt_ref [2] int32 (c_j, t)
     """
     j = pl.program_id(1)
+    ch = cfg.chunk
+    x0 = x_ref[pl.ds(0, ch)]  # loaded first: its latency overlaps the floor search
     length, m = _row_sizes(len_ref, cfg)
     if t_from == "sample":
         t = _sample_floor(t_src_ref, length, m, cfg)
@@ -209,13 +214,10 @@ def _select_kernel(len_ref, t_src_ref, x_ref, pos_ref, val_ref, cnt_ref, *, cfg:
     else:
         t = t_src_ref[0]
     start, end, _, _ = _segment(j, length, cfg)
-    ch = cfg.chunk
     live = jnp.clip(length - j * cfg.block, 0, cfg.block)
     lane = lax.broadcasted_iota(jnp.int32, (ch,), 0)
 
-    def step(i, count):
-        s = pl.multiple_of(i * ch, ch)
-        x = x_ref[pl.ds(s, ch)]
+    def take(s, x, count):  # chunk at offset s (x its scores) -> count after it
         pos, key = tk.eligible_keys(x, j * cfg.block + s, length)
         is_c = key >= t  # t >= key(-inf) > INT32_MIN: ineligible never counts
         ci = is_c.astype(jnp.int32)
@@ -226,7 +228,12 @@ def _select_kernel(len_ref, t_src_ref, x_ref, pos_ref, val_ref, cnt_ref, *, cfg:
         plgpu.store(val_ref.at[slot], x, mask=ok)
         return count + jnp.sum(ci)
 
-    count = lax.fori_loop(0, (live + ch - 1) // ch, step, jnp.int32(0))
+    def step(i, count):
+        s = pl.multiple_of(i * ch, ch)
+        return take(s, x_ref[pl.ds(s, ch)], count)
+
+    # chunk 0 always (past L it holds no candidate), then the other chunks below L
+    count = lax.fori_loop(1, (live + ch - 1) // ch, step, take(0, x0, jnp.int32(0)))
     slots = lax.broadcasted_iota(jnp.int32, (cfg.cr,), 0)
     plgpu.store(pos_ref, jnp.full((cfg.cr,), -1, jnp.int32),
                 mask=(slots >= start + count) & (slots < end))
