@@ -270,8 +270,8 @@ def _finish_kernel(len_ref, cnt_ref, cpos_ref, cval_ref, row_ref, pos_ref, val_r
         cpos = cpos_ref[...]
         cval = cval_ref[...]
         key = jnp.where(cpos >= 0, tk.order_keys(canonical_scores(cval)), INT32_MIN)
-        # every candidate is >= t: the bits above the first where t and INT32_MAX differ
-        p0, u0 = tk._shared_digits(t, INT32_MAX, 1)
+        # candidates lie in [t, max]: the search starts below the bits these share
+        p0, u0 = tk._shared_digits(t, jnp.maximum(jnp.max(key), t) + 1, 1)
         tk.take_top_registers(key, cpos, cval, m, 0, p0, u0, pos_ref, val_ref)
 
     @pl.when(jnp.logical_not(ok))
