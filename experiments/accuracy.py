@@ -663,3 +663,76 @@ def plot(summary, methods, tasks, lengths, path):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# Settings that may differ between runs merged into one table: the engine's max_len follows
+# the longest length of a run (its derived binding) and changes no method's outputs.
+MERGEABLE = (("model", "max_len"),)
+
+
+def _comparable(settings: dict) -> dict:
+    out = json.loads(json.dumps(settings))
+    for outer, inner in MERGEABLE:
+        out.get(outer, {}).pop(inner, None)
+    return out
+
+
+def merge_results(runs: list[dict], sources: list[str] | None = None) -> dict:
+    """One study from several runs of it (e.g. 1K-8K in one call, 16K in another): ``runs``
+    are results.json dicts with the same settings apart from ``MERGEABLE`` (same checkpoint
+    digest, slots, caches, device ...), the same evaluation seeds and no (task, length,
+    method) group in two of them. Returns the merged results dict (cells, McNemar pairs,
+    summary and table recomputed from the union of the records; ``merged_from`` names each
+    source with its lengths and max_len). Raises ValueError otherwise."""
+    if not runs:
+        raise ValueError("merge_results: no runs")
+    sources = sources or [f"run {i}" for i in range(len(runs))]
+    first = runs[0]
+    records, owner = [], {}
+    for src, run in zip(sources, runs):
+        if _comparable(run["settings"]) != _comparable(first["settings"]):
+            theirs, ours = _comparable(run["settings"]), _comparable(first["settings"])
+            differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+            raise ValueError(f"merge_results: {src} has other settings than {sources[0]} "
+                             f"({', '.join(differ)})")
+        if run["evaluation_seeds"] != first["evaluation_seeds"]:
+            raise ValueError(f"merge_results: {src} evaluated seeds {run['evaluation_seeds']}, "
+                             f"{sources[0]} {first['evaluation_seeds']}")
+        for group in grouped(run["records"]):
+            if group in owner:
+                raise ValueError(f"merge_results: group {group} is in {owner[group]} and {src}")
+            owner[group] = src
+        records += run["records"]
+    tasks = [t for t in TASKS if any(g[0] == t for g in owner)]
+    lengths = sorted({g[1] for g in owner})
+    methods = list(dict.fromkeys(c["method"] for run in runs for c in run["cells"]))
+    cells = [(t, n) for t in tasks for n in lengths]
+    summary = summarize(records, methods, cells)
+    table = format_table(summary, methods, cells)
+    complete = all(r["complete"] for r in runs)
+    return {**{k: first[k] for k in ("model", "checkpoint", "device", "jax",
+                                      "examples_per_cell", "evaluation_seeds",
+                                      "training_seeds", "settings")},
+            "complete": complete,
+            "merged_from": [{"source": s, "lengths": sorted({g[1] for g in grouped(r["records"])}),
+                             "max_len": r["settings"]["model"].get("max_len")}
+                            for s, r in zip(sources, runs)],
+            "cells": cell_records(summary, methods, cells),
+            "mcnemar": pair_records(records, methods, cells), "summary": summary,
+            "table": table, "records": records}
+
+
+def write_merged(paths: list[str], out: str) -> dict:
+    """``merge_results`` of the results.json files at ``paths`` written to ``out``
+    (results.json, table.md, accuracy.png)."""
+    runs = [json.loads(pathlib.Path(p).read_text()) for p in paths]
+    merged = merge_results(runs, [str(p) for p in paths])
+    out_dir = pathlib.Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(merged, indent=2) + "\n")
+    (out_dir / "table.md").write_text(merged["table"] + "\n")
+    tasks = sorted({c["task"] for c in merged["cells"]}, key=TASKS.index)
+    lengths = sorted({c["length"] for c in merged["cells"]})
+    methods = list(dict.fromkeys(c["method"] for c in merged["cells"]))
+    plot(merged["summary"], methods, tasks, lengths, out_dir / "accuracy.png")
+    return merged

@@ -13,6 +13,7 @@ from experiments.accuracy import (
     evaluation_seeds,
     format_table,
     mcnemar,
+    merge_results,
     pair_records,
     parse_method,
     resumed_records,
@@ -125,6 +126,40 @@ def test_partial_table_pairs_only_common_examples():
     row = {line.split("|")[1].strip(): line for line in table if line.startswith("|")}
     assert row["direct_pq"].split("|")[2].strip() == "-"
     assert row["lean"].split("|")[2].strip().startswith("66.7 [")
+
+
+def _run(records, methods, cells, max_len, **settings):
+    return {"model": {}, "checkpoint": "c", "device": "cpu", "jax": "0", "examples_per_cell": 4,
+            "evaluation_seeds": [10, 14], "training_seeds": ">= 1", "complete": True,
+            "settings": {"num_slots": 4, "model": {"max_len": max_len}, **settings},
+            "cells": cell_records(summarize(records, methods, cells), methods, cells),
+            "records": records}
+
+
+def test_merged_runs_equal_one_run_of_all_cells():
+    """Two calls of one study (1K with max_len 1040, 2K with 2064) merge into what one run
+    of both lengths computes: cells, McNemar pairs and table from the union of the records.
+    Other settings, other seeds or a group in both runs are refused."""
+    seeds, methods = range(10, 14), ("resident", "lean")
+    short = _rows("resident", seeds, [1, 1, 1, 0]) + _rows("lean", seeds, [1, 0, 1, 0])
+    long = (_rows("resident", seeds, [1, 1, 0, 0], length=2048)
+            + _rows("lean", seeds, [0, 0, 0, 1], length=2048))
+    a = _run(short, methods, [("niah", 1024)], 1040)
+    b = _run(long, methods, [("niah", 2048)], 2064)
+    merged = merge_results([a, b], ["a", "b"])
+    cells = [("niah", 1024), ("niah", 2048)]
+    whole = summarize(short + long, methods, cells)
+    assert merged["cells"] == cell_records(whole, methods, cells)
+    assert merged["mcnemar"] == pair_records(short + long, methods, cells)
+    assert merged["table"] == format_table(whole, methods, cells)
+    assert [(m["source"], m["lengths"], m["max_len"]) for m in merged["merged_from"]] == \
+        [("a", [1024], 1040), ("b", [2048], 2064)]
+    with pytest.raises(ValueError, match="other settings than a .num_slots"):
+        merge_results([a, _run(long, methods, [("niah", 2048)], 2064, num_slots=8)], ["a", "b"])
+    with pytest.raises(ValueError, match="seeds"):
+        merge_results([a, {**b, "evaluation_seeds": [0, 4]}], ["a", "b"])
+    with pytest.raises(ValueError, match="is in a and b"):
+        merge_results([a, _run(short, methods, [("niah", 1024)], 1040)], ["a", "b"])
 
 
 def test_resume_keeps_only_finished_groups_of_the_same_settings(tmp_path):

@@ -321,12 +321,13 @@ def _xla_ops(text):
 
 
 @pytest.mark.parametrize("b,n,k,tun,calls", [
-    (64, 262144, 2048, {}, 2), (64, 262144, 2048, dict(threshold_kernel=True), 3),
-    (64, 131072, 2048, {}, 2), (64, 32768, 512, {}, 2), (8, 36864, 512, {}, 2)])
+    (64, 262144, 2048, {}, 3), (64, 262144, 2048, dict(threshold_kernel=False), 2),
+    (64, 131072, 2048, {}, 3), (64, 32768, 512, {}, 2), (8, 36864, 512, {}, 3)])
 def test_fused_lowers_to_few_launches(b, n, k, tun, calls):
     """Lowered for CUDA: the Triton calls and nothing else for XLA to run (no sort, fusion,
     loop, conditional or host transfer; a reshape of the lengths is a bitcast), while the
-    default "triton" path has 5 Triton calls and XLA work between them."""
+    "triton" path has 5 Triton calls and XLA work between them. By default a row of more than
+    two select programs (N > 32768) gets the separate threshold launch (three calls)."""
     specs = (jax.ShapeDtypeStruct((b, n), jnp.float32), jax.ShapeDtypeStruct((b,), jnp.int32))
     text = common.lower_for_cuda(functools.partial(fused.topk_fused, k=k, **tun), *specs)
     assert text.count(common.TRITON_CALL_TARGET) == calls
@@ -339,8 +340,8 @@ def test_fused_lowers_to_few_launches(b, n, k, tun, calls):
 
 
 def test_fused_api_has_no_device_predicate_control_flow():
-    """Through api.topk: no while / cond in the jaxpr outside the kernels, two Triton calls,
-    no host callback; a k too large for the register finish runs "triton" instead."""
+    """Through api.topk: no while / cond in the jaxpr outside the kernels, three Triton calls
+    at N = 262144 (threshold, select, finish), no host callback; a k too large for the register finish runs "triton" instead."""
     from test_kernel_topk_nosync import _control_flow_prims
 
     fn = functools.partial(topk, k=2048, implementation="triton_fused")
@@ -350,7 +351,7 @@ def test_fused_api_has_no_device_predicate_control_flow():
         jaxpr = jax.make_jaxpr(fn)(*specs)
     assert _control_flow_prims(jaxpr.jaxpr, []) == []
     text = common.lower_for_cuda(fn, *specs)
-    assert text.count(common.TRITON_CALL_TARGET) == 2 and "callback" not in text
+    assert text.count(common.TRITON_CALL_TARGET) == 3 and "callback" not in text
     big = functools.partial(topk, k=9000, implementation="triton_fused")
     specs = (jax.ShapeDtypeStruct((2, 65536), jnp.float32), jax.ShapeDtypeStruct((2,), jnp.int32))
     assert not fused.fits(65536, 9000)

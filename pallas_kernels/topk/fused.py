@@ -104,10 +104,13 @@ def fits(n: int, k: int) -> bool:
 def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 4096, sample: int = 4096,
                  window: int = 8, floor_bits: int = 20, digit_bits: int = 4,
                  fallback_chunk: int = 1024, select_warps: int = 8, finish_warps: int = 8,
-                 threshold_kernel: bool = False, interpret: bool | None = None) -> FusedConfig:
-    """Tunables fitted to rows of N (call outside jit when interpret is None). Defaults, not
-    yet timed on a GPU: 16 programs a row at N = 262144 (each redoes the row's sample search,
-    floor_bits bit steps over S keys, so fewer, longer programs); floor_bits = 20 leaves t
+                 threshold_kernel: bool | None = None,
+                 interpret: bool | None = None) -> FusedConfig:
+    """Tunables fitted to rows of N (call outside jit when interpret is None). threshold_kernel
+    None: the separate threshold launch when a row has more than two select programs (H200,
+    B 64, session 12, ms per call in a batch of 8: 262144 / k 2048 0.139 with it vs 0.197
+    without, the 16 programs each redoing the sample search; 32768 / k 512 0.071 vs 0.063;
+    ``benchmarks/topk_launch_gpu.py``). block 16384; floor_bits = 20 leaves t
     within 2^-11 of the sample key (a few more candidates, 12 fewer steps). CR is twice a
     full row's expected candidates (r + 1) * N / S, a power of two in [KP, 16384], at most NP.
     Raises ValueError when KP > 8192 (the finish keeps CR >= 2 KP keys in registers)."""
@@ -134,6 +137,8 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 4096, sampl
     cr = min(tk._next_pow2(math.ceil(2 * expected)), tk.REGISTER_FINISH_MAX, np_)
     if interpret is None:
         interpret = common.interpret()
+    if threshold_kernel is None:
+        threshold_kernel = np_ > 2 * block
     return FusedConfig(k=k, n=n, block=block, chunk=chunk, sample=sample, window=window,
                        floor_bits=int(floor_bits), cr=max(cr, kp), digit_bits=digit_bits,
                        fallback_chunk=min(fallback_chunk, np_), select_warps=select_warps,

@@ -1,0 +1,16 @@
+"""Merge runs of one accuracy study into one table (e.g. lengths run in separate device calls).
+
+python scripts/merge_accuracy.py OUT_DIR RUN1/results.json RUN2/results.json ...
+Writes OUT_DIR/{results.json, table.md, accuracy.png}; refuses runs whose settings (apart
+from the engine's max_len), checkpoint or evaluation seeds differ, or that share a group
+(``experiments.accuracy.merge_results``).
+"""
+
+import sys
+
+from experiments.accuracy import write_merged
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3:
+        sys.exit(__doc__)
+    print(write_merged(sys.argv[2:], sys.argv[1])["table"])
