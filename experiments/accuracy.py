@@ -11,7 +11,8 @@ Methods: "dense" (no sparsity: CSA layers attend to every eligible entry), "resi
 "leansparse_C<n>_w<s>_B<b>": the miss filter starts after s decode steps, a key cache of b
 rows; LeanSparseConfig.warm_steps and key_cache_rows, default b = C; a "_seed" suffix seeds the
 key caches at admission from the final prefill chunk's selections, README "Cold start"; a
-"_fp8" suffix scores the coarse pass in FP8, LeanSparseConfig.coarse_precision) and
+"_fp8" suffix scores the coarse pass in FP8, LeanSparseConfig.coarse_precision; "_pq<d>" codes
+d dims per PQ subvector, LeanSparseConfig.pq_subspace_dim, default 4) and
 "direct_pq" (leansparse with C = k and no miss filter: the PQ coarse top-k, which exact scores
 only order and against which the not-yet-paged tail competes). Every method shares one
 prefill per example (prefill is the same computation for all of them) and decodes greedily.
@@ -65,7 +66,7 @@ from lsparse_jax.training.data import TRAIN_SEED_BASE, task_example
 CALIBRATION_SEED = TRAIN_SEED_BASE - 1
 # leansparse_C<C>[_w<warm steps>][_B<key-cache rows>] (defaults: LeanSparseConfig's warm_steps,
 # key_cache_rows = C)
-_LEAN = re.compile(r"leansparse_C(\d+)(?:_w(\d+))?(?:_B(\d+))?(_seed)?(_fp8)?$")
+_LEAN = re.compile(r"leansparse_C(\d+)(?:_w(\d+))?(?:_B(\d+))?(_seed)?(_fp8)?(?:_pq(\d+))?$")
 FIXED_METHODS = ("dense", "resident", "hisparse", "direct_pq")
 TASKS = ("niah", "mrcr")
 IMPLEMENTATIONS = ("xla", "triton", "jax_triton", "mosaic", None)
@@ -97,13 +98,17 @@ def parse_method(name: str, top_k: int, miss_filter_offset: float | None) -> Met
         if rows < c:
             raise ValueError(f"accuracy: method {name!r} has key-cache rows {rows} < C={c}")
         precision = "fp8" if match.group(5) else LeanSparseConfig.coarse_precision
+        sub = LeanSparseConfig.pq_subspace_dim if match.group(6) is None else int(match.group(6))
+        if sub < 1:
+            raise ValueError(f"accuracy: method {name!r} has pq_subspace_dim {sub} < 1")
         return Method(name, "leansparse", LeanSparseConfig(c, miss_filter_offset, rows,
+                                                           pq_subspace_dim=sub,
                                                            warm_steps=warm,
                                                            coarse_precision=precision),
                       seed=match.group(4) is not None)
     raise ValueError(f"accuracy: unknown method {name!r}; methods: dense, resident, hisparse, "
                      "direct_pq, leansparse_C<candidates>[_w<warm steps>][_B<key-cache rows>]"
-                     "[_seed][_fp8]")
+                     "[_seed][_fp8][_pq<d>]")
 
 
 def check_settings(model, checkpoint, tasks, lengths, examples, methods, num_slots,

@@ -217,15 +217,17 @@ def test_controller_warmup_without_writeback_compiles_none(monkeypatch):
 
 
 def test_method_names_parse_to_their_settings():
-    """leansparse_C<C>[_w][_B][_seed][_fp8]: each part sets its LeanSparseConfig field."""
-    full = parse_method("leansparse_C64_w2_B128_seed_fp8", top_k=16, miss_filter_offset=1.0)
+    """leansparse_C<C>[_w][_B][_seed][_fp8][_pq]: each part sets its LeanSparseConfig field."""
+    full = parse_method("leansparse_C64_w2_B128_seed_fp8_pq2", top_k=16, miss_filter_offset=1.0)
     assert (full.engine_method, full.seed) == ("leansparse", True)
     lean = full.lean
-    assert (lean.num_candidates, lean.warm_steps, lean.key_cache_rows,
-            lean.coarse_precision, lean.miss_filter_offset) == (64, 2, 128, "fp8", 1.0)
+    assert (lean.num_candidates, lean.warm_steps, lean.key_cache_rows, lean.coarse_precision,
+            lean.miss_filter_offset, lean.pq_subspace_dim) == (64, 2, 128, "fp8", 1.0, 2)
     plain = parse_method("leansparse_C64", top_k=16, miss_filter_offset=None)
-    assert (plain.seed, plain.lean.coarse_precision, plain.lean.key_cache_rows) == (
-        False, "bf16", 64)
+    assert (plain.seed, plain.lean.coarse_precision, plain.lean.key_cache_rows,
+            plain.lean.pq_subspace_dim) == (False, "bf16", 64, 4)
+    with pytest.raises(ValueError, match="pq_subspace_dim 0"):
+        parse_method("leansparse_C64_pq0", top_k=16, miss_filter_offset=None)
     with pytest.raises(ValueError, match="unknown method"):
         parse_method("leansparse_C64_fp16", top_k=16, miss_filter_offset=None)
 

@@ -341,7 +341,8 @@ def test_fused_lowers_to_few_launches(b, n, k, tun, calls):
 
 def test_fused_api_has_no_device_predicate_control_flow():
     """Through api.topk: no while / cond in the jaxpr outside the kernels, three Triton calls
-    at N = 262144 (threshold, select, finish), no host callback; a k too large for the register finish runs "triton" instead."""
+    at N = 262144 (threshold, select, finish), no host callback; a k too large for the
+    register finish runs "triton" instead."""
     from test_kernel_topk_nosync import _control_flow_prims
 
     fn = functools.partial(topk, k=2048, implementation="triton_fused")
