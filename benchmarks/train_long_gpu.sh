@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Issue 17 on one H200, in device calls of < 9 minutes each:
 #   STEP=train     configs/experiments/train_long.gin (checkpoints/long continued on the titled
-#                  MRCR format: 1K dense, then 2K -> 16K sparse; ~6 min estimated, not run yet). Stops cleanly after TRAIN_SECONDS (default
+#                  MRCR format: 1K dense, then 2K -> 16K sparse; 297 s on the H200 in session 12, which shipped it). Stops cleanly after TRAIN_SECONDS (default
 #                  420) with its orbax state in runs/train_long/state; the next call resumes
 #                  (same machine: runs/ stays; a fresh machine: carry runs/train_long, unpacked
 #                  from $OUT/train_long_resume.tar). Finished: exports checkpoints/long and copies
 #                  it to $OUT/checkpoints/long.
 #   STEP=accuracy  configs/experiments/accuracy_long.gin on checkpoints/long (issue 17's table: NIAH
-#                  then MRCR, 1K-16K, five methods, 200 examples, one batch of 200 slots per
+#                  then MRCR, 1K-16K, seven methods (five + the _pq2 remedy), 200 examples, one batch of 200 slots per
 #                  cell), writes $OUT/accuracy_long/{results.json, table.md, accuracy.png},
 #                  rewritten after every method of every cell. Resumes: a results.json in
 #                  RESUME (default results/accuracy_long, i.e. the previous call's $OUT files
@@ -74,7 +74,7 @@ case "${STEP:-train}" in
       configs/experiments/accuracy_long.gin --runs "$OUT" \
       "--gin.accuracy.lengths=${LENGTHS:-(1024,2048,4096,8192,16384)}" \
       "--gin.accuracy.tasks=${TASKS:-('niah','mrcr')}" \
-      "--gin.accuracy.methods=${METHODS:-('resident','hisparse','leansparse_C64','leansparse_C128','direct_pq')}" \
+      "--gin.accuracy.methods=${METHODS:-('resident','hisparse','leansparse_C64','leansparse_C128','direct_pq','leansparse_C64_pq2','leansparse_C128_pq2')}" \
       "--gin.accuracy.examples=${EXAMPLES:-200}" "--gin.accuracy.num_slots=${SLOTS:-200}" \
       "--gin.accuracy.seed_offset=${SEED_OFFSET:-1000000}" \
       "--gin.accuracy.max_seconds=${ACC_SECONDS:-430}" ${ACC_EXTRA:-} 2>&1 | tr '\r' '\n' \

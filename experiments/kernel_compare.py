@@ -13,7 +13,8 @@ roofline: max(FLOPs / 790 TFLOP/s (bf16 tensor cores), bytes / 3.0 TB/s (HBM), h
 / 48 GB/s (hot_resolve's missed rows over PCIe)). Implementations an op does not have are
 skipped (``SUPPORTED``); the new variants of issue 16: hot_resolve "triton_fused" (control
 in-kernel), index_scores "triton_fp8" (fp8 x fp8) and "xla_top512" / "triton_fp8_top512" (scores
-plus the top-512: XLA, and the fused one-kernel form), topk "triton_oneread", pq_topc
+plus the top-512: XLA, and the fused one-kernel form), topk "triton_oneread" and "triton_fused"
+(two or three launches, ``pallas_kernels/topk/fused.py``), pq_topc
 "jax_triton" (plain Triton, codebook on chip, smem gather) and "jax_triton_shuffle" (its
 warp-shuffle gather lowering), hot_resolve "triton_copy" (XLA control + the copy kernel, what
 "triton" ran before ``api.TRITON_RUNS`` moved to the fused kernel).
@@ -150,7 +151,7 @@ IMPLEMENTATIONS = ("xla", "triton", "jax_triton", "mosaic", "triton_unfused", "t
                    "triton_fp8_split_top512", "jax_triton_shuffle", "triton_copy")
 SUPPORTED = {  # the implementations each op has (others are skipped, not timed)
     "pq_topc": ("xla", "triton", "triton_unfused", "jax_triton", "jax_triton_shuffle"),
-    "topk": ("xla", "triton", "triton_oneread"),
+    "topk": ("xla", "triton", "triton_oneread", "triton_fused"),
     "index_scores": ("xla", "triton", "jax_triton", "triton_fp8", "xla_top512",
                      "triton_fp8_top512", "triton_fp8_split_top512"),
     "sparse_attention": ("xla", "triton", "mosaic"),
