@@ -693,10 +693,10 @@ def merge_results(runs: list[dict], sources: list[str] | None = None) -> dict:
         raise ValueError("merge_results: no runs")
     sources = sources or [f"run {i}" for i in range(len(runs))]
     first = runs[0]
-    records, owner = [], {}
+    ours, records, owner = _comparable(first["settings"]), [], {}
     for src, run in zip(sources, runs):
-        if _comparable(run["settings"]) != _comparable(first["settings"]):
-            theirs, ours = _comparable(run["settings"]), _comparable(first["settings"])
+        theirs = _comparable(run["settings"])
+        if theirs != ours:
             differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
             raise ValueError(f"merge_results: {src} has other settings than {sources[0]} "
                              f"({', '.join(differ)})")
