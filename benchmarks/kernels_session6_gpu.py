@@ -35,7 +35,6 @@ OUT/kernels_session6_gpu.txt).
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import pathlib
@@ -53,6 +52,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 from timing import program_time  # noqa: E402
+from traces import gpu_events  # noqa: E402  (benchmarks/traces.py)
 
 HBM = 3.0e12
 LINK = 48e9
@@ -283,16 +283,6 @@ def cell_topk(small):
 # ---------------------------------------------------------------------------- nosync
 
 
-def gpu_kernels(trace_dir: pathlib.Path):
-    """(name, start_us, dur_us) of every GPU event of the newest Perfetto trace under dir."""
-    f = max(trace_dir.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
-    ev = json.load(gzip.open(f))["traceEvents"]
-    gpu = {e["pid"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"
-           and "GPU" in str(e.get("args", {}).get("name", ""))}
-    return sorted((e["name"], e["ts"], e.get("dur", 0)) for e in ev
-                  if e.get("ph") == "X" and e.get("pid") in gpu)
-
-
 def sync_profile(name, fn, args, calls=8, chained=False):
     """Host dispatch time and the GPU stream of ``calls`` back-to-back calls in one program
     (chained: fn(x) returns the next call's only argument, e.g. hot rows updated in place)."""
@@ -316,7 +306,7 @@ def sync_profile(name, fn, args, calls=8, chained=False):
     trace.mkdir(parents=True, exist_ok=True)
     with jax.profiler.trace(str(trace), create_perfetto_trace=True):
         jax.block_until_ready(program(*args))
-    ev = [e for e in gpu_kernels(trace) if not e[0].startswith("Memset")]
+    ev = [e for e in gpu_events(trace) if not e[0].startswith("Memset")]
     gaps = [b[1] - (a[1] + a[2]) for a, b in zip(ev, ev[1:])]
     d2h = [e[0] for e in ev if "DtoH" in e[0] or "Device -> Host" in e[0]]
     return dict(host_ms=host * 1e3, call_ms=total * 1e3 / calls, kernels=len(ev),

@@ -40,7 +40,6 @@ printed last).
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import pathlib
@@ -56,6 +55,10 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from timing import median_time  # noqa: E402  (benchmarks/timing.py)
+from traces import gpu_events  # noqa: E402  (benchmarks/traces.py)
+
+from pallas_kernels.common import on_gpu  # noqa: E402
 
 SHAPES = [dict(b=64, n=262144, k=2048), dict(b=64, n=131072, k=2048),
           dict(b=64, n=32768, k=512)]
@@ -89,10 +92,6 @@ def variant_fn(name: str, k: int):
                                             floor=f if name == "floor" else None, **tun)[0]
 
 
-def on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
-
-
 def inputs(shape, count, seed=0):
     """count distinct score sets [B, N] f32 (normal), full lengths [B], and floor hints [B]
     for each: the row's ceil(1.125 k)-th score (below its k-th)."""
@@ -108,31 +107,6 @@ def inputs(shape, count, seed=0):
 def sets_equal(pos, want) -> bool:
     pos, want = np.sort(np.asarray(pos), 1), np.sort(np.asarray(want), 1)
     return bool(np.array_equal(pos, want))
-
-
-def time_call(fn, args, repeats, warmup=3):
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)) * 1e3
-
-
-def gpu_events(trace_dir: pathlib.Path):
-    """(name, start_us, dur_us) of the GPU events of the newest Perfetto trace under dir."""
-    found = sorted(list(trace_dir.rglob("*.trace.json.gz")) or trace_dir.rglob("*trace.json.gz"),
-                   key=lambda p: p.stat().st_mtime)
-    if not found:
-        return []
-    data = json.load(gzip.open(found[-1]))
-    ev = data["traceEvents"] if isinstance(data, dict) else data
-    gpu = {e["pid"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"
-           and "GPU" in str(e.get("args", {}).get("name", ""))}
-    return sorted(((e["name"], e["ts"], e.get("dur", 0)) for e in ev
-                   if e.get("ph") == "X" and e.get("pid") in gpu), key=lambda e: e[1])
 
 
 def profile(program, args, calls):
@@ -170,10 +144,10 @@ def measure(name, shape, data, repeats, check=True, trace=True):
             fast = fused.fast_rows(scores[0], lengths, k, interpret=not on_gpu(),
                                    floor=floors[0] if name == "floor" else None, **tun)
             row["fast"] = float(np.mean(np.asarray(fast)))
-    row["call_ms"] = time_call(one, (scores[0], lengths, floors[0]), repeats)
+    row["call_ms"] = median_time(one, lambda: (scores[0], lengths, floors[0]), repeats) * 1e3
     batch = jax.jit(lambda ss, n, ff: [fn(s, n, f) for s, f in zip(ss, ff)])
     args = (tuple(scores[:CALLS]), lengths, tuple(floors[:CALLS]))
-    row["batch_ms"] = time_call(batch, args, max(3, repeats // 2)) / CALLS
+    row["batch_ms"] = median_time(batch, lambda: args, max(3, repeats // 2)) * 1e3 / CALLS
     if trace and on_gpu():
         try:
             row.update(profile(batch, args, CALLS))

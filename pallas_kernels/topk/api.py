@@ -52,7 +52,7 @@ def topk(scores, lengths, k: int, *, implementation: str | None = None):
     min(k, lengths[b]) eligible positions with the highest scores (among equal scores the lower
     positions win), in any order ("xla" gives best-first), then -1; values are aligned (-inf at
     -1). implementation: "xla", "triton" (Pallas lowered through Triton; interpret mode without
-    a GPU), "triton_fused" (fused.py: two launches, the sample floor and the fallback
+    a GPU), "triton_fused" (fused.py: two or three launches, the sample floor and the fallback
     in-kernel; a k too large for its register finish, see ``fused.fits``, runs "triton") or
     None (triton_fused on a GPU, xla elsewhere).
     """

@@ -1,8 +1,8 @@
-"""Exact top-k in two Pallas-Triton launches (``topk(..., implementation="triton_fused")``).
+"""Exact top-k in 2-3 Pallas-Triton launches (``topk(..., implementation="triton_fused")``).
 
 The one-read path of ``triton.py`` with its XLA glue moved into the kernels, so that one call
-is a fixed sequence of two launches (no XLA sort, fusion, loop or cond between them; the host
-never waits on a device value):
+is a fixed sequence of two (or three) launches (no XLA sort, fusion, loop or cond between
+them; the host never waits on a device value):
 
   1. select, grid (B, nblk), >= 2 programs per row when N > BLOCK: each program computes its
      row's floor t from a sample of the row (every program of the row the same t, redundantly:
@@ -16,7 +16,8 @@ never waits on a device value):
      then one take pass in position order. Exact either way; the fallback only costs time.
 
 ``threshold_kernel=True`` computes t in its own grid (B,) launch before step 1 instead (three
-launches, no redundant sample work), to compare on the GPU.
+launches, no redundant sample work); the default past two select programs a row
+(``fused_config``).
 
 Notation:
   B rows, N positions, L = clip(lengths[b], 0, N) eligible positions (n < L), m = min(k, L),
@@ -184,7 +185,7 @@ def _segment(j, length, cfg: FusedConfig):
     seg = jnp.minimum(cfg.cr // nlive, cfg.block)
     start = j * seg
     end = jnp.where(j == nlive - 1, cfg.cr, jnp.where(j < nlive, start + seg, start))
-    return start, end, nlive, seg
+    return start, end
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -218,7 +219,7 @@ def _select_kernel(len_ref, t_src_ref, x_ref, pos_ref, val_ref, cnt_ref, *, cfg:
         t = jnp.maximum(jnp.max(tk.order_keys(hint)), KEY_NEG_INF)
     else:
         t = t_src_ref[0]
-    start, end, _, _ = _segment(j, length, cfg)
+    start, end = _segment(j, length, cfg)
     live = jnp.clip(length - j * cfg.block, 0, cfg.block)
     lane = lax.broadcasted_iota(jnp.int32, (ch,), 0)
 
@@ -265,7 +266,7 @@ def _finish_kernel(len_ref, cnt_ref, cpos_ref, cval_ref, row_ref, pos_ref, val_r
     blocks = lax.broadcasted_iota(jnp.int32, (nbp,), 0)
     counts = jnp.where(blocks < cfg.nblk, cnt_ref[:, 0], 0)  # [NBP]
     t = cnt_ref[0, 1]
-    start, end, _, _ = _segment(blocks, length, cfg)
+    start, end = _segment(blocks, length, cfg)
     over = jnp.sum((counts > end - start).astype(jnp.int32))
     total = jnp.sum(counts)
     ok = (total >= m) & (over == 0)
@@ -351,7 +352,7 @@ def _params(cfg: FusedConfig, warps: int) -> dict:
 
 def topk_fused(scores, lengths, k: int, *, floor=None, interpret: bool | None = None,
                **tunables):
-    """Exact top-k in two launches: scores [B, N] f32, lengths [B] int, k >= 1 ->
+    """Exact top-k in two or three launches: scores [B, N] f32, lengths [B] int, k >= 1 ->
     (positions [B, k] int32, values [B, k] f32) as ``topk_triton`` (the set of the min(k, L)
     best eligible positions, ties to the lower position, in no particular order, then -1 /
     -inf). floor [B] f32 (optional): per-row floor hints replacing the sample (e.g. the
@@ -435,5 +436,5 @@ def _fast_rows(scores, lengths, floor=None, *, cfg: FusedConfig):
     lens = lengths.astype(jnp.int32).reshape(-1, 1)
     cnt = select_call(scores.astype(jnp.float32), lens, floor, cfg)[2][:, :cfg.nblk, 0]
     length = jnp.clip(lens, 0, cfg.n)
-    start, end, _, _ = _segment(jnp.arange(cfg.nblk, dtype=jnp.int32)[None], length, cfg)
+    start, end = _segment(jnp.arange(cfg.nblk, dtype=jnp.int32)[None], length, cfg)
     return (jnp.sum(cnt, 1) >= jnp.minimum(length[:, 0], cfg.k)) & jnp.all(cnt <= end - start, 1)
