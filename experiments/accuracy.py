@@ -189,6 +189,36 @@ def mcnemar(a: np.ndarray, b: np.ndarray) -> dict:
     return {"a_only": n01, "b_only": n10, "p": min(1.0, 2 * tail)}
 
 
+def paired_difference(ref: np.ndarray, other: np.ndarray, z: float = Z95) -> dict:
+    """Difference of two paired proportions, other - ref, with Newcombe's hybrid score interval
+    for paired data (Newcombe 1998, method 10): the interval the study uses to say how close a
+    method is to resident on the same examples.
+
+    Notation: n pairs; a = both right, b = ref only, c = other only, d = both wrong;
+      p1 = (a + c) / n (other), p2 = (a + b) / n (ref), theta = p1 - p2 = (c - b) / n;
+      [l_i, u_i] the Wilson intervals of p_i; phi = (a d - b c) / sqrt((a+b)(c+d)(a+c)(b+d)),
+      0 when a margin is empty.
+    Math: delta = sqrt((p1 - l1)^2 - 2 phi (p1 - l1)(u2 - p2) + (u2 - p2)^2),
+      eps = sqrt((u1 - p1)^2 - 2 phi (u1 - p1)(p2 - l2) + (p2 - l2)^2),
+      interval = [theta - delta, theta + eps].
+    """
+    x, y = np.asarray(ref, bool), np.asarray(other, bool)
+    if x.shape != y.shape or x.size == 0:
+        raise ValueError(f"paired_difference: need equal, non-empty outcome vectors, got "
+                         f"{x.shape} and {y.shape}")
+    n = x.size
+    a, b = int(np.sum(x & y)), int(np.sum(x & ~y))
+    c, d = int(np.sum(~x & y)), int(np.sum(~x & ~y))
+    p1, p2 = (a + c) / n, (a + b) / n
+    (l1, u1), (l2, u2) = wilson(a + c, n, z), wilson(a + b, n, z)
+    margins = (a + b) * (c + d) * (a + c) * (b + d)
+    phi = (a * d - b * c) / math.sqrt(margins) if margins else 0.0
+    delta = math.sqrt(max(0.0, (p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2))
+    eps = math.sqrt(max(0.0, (u1 - p1) ** 2 - 2 * phi * (u1 - p1) * (p2 - l2) + (p2 - l2) ** 2))
+    theta = p1 - p2
+    return {"diff": theta, "diff_low": theta - delta, "diff_high": theta + eps}
+
+
 def dense_decode(params, cfg, caches, last, start: int, steps: int) -> list[int]:
     """Greedy decoding with dense CSA attention from prefilled caches."""
     tok = int(jnp.argmax(last))
@@ -563,11 +593,23 @@ def save(name, cfg, checkpoint, examples, records, methods, cells, complete: boo
 
 def cell_records(summary, methods, cells) -> list[dict]:
     """One record per (task, length, method) that holds examples: exact, n, ci_low, ci_high,
-    similarity, recall."""
-    return [{"task": t, "length": n, "method": m,
-             **{k: summary[f"{t}@{n}"][m][k] for k in ("exact", "n", "ci_low", "ci_high",
-                                                      "similarity", "recall")}}
-            for t, n in cells for m in methods if summary[f"{t}@{n}"][m]["n"]]
+    similarity, recall; beside resident also diff_vs_resident (exact - resident's on the same
+    examples) with its paired 95% interval."""
+    out = []
+    for t, n in cells:
+        for m in methods:
+            c = summary[f"{t}@{n}"][m]
+            if not c["n"]:
+                continue
+            rec = {"task": t, "length": n, "method": m,
+                   **{k: c[k] for k in ("exact", "n", "ci_low", "ci_high", "similarity",
+                                        "recall")}}
+            if "diff_vs_resident" in c:
+                d = c["diff_vs_resident"]
+                rec.update(diff_vs_resident=d["diff"], diff_low=d["diff_low"],
+                           diff_high=d["diff_high"])
+            out.append(rec)
+    return out
 
 
 def paired(a: list[dict], b: list[dict]) -> tuple[list[float], list[float]]:
@@ -580,7 +622,8 @@ def paired(a: list[dict], b: list[dict]) -> tuple[list[float], list[float]]:
 def pair_records(records, methods, cells) -> list[dict]:
     """One record per (task, length, method a, method b), a before b in ``methods``, both
     holding examples: the exact McNemar test of their outcomes on the same examples (a_only: a
-    right and b wrong; n: the examples both hold)."""
+    right and b wrong; n: the examples both hold) and the difference b - a with its paired
+    95% interval (diff, diff_low, diff_high)."""
     groups, out = grouped(records), []
     for t, n in cells:
         for i, a in enumerate(methods):
@@ -588,13 +631,14 @@ def pair_records(records, methods, cells) -> list[dict]:
                 x, y = paired(groups.get((t, n, a), []), groups.get((t, n, b), []))
                 if x:
                     out.append({"task": t, "length": n, "a": a, "b": b, "n": len(x),
-                                **mcnemar(x, y)})
+                                **mcnemar(x, y), **paired_difference(x, y)})
     return out
 
 
 def summarize(records, methods, cells) -> dict:
     """Per cell and method: exact-match accuracy with its Wilson 95% interval, similarity,
-    recall (n = 0: not run); McNemar vs resident (and vs dense) per cell."""
+    recall (n = 0: not run); McNemar and the paired difference (method - reference, Newcombe's
+    interval) vs resident (and vs dense) per cell."""
     groups, out = grouped(records), {}
     for task, length in cells:
         mine = {m: groups.get((task, length, m), []) for m in methods}
@@ -609,7 +653,9 @@ def summarize(records, methods, cells) -> dict:
                        "recall": float(np.mean(rec)) if rec else None, "n": len(rs)}
             for ref in ("resident", "dense"):
                 if ref in mine and m != ref and rs and mine[ref]:
-                    cell[m][f"mcnemar_vs_{ref}"] = mcnemar(*paired(rs, mine[ref]))
+                    x, y = paired(rs, mine[ref])
+                    cell[m][f"mcnemar_vs_{ref}"] = mcnemar(x, y)
+                    cell[m][f"diff_vs_{ref}"] = paired_difference(y, x)
         out[f"{task}@{length}"] = cell
     return out
 
@@ -640,7 +686,27 @@ def format_table(summary, methods, cells) -> str:
     lines.append("Cells: exact-match % [Wilson 95% interval] (MRCR: / mean similarity), (r: "
                  "indexer recall of resident's top-k under teacher forcing); * = McNemar p < "
                  "0.05 vs resident; - = not run.")
-    return "\n".join(lines)
+    diffs = format_differences(summary, methods, cells)
+    return "\n".join(lines) + ("\n\n" + diffs if diffs else "")
+
+
+def format_differences(summary, methods, cells) -> str:
+    """Markdown: per method and cell, exact match minus resident's on the same examples, in
+    points, with Newcombe's paired 95% interval ("" when no cell has both)."""
+    rows = []
+    for m in methods:
+        diffs = [summary[f"{t}@{n}"][m].get("diff_vs_resident") for t, n in cells]
+        if m != "resident" and any(diffs):
+            rows.append(f"| {m} - resident | " + " | ".join(
+                "-" if d is None else f"{100 * d['diff']:+.1f} [{100 * d['diff_low']:+.1f}, "
+                f"{100 * d['diff_high']:+.1f}]" for d in diffs) + " |")
+    if not rows:
+        return ""
+    head = "| difference | " + " | ".join(f"{t} {n // 1024}K" if n % 1024 == 0 else f"{t} {n}"
+                                            for t, n in cells) + " |"
+    return "\n".join([head, "|" + "---|" * (len(cells) + 1), *rows, "",
+                      "Cells: exact match minus resident's on the same examples, points "
+                      "[Newcombe's paired 95% interval]."])
 
 
 def plot(summary, methods, tasks, lengths, path):
@@ -682,6 +748,14 @@ def _comparable(settings: dict) -> dict:
     return out
 
 
+def _provenance(source: str, run: dict) -> list[dict]:
+    """Where a run's records came from: the run itself, or the runs an earlier merge names."""
+    if "merged_from" in run:
+        return [{**entry, "via": source} for entry in run["merged_from"]]
+    return [{"source": source, "lengths": sorted({g[1] for g in grouped(run["records"])}),
+             "max_len": run["settings"]["model"].get("max_len")}]
+
+
 def merge_results(runs: list[dict], sources: list[str] | None = None) -> dict:
     """One study from several runs of it (e.g. 1K-8K in one call, 16K in another): ``runs``
     are results.json dicts with the same settings apart from ``MERGEABLE`` (same checkpoint
@@ -719,9 +793,7 @@ def merge_results(runs: list[dict], sources: list[str] | None = None) -> dict:
                                       "examples_per_cell", "evaluation_seeds",
                                       "training_seeds", "settings")},
             "complete": complete,
-            "merged_from": [{"source": s, "lengths": sorted({g[1] for g in grouped(r["records"])}),
-                             "max_len": r["settings"]["model"].get("max_len")}
-                            for s, r in zip(sources, runs)],
+            "merged_from": [entry for s, r in zip(sources, runs) for entry in _provenance(s, r)],
             "cells": cell_records(summary, methods, cells),
             "mcnemar": pair_records(records, methods, cells), "summary": summary,
             "table": table, "records": records}

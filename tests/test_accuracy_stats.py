@@ -1,5 +1,6 @@
 """The accuracy study's statistics and seed ranges (issue 17): Wilson intervals and exact
-McNemar tests against hand-computed values; evaluation seeds disjoint from training seeds by
+McNemar tests against hand-computed values; the paired difference interval against its
+identities and its coverage; evaluation seeds disjoint from training seeds by
 construction; partial tables and the resume of finished groups."""
 
 import json
@@ -14,6 +15,7 @@ from experiments.accuracy import (
     format_table,
     mcnemar,
     merge_results,
+    paired_difference,
     pair_records,
     parse_method,
     resumed_records,
@@ -61,6 +63,53 @@ def test_mcnemar_hand_values(a_only, b_only, p):
     assert got["p"] == pytest.approx(p)
 
 
+def _pairs(a, b, c, d):
+    """Outcome vectors (ref, other) with a both right, b ref only, c other only, d neither."""
+    ref = np.array([1] * a + [1] * b + [0] * c + [0] * d, bool)
+    other = np.array([1] * a + [0] * b + [1] * c + [0] * d, bool)
+    return ref, other
+
+
+def test_paired_difference_identities():
+    # identical outcomes: theta = 0, phi = 1, so the half-widths are |(p - l) - (u - p)|
+    ref, other = _pairs(198, 0, 0, 2)
+    lo, hi = wilson(198, 200)
+    half = abs((0.99 - lo) - (hi - 0.99))
+    got = paired_difference(ref, other)
+    assert got["diff"] == 0.0
+    assert (got["diff_low"], got["diff_high"]) == pytest.approx((-half, half), abs=1e-12)
+    # an empty margin (ref always right): phi = 0, Newcombe's unpaired hybrid score interval
+    ref, other = _pairs(190, 10, 0, 0)
+    (l1, u1), (l2, u2) = wilson(190, 200), wilson(200, 200)
+    got = paired_difference(ref, other)
+    assert got["diff"] == pytest.approx(-0.05)
+    assert got["diff_low"] == pytest.approx(-0.05 - np.hypot(0.95 - l1, u2 - 1.0))
+    assert got["diff_high"] == pytest.approx(-0.05 + np.hypot(u1 - 0.95, 1.0 - l2))
+    # swapping the two methods negates the interval
+    ref, other = _pairs(150, 12, 5, 33)
+    fwd, back = paired_difference(ref, other), paired_difference(other, ref)
+    assert fwd["diff"] == pytest.approx(-7 / 200)
+    assert (back["diff"], back["diff_low"], back["diff_high"]) == pytest.approx(
+        (-fwd["diff"], -fwd["diff_high"], -fwd["diff_low"]))
+    assert fwd["diff_low"] < fwd["diff"] < fwd["diff_high"]
+    with pytest.raises(ValueError, match="paired_difference"):
+        paired_difference(np.ones(3, bool), np.ones(4, bool))
+
+
+@pytest.mark.parametrize("cells", [(0.90, 0.03, 0.01, 0.06), (0.97, 0.02, 0.0, 0.01)])
+def test_paired_difference_coverage(cells):
+    """Draws of 200 correlated pairs from a known table: the 95% interval holds the true
+    difference in 93-98% of 2000 draws (Newcombe's method is near-nominal, a little
+    conservative near the boundary)."""
+    rng = np.random.default_rng(0)
+    truth = cells[2] - cells[1]
+    hits = 0
+    for counts in rng.multinomial(200, cells, size=2000):
+        got = paired_difference(*_pairs(*counts))
+        hits += got["diff_low"] <= truth <= got["diff_high"]
+    assert 0.93 <= hits / 2000 <= 0.98
+
+
 def test_evaluation_seeds_are_disjoint_from_training_by_construction(monkeypatch):
     seeds = evaluation_seeds(1_000_000, 200)
     assert list(seeds) == list(range(1_000_000, 1_000_200))
@@ -101,6 +150,10 @@ def test_cell_and_pair_records():
     (pair,) = pair_records(rows, methods, cells)
     assert (pair["a"], pair["b"], pair["a_only"], pair["b_only"]) == ("resident", "lean", 3, 0)
     assert pair["p"] == pytest.approx(2 / 8)
+    assert pair["diff"] == pytest.approx(-0.3) == recs["lean"]["diff_vs_resident"]
+    assert (pair["diff_low"], pair["diff_high"]) == pytest.approx(
+        (recs["lean"]["diff_low"], recs["lean"]["diff_high"]))
+    assert "diff_vs_resident" not in recs["resident"]
 
 
 def _rows(method, seeds, exact, task="niah", length=1024):
@@ -154,6 +207,12 @@ def test_merged_runs_equal_one_run_of_all_cells():
     assert merged["table"] == format_table(whole, methods, cells)
     assert [(m["source"], m["lengths"], m["max_len"]) for m in merged["merged_from"]] == \
         [("a", [1024], 1040), ("b", [2048], 2064)]
+    # a merged study merged again keeps its sources' provenance
+    c = _run(_rows("resident", seeds, [1, 1, 1, 1], task="mrcr"), ("resident",),
+             [("mrcr", 1024)], 1040)
+    again = merge_results([merged, c], ["ab", "c"])
+    assert [(m["source"], m.get("via")) for m in again["merged_from"]] == \
+        [("a", "ab"), ("b", "ab"), ("c", None)]
     with pytest.raises(ValueError, match="other settings than a .num_slots"):
         merge_results([a, _run(long, methods, [("niah", 2048)], 2064, num_slots=8)], ["a", "b"])
     with pytest.raises(ValueError, match="seeds"):
