@@ -11,6 +11,14 @@ from flax import struct
 from lsparse_jax.memory.host_pool import byte_view, from_byte_view, write_host_page
 
 
+@jax.jit
+def clear_table_row(table, slot):
+    """A page table [S, P] with row ``slot`` unmapped (-1). Jitted on the table alone: a jit
+    that took the whole tier (its host pools included) and returned it would copy every pool
+    on each call, since jit does not hand an input back as an output without donation."""
+    return table.at[slot].set(-1)
+
+
 def page_out(pool, rows, pages, count, page: int, start=0):
     """Writes rows[j*P:(j+1)*P] to host page pages[j] for start <= j < count (pytrees of
     rows/pools; pages before ``start`` already hold their rows, e.g. a reused prefix's);

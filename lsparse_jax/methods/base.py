@@ -39,7 +39,7 @@ from lsparse_jax.memory.device_pool import (
     page_in,
     write_completed_tails,
 )
-from lsparse_jax.memory.paging import CompletedPages
+from lsparse_jax.memory.paging import CompletedPages, clear_table_row
 from lsparse_jax.model import store
 from lsparse_jax.model.cache import (
     CSACache,
@@ -431,10 +431,9 @@ def insert(state, slot, caches: tuple[LayerCache, ...], length):
     return state.replace(caches=new, lengths=state.lengths.at[slot].set(length))
 
 
-@jax.jit
 def _clear_device_pages(tier, slot):
     pools = tier.pools
-    return tier.replace(pools=pools.replace(page_table=pools.page_table.at[slot].set(-1)))
+    return tier.replace(pools=pools.replace(page_table=clear_table_row(pools.page_table, slot)))
 
 
 @functools.partial(jax.jit, static_argnames=("method",), donate_argnames=("state",))

@@ -30,7 +30,7 @@ from lsparse_jax.config import EngineConfig, Storage, invalid
 from lsparse_jax.memory.device_pool import DevicePools
 from lsparse_jax.memory.host_pool import CapacityError, PageAllocator, empty_pool
 from lsparse_jax.memory.paged_kv import FollowerKVStore, PagedKVStore, PageView
-from lsparse_jax.memory.paging import CompletedPages, page_out
+from lsparse_jax.memory.paging import CompletedPages, clear_table_row, page_out
 from lsparse_jax.methods.base import Grant, Method, PoolController, register
 from lsparse_jax.model.cache import CSACache
 from lsparse_jax.model.store import DSAStores, KeyIndex
@@ -153,9 +153,8 @@ class HiSparse(Method):
         return PagedController(self)
 
 
-@jax.jit
 def _clear_pages(tier, slot):
-    return tier.replace(page_table=tier.page_table.at[slot].set(-1))
+    return tier.replace(page_table=clear_table_row(tier.page_table, slot))
 
 
 class PagedController(PoolController):
