@@ -751,18 +751,35 @@ def _comparable(settings: dict) -> dict:
 def _provenance(source: str, run: dict) -> list[dict]:
     """Where a run's records came from: the run itself, or the runs an earlier merge names."""
     if "merged_from" in run:
-        return [{**entry, "via": source} for entry in run["merged_from"]]
+        return [{"seeds": run["evaluation_seeds"], **entry, "via": source}
+                for entry in run["merged_from"]]
     return [{"source": source, "lengths": sorted({g[1] for g in grouped(run["records"])}),
+             "seeds": run["evaluation_seeds"],
              "max_len": run["settings"]["model"].get("max_len")}]
 
 
+def _union_range(ranges: list[list[int]], sources: list[str]) -> list[int]:
+    """[start, stop) covering seed ranges that overlap or touch; ValueError at a gap."""
+    spans = sorted(zip(ranges, sources))
+    start, stop = spans[0][0]
+    for (lo, hi), src in spans[1:]:
+        if lo > stop:
+            raise ValueError(f"merge_results: seeds {lo}..{hi - 1} of {src} leave a gap after "
+                             f"{stop - 1}: evaluation seed ranges must form one range")
+        stop = max(stop, hi)
+    return [start, stop]
+
+
 def merge_results(runs: list[dict], sources: list[str] | None = None) -> dict:
-    """One study from several runs of it (e.g. 1K-8K in one call, 16K in another): ``runs``
-    are results.json dicts with the same settings apart from ``MERGEABLE`` (same checkpoint
-    digest, slots, caches, device ...), the same evaluation seeds and no (task, length,
-    method) group in two of them. Returns the merged results dict (cells, McNemar pairs,
-    summary and table recomputed from the union of the records; ``merged_from`` names each
-    source with its lengths and max_len). Raises ValueError otherwise."""
+    """One study from several runs of it (e.g. 1K-8K in one call, 16K in another, or more
+    examples of a cell from the next seed range): ``runs`` are results.json dicts with the
+    same settings apart from ``MERGEABLE`` (same checkpoint digest, slots, caches, device ...)
+    whose evaluation seed ranges together form one contiguous range, and no example (task,
+    length, method, seed) in two of them. Returns the merged results dict (cells, McNemar
+    pairs, summary and table recomputed from the union of the records, pairs matched by
+    seed; ``evaluation_seeds`` the union range, ``examples_per_cell`` its size, a cell's
+    ``n`` what it holds; ``merged_from`` names each source with its lengths, seeds and
+    max_len). Raises ValueError otherwise."""
     if not runs:
         raise ValueError("merge_results: no runs")
     sources = sources or [f"run {i}" for i in range(len(runs))]
@@ -774,14 +791,15 @@ def merge_results(runs: list[dict], sources: list[str] | None = None) -> dict:
             differ = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
             raise ValueError(f"merge_results: {src} has other settings than {sources[0]} "
                              f"({', '.join(differ)})")
-        if run["evaluation_seeds"] != first["evaluation_seeds"]:
-            raise ValueError(f"merge_results: {src} evaluated seeds {run['evaluation_seeds']}, "
-                             f"{sources[0]} {first['evaluation_seeds']}")
-        for group in grouped(run["records"]):
-            if group in owner:
-                raise ValueError(f"merge_results: group {group} is in {owner[group]} and {src}")
-            owner[group] = src
+        for group, rs in grouped(run["records"]).items():
+            for r in rs:
+                if (*group, r["seed"]) in owner:
+                    raise ValueError(f"merge_results: group {group} holds seed {r['seed']} in "
+                                     f"{owner[(*group, r['seed'])]} and {src}")
+                owner[(*group, r["seed"])] = src
         records += run["records"]
+    seeds = _union_range([run["evaluation_seeds"] for run in runs], sources)
+    owner = {key[:3]: src for key, src in owner.items()}
     tasks = [t for t in TASKS if any(g[0] == t for g in owner)]
     lengths = sorted({g[1] for g in owner})
     methods = list(dict.fromkeys(c["method"] for run in runs for c in run["cells"]))
@@ -790,8 +808,8 @@ def merge_results(runs: list[dict], sources: list[str] | None = None) -> dict:
     table = format_table(summary, methods, cells)
     complete = all(r["complete"] for r in runs)
     return {**{k: first[k] for k in ("model", "checkpoint", "device", "jax",
-                                      "examples_per_cell", "evaluation_seeds",
                                       "training_seeds", "settings")},
+            "examples_per_cell": seeds[1] - seeds[0], "evaluation_seeds": seeds,
             "complete": complete,
             "merged_from": [entry for s, r in zip(sources, runs) for entry in _provenance(s, r)],
             "cells": cell_records(summary, methods, cells),

@@ -1,6 +1,7 @@
 """Merge runs of one accuracy study into one table (e.g. lengths run in separate device calls).
 
 python scripts/merge_accuracy.py OUT_DIR RUN1/results.json RUN2/results.json ...
+(runs of other lengths or methods, or of the next seed range: more examples of a cell)
 Writes OUT_DIR/{results.json, table.md, accuracy.png}; refuses runs whose settings (apart
 from the engine's max_len), checkpoint or evaluation seeds differ, or that share a group
 (``experiments.accuracy.merge_results``).

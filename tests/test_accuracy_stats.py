@@ -215,10 +215,36 @@ def test_merged_runs_equal_one_run_of_all_cells():
         [("a", "ab"), ("b", "ab"), ("c", None)]
     with pytest.raises(ValueError, match="other settings than a .num_slots"):
         merge_results([a, _run(long, methods, [("niah", 2048)], 2064, num_slots=8)], ["a", "b"])
-    with pytest.raises(ValueError, match="seeds"):
+    with pytest.raises(ValueError, match="gap"):
         merge_results([a, {**b, "evaluation_seeds": [0, 4]}], ["a", "b"])
-    with pytest.raises(ValueError, match="is in a and b"):
+    with pytest.raises(ValueError, match="holds seed 10 in a and b"):
         merge_results([a, _run(short, methods, [("niah", 1024)], 1040)], ["a", "b"])
+
+
+def test_merge_adds_examples_from_the_next_seed_range():
+    """More examples of a cell from the next seed range (14..17) merge into the cell: n and the
+    statistics are those of all eight examples, pairs matched by seed; a method run on the
+    new range only for some methods keeps its own n."""
+    methods = ("resident", "lean")
+    first = _rows("resident", range(10, 14), [1, 1, 1, 0]) + _rows("lean", range(10, 14),
+                                                                    [1, 0, 1, 0])
+    more = _rows("resident", range(14, 18), [1, 1, 1, 1]) + _rows("lean", range(14, 18),
+                                                                   [1, 1, 0, 1])
+    a = _run(first, methods, [("niah", 1024)], 1040)
+    b = {**_run(more, methods, [("niah", 1024)], 1040), "evaluation_seeds": [14, 18]}
+    merged = merge_results([a, b], ["a", "b"])
+    whole = summarize(first + more, methods, [("niah", 1024)])
+    assert merged["cells"] == cell_records(whole, methods, [("niah", 1024)])
+    assert [c["n"] for c in merged["cells"]] == [8, 8]
+    assert merged["evaluation_seeds"] == [10, 18] and merged["examples_per_cell"] == 8
+    (pair,) = merged["mcnemar"]
+    assert (pair["n"], pair["a_only"], pair["b_only"]) == (8, 2, 0)
+    assert [m["seeds"] for m in merged["merged_from"]] == [[10, 14], [14, 18]]
+    # only resident got the new range: lean keeps 4 examples, the pair its 4 common ones
+    part = merge_results([a, {**_run(more[:4], ("resident",), [("niah", 1024)], 1040),
+                              "evaluation_seeds": [14, 18]}], ["a", "b"])
+    assert {c["method"]: c["n"] for c in part["cells"]} == {"resident": 8, "lean": 4}
+    assert part["mcnemar"][0]["n"] == 4
 
 
 def test_resume_keeps_only_finished_groups_of_the_same_settings(tmp_path):
