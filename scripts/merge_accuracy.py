@@ -3,8 +3,8 @@
 python scripts/merge_accuracy.py OUT_DIR RUN1/results.json RUN2/results.json ...
 (runs of other lengths or methods, or of the next seed range: more examples of a cell)
 Writes OUT_DIR/{results.json, table.md, accuracy.png}; refuses runs whose settings (apart
-from the engine's max_len), checkpoint or evaluation seeds differ, or that share a group
-(``experiments.accuracy.merge_results``).
+from the engine's max_len) or checkpoint differ, whose seed ranges leave a gap, or that hold
+the same example twice (``experiments.accuracy.merge_results``).
 """
 
 import sys
