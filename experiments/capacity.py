@@ -162,6 +162,10 @@ def capacity(name: str, model=gin.REQUIRED, predict_model=gin.REQUIRED,
             same = {(m, b) for m, b, _ in cells}  # an equal-N cell already timed: reused
             cells += [(m, min(cal_n, max_timed_batch), None) for m in todo_eq
                       if (m, min(cal_n, max_timed_batch)) not in same]
+            # smallest batches first: the calibrated method's N and the other methods at that
+            # N (the paper's "step time at HiSparse's N") before the larger own-N cells, so a
+            # call cut by its time limit keeps the comparison
+            cells.sort(key=lambda cell: cell[1])
             for m, batch, rec in cells:
                 try:
                     got = decode_cell(cfg, params, books, pre, prompt, m, batch, steps,

@@ -72,3 +72,26 @@ def test_replay_summary_follows_the_papers_definitions():
     assert s["session_p50_s"] == pytest.approx(((8.0 - 3.0) + (4.2 - 2.5)) / 2)
     assert s["output_tokens"] == 3 + 5 + 2 + 1
     assert s["throughput_tok_s"] == pytest.approx(11 / (8.0 - 2.5))
+
+
+def test_capacity_times_the_equal_n_cells_before_larger_batches(monkeypatch, tmp_path):
+    """With the model runs stubbed out, the timed cells run in ascending batch order: the
+    calibrated method at its N and the others at that N before each method's own larger N;
+    the records and equal-N records carry what the stub measured."""
+    import experiments.capacity as cap
+
+    calls = []
+
+    def fake_decode(cfg, params, books, pre, prompt, method, batch, *args, **kw):
+        calls.append((method, batch))
+        return {"step_ms": float(batch), "reuse": 0.0}
+
+    monkeypatch.setattr(cap, "_prefill", lambda *a, **k: (None, None, None, None, None))
+    monkeypatch.setattr(cap, "decode_cell", fake_decode)
+    monkeypatch.setattr(cap, "run_dir", lambda name: tmp_path)
+    lean = LeanSparseConfig(num_candidates=2048, key_cache_rows=4096)
+    records = cap.capacity("t", model=preset("v4_flash"), predict_model="v4_flash",
+                           contexts=(204800,), leansparse=lean, max_timed_batch=512)
+    assert calls == [("hisparse", 76), ("leansparse", 76), ("leansparse", 164)]
+    own = {r["method"]: (r["timed_batch"], r["step_ms"]) for r in records}
+    assert own == {"hisparse": (76, 76.0), "leansparse": (164, 164.0)}
