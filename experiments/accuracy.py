@@ -799,9 +799,9 @@ def merge_results(runs: list[dict], sources: list[str] | None = None) -> dict:
                 owner[(*group, r["seed"])] = src
         records += run["records"]
     seeds = _union_range([run["evaluation_seeds"] for run in runs], sources)
-    owner = {key[:3]: src for key, src in owner.items()}
-    tasks = [t for t in TASKS if any(g[0] == t for g in owner)]
-    lengths = sorted({g[1] for g in owner})
+    groups = {key[:3] for key in owner}  # (task, length, method)
+    tasks = [t for t in TASKS if any(g[0] == t for g in groups)]
+    lengths = sorted({g[1] for g in groups})
     methods = list(dict.fromkeys(c["method"] for run in runs for c in run["cells"]))
     cells = [(t, n) for t in tasks for n in lengths]
     summary = summarize(records, methods, cells)
