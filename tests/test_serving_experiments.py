@@ -1,6 +1,8 @@
 """The serving experiments' arithmetic (no model runs): capacity's calibrated budget and
 predictions, replay's statistics from request records."""
 
+import json
+
 import pytest
 
 from experiments.capacity import PAPER, engine_for, predict, step_fit
@@ -95,3 +97,5 @@ def test_capacity_times_the_equal_n_cells_before_larger_batches(monkeypatch, tmp
     assert calls == [("hisparse", 76), ("leansparse", 76), ("leansparse", 164)]
     own = {r["method"]: (r["timed_batch"], r["step_ms"]) for r in records}
     assert own == {"hisparse": (76, 76.0), "leansparse": (164, 164.0)}
+    equal = json.loads((tmp_path / "results.json").read_text())["equal_n"]
+    assert [(e["method"], e["batch"], e["step_ms"]) for e in equal] == [("leansparse", 76, 76.0)]
