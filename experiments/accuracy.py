@@ -660,10 +660,14 @@ def summarize(records, methods, cells) -> dict:
     return out
 
 
+def _label(task: str, length: int) -> str:
+    """A table column's name: "niah 8K" (or "niah 1000" off the 1024 grid)."""
+    return f"{task} {length // 1024}K" if length % 1024 == 0 else f"{task} {length}"
+
+
 def format_table(summary, methods, cells) -> str:
     """Markdown: one row per method, one column per cell: exact % (recall); "-" not run."""
-    head = "| method | " + " | ".join(f"{t} {n // 1024}K" if n % 1024 == 0 else f"{t} {n}"
-                                       for t, n in cells) + " |"
+    head = "| method | " + " | ".join(_label(t, n) for t, n in cells) + " |"
     lines = [head, "|" + "---|" * (len(cells) + 1)]
     for m in methods:
         row = []
@@ -702,8 +706,7 @@ def format_differences(summary, methods, cells) -> str:
                 f"{100 * d['diff_high']:+.1f}]" for d in diffs) + " |")
     if not rows:
         return ""
-    head = "| difference | " + " | ".join(f"{t} {n // 1024}K" if n % 1024 == 0 else f"{t} {n}"
-                                            for t, n in cells) + " |"
+    head = "| difference | " + " | ".join(_label(t, n) for t, n in cells) + " |"
     return "\n".join([head, "|" + "---|" * (len(cells) + 1), *rows, "",
                       "Cells: exact match minus resident's on the same examples, points "
                       "[Newcombe's paired 95% interval]."])
