@@ -11,7 +11,8 @@
 #                  context per call, prefill ~30 s / 70 s / ~150 s, the rest admissions
 #                  and decode compiles)
 #   STEP=replay    experiments/replay.py, configs/experiments/replay.gin, METHOD (default
-#                  leansparse; then echo, hisparse: one call each, ~4-6 min)
+#                  leansparse; then echo, hisparse: one call each, ~4-6 min) or METHODS (a gin
+#                  tuple, run in order under one LIMIT; each finished method is kept)
 #   STEP=loadstep  experiments/residency.py, configs/experiments/loadstep.gin: C8 load step,
 #                  resident / hisparse / adaptive at 32K (~4 min)
 #   STEP=session   the three in one call of <= 345 s (timeouts 105 + 110 + 130 s after the wheel
@@ -47,7 +48,7 @@ case "${STEP:-capacity}" in
               "--gin.capacity.time_contexts=${CONTEXTS:-(204800,)}" \
               "--gin.run.name='${RUN_NAME:-capacity}'" "$@" ;;
   replay)   run replay configs/experiments/replay.gin \
-              "--gin.replay.methods=('${METHOD:-leansparse}',)" ;;
+              "--gin.replay.methods=${METHODS:-('${METHOD:-leansparse}',)}" ;;
   loadstep) run loadstep configs/experiments/loadstep.gin ;;
   session)
     echo "== capacity (200K timed at 8 copies)"

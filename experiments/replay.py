@@ -16,8 +16,11 @@ each session's first measured call), session time spans the first measured call'
 the last call's finish, throughput = output tokens of turns >= 1 over that span.
 
 Serving: the scheduler (whole-prompt admission; an admission that does not fit waits) with
-``num_slots`` active requests at most and a device byte budget; with ``prefix_reuse`` a
-session's next call reuses its host-resident prefix (``Engine.detach`` / ``admit(prefix=)``),
+``num_slots`` active requests at most and a device byte budget (``prefill_memory``: an
+admission also needs its prefill's transient bytes free, two layer buffers for LeanSparse's
+layer-streamed prefill, every layer's state for the others: the paper's TTFT mechanism);
+with ``prefix_reuse`` a session's next call reuses its host-resident prefix
+(``Engine.detach`` / ``admit(prefix=)``),
 else it prefills the whole prompt again. Per method: ``leansparse`` streams prefill layer by
 layer (``streamed_prefill``); ``echo`` holds each prefill's whole history in its shared GPU KV
 pool of ``echo_pool_rows`` entries per CSA layer (waits when it is full) and a buffer of
@@ -98,7 +101,8 @@ def replay(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
            session_rate: float = 2.0, tool_wait_s: float = 0.5, num_slots: int = 4,
            device_budget_bytes: int | None = None, prefill_chunk: int = 256,
            hot_cache_rows=None, page_size: int = 16, echo_pool_rows: int = 4096,
-           prefix_reuse: bool = True, leansparse=None, implementation: str | None = "xla",
+           prefix_reuse: bool = True, prefill_memory: bool = False, leansparse=None,
+           implementation: str | None = "xla",
            step_s: float | None = None, prefill_token_s: float = 0.0, seed: int = 0):
     """Replays the same synthetic sessions on each method; returns {method: summary}.
     hot_cache_rows: {method: B} (the paper: LeanSparse 2048, ECHO 512, HiSparse 4096)."""
@@ -130,7 +134,8 @@ def replay(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
         engine.warmup()
         work = MultiTurn(**load, vocab=min(cfg.vocab_size, 256), max_len=cfg.max_len)
         sched = Scheduler(engine, device_budget_bytes, Clock(step_s, prefill_token_s),
-                          workload=work, prefix_reuse=prefix_reuse)
+                          workload=work, prefix_reuse=prefix_reuse,
+                          prefill_memory=prefill_memory)
         with tqdm(total=sessions * calls, desc=f"replay {method}", unit="call") as bar:
             sched.run(bar)
         records = sched.records()
@@ -147,7 +152,8 @@ def replay(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
         _write(out, per_method, cfg, load, dict(
             checkpoint=checkpoint, num_slots=num_slots, device_budget_bytes=device_budget_bytes,
             prefill_chunk=prefill_chunk, echo_pool_rows=echo_pool_rows,
-            prefix_reuse=prefix_reuse, implementation=implementation,
+            prefix_reuse=prefix_reuse, prefill_memory=prefill_memory,
+            implementation=implementation,
             clock="measured wall time" if step_s is None else
             {"step_s": step_s, "prefill_token_s": prefill_token_s}))
         del engine, sched

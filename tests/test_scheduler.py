@@ -90,6 +90,46 @@ def test_device_budget_bounds_admission_and_tokens_equal_alone(resident):
     assert [r.id for r in admitted] == [r.id for r in requests]  # first come, first served
 
 
+def test_prefill_memory_delays_a_monolithic_admission_not_a_streamed_one(resident):
+    """LeanSparse section 3: with the prefill's transient bytes charged (``prefill_memory``),
+    a budget that holds both requests' decode state plus one layer-streamed prefill's two
+    layer buffers admits b beside a when b streams its prefill, and makes b wait
+    ("prefill_memory") while a decodes when b's prefill holds every layer at once. Transients
+    are the accounting's (streamed: the two largest adjacent layers; monolithic: every layer,
+    sized to the prompt); the trace's bytes never exceed the budget; tokens equal alone."""
+    from lsparse_jax.memory.accounting import layer_state_bytes, sized_for
+
+    streamed = make_engine(streamed_prefill=True)
+    rng = np.random.default_rng(11)
+    a, b = [Request(rng.integers(0, 256, 60).astype(np.int32), 6, arrival_time=t, id=i)
+            for i, t in enumerate([0.0, 0.01])]
+    layers = layer_state_bytes(sized_for(resident.config, 60).model)
+    assert resident.prefill_device_bytes(60) == sum(layers)
+    assert streamed.prefill_device_bytes(60) == max(x + y for x, y in zip(layers, layers[1:]))
+    assert streamed.prefill_device_bytes(60) < resident.prefill_device_bytes(60)
+    budget = 2 * resident.request_device_bytes(66) + streamed.prefill_device_bytes(60)
+    out = {}
+    for name, engine in (("monolithic", resident), ("streamed", streamed)):
+        reqs = [fresh(r) for r in (a, b)]
+        sched = serve(engine, reqs, device_budget_bytes=budget, prefill_memory=True,
+                      clock=Clock(step_s=0.01, prefill_token_s=1e-4))
+        assert max(t["device_bytes"] for t in sched.trace) <= budget
+        assert sched.summary()["peak_device_bytes"] <= budget
+        for r in reqs:
+            assert r.tokens == alone(resident, r), (name, r.id)
+        out[name] = sched
+    mono, stream = out["monolithic"], out["streamed"]
+    assert mono.waits_by["prefill_memory"] > 0 and mono.waits_by["device_budget"] == 0
+    assert max(t["active"] for t in mono.trace) == 1  # b only after a finished
+    assert stream.admission_waits == 0 and max(t["active"] for t in stream.trace) == 2
+    with pytest.raises(ValueError, match="set device_budget_bytes"):
+        Scheduler(resident, prefill_memory=True)
+    with pytest.raises(ValueError, match="prefill transient"):
+        alone_fits = resident.request_device_bytes(66) + resident.prefill_device_bytes(60)
+        Scheduler(resident, device_budget_bytes=alone_fits - 1,
+                  prefill_memory=True).submit([fresh(a)])
+
+
 def test_slots_bound_admission(resident):
     requests = workload(5, seed=2)
     sched = serve(resident, requests, clock=Clock(step_s=0.01))

@@ -232,6 +232,23 @@ def admission_device_bytes(engine: EngineConfig, context: int | None = None) -> 
             "streamed_peak": decode + buffers, "monolithic_peak": decode + resident}
 
 
+def prefill_transient_bytes(engine: EngineConfig, prompt_tokens: int) -> int:
+    """Device bytes an admission's prefill holds beside the request's decode footprint until
+    it enters decode (the arrays; a chunk's activations come on top).
+
+    Notation: S_l(n) the bytes of layer l's prefill state sized to n prompt tokens
+    (``layer_state_bytes`` at max_len = n rounded up to both strides).
+    Layer-streamed (``CacheConfig.streamed_prefill``, LeanSparse section 4): two layer
+    buffers, max_l S_l(n) + S_{l+1}(n). Otherwise the whole history on the device at once,
+    sum_l S_l(n) (HiSparse's and ECHO's prefill: "prefill's temporary memory demand can
+    delay admission even when enough memory remains for the same request's decode").
+    """
+    cfg = sized_for(engine, prompt_tokens).model
+    if engine.cache.streamed_prefill:
+        return stream_state_bytes(cfg)
+    return sum(layer_state_bytes(cfg))
+
+
 def prefix_host_bytes(engine: EngineConfig, length: int) -> int:
     """Host bytes of a detached prefix of ``length`` tokens (``serving.prefix.Prefix``).
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lsparse_jax.config import EngineConfig
-from lsparse_jax.memory.accounting import request_bytes
+from lsparse_jax.memory.accounting import prefill_transient_bytes, request_bytes
 from lsparse_jax.methods import policy
 from lsparse_jax.parallel import engine_mesh, replicate, shard_params
 from lsparse_jax.quant import KVRowFormat
@@ -96,6 +96,13 @@ class Engine:
         """Device bytes one request of ``context`` tokens holds on this engine
         (``memory.accounting.request_bytes``); a scheduler's budget admits by it."""
         return request_bytes(self.config, context).gpu_total
+
+    def prefill_device_bytes(self, prompt_tokens: int) -> int:
+        """Device bytes an admission's prefill of ``prompt_tokens`` holds beside the
+        request's decode bytes until it enters decode
+        (``memory.accounting.prefill_transient_bytes``: two layer buffers when streamed,
+        every layer's state otherwise)."""
+        return prefill_transient_bytes(self.config, prompt_tokens)
 
     def warmup(self, writeback: bool = True):
         """Compiles the prefill chunk and the decode step so that timings exclude compilation,

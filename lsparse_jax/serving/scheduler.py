@@ -9,6 +9,11 @@ host pages.
 
 Device bytes of a request are ``Engine.request_device_bytes`` at prompt + max_new_tokens
 (``memory.accounting.request_bytes``; a SpecEngine adds its ring and staging).
+With ``prefill_memory`` an admission also needs its prefill's transient bytes free beside
+them until it enters decode (``Engine.prefill_device_bytes``: two layer buffers for a
+layer-streamed prefill, every layer's state for a monolithic one; LeanSparse section 3:
+"prefill's temporary memory demand can further delay admission even when enough memory
+remains for the same request's subsequent decode"): such a wait has reason "prefill_memory".
 With device pools (``CacheConfig.device_pages``) the pools are the budget: the controller's
 reservation of a request's pages says whether it fits now (``DeviceCapacityError``: it waits,
 reason "device_pool"), so each method's footprint per token decides how many fit.
@@ -62,8 +67,8 @@ from lsparse_jax.serving.engine import Engine
 from lsparse_jax.serving.metrics import request_metrics, summarize
 from lsparse_jax.serving.request import Request
 
-WAIT_REASONS = ("slots", "device_budget", "host_pool", "device_pool", "shared_pool",
-                "shared_budget")
+WAIT_REASONS = ("slots", "device_budget", "prefill_memory", "host_pool", "device_pool",
+                "shared_pool", "shared_budget")
 
 
 @dataclasses.dataclass
@@ -101,12 +106,17 @@ class Scheduler:
     ``admission_waits`` (iterations the head of the queue had arrived but did not fit) and
     ``waits_by`` (the same by reason), ``trace`` (per iteration: time, active, prefilling,
     waiting, device bytes in use), ``records()`` and ``summary()``. overlap: launch each
-    decode step before reading the previous one (the module docstring).
+    decode step before reading the previous one (the module docstring). prefill_memory:
+    charge each admission's prefill transient bytes to the budget too (module docstring).
     """
 
     def __init__(self, engine: Engine, device_budget_bytes: int | None = None,
                  clock: Clock | None = None, prefill_token_budget: int | None = None,
-                 workload=None, prefix_reuse: bool = False, overlap: bool = False):
+                 workload=None, prefix_reuse: bool = False, overlap: bool = False,
+                 prefill_memory: bool = False):
+        if prefill_memory and device_budget_bytes is None:
+            raise ValueError("Scheduler: prefill_memory charges prefills to the device budget; "
+                             "set device_budget_bytes")
         if prefill_token_budget is not None and engine.config.cache.streamed_prefill:
             raise ValueError("Scheduler: chunked prefill (prefill_token_budget) does not "
                              "stream layers; use streamed_prefill with whole-prompt prefill")
@@ -130,7 +140,10 @@ class Scheduler:
         self.prefilling: list[Prefill] = []  # chunked mode: admitted, prompt not yet done
         self.running: dict[int, Request] = {}  # slot -> request
         self.finished: list[Request] = []
-        self.device_bytes_in_use = 0
+        self.device_bytes_in_use = 0  # decode bytes of the admitted (and prefilling) requests
+        self.prefill_memory, self._transient = prefill_memory, {}  # prompt tokens -> bytes
+        self.prefill_bytes_in_use = 0  # chunked mode: the prefilling requests' transients
+        self._peak = 0  # device bytes at the fullest moment of the current iteration
         self.admission_waits = 0
         self.waits_by = dict.fromkeys(WAIT_REASONS, 0)
         self.trace: list[dict] = []
@@ -151,12 +164,25 @@ class Scheduler:
             self._bytes[context] = self.engine.request_device_bytes(context)
         return self._bytes[context]
 
+    def prefill_bytes(self, request: Request) -> int:
+        """Transient device bytes ``request``'s prefill holds until it enters decode (0
+        unless ``prefill_memory``)."""
+        if not self.prefill_memory:
+            return 0
+        n = len(request.prompt)
+        if n not in self._transient:
+            self._transient[n] = self.engine.prefill_device_bytes(n)
+        return self._transient[n]
+
     def submit(self, requests: Iterable[Request]) -> None:
         """Queues requests (served in arrival order; ties keep submission order)."""
         for r in requests:
-            if self.budget is not None and self.device_bytes(r) > self.budget:
-                raise ValueError(f"Scheduler: request {r.id!r} needs {self.device_bytes(r)} "
-                                 f"device bytes, more than the whole budget {self.budget}")
+            need = self.device_bytes(r) + self.prefill_bytes(r)
+            if self.budget is not None and need > self.budget:
+                raise ValueError(f"Scheduler: request {r.id!r} needs {need} device bytes "
+                                 f"(decode {self.device_bytes(r)}, prefill transient "
+                                 f"{self.prefill_bytes(r)}), more than the whole budget "
+                                 f"{self.budget}")
             self.waiting.append(r)
         self.waiting.sort(key=lambda r: r.arrival_time)
 
@@ -165,9 +191,13 @@ class Scheduler:
         """Why ``r`` cannot be admitted now, short of the host pool (the controller says)."""
         if self.engine.active.sum() + len(self.prefilling) >= self.engine.active.size:
             return "slots"
-        if self.budget is not None and \
-                self.device_bytes_in_use + self.device_bytes(r) > self.budget:
+        if self.budget is None:
+            return None
+        held = self.device_bytes_in_use + self.prefill_bytes_in_use + self.device_bytes(r)
+        if held > self.budget:
             return "device_budget"
+        if held + self.prefill_bytes(r) > self.budget:
+            return "prefill_memory"
         return None
 
     def _wait(self, r: Request, reason: str) -> None:
@@ -225,6 +255,8 @@ class Scheduler:
             reused = self.reused_tokens
             if (slot := self._engine_admit(r)) is None:
                 return
+            self._peak = max(self._peak, self.device_bytes_in_use + self.device_bytes(r)
+                             + self.prefill_bytes(r))  # while it prefilled
             self.waiting.pop(0)
             prefilled = len(r.prompt) - (self.reused_tokens - reused)  # the suffix, if reused
             now = self.clock.charge(time.perf_counter() - t0,
@@ -244,6 +276,8 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             self.device_bytes_in_use += self.device_bytes(r)
+            self.prefill_bytes_in_use += self.prefill_bytes(r)
+            self._peak = max(self._peak, self.device_bytes_in_use + self.prefill_bytes_in_use)
             self.prefilling.append(Prefill(r, self.engine.prefill_chunks(r.prompt),
                                            self.clock.now))
         t0, tokens, entered = time.perf_counter(), 0, []
@@ -259,6 +293,7 @@ class Scheduler:
             if (slot := self._engine_admit(job.request, job.result)) is None:
                 break
             self.prefilling.pop(0)
+            self.prefill_bytes_in_use -= self.prefill_bytes(job.request)
             entered.append((slot, job))
         now = self.clock.charge(time.perf_counter() - t0, self.clock.prefill_token_s * tokens)
         for slot, job in entered:
@@ -283,11 +318,13 @@ class Scheduler:
     def iterate(self) -> None:
         """One scheduler iteration: admissions (and prefill chunks), one decode step,
         releases."""
+        self._peak = self.device_bytes_in_use + self.prefill_bytes_in_use
         if self.prefill_token_budget is None:
             self._admit()
         else:
             self._admit_chunked()
-        in_use = self.device_bytes_in_use  # the peak of this iteration (before releases)
+        # the peak of this iteration: admissions' prefills, then the step (before releases)
+        in_use = max(self._peak, self.device_bytes_in_use + self.prefill_bytes_in_use)
         if self.overlap and (self.running or self._in_flight is not None):
             self._overlapped_step()
         elif self.running:
@@ -358,6 +395,7 @@ class Scheduler:
             "reused_prefix_tokens": self.reused_tokens, "prefix_drops": self.prefix_drops,
             "admission_waits": self.admission_waits, "waits_by": dict(self.waits_by),
             "iterations": len(self.trace), "device_budget_bytes": self.budget,
+            "prefill_memory": self.prefill_memory,
             "peak_device_bytes": max((t["device_bytes"] for t in self.trace), default=0)}
 
     def _live(self) -> dict:
