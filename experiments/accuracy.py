@@ -725,6 +725,7 @@ def plot(summary, methods, tasks, lengths, path):
             ys = np.array([100 * c["exact"] for c in cs])
             err = np.array([[y - 100 * c["ci_low"] for y, c in zip(ys, cs)],
                             [100 * c["ci_high"] - y for y, c in zip(ys, cs)]])
+            err = np.maximum(err, 0.0)  # rounding: Wilson's bound at 0 or n can sit 1 ulp in
             ax.errorbar([n * dodge for n in ran], ys, yerr=err, fmt="o-", capsize=3,
                         label=m)
         ax.set_xscale("log", base=2)

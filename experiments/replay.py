@@ -68,6 +68,7 @@ def replay_summary(records: list[dict]) -> dict:
     out = {"calls": len(records), "continuation_calls": len(cont),
            "sessions": len(sessions)}
     out |= percentiles([r["ttft_s"] for r in cont], "ttft")
+    out |= percentiles([r["ttft_s"] for r in measured], "ttft_measured")  # turns >= 1
     out |= percentiles([r["tpot_s"] for r in cont], "tpot")
     out |= percentiles([s["session_s"] for s in sessions], "session")
     tokens, span, rate = throughput(measured)
@@ -186,13 +187,49 @@ def _write(out, per_method, cfg, load, settings):
         "settings": settings, "device": jax.devices()[0].device_kind,
         "note": "synthetic sessions (serving.workloads.MultiTurn): the Open-SWE traces are "
                 "not available offline; random weights unless a checkpoint is given"})
+    plot(per_method, out / "replay_cdf.png")
+
+
+def plot(per_method: dict, path) -> None:
+    """TTFT / TPOT / session-time CDFs of each method's records (the paper's Figure 10)."""
     series = {}
     for m, v in per_method.items():
         cont = [r for r in v["records"] if r["turn"] >= 2]
         series[f"{m} (reuse {v['reuse']:.2f})"] = {
             "ttft_s": [r["ttft_s"] for r in cont], "tpot_s": [r["tpot_s"] for r in cont],
             "session_s": [s["session_s"] for s in v["sessions"]]}
-    cdf_plot(series, PANELS, out / "replay_cdf.png", marks=True)
+    cdf_plot(series, PANELS, path, marks=True)
+
+
+def merge_runs(paths: list[str], out_dir: str) -> dict:
+    """One results.json of several replay runs of the same model, workload and settings (e.g.
+    methods run in separate device calls): their methods side by side, each source recorded
+    in ``merged_from``, summaries recomputed from the records; a method in two runs or any
+    other difference is an error. Run:
+    ``python -c "from experiments.replay import merge_runs; merge_runs([A, B], OUT)"``."""
+    import pathlib
+
+    runs = [json.loads(pathlib.Path(p).read_text()) for p in paths]
+    merged = {k: v for k, v in runs[0].items() if k != "methods"} | {"methods": {}}
+    merged["merged_from"] = []
+    for path, run in zip(paths, runs):
+        for key in ("model", "workload", "settings", "device"):
+            if run[key] != runs[0][key]:
+                raise ValueError(f"merge_runs: {path} has another {key} than {paths[0]}")
+        for method, record in run["methods"].items():
+            if method in merged["methods"]:
+                raise ValueError(f"merge_runs: method {method!r} is in two runs ({path})")
+            merged["methods"][method] = record | {"summary": replay_summary(record["records"])}
+        merged["merged_from"].append({"source": str(path), "methods": list(run["methods"])})
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(merged, indent=2) + "\n")
+    config = pathlib.Path(paths[0]).with_name("config.gin")  # the same settings in every run
+    if config.exists():
+        (out / "config.gin").write_text(config.read_text())
+    plot(merged["methods"], out / "replay_cdf.png")
+    _table(merged["methods"])
+    return merged
 
 
 def _table(per_method):

@@ -62,7 +62,8 @@ def _rec(session, turn, arrival, first, finished, tokens):
 
 
 def test_replay_summary_follows_the_papers_definitions():
-    """Turn 0 is warmup (not measured); TTFT/TPOT over turns >= 2; session time from the
+    """Turn 0 is warmup (not measured); TTFT/TPOT over turns >= 2 (TTFT also over turns >= 1,
+    ``ttft_measured``); session time from the
     first measured call's arrival to the last finish; throughput over turns >= 1."""
     recs = [_rec(0, 0, 0.0, 1.0, 2.0, 5), _rec(0, 1, 3.0, 3.5, 4.5, 3),
             _rec(0, 2, 5.0, 6.0, 8.0, 5), _rec(1, 0, 1.0, 1.5, 2.0, 2),
@@ -74,6 +75,38 @@ def test_replay_summary_follows_the_papers_definitions():
     assert s["session_p50_s"] == pytest.approx(((8.0 - 3.0) + (4.2 - 2.5)) / 2)
     assert s["output_tokens"] == 3 + 5 + 2 + 1
     assert s["throughput_tok_s"] == pytest.approx(11 / (8.0 - 2.5))
+    assert s["ttft_measured_p50_s"] == pytest.approx(0.5)  # turns >= 1: 0.5, 1.0, 0.5, 0.2
+
+
+def test_replay_merge_runs_puts_methods_side_by_side(tmp_path):
+    """Runs of the same settings merge into one results.json (methods side by side, sources
+    in merged_from, summaries from the records, a plot); a method in two runs or another
+    setting is an error."""
+    from experiments.replay import merge_runs
+
+    recs = [_rec(0, 0, 0.0, 1.0, 2.0, 5), _rec(0, 1, 3.0, 3.5, 4.5, 3),
+            _rec(0, 2, 5.0, 6.0, 8.0, 5)]
+    base = {"model": {"name": "tiny"}, "workload": {"sessions": 1}, "settings": {"slots": 2},
+            "device": "cpu"}
+    paths = []
+    for i, method in enumerate(("leansparse", "echo")):
+        rec = {"records": recs, "sessions": [{"session_s": 5.0}], "reuse": 0.1,
+               "scheduler": {"waits_by": {}}, "summary": {}}
+        (tmp_path / f"r{i}").mkdir()
+        paths.append(tmp_path / f"r{i}" / "results.json")
+        paths[-1].write_text(json.dumps(base | {"methods": {method: rec}}))
+    out = merge_runs(paths, tmp_path / "merged")
+    assert list(out["methods"]) == ["leansparse", "echo"]
+    assert [m["methods"] for m in out["merged_from"]] == [["leansparse"], ["echo"]]
+    assert out["methods"]["echo"]["summary"]["ttft_p50_s"] == pytest.approx(1.0)
+    assert json.loads((tmp_path / "merged" / "results.json").read_text()) == out
+    assert (tmp_path / "merged" / "replay_cdf.png").is_file()
+    with pytest.raises(ValueError, match="in two runs"):
+        merge_runs([paths[0], paths[0]], tmp_path / "x")
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(base | {"settings": {"slots": 3}, "methods": {}}))
+    with pytest.raises(ValueError, match="another settings"):
+        merge_runs([paths[0], other], tmp_path / "y")
 
 
 def test_capacity_times_the_equal_n_cells_before_larger_batches(monkeypatch, tmp_path):
