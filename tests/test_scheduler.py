@@ -285,6 +285,27 @@ def test_chunked_prefill_interleaves_and_tokens_equal_alone(resident, overlap):
         assert r.tokens == alone(resident, r), r.id
 
 
+def test_chunked_prefill_holds_its_transient_until_it_enters_decode(resident):
+    """Chunked mode with ``prefill_memory``: a prefilling request holds its decode bytes and
+    its (monolithic) prefill transient until it enters the engine; a budget of two requests'
+    decode bytes plus one transient lets one prefill run beside one decoding request, never
+    two prefills at once; the bytes return to 0 and tokens equal alone."""
+    requests = workload(4, seed=12, arrivals=[0.0, 0.0, 0.01, 0.02])
+    per = [resident.request_device_bytes(len(r.prompt) + r.max_new_tokens) for r in requests]
+    pre = [resident.prefill_device_bytes(len(r.prompt)) for r in requests]
+    budget = sorted(per)[-1] + sorted(per)[-2] + max(pre)
+    assert min(pre) * 2 + min(per) * 2 > budget  # two prefills at once never fit
+    sched = serve(resident, requests, device_budget_bytes=budget, prefill_token_budget=32,
+                  prefill_memory=True, clock=Clock(step_s=0.01, prefill_token_s=1e-4))
+    assert max(t["device_bytes"] for t in sched.trace) <= budget
+    assert max(t["prefilling"] for t in sched.trace) == 1
+    assert any(t["active"] and t["prefilling"] for t in sched.trace)
+    assert sched.waits_by["prefill_memory"] > 0
+    assert sched.device_bytes_in_use == 0 and sched.prefill_bytes_in_use == 0
+    for r in requests:
+        assert r.tokens == alone(resident, r), r.id
+
+
 def test_chunked_prefill_metrics_exact(resident):
     """Chunks of 32 tokens, one per iteration (2^-7 s per token), decode steps of 0.25 s.
     a (t=0, 40 tokens, 3 new): chunks end at 0.25 and 0.3125 (first token), decode 0.5625;
