@@ -15,7 +15,9 @@ window, as in the paper); TTFT and TPOT cover calls of turn >= 2 (the continuati
 each session's first measured call), session time spans the first measured call's arrival to
 the last call's finish, throughput = output tokens of turns >= 1 over that span.
 
-Serving: the scheduler (whole-prompt admission; an admission that does not fit waits) with
+Serving: the scheduler (whole-prompt admission, or with ``prefill_token_budget`` first calls
+prefilled in chunks beside the decode steps, as the paper's mixed prefill-decode batches;
+an admission that does not fit waits) with
 ``num_slots`` active requests at most and a device byte budget (``prefill_memory``: an
 admission also needs its prefill's transient bytes free, two layer buffers for LeanSparse's
 layer-streamed prefill, every layer's state for the others: the paper's TTFT mechanism);
@@ -102,7 +104,8 @@ def replay(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
            session_rate: float = 2.0, tool_wait_s: float = 0.5, num_slots: int = 4,
            device_budget_bytes: int | None = None, prefill_chunk: int = 256,
            hot_cache_rows=None, page_size: int = 16, echo_pool_rows: int = 4096,
-           prefix_reuse: bool = True, prefill_memory: bool = False, leansparse=None,
+           prefix_reuse: bool = True, prefill_memory: bool = False,
+           prefill_token_budget: int | None = None, leansparse=None,
            implementation: str | None = "xla",
            step_s: float | None = None, prefill_token_s: float = 0.0, seed: int = 0):
     """Replays the same synthetic sessions on each method; returns {method: summary}.
@@ -130,13 +133,14 @@ def replay(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
                                 echo_pool_rows, lean, implementation, seed,
                                 host_pages=(num_slots + sessions) * per_slot)
         _warm(Engine(config, params, books), first_prompt_tokens[0], turn_tokens[0],
-              prefix_reuse)
+              prefix_reuse, chunked=prefill_token_budget is not None)
         engine = Engine(config, params, books)
         engine.warmup()
         work = MultiTurn(**load, vocab=min(cfg.vocab_size, 256), max_len=cfg.max_len)
         sched = Scheduler(engine, device_budget_bytes, Clock(step_s, prefill_token_s),
                           workload=work, prefix_reuse=prefix_reuse,
-                          prefill_memory=prefill_memory)
+                          prefill_memory=prefill_memory,
+                          prefill_token_budget=prefill_token_budget)
         with tqdm(total=sessions * calls, desc=f"replay {method}", unit="call") as bar:
             sched.run(bar)
         records = sched.records()
@@ -154,6 +158,7 @@ def replay(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
             checkpoint=checkpoint, num_slots=num_slots, device_budget_bytes=device_budget_bytes,
             prefill_chunk=prefill_chunk, echo_pool_rows=echo_pool_rows,
             prefix_reuse=prefix_reuse, prefill_memory=prefill_memory,
+            prefill_token_budget=prefill_token_budget,
             implementation=implementation,
             clock="measured wall time" if step_s is None else
             {"step_s": step_s, "prefill_token_s": prefill_token_s}))
@@ -162,13 +167,18 @@ def replay(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
     return {m: v["summary"] for m, v in per_method.items()}
 
 
-def _warm(engine: Engine, prompt_tokens: int, turn_tokens: int, prefix_reuse: bool):
+def _warm(engine: Engine, prompt_tokens: int, turn_tokens: int, prefix_reuse: bool,
+          chunked: bool = False):
     """Compiles every step of a call's life (jit caches outlive the engine) so that the
-    scheduler's clock never counts compilation: admission, a step, release; with prefix
-    reuse also detach and an admission from the prefix."""
+    scheduler's clock never counts compilation: admission (chunked: from
+    ``Engine.prefill_chunks``), a step, release; with prefix reuse also detach and an
+    admission from the prefix."""
     engine.warmup()
     r = Request(np.zeros(prompt_tokens, np.int32), 2)
-    engine.admit(r)
+    last = None  # only the last chunk's result is kept (each holds a whole prefill state)
+    for chunk, _ in (engine.prefill_chunks(r.prompt) if chunked else ()):
+        last = chunk
+    engine.admit(r, prefilled=last)
     engine.step()
     if not prefix_reuse:
         engine.release(0)

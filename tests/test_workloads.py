@@ -145,14 +145,61 @@ def test_prefix_reuse_detaches_continuing_sessions_and_admits_with_their_prefix(
     assert len(sessions) == 3 and all(s["calls"] == 2 for s in sessions)
 
 
-def test_prefix_reuse_needs_a_workload_and_whole_prompt_mode(params):
-    engine = make_engine(params)
-    load = MultiTurn(sessions=1, calls=2, first_prompt_tokens=(8, 8), turn_tokens=(2, 2),
-                     output_tokens=(2, 2), vocab=256, max_len=128)
+def test_prefix_reuse_needs_a_workload(params):
     with pytest.raises(ValueError, match="needs a workload"):
-        Scheduler(engine, prefix_reuse=True)
-    with pytest.raises(ValueError, match="whole-prompt"):
-        Scheduler(engine, workload=load, prefix_reuse=True, prefill_token_budget=32)
+        Scheduler(make_engine(params), prefix_reuse=True)
+
+
+class ChunkCountingEngine(CountingEngine):
+    """``CountingEngine`` that also records each prompt prefilled in chunks."""
+
+    def prefill_chunks(self, prompt):
+        self.calls.append(("chunks", len(prompt)))
+        yield from super().prefill_chunks(prompt)
+
+
+@pytest.mark.parametrize("method", ["resident", "leansparse"])
+def test_chunked_prefill_with_prefix_reuse_and_streamed_layers(params, method):
+    """Chunked mode (32-token chunks, one per iteration) with prefix reuse on a layer-streamed
+    engine: a session's first call is prefilled in streamed chunks beside the decode steps
+    (the state on the host between chunks, admitted layer by layer), its continuations are
+    admitted whole from their prefix; every call's greedy tokens equal serving the same calls
+    whole-prompt without reuse on a monolithic engine."""
+    from lsparse_jax.config import LeanSparseConfig
+    from lsparse_jax.methods.leansparse import calibrate_codebooks
+
+    kw = dict(sessions=3, calls=3, first_prompt_tokens=(60, 90), turn_tokens=(4, 8),
+              output_tokens=(3, 5), vocab=CFG.vocab_size, max_len=128, session_rate=20.0,
+              tool_wait_s=0.05, seed=4)
+    books, lean = None, {}
+    if method == "leansparse":
+        calib = np.random.default_rng(9).integers(0, 256, 128).astype(np.int32)
+        books = calibrate_codebooks(params, CFG, calib, iters=4)
+        lean = dict(key_cache_rows=16)
+
+    def engine(cls, streamed):
+        cfg = EngineConfig(model=CFG, method=method, sampling=SamplingConfig(0.0),
+                           leansparse=LeanSparseConfig(num_candidates=16, **lean),
+                           cache=CacheConfig(num_slots=2, prefill_chunk=32,
+                                             streamed_prefill=streamed,
+                                             **({} if method == "resident" else
+                                                dict(hot_cache_rows=16, page_size=8))))
+        return cls(cfg, params, books)
+
+    streamed = engine(ChunkCountingEngine, True)
+    sched = Scheduler(streamed, clock=Clock(step_s=0.01, prefill_token_s=1e-4),
+                      workload=MultiTurn(**kw), prefix_reuse=True, prefill_token_budget=32)
+    sched.run()
+    done = {r.id: r for r in sched.finished}
+    assert len(done) == 9 and not sched.prefixes
+    chunked = [n for op, n in streamed.calls if op == "chunks"]
+    assert sorted(chunked) == sorted(len(r.prompt) for r in done.values() if r.turn == 0)
+    assert {i for op, i in streamed.calls if op == "admit_prefix"} == {
+        i for i, r in done.items() if r.turn > 0}
+    assert any(t["active"] and t["prefilling"] for t in sched.trace)  # decode beside chunks
+    plain = Scheduler(engine(Engine, False), clock=Clock(step_s=0.01), workload=MultiTurn(**kw))
+    plain.run()
+    assert {r.id: r.tokens for r in plain.finished} == {i: r.tokens for i, r in done.items()}
 
 
 @pytest.mark.slow

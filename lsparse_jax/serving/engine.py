@@ -13,6 +13,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import SingleDeviceSharding
 
 from lsparse_jax.config import EngineConfig
 from lsparse_jax.memory.accounting import prefill_transient_bytes, request_bytes
@@ -139,7 +140,8 @@ class Engine:
         device and ``state.admit`` admits them.
         prefilled: (caches, last logits) that ``steps.prefill`` (or the last chunk of
         ``prefill_chunks``) returned for this prompt and model, to share one prefill between
-        engines (every method prefills alike).
+        engines (every method prefills alike); or the ``StreamedPrefix`` that a streamed
+        engine's ``prefill_chunks`` ends with (its layers admitted one at a time).
         prefix: a ``Prefix`` from ``detach``; ``request.prompt`` must extend its tokens. Only
         the suffix is prefilled, the prefix state streamed in from the host; the prefix is
         consumed (its host pages become the request's) unless this raises.
@@ -155,6 +157,11 @@ class Engine:
         if total > cfg.max_len:
             raise ValueError(f"admit: prompt {len(prompt)} + max_new_tokens {new} "
                              f"exceeds ModelConfig.max_len={cfg.max_len}")
+        if isinstance(prefilled, StreamedPrefix) and (
+                prefilled.length != len(prompt) or any(c is None for c in prefilled.caches)):
+            raise ValueError(f"admit: the streamed prefill holds {prefilled.length} tokens "
+                             f"(caches on the host: {all(c is not None for c in prefilled.caches)})"
+                             f"; the prompt has {len(prompt)}")
         held = ()
         if prefix is not None:
             check_reuse(self.config)
@@ -171,6 +178,8 @@ class Engine:
             self.state = update(self.state)
         if prefilled is None and (prefix is not None or self.config.cache.streamed_prefill):
             last = self._stream_admit(slot, prompt, prefix, grant, progress, on_layer)
+        elif isinstance(prefilled, StreamedPrefix):  # the last of prefill_chunks, streamed
+            last = self._admit_streamed(slot, prefilled, grant)
         else:
             if prefilled is None:
                 prefilled = prefill(self.params, cfg, prompt, self.config.cache.prefill_chunk,
@@ -196,8 +205,18 @@ class Engine:
         """Chunked prefill of ``prompt``, one ``prefill_chunk`` per ``next`` (a scheduler
         interleaves them with decode steps): yields (prefilled, valid tokens of the chunk); the
         last ``prefilled`` is what ``admit(prefilled=...)`` takes, the same as ``admit``'s own
-        prefill computes."""
+        prefill computes. With ``CacheConfig.streamed_prefill`` each chunk streams through
+        the layers (``prefill_stream.stream_prefix``, two device buffers) and the state waits
+        on the host between chunks: ``prefilled`` is the ``StreamedPrefix`` so far."""
         cfg = self.config
+        if cfg.cache.streamed_prefill:
+            chunk, done = cfg.cache.prefill_chunk, None
+            for offset in range(0, len(prompt), chunk):
+                part = prompt[offset:offset + chunk]
+                done = stream_prefix(self.params, cfg.model, part, chunk, prefix=done,
+                                     implementation=cfg.implementation)
+                yield done, len(part)
+            return
         for caches, last, valid in prefill_chunks(self.params, cfg.model, prompt,
                                                   cfg.cache.prefill_chunk, cfg.implementation):
             yield (caches, last), valid
@@ -234,6 +253,18 @@ class Engine:
         if prefix is not None:  # its pages are the request's now
             prefix.state, prefix.layers = "consumed", ()
         return out.last_logits
+
+    def _admit_streamed(self, slot: int, streamed: StreamedPrefix, grant):
+        """Admits a host-resident ``StreamedPrefix`` into ``slot`` one layer at a time (each
+        layer's state loaded to the device, admitted, dropped: two layers' states at most);
+        returns its last token's logits."""
+        for layer, cache in enumerate(streamed.caches):
+            leaf = jax.tree.leaves(cache)[0]
+            on_dev = SingleDeviceSharding(next(iter(leaf.devices())), memory_kind="device")
+            self.state = admit_layer(self.config, self.state, slot, layer,
+                                     jax.device_put(cache, on_dev), streamed.length, grant)
+        self.state = admit_done(self.config, self.state, slot, streamed.length, grant)
+        return streamed.last_logits
 
     def detach(self, slot: int) -> Prefix:
         """Ends the request in ``slot`` as ``release`` does, but keeps its context (prompt +

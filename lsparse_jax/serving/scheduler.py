@@ -26,16 +26,21 @@ beside the decode step (``Engine.prefill_chunks``: a ``SpecEngine``'s also keep 
 features its drafter's ring needs), and enters the engine (``Engine.admit(prefilled=...)``,
 which then reserves its host pages) when its prompt is done. The chunks run as separate calls
 before the decode step, not fused into one mixed batch, and the same chunking as the engine's
-own prefill, so the tokens equal those of whole-prompt admission. Host pages are reserved only
+own prefill, so the tokens equal those of whole-prompt admission. A layer-streamed engine
+(``CacheConfig.streamed_prefill``) streams each chunk through its layers, the state waiting on
+the host between chunks, and is admitted layer by layer from it. Host pages are reserved only
 then: a prefilled request the host pool cannot hold yet waits, holding its slot and bytes.
+With prefix reuse a continuation (its session's prefix held) is admitted whole in its turn
+(``Engine.admit(prefix=...)``: only its suffix is prefilled), the others chunked.
 
 Workloads (``serving.workloads``): ``workload`` submits its ``initial()`` requests and, as
 each request finishes, those ``on_finish(request, now)`` returns (closed-loop clients, the next
-call of a multi-turn session after its tool wait). Prefix reuse (``prefix_reuse``, whole-prompt
+call of a multi-turn session after its tool wait). Prefix reuse (``prefix_reuse``, either
 mode): a finished call whose session goes on is detached (``Engine.detach``: its context stays
 host-resident as a ``Prefix``) instead of released, and the session's next call is admitted
 with it (``Engine.admit(request, prefix=...)``: only the new suffix is prefilled, the prefix
-streamed from host); the fixed clock then charges prefill for the suffix only. Held
+streamed from host; in chunked mode too, whole); the fixed clock then charges prefill for the
+suffix only. Held
 prefixes keep host pages: an admission the host pool cannot hold evicts the oldest other
 session's prefix (``Engine.drop``; that session's next call prefills its whole prompt) and
 retries at the next iteration.
@@ -117,12 +122,6 @@ class Scheduler:
         if prefill_memory and device_budget_bytes is None:
             raise ValueError("Scheduler: prefill_memory charges prefills to the device budget; "
                              "set device_budget_bytes")
-        if prefill_token_budget is not None and engine.config.cache.streamed_prefill:
-            raise ValueError("Scheduler: chunked prefill (prefill_token_budget) does not "
-                             "stream layers; use streamed_prefill with whole-prompt prefill")
-        if prefix_reuse and prefill_token_budget is not None:
-            raise ValueError("Scheduler: prefix_reuse admits through Engine.admit(prefix=...) "
-                             "(whole-prompt mode); leave prefill_token_budget None")
         if prefix_reuse and workload is None:
             raise ValueError("Scheduler: prefix_reuse needs a workload whose sessions go on "
                              "(e.g. serving.workloads.MultiTurn)")
@@ -251,18 +250,24 @@ class Scheduler:
             r = self.waiting[0]
             if reason := self._blocked(r):
                 return self._wait(r, reason)
-            start, t0 = self.clock.now, time.perf_counter()
-            reused = self.reused_tokens
-            if (slot := self._engine_admit(r)) is None:
+            if not self._admit_whole(r):
                 return
-            self._peak = max(self._peak, self.device_bytes_in_use + self.device_bytes(r)
-                             + self.prefill_bytes(r))  # while it prefilled
-            self.waiting.pop(0)
-            prefilled = len(r.prompt) - (self.reused_tokens - reused)  # the suffix, if reused
-            now = self.clock.charge(time.perf_counter() - t0,
-                                    self.clock.prefill_token_s * prefilled)
-            self.device_bytes_in_use += self.device_bytes(r)
-            self._started(slot, r, start, now)
+
+    def _admit_whole(self, r: Request) -> bool:
+        """Admits ``r`` (the head of the queue, not blocked) with its whole prompt prefilled
+        (past its session's prefix, if one is held); False if it must wait."""
+        start, t0 = self.clock.now, time.perf_counter()
+        reused = self.reused_tokens
+        if (slot := self._engine_admit(r)) is None:
+            return False
+        self._peak = max(self._peak, self.device_bytes_in_use + self.device_bytes(r)
+                         + self.prefill_bytes(r))  # while it prefilled
+        self.waiting.pop(0)
+        prefilled = len(r.prompt) - (self.reused_tokens - reused)  # the suffix, if reused
+        now = self.clock.charge(time.perf_counter() - t0, self.clock.prefill_token_s * prefilled)
+        self.device_bytes_in_use += self.device_bytes(r)
+        self._started(slot, r, start, now)
+        return True
 
     def _admit_chunked(self) -> None:
         """Chunked mode: arrived requests start prefilling in order while a slot and the
@@ -274,6 +279,10 @@ class Scheduler:
             if reason := self._blocked(r):
                 self._wait(r, reason)
                 break
+            if r.session is not None and r.session in self.prefixes:  # a continuation: only
+                if not self._admit_whole(r):  # its suffix to prefill, admitted at once
+                    break
+                continue
             self.waiting.pop(0)
             self.device_bytes_in_use += self.device_bytes(r)
             self.prefill_bytes_in_use += self.prefill_bytes(r)
