@@ -12,18 +12,18 @@ not available offline, so sessions come from the documented synthetic generator:
 prompt is the previous prompt + its response + a new turn of random tokens, after an
 exponential tool wait. Turn 0 is each session's warmup prefill (outside the measured
 window, as in the paper); TTFT and TPOT cover calls of turn >= 2 (the continuations after
-each session's first measured call), session time spans the first measured call's arrival to
-the last call's finish, throughput = output tokens of turns >= 1 over that span.
+each session's first measured call; ``ttft_measured``: TTFT over turns >= 1), session time
+spans the first measured call's arrival to the last call's finish, throughput = output tokens
+of turns >= 1 over that span.
 
 Serving: the scheduler (whole-prompt admission, or with ``prefill_token_budget`` first calls
-prefilled in chunks beside the decode steps, as the paper's mixed prefill-decode batches;
-an admission that does not fit waits) with
-``num_slots`` active requests at most and a device byte budget (``prefill_memory``: an
-admission also needs its prefill's transient bytes free, two layer buffers for LeanSparse's
-layer-streamed prefill, every layer's state for the others: the paper's TTFT mechanism);
-with ``prefix_reuse`` a session's next call reuses its host-resident prefix
-(``Engine.detach`` / ``admit(prefix=)``),
-else it prefills the whole prompt again. Per method: ``leansparse`` streams prefill layer by
+prefilled in chunks beside the decode steps, as the paper's mixed prefill-decode batches; an
+admission that does not fit waits) with ``num_slots`` active requests at most and a device
+byte budget (``prefill_memory``: an admission also needs its prefill's transient bytes free,
+two layer buffers for LeanSparse's layer-streamed prefill, every layer's state for the others:
+the paper's TTFT mechanism); with ``prefix_reuse`` a session's next call reuses its
+host-resident prefix (``Engine.detach`` / ``admit(prefix=)``), else it prefills the whole
+prompt again. Per method: ``leansparse`` streams prefill layer by
 layer (``streamed_prefill``); ``echo`` holds each prefill's whole history in its shared GPU KV
 pool of ``echo_pool_rows`` entries per CSA layer (waits when it is full) and a buffer of
 ``hot_cache_rows['echo']`` per request; ``hisparse`` keeps its keys on the GPU and a hot

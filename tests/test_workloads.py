@@ -200,6 +200,10 @@ def test_chunked_prefill_with_prefix_reuse_and_streamed_layers(params, method):
     plain = Scheduler(engine(Engine, False), clock=Clock(step_s=0.01), workload=MultiTurn(**kw))
     plain.run()
     assert {r.id: r.tokens for r in plain.finished} == {i: r.tokens for i, r in done.items()}
+    prompt = np.arange(40, dtype=np.int32)
+    *_, (streamed_prefix, _) = streamed.prefill_chunks(prompt)
+    with pytest.raises(ValueError, match="holds 40 tokens; the prompt has 41"):
+        streamed.admit(Request(np.arange(41, dtype=np.int32), 2), prefilled=streamed_prefix)
 
 
 @pytest.mark.slow

@@ -157,11 +157,12 @@ class Engine:
         if total > cfg.max_len:
             raise ValueError(f"admit: prompt {len(prompt)} + max_new_tokens {new} "
                              f"exceeds ModelConfig.max_len={cfg.max_len}")
-        if isinstance(prefilled, StreamedPrefix) and (
-                prefilled.length != len(prompt) or any(c is None for c in prefilled.caches)):
-            raise ValueError(f"admit: the streamed prefill holds {prefilled.length} tokens "
-                             f"(caches on the host: {all(c is not None for c in prefilled.caches)})"
-                             f"; the prompt has {len(prompt)}")
+        if isinstance(prefilled, StreamedPrefix):
+            if prefilled.length != len(prompt):
+                raise ValueError(f"admit: the streamed prefill holds {prefilled.length} "
+                                 f"tokens; the prompt has {len(prompt)}")
+            if any(c is None for c in prefilled.caches):
+                raise ValueError("admit: the streamed prefill's layers were admitted already")
         held = ()
         if prefix is not None:
             check_reuse(self.config)
