@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
 
 import gin
 import jax
@@ -217,8 +218,6 @@ def merge_runs(paths: list[str], out_dir: str) -> dict:
     in ``merged_from``, summaries recomputed from the records; a method in two runs or any
     other difference is an error. Run:
     ``python -c "from experiments.replay import merge_runs; merge_runs([A, B], OUT)"``."""
-    import pathlib
-
     runs = [json.loads(pathlib.Path(p).read_text()) for p in paths]
     merged = {k: v for k, v in runs[0].items() if k != "methods"} | {"methods": {}}
     merged["merged_from"] = []

@@ -40,10 +40,9 @@ mode): a finished call whose session goes on is detached (``Engine.detach``: its
 host-resident as a ``Prefix``) instead of released, and the session's next call is admitted
 with it (``Engine.admit(request, prefix=...)``: only the new suffix is prefilled, the prefix
 streamed from host; in chunked mode too, whole); the fixed clock then charges prefill for the
-suffix only. Held
-prefixes keep host pages: an admission the host pool cannot hold evicts the oldest other
-session's prefix (``Engine.drop``; that session's next call prefills its whole prompt) and
-retries at the next iteration.
+suffix only. Held prefixes keep host pages: an admission the host pool cannot hold evicts the
+oldest other session's prefix (``Engine.drop``; that session's next call prefills its whole
+prompt) and retries at the next iteration.
 
 Overlap (``overlap=True``, as SGLang's overlap scheduler): each iteration launches the next
 decode step (``Engine.launch``) before reading the previous one back (``Engine.collect``), so
