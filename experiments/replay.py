@@ -11,10 +11,10 @@ Workload (``serving.workloads.MultiTurn``): the paper replays Open-SWE traces (1
 not available offline, so sessions come from the documented synthetic generator: each call's
 prompt is the previous prompt + its response + a new turn of random tokens, after an
 exponential tool wait. Turn 0 is each session's warmup prefill (outside the measured
-window, as in the paper); TTFT and TPOT cover calls of turn >= 2 (the continuations after
-each session's first measured call; ``ttft_measured``: TTFT over turns >= 1), session time
-spans the first measured call's arrival to the last call's finish, throughput = output tokens
-of turns >= 1 over that span.
+window, as in the paper; ``warmup_first``: all of them before the window opens); TTFT and
+TPOT cover calls of turn >= 2 (the continuations after each session's first measured call;
+``ttft_measured``: TTFT over turns >= 1), session time spans the first measured call's
+arrival to the last call's finish, throughput = output tokens of turns >= 1 over that span.
 
 Serving: the scheduler (whole-prompt admission, or with ``prefill_token_budget`` first calls
 prefilled in chunks beside the decode steps, as the paper's mixed prefill-decode batches; an
@@ -52,6 +52,7 @@ from lsparse_jax.config import (
 )
 from lsparse_jax.methods.leansparse import calibrate_codebooks
 from lsparse_jax.model import init_params
+from lsparse_jax.model.presets import preset
 from lsparse_jax.serving.engine import Engine
 from lsparse_jax.serving.metrics import percentiles, throughput
 from lsparse_jax.serving.request import Request
@@ -108,14 +109,20 @@ def replay(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
            prefix_reuse: bool = True, prefill_memory: bool = False,
            prefill_token_budget: int | None = None, leansparse=None,
            implementation: str | None = "xla",
-           step_s: float | None = None, prefill_token_s: float = 0.0, seed: int = 0):
+           step_s: float | None = None, prefill_token_s: float = 0.0, seed: int = 0,
+           warmup_first: bool = False, memory_model: str | None = None):
     """Replays the same synthetic sessions on each method; returns {method: summary}.
-    hot_cache_rows: {method: B} (the paper: LeanSparse 2048, ECHO 512, HiSparse 4096)."""
+    hot_cache_rows: {method: B} (the paper: LeanSparse 2048, ECHO 512, HiSparse 4096).
+    warmup_first: every session's warmup call first, the measured window after them
+    (``MultiTurn.warmup_first``). memory_model: a preset name; the budget counts the served
+    model with that preset's layer pattern (e.g. 'v4_flash': the 43 layers whose 4-layer slice
+    runs; ``Scheduler(memory_model=)``); None: the served model."""
     hot = dict(hot_cache_rows or {"leansparse": 2048, "echo": 512, "hisparse": 4096})
     lean = leansparse or LeanSparseConfig()
     load = dict(sessions=sessions, calls=calls, first_prompt_tokens=tuple(first_prompt_tokens),
                 turn_tokens=tuple(turn_tokens), output_tokens=tuple(output_tokens),
-                session_rate=session_rate, tool_wait_s=tool_wait_s, seed=seed)
+                session_rate=session_rate, tool_wait_s=tool_wait_s, seed=seed,
+                warmup_first=warmup_first)
     # the longest session: every call at its longest
     longest = (first_prompt_tokens[1] + (calls - 1) * (output_tokens[1] + turn_tokens[1])
                + output_tokens[1])
@@ -137,10 +144,13 @@ def replay(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
               prefix_reuse, chunked=prefill_token_budget is not None)
         engine = Engine(config, params, books)
         engine.warmup()
+        memory = (None if memory_model is None else dataclasses.replace(
+            config, model=dataclasses.replace(
+                cfg, layer_pattern=preset(memory_model).layer_pattern)))
         work = MultiTurn(**load, vocab=min(cfg.vocab_size, 256), max_len=cfg.max_len)
         sched = Scheduler(engine, device_budget_bytes, Clock(step_s, prefill_token_s),
                           workload=work, prefix_reuse=prefix_reuse,
-                          prefill_memory=prefill_memory,
+                          prefill_memory=prefill_memory, memory_model=memory,
                           prefill_token_budget=prefill_token_budget)
         with tqdm(total=sessions * calls, desc=f"replay {method}", unit="call") as bar:
             sched.run(bar)
@@ -160,6 +170,8 @@ def replay(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
             prefill_chunk=prefill_chunk, echo_pool_rows=echo_pool_rows,
             prefix_reuse=prefix_reuse, prefill_memory=prefill_memory,
             prefill_token_budget=prefill_token_budget,
+            memory_model=memory_model,
+            memory_model_layers=None if memory is None else memory.model.num_layers,
             implementation=implementation,
             clock="measured wall time" if step_s is None else
             {"step_s": step_s, "prefill_token_s": prefill_token_s}))

@@ -130,6 +130,48 @@ def test_prefill_memory_delays_a_monolithic_admission_not_a_streamed_one(residen
                   prefill_memory=True).submit([fresh(a)])
 
 
+def test_memory_model_counts_bytes_at_its_depth_and_changes_no_token(resident):
+    """``memory_model``: the same engine config with a deeper layer pattern. The scheduler's
+    decode and prefill-transient bytes are the accounting's on that config (monolithic: every
+    layer of the deeper model; streamed: still two layer buffers), so a budget the engine's own
+    bytes fit makes a monolithic admission wait at depth; tokens equal alone. Any other
+    difference raises."""
+    import dataclasses
+
+    from lsparse_jax.memory.accounting import prefill_transient_bytes
+
+    deep = dataclasses.replace(resident.config, model=dataclasses.replace(
+        CFG, layer_pattern=CFG.layer_pattern * 3))
+    streamed = make_engine(streamed_prefill=True)
+    deep_streamed = dataclasses.replace(streamed.config, model=deep.model)
+    rng = np.random.default_rng(12)
+    a, b = [Request(rng.integers(0, 256, 60).astype(np.int32), 6, arrival_time=t, id=i)
+            for i, t in enumerate([0.0, 0.01])]
+    s = Scheduler(resident, device_budget_bytes=10**9, prefill_memory=True, memory_model=deep)
+    assert s.device_bytes(a) == request_bytes(deep, 66).gpu_total
+    assert s.device_bytes(a) > resident.request_device_bytes(66)
+    assert s.prefill_bytes(a) == prefill_transient_bytes(deep, 60)
+    assert s.prefill_bytes(a) == 3 * resident.prefill_device_bytes(60)
+    s2 = Scheduler(streamed, device_budget_bytes=10**9, prefill_memory=True,
+                   memory_model=deep_streamed)
+    assert s2.prefill_bytes(a) == streamed.prefill_device_bytes(60)  # two buffers at any depth
+    # both fit with one monolithic prefill of the slice, not one of the deeper model
+    budget = 2 * request_bytes(deep, 66).gpu_total + resident.prefill_device_bytes(60)
+    waits = {}
+    for memory in (None, deep):
+        reqs = [fresh(r) for r in (a, b)]
+        sched = serve(resident, reqs, device_budget_bytes=budget, prefill_memory=True,
+                      memory_model=memory, clock=Clock(step_s=0.01, prefill_token_s=1e-4))
+        waits[memory is None] = sched.waits_by["prefill_memory"]
+        assert sched.summary()["memory_model_layers"] == (None if memory is None else 12)
+        for r in reqs:
+            assert r.tokens == alone(resident, r)
+    assert waits[True] == 0 and waits[False] > 0
+    other = dataclasses.replace(deep, cache=dataclasses.replace(deep.cache, num_slots=4))
+    with pytest.raises(ValueError, match="memory_model must equal"):
+        Scheduler(resident, memory_model=other)
+
+
 def test_slots_bound_admission(resident):
     requests = workload(5, seed=2)
     sched = serve(resident, requests, clock=Clock(step_s=0.01))

@@ -91,6 +91,39 @@ def test_multi_turn_prompt_is_previous_prompt_response_and_new_turn():
         MultiTurn(**(kw | {"first_prompt_tokens": (10, 62)}))
 
 
+def test_multi_turn_warmup_first_opens_the_window_after_every_warmup():
+    """``warmup_first``: every call 0 arrives at 0; no call 1 is released before the last call
+    0 finished, then all at once, session s's at that moment + its Poisson start (no tool
+    wait); later calls as without it (a tool wait after the finish); prompts and lengths are
+    those of the plain generator (the same per-session draws minus the skipped wait)."""
+    kw = dict(sessions=3, calls=3, first_prompt_tokens=(10, 20), turn_tokens=(5, 8),
+              output_tokens=(3, 4), vocab=256, max_len=64, session_rate=1.0, tool_wait_s=0.5,
+              seed=5)
+    w = MultiTurn(**kw, warmup_first=True)
+    first = w.initial()
+    assert [r.arrival_time for r in first] == [0.0] * 3
+    for r in first:
+        r.tokens[:] = [1] * r.max_new_tokens
+    assert w.on_finish(first[2], 4.0) == [] and w.on_finish(first[0], 5.0) == []
+    calls = w.on_finish(first[1], 6.0)
+    assert sorted(c.session for c in calls) == [0, 1, 2]
+    for c in calls:
+        assert c.turn == 1 and c.arrival_time == 6.0 + w.starts[c.session]
+        n = len(first[c.session].prompt) + first[c.session].max_new_tokens
+        np.testing.assert_array_equal(c.prompt[:n], np.concatenate(
+            [first[c.session].prompt, first[c.session].tokens]))
+    assert sorted(w.starts)[0] == 0.0 and len(set(w.starts)) == 3
+    c = calls[0]
+    c.tokens[:] = [1] * c.max_new_tokens
+    (nxt,) = w.on_finish(c, 10.0)  # after the window opened: a tool wait, not a start
+    assert nxt.turn == 2 and nxt.arrival_time > 10.0
+    one = MultiTurn(**(kw | {"calls": 1}), warmup_first=True)
+    reqs = one.initial()
+    for r in reqs:
+        r.tokens[:] = [1] * r.max_new_tokens
+    assert [one.on_finish(r, 1.0) for r in reqs] == [[], [], []]
+
+
 class CountingEngine(Engine):
     """The engine, recording which requests the scheduler detached and admitted with a
     prefix."""

@@ -14,6 +14,8 @@ them until it enters decode (``Engine.prefill_device_bytes``: two layer buffers 
 layer-streamed prefill, every layer's state for a monolithic one; LeanSparse section 3:
 "prefill's temporary memory demand can further delay admission even when enough memory
 remains for the same request's subsequent decode"): such a wait has reason "prefill_memory".
+A ``memory_model`` (the same engine config at a greater depth) counts both at that depth while
+the engine runs its slice: the papers' byte ratios on a model too deep to run here.
 With device pools (``CacheConfig.device_pages``) the pools are the budget: the controller's
 reservation of a request's pages says whether it fits now (``DeviceCapacityError``: it waits,
 reason "device_pool"), so each method's footprint per token decides how many fit.
@@ -65,6 +67,8 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from lsparse_jax.config import EngineConfig
+from lsparse_jax.memory.accounting import prefill_transient_bytes, request_bytes
 from lsparse_jax.memory.device_pool import DeviceCapacityError
 from lsparse_jax.memory.host_pool import CapacityError
 from lsparse_jax.serving.engine import Engine
@@ -112,12 +116,19 @@ class Scheduler:
     waiting, device bytes in use), ``records()`` and ``summary()``. overlap: launch each
     decode step before reading the previous one (the module docstring). prefill_memory:
     charge each admission's prefill transient bytes to the budget too (module docstring).
+    memory_model: the engine config whose bytes the budget counts, where it differs from the
+    engine's in the model's layer pattern only (e.g. the 43-layer V4-Flash whose 4-layer slice
+    runs: every per-layer footprint, a monolithic prefill's whole history included, counts
+    at the full depth, while a layer-streamed prefill still holds two layer buffers); None
+    counts the engine's own.
     """
 
     def __init__(self, engine: Engine, device_budget_bytes: int | None = None,
                  clock: Clock | None = None, prefill_token_budget: int | None = None,
                  workload=None, prefix_reuse: bool = False, overlap: bool = False,
-                 prefill_memory: bool = False):
+                 prefill_memory: bool = False, memory_model: EngineConfig | None = None):
+        if memory_model is not None:
+            _check_memory_model(engine, memory_model)
         if prefill_memory and device_budget_bytes is None:
             raise ValueError("Scheduler: prefill_memory charges prefills to the device budget; "
                              "set device_budget_bytes")
@@ -132,6 +143,7 @@ class Scheduler:
                              f"{type(engine).__name__} does not")
         self.overlap, self._in_flight = overlap, None
         self.engine, self.budget = engine, device_budget_bytes
+        self.memory_model = memory_model
         self.clock = clock or Clock()
         self.prefill_token_budget = prefill_token_budget
         self.waiting: list[Request] = []  # by arrival time
@@ -155,11 +167,13 @@ class Scheduler:
 
     def device_bytes(self, request: Request) -> int:
         """Device bytes ``request`` holds: its slot sized to prompt + max_new_tokens."""
-        cfg = self.engine.config
+        cfg = self.memory_model or self.engine.config
         new = request.max_new_tokens
         context = cfg.model.max_len if new is None else len(request.prompt) + new
         if context not in self._bytes:
-            self._bytes[context] = self.engine.request_device_bytes(context)
+            self._bytes[context] = (self.engine.request_device_bytes(context)
+                                    if self.memory_model is None
+                                    else request_bytes(self.memory_model, context).gpu_total)
         return self._bytes[context]
 
     def prefill_bytes(self, request: Request) -> int:
@@ -169,7 +183,9 @@ class Scheduler:
             return 0
         n = len(request.prompt)
         if n not in self._transient:
-            self._transient[n] = self.engine.prefill_device_bytes(n)
+            self._transient[n] = (self.engine.prefill_device_bytes(n)
+                                  if self.memory_model is None
+                                  else prefill_transient_bytes(self.memory_model, n))
         return self._transient[n]
 
     def submit(self, requests: Iterable[Request]) -> None:
@@ -404,6 +420,8 @@ class Scheduler:
             "admission_waits": self.admission_waits, "waits_by": dict(self.waits_by),
             "iterations": len(self.trace), "device_budget_bytes": self.budget,
             "prefill_memory": self.prefill_memory,
+            "memory_model_layers": (None if self.memory_model is None
+                                    else self.memory_model.model.num_layers),
             "peak_device_bytes": max((t["device_bytes"] for t in self.trace), default=0)}
 
     def _live(self) -> dict:
@@ -411,6 +429,20 @@ class Scheduler:
         fmt = lambda v, scale=1.0: "-" if v is None else f"{v * scale:.3g}"  # noqa: E731
         return {"ttft_p50_s": fmt(s["ttft_p50_s"]), "tpot_p50_ms": fmt(s["tpot_p50_s"], 1e3),
                 "tok/s": fmt(s["throughput_tok_s"])}
+
+
+def _check_memory_model(engine: Engine, memory: EngineConfig) -> None:
+    """A memory model may deepen the served model, nothing else (its bytes would otherwise
+    describe another engine)."""
+    served = engine.config
+    model = dataclasses.replace(memory.model, layer_pattern=served.model.layer_pattern,
+                                max_len=served.model.max_len)
+    if dataclasses.replace(memory, model=model) != served:
+        raise ValueError("Scheduler: memory_model must equal the engine's config except for "
+                         "the model's layer_pattern and max_len")
+    if type(engine).request_device_bytes is not Engine.request_device_bytes:
+        raise ValueError(f"Scheduler: memory_model counts a plain engine's bytes; "
+                         f"{type(engine).__name__} adds its own")
 
 
 __all__ = ["Clock", "Scheduler", "WAIT_REASONS"]

@@ -65,6 +65,7 @@ class ClosedLoop:
     vocab: int
     think_s: float = 0.0
     seed: int = 0
+    warmup_first: bool = False
 
     def __post_init__(self):
         for name in ("clients", "input_tokens", "output_tokens", "requests_per_client"):
@@ -105,7 +106,10 @@ class MultiTurn:
     ends after ``calls`` calls, or earlier when the next call would not fit ``max_len``
     (prompt + output; counted in ``truncated``). Turn 0 is the warmup prefill of the
     paper's replay (its window starts after it): ``session_records`` and the replay
-    statistics measure calls with turn >= 1.
+    statistics measure calls with turn >= 1. ``warmup_first``: the paper's warmup prefills
+    run outside the measured interval: every call 0 arrives at time 0, and the sessions'
+    Poisson starts apply to their calls 1, counted from the moment the last call 0 finished
+    (a session's tool wait after its call 0 is not drawn).
     """
 
     sessions: int
@@ -118,6 +122,7 @@ class MultiTurn:
     session_rate: float = 2.0
     tool_wait_s: float = 1.0
     seed: int = 0
+    warmup_first: bool = False
 
     def __post_init__(self):
         if self.sessions < 1 or self.calls < 1:
@@ -135,6 +140,8 @@ class MultiTurn:
             1.0 / self.session_rate, self.sessions)
         self.starts = np.cumsum(starts) - starts[0]  # the first session at time 0
         self.truncated = 0
+        self._held: list[Request] = []  # warmup_first: calls 1 until every call 0 finished
+        self._warming = self.sessions
 
     def _uniform(self, s: int, bounds) -> int:
         return int(self._rngs[s].integers(bounds[0], bounds[1] + 1))
@@ -147,18 +154,34 @@ class MultiTurn:
         calls = []
         for s in range(self.sessions):
             n = self._uniform(s, self.first_prompt_tokens)
+            start = 0.0 if self.warmup_first else float(self.starts[s])
             calls.append(self._call(s, 0, self._rngs[s].integers(0, self.vocab, n)
-                                    .astype(np.int32), float(self.starts[s])))
+                                    .astype(np.int32), start))
         return calls
 
     def on_finish(self, request: Request, now: float) -> list[Request]:
-        s, turn = request.session, request.turn + 1
-        if turn >= self.calls:
+        turn = request.turn + 1
+        calls = [] if turn >= self.calls else self._next(request, now)
+        if not (self.warmup_first and turn == 1):
+            return calls
+        self._held += calls
+        self._warming -= 1
+        if self._warming:
             return []
+        for call in self._held:  # the measured window opens now
+            call.arrival_time = now + float(self.starts[call.session])
+        out, self._held = self._held, []
+        return out
+
+    def _next(self, request: Request, now: float) -> list[Request]:
+        """The call after ``request`` (none when it would not fit max_len)."""
+        s, turn = request.session, request.turn + 1
         rng = self._rngs[s]
         new = rng.integers(0, self.vocab, self._uniform(s, self.turn_tokens)).astype(np.int32)
         prompt = np.concatenate([request.prompt, np.asarray(request.tokens, np.int32), new])
-        wait = float(rng.exponential(self.tool_wait_s)) if self.tool_wait_s > 0 else 0.0
+        warm = self.warmup_first and turn == 1
+        wait = (float(rng.exponential(self.tool_wait_s)) if self.tool_wait_s > 0 and not warm
+                else 0.0)
         call = self._call(s, turn, prompt, now + wait)
         if len(prompt) + call.max_new_tokens > self.max_len:
             self.truncated += 1
@@ -208,6 +231,7 @@ class RepeatInputs:
     repeat: float
     vocab: int
     seed: int = 0
+    warmup_first: bool = False
 
     def __post_init__(self):
         if not 0.0 <= self.repeat <= 1.0:
