@@ -142,7 +142,9 @@ class CountingEngine(Engine):
         return super().admit(request, *a, prefix=prefix, **kw)
 
 
-def test_prefix_reuse_detaches_continuing_sessions_and_admits_with_their_prefix(params):
+@pytest.mark.parametrize("warmup_first", [False, True])
+def test_prefix_reuse_detaches_continuing_sessions_and_admits_with_their_prefix(params,
+                                                                                warmup_first):
     """Three sessions of three calls (resident): every call but a session's last is detached,
     every call but the first admits with its session's prefix (only the suffix prefilled,
     the prefix streamed from host), none is left at the end; every call's greedy tokens
@@ -152,6 +154,7 @@ def test_prefix_reuse_detaches_continuing_sessions_and_admits_with_their_prefix(
               tool_wait_s=0.2, seed=3)
     engine = make_engine(params, slots=2, cls=CountingEngine)
     clock = Clock(step_s=0.01, prefill_token_s=1e-3)
+    kw["warmup_first"] = warmup_first  # calls 1 held back until every call 0 finished
     sched = Scheduler(engine, clock=clock, workload=MultiTurn(**kw), prefix_reuse=True)
     sched.run()
     done = sched.finished

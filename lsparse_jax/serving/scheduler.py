@@ -39,7 +39,8 @@ Workloads (``serving.workloads``): ``workload`` submits its ``initial()`` reques
 each request finishes, those ``on_finish(request, now)`` returns (closed-loop clients, the next
 call of a multi-turn session after its tool wait). Prefix reuse (``prefix_reuse``, either
 mode): a finished call whose session goes on is detached (``Engine.detach``: its context stays
-host-resident as a ``Prefix``) instead of released, and the session's next call is admitted
+host-resident as a ``Prefix``; also when the workload holds the next call back, its
+``held_sessions``) instead of released, and the session's next call is admitted
 with it (``Engine.admit(request, prefix=...)``: only the new suffix is prefilled, the prefix
 streamed from host; in chunked mode too, whole); the fixed clock then charges prefill for the
 suffix only. Held prefixes keep host pages: an admission the host pool cannot hold evicts the
@@ -329,8 +330,9 @@ class Scheduler:
         r = self.running.pop(slot)
         r.finish_reason = self._stop_reason(r)
         nxt = [] if self.workload is None else self.workload.on_finish(r, self.clock.now)
-        if self.prefix_reuse and r.session is not None \
-                and any(n.session == r.session for n in nxt):
+        goes_on = (any(n.session == r.session for n in nxt)
+                   or r.session in getattr(self.workload, "held_sessions", ()))
+        if self.prefix_reuse and r.session is not None and goes_on:
             self.prefixes[r.session] = self.engine.detach(slot)
         else:
             self.engine.release(slot)

@@ -173,6 +173,12 @@ class MultiTurn:
         out, self._held = self._held, []
         return out
 
+    @property
+    def held_sessions(self) -> set:
+        """Sessions whose next call is made but held back (warmup_first, before the window
+        opens): they go on, so a scheduler keeps their prefixes."""
+        return {c.session for c in self._held}
+
     def _next(self, request: Request, now: float) -> list[Request]:
         """The call after ``request`` (none when it would not fit max_len)."""
         s, turn = request.session, request.turn + 1
