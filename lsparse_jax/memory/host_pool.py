@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_batching import custom_vmap
 
-from pallas_kernels.common import on_gpu
+from pallas_kernels.common import as_bytes, cpu_fp8, from_bytes, on_gpu
 from pallas_kernels.gather_rows.api import gather_rows
 
 HOST = jax.memory.Space.Host  # pinned_host
@@ -82,11 +82,6 @@ def write_host_page(pool, page, rows):
     return jax.lax.dynamic_update_slice(pool, update, (page * rows.shape[0], 0))
 
 
-def _cpu_fp8(pool) -> bool:
-    return pool.dtype.itemsize == 1 and jnp.issubdtype(pool.dtype, jnp.floating) and \
-        not on_gpu()
-
-
 def byte_view(pool, rows):
     """(pool, rows) with every FP8 pool leaf and its rows seen as uint8 bytes on a CPU
     backend (rows converted to the pool's dtype first); other leaves, and every leaf on a GPU,
@@ -94,16 +89,14 @@ def byte_view(pool, rows):
     to f16 and back around each page written, O(pool) per page (measured: a 200-slot
     LeanSparse admission 15.7 s); as bytes the pages are written in place. Write the pages,
     then ``from_byte_view``."""
-    as_bytes = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8)  # noqa: E731
-    return (jax.tree.map(lambda p: as_bytes(p) if _cpu_fp8(p) else p, pool),
-            jax.tree.map(lambda p, r: as_bytes(r.astype(p.dtype)) if _cpu_fp8(p) else r,
+    return (jax.tree.map(as_bytes, pool),
+            jax.tree.map(lambda p, r: as_bytes(r.astype(p.dtype)) if cpu_fp8(p.dtype) else r,
                          pool, rows))
 
 
 def from_byte_view(viewed, like):
     """``byte_view``'s pool back in the dtypes of ``like`` (the pool before the view)."""
-    return jax.tree.map(lambda v, p: jax.lax.bitcast_convert_type(v, p.dtype)
-                        if _cpu_fp8(p) else v, viewed, like)
+    return jax.tree.map(lambda v, p: from_bytes(v, p.dtype), viewed, like)
 
 
 class CapacityError(RuntimeError):

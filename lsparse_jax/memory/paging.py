@@ -9,6 +9,7 @@ import numpy as np
 from flax import struct
 
 from lsparse_jax.memory.host_pool import byte_view, from_byte_view, write_host_page
+from pallas_kernels.common import as_bytes, from_bytes
 
 
 @jax.jit
@@ -37,18 +38,22 @@ def page_out(pool, rows, pages, count, page: int, start=0):
 
 def put_pages(pool, dest, rows, count, page: int):
     """pool [NO * P, D] with page dest[j] = rows(j) [P, D], for j < count with dest[j] >= 0
-    (other pages unchanged). ``pool`` and ``rows(j)`` may be pytrees of such arrays."""
+    (other pages unchanged). ``pool`` and ``rows(j)`` may be pytrees of such arrays. FP8
+    leaves move as bytes on CPU (``pallas_kernels.common.cpu_fp8``)."""
+    dtypes = jax.tree.map(lambda leaf: leaf.dtype, pool)
+
     def body(j, out):
         at = jnp.maximum(dest[j], 0) * page
 
-        def put(leaf, new):
-            new = jnp.where(dest[j] >= 0, new.astype(leaf.dtype),
+        def put(leaf, new, dtype):
+            new = jnp.where(dest[j] >= 0, as_bytes(new.astype(dtype)),
                             jax.lax.dynamic_slice_in_dim(leaf, at, page))
             return jax.lax.dynamic_update_slice_in_dim(leaf, new, at, 0)
 
-        return jax.tree.map(put, out, rows(j))
+        return jax.tree.map(put, out, rows(j), dtypes)
 
-    return jax.lax.fori_loop(0, count, body, pool)
+    out = jax.lax.fori_loop(0, count, body, jax.tree.map(as_bytes, pool))
+    return jax.tree.map(from_bytes, out, dtypes)
 
 
 @struct.dataclass

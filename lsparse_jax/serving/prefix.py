@@ -39,6 +39,7 @@ from lsparse_jax.memory.device_pool import PoolView, gather_slot_rows
 from lsparse_jax.methods import policy
 from lsparse_jax.model.cache import LayerCache
 from lsparse_jax.model.store import ResidentKeys, ResidentKV
+from pallas_kernels.common import as_bytes, from_bytes
 
 DEVICE = jax.memory.Space.Device
 
@@ -143,19 +144,22 @@ def _from_host(pool, pages, full, tail, page: int, num_rows: int):
     page j < full, one page-granular slice + device_put each; the tail at page ``full``; NaN
     elsewhere."""
     size = pages.shape[0] * page + page
-    buf = jax.tree.map(lambda t: jnp.full((size,) + t.shape[1:], jnp.nan, t.dtype), tail)
+    # FP8 on CPU moves as bytes (pallas_kernels.common.cpu_fp8)
+    buf = jax.tree.map(lambda t: as_bytes(jnp.full((size,) + t.shape[1:], jnp.nan, t.dtype)),
+                       tail)
 
     def body(j, buf):
         def put(b, p):
             rows = jax.lax.dynamic_slice_in_dim(p, pages[j] * page, page)
-            return jax.lax.dynamic_update_slice_in_dim(b, jax.device_put(rows, DEVICE),
-                                                       j * page, 0)
+            return jax.lax.dynamic_update_slice_in_dim(
+                b, as_bytes(jax.device_put(rows, DEVICE)), j * page, 0)
         return jax.tree.map(put, buf, pool)
 
     buf = jax.lax.fori_loop(0, full, body, buf)
-    buf = jax.tree.map(lambda b, t: jax.lax.dynamic_update_slice_in_dim(b, t, full * page, 0),
+    buf = jax.tree.map(lambda b, t: jax.lax.dynamic_update_slice_in_dim(b, as_bytes(t),
+                                                                          full * page, 0),
                        buf, tail)
-    return jax.tree.map(lambda b: b[:num_rows], buf)
+    return jax.tree.map(lambda b, t: from_bytes(b[:num_rows], t.dtype), buf, tail)
 
 
 @functools.partial(jax.jit, static_argnames=("num_rows", "page"))

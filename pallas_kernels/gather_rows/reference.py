@@ -15,6 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import as_bytes, from_bytes
+
 DEVICE = jax.memory.Space.Device
 
 
@@ -24,12 +26,12 @@ def gather_rows_xla(table: jnp.ndarray, ids: jnp.ndarray) -> jnp.ndarray:
     n, d = ids.shape[0], table.shape[1]
     valid = ids >= 0
     order = jnp.argsort(~valid, stable=True)  # valid ids first
-    out = jnp.full((n, d), jnp.nan, table.dtype)
+    out = as_bytes(jnp.full((n, d), jnp.nan, table.dtype))  # FP8 on CPU: moved as bytes
 
     def body(j, out):
         slot = order[j]
         row = jax.lax.dynamic_slice(table, (ids[slot], 0), (1, d))  # [1, D] in table's space
-        row = jax.device_put(row, DEVICE)
+        row = as_bytes(jax.device_put(row, DEVICE))
         return jax.lax.dynamic_update_slice(out, row, (slot, 0))
 
-    return jax.lax.fori_loop(0, jnp.sum(valid), body, out)
+    return from_bytes(jax.lax.fori_loop(0, jnp.sum(valid), body, out), table.dtype)

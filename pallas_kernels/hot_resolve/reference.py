@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
+from pallas_kernels.common import as_bytes, from_bytes
+
 DEVICE = jax.memory.Space.Device
 INT32_MAX = jnp.iinfo(jnp.int32).max
 
@@ -87,10 +89,11 @@ def move_rows_xla(hot_rows, pool, src, dst):
     def body(i, rows):
         j = order[i]
         row = jax.lax.dynamic_slice(pool, (src[j], 0), (1, d))  # [1, D] where the pool lives
-        row = jax.device_put(row, DEVICE)
+        row = as_bytes(jax.device_put(row, DEVICE))  # FP8 on CPU: moved as bytes
         return jax.lax.dynamic_update_slice(rows, row, (dst[j], 0))
 
-    return jax.lax.fori_loop(0, jnp.sum(valid), body, hot_rows)
+    moved = jax.lax.fori_loop(0, jnp.sum(valid), body, as_bytes(hot_rows))
+    return from_bytes(moved, hot_rows.dtype)
 
 
 def vmappable(move):
