@@ -170,6 +170,9 @@ def test_memory_model_counts_bytes_at_its_depth_and_changes_no_token(resident):
     other = dataclasses.replace(deep, cache=dataclasses.replace(deep.cache, num_slots=4))
     with pytest.raises(ValueError, match="memory_model must equal"):
         Scheduler(resident, memory_model=other)
+    pooled = make_engine(device_pages=64)
+    with pytest.raises(ValueError, match="device pools"):
+        Scheduler(pooled, memory_model=dataclasses.replace(pooled.config, model=deep.model))
 
 
 def test_slots_bound_admission(resident):

@@ -442,6 +442,9 @@ def _check_memory_model(engine: Engine, memory: EngineConfig) -> None:
     if dataclasses.replace(memory, model=model) != served:
         raise ValueError("Scheduler: memory_model must equal the engine's config except for "
                          "the model's layer_pattern and max_len")
+    if served.cache.device_pages is not None:
+        raise ValueError("Scheduler: memory_model counts a byte budget; device pools "
+                         "(CacheConfig.device_pages) admit by the engine's own pages")
     if type(engine).request_device_bytes is not Engine.request_device_bytes:
         raise ValueError(f"Scheduler: memory_model counts a plain engine's bytes; "
                          f"{type(engine).__name__} adds its own")
