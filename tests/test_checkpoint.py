@@ -77,7 +77,8 @@ def test_accuracy_cli_on_the_checkpoint(tmp_path, monkeypatch):
     rc = main(["run", "configs/experiments/accuracy.gin", "--gin.accuracy.lengths=(1024,)",
                "--gin.accuracy.examples=2", "--gin.accuracy.tasks=('niah',)",
                "--gin.accuracy.methods=('resident', 'hisparse', 'direct_pq')",
-               "--gin.accuracy.num_slots=2", "--gin.run.name='acc'"])
+               "--gin.accuracy.num_slots=2", "--gin.accuracy.calibration_tokens=2048",
+               "--gin.run.name='acc'"])  # direct_pq's codebooks: 2K tokens, not 4K
     assert rc == 0
     results = json.loads((tmp_path / "acc" / "results.json").read_text())
     assert results["complete"] and (tmp_path / "acc" / "accuracy.png").exists()

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from lsparse_jax.config import CacheConfig, EngineConfig
+from lsparse_jax.config import CacheConfig, EngineConfig, LeanSparseConfig
 from lsparse_jax.serving.engine import Engine
 from tests.helpers import model_and_codebooks, tiny
 
@@ -23,7 +23,11 @@ def make(method):
     cache = CacheConfig(num_slots=3, prefill_chunk=32, page_size=4,
                         hot_cache_rows=None if method == "resident" else 16,
                         optional_pages=6 if method == "adaptive" else None, refill_pages=2)
-    engine = Engine(EngineConfig(model=cfg, cache=cache, method=method), params,
+    # C 32 >= the tiny preset's top-k 16, and >= the <= 28 compressed rows these requests reach,
+    # as the default C 2048 is: every row is a candidate either way (the default's 4K-row key
+    # cache made one decode step ~140x slower on CPU)
+    lean = LeanSparseConfig(num_candidates=32, key_cache_rows=64)
+    engine = Engine(EngineConfig(model=cfg, cache=cache, method=method, leansparse=lean), params,
                     books if method == "leansparse" else None)
     rng = np.random.default_rng(3)
     for n in (41, 70):  # slot 2 stays idle

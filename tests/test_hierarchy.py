@@ -2,6 +2,7 @@
 
 import collections
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -190,6 +191,11 @@ class LRUModel:
         return tail, len(hits), len(misses)
 
 
+# jitted as the decode step runs it: one compile per example's shapes (op by op, its many
+# small ops each compiled per shape cost ~1.7x the time)
+_jit_resolve = jax.jit(resolve)
+
+
 @settings(deadline=None, max_examples=30)
 @given(seed=st.integers(0, 2**16), capacity=st.integers(4, 12), k=st.integers(1, 4),
        universe=st.integers(4, 40), steps=st.integers(1, 25))
@@ -212,7 +218,8 @@ def test_lru_matches_python_model(seed, capacity, k, universe, steps):
     for _ in range(steps):
         sel = rng.choice(universe, size=k, replace=False).astype(np.int32)
         sel[rng.random(k) < 0.2] = -1  # padding
-        rows, hot, counts = resolve(hot, jnp.asarray(sel), tail, paged, jnp.asarray(perm), pool)
+        rows, hot, counts = _jit_resolve(hot, jnp.asarray(sel), tail, paged, jnp.asarray(perm),
+                                         pool)
         assert tuple(np.asarray(counts)) == model.step(list(sel), paged)
         assert_resolved_rows(rows, sel, truth)
         pos, stamps = np.asarray(hot.positions), np.asarray(hot.stamps)

@@ -25,8 +25,10 @@ LOGIT_ATOL = 1e-4
 
 
 def run_identity(*args: str, timeout: int = 900) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
-               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    # the parent's XLA_FLAGS (tests/conftest.py's CPU optimization level) go along: both
+    # engines of the comparison run in the subprocess under the same flags
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), XLA_FLAGS=flags.strip())
     done = subprocess.run([sys.executable, "-m", "tests.tp_identity", *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-4000:]

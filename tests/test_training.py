@@ -29,11 +29,15 @@ def test_indexer_loss_reaches_only_the_indexer(dense):
     tokens = jnp.asarray(rng.integers(0, 256, (2, 64)), jnp.int32)
     weights = jnp.ones((2, 64), jnp.float32)
 
+    # the two loss weights are arguments of one compiled gradient (not constants of two)
+    @jax.jit
+    @jax.grad
+    def grad_fn(p, lm_scale, kl_weight):
+        _, aux = loss_fn(p, cfg, tokens, tokens, weights, dense, kl_weight)
+        return lm_scale * aux["lm"] + kl_weight * aux["kl"]
+
     def grads(lm_scale, kl_weight):
-        def f(p):
-            _, aux = loss_fn(p, cfg, tokens, tokens, weights, dense, kl_weight)
-            return lm_scale * aux["lm"] + kl_weight * aux["kl"]
-        return jax.tree_util.tree_leaves_with_path(jax.jit(jax.grad(f))(params))
+        return jax.tree_util.tree_leaves_with_path(grad_fn(params, lm_scale, kl_weight))
 
     for path, g in grads(1.0, 0.0):
         g = np.asarray(g)
@@ -91,10 +95,13 @@ def test_train_resumes_to_the_same_parameters(tmp_path):
     cfg = tiny(max_len=384)
     tc = TrainConfig(seq_len=320, batch=2, dense_steps=1, sparse_steps=1, warmup=1,
                      checkpoint_every=1, mix=(("niah", 1.0),), extra_queries=1)
-    straight, hist = train(cfg, tc, tmp_path / "a", progress=False, log=lambda *_: None)
+    # eval_batch 2: 8 held-out evaluation sequences, not the default's 204 (the evaluation
+    # only writes the history; it does not touch the parameters)
+    quiet = dict(progress=False, log=lambda *_: None, eval_batch=2)
+    straight, hist = train(cfg, tc, tmp_path / "a", **quiet)
     assert [h["phase"] for h in hist] == ["dense", "sparse"]
-    train(cfg, tc, tmp_path / "b", progress=False, log=lambda *_: None, stop_at=1)
-    resumed, _ = train(cfg, tc, tmp_path / "b", progress=False, log=lambda *_: None)
+    train(cfg, tc, tmp_path / "b", stop_at=1, **quiet)
+    resumed, _ = train(cfg, tc, tmp_path / "b", **quiet)
     for x, y in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     from lsparse_jax.training import save_params
