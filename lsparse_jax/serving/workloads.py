@@ -65,7 +65,6 @@ class ClosedLoop:
     vocab: int
     think_s: float = 0.0
     seed: int = 0
-    warmup_first: bool = False
 
     def __post_init__(self):
         for name in ("clients", "input_tokens", "output_tokens", "requests_per_client"):
@@ -237,7 +236,6 @@ class RepeatInputs:
     repeat: float
     vocab: int
     seed: int = 0
-    warmup_first: bool = False
 
     def __post_init__(self):
         if not 0.0 <= self.repeat <= 1.0:
