@@ -11,9 +11,9 @@ Each method admits a prompt, decodes 4 tokens, detaches, and admits prompt + res
 suffix from the prefix; the last of ``--repeats`` admissions is reported (compiles excluded).
 The split waits for each timed call, so the next layer's load no longer overlaps this layer's
 compute: the total is an upper bound of an untimed admission's (compare methods alike).
-Writes ``prefix_admit.json`` to --out when given. Session-14 CPU figures (RESULTS.md "Session
-14", 2 cores, jax 0.12.0.1, tiny at max_len 8192, 6000 + 300 tokens): hisparse 0.104 s
-(admit_layer 0.088), echo 0.095 (0.078), leansparse 0.301 (0.278).
+Writes ``prefix_admit.json`` to --out when given (after every method). Session-14 CPU
+figures (RESULTS.md "Session 14", 2 cores, jax 0.12.0.1, tiny at max_len 8192, 6000 + 300
+tokens): hisparse 0.104 s (admit_layer 0.088), echo 0.095 (0.078), leansparse 0.301 (0.278).
 """
 
 import argparse
@@ -108,12 +108,12 @@ def main():
         print(f"{method:<11} admission {total:.3f} s: prefix load {row['prefix_load_s']:.3f}, "
               f"admit_layer {row['admit_layer_s']:.3f}, rest {row['rest_s']:.3f}", flush=True)
         del engine
-    if args.out:
-        out = pathlib.Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "prefix_admit.json").write_text(json.dumps({
-            "args": vars(args), "device": jax.devices()[0].device_kind,
-            "jax": jax.__version__, "results": results}, indent=1))
+        if args.out:
+            out = pathlib.Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "prefix_admit.json").write_text(json.dumps({
+                "args": vars(args), "device": jax.devices()[0].device_kind,
+                "jax": jax.__version__, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

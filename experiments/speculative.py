@@ -2,7 +2,8 @@
 method and concurrency, on the trained model.
 
 Gin header -- must be set: run.experiment, run.name, speculative.model, speculative.checkpoint.
-Run (GPU): lsparse run configs/experiments/speculative.gin
+Run (GPU): lsparse run configs/experiments/speculative.gin; the V4-slice cost side (random
+weights, ``checkpoint=None``, an untrained drafter): configs/experiments/speculative_v4.gin
 Writes runs/<name>/{config.gin, results.json, speculative.png} and copies results.json to
 ``speculative.results_dir`` (default results/speculative/).
 
@@ -12,7 +13,9 @@ prompts): output tokens/s over the decode phase (drafting and verification inclu
 acceptance length (tokens emitted per verification), the union-miss ratio (host rows fetched
 once per verification block over the sum of each query's own misses), the drafter's time
 share, and whether the speculative tokens equal the plain ones (greedy-exact). Without a
-drafter checkpoint an untrained drafter runs (the cost side: acceptance ~1).
+drafter checkpoint an untrained drafter runs (the cost side: acceptance ~1); without a target
+checkpoint (``checkpoint=None``) the target has random weights of seed 0 (shapes only: its NIAH
+answers mean nothing, its greedy tokens still must equal plain decoding's).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from lsparse_jax.config import (
     SamplingConfig,
     method_storage,
 )
+from lsparse_jax.model import init_params
 from lsparse_jax.model.drafter import init_drafter
 from lsparse_jax.serving.engine import Engine
 from lsparse_jax.serving.speculative import SpecEngine, check_spec
@@ -74,7 +78,7 @@ def _serve(engine, prompts, decode_tokens):
 
 
 @gin.configurable
-def speculative(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
+def speculative(name: str, model=gin.REQUIRED, checkpoint: str | None = gin.REQUIRED,
                 drafter_checkpoint: str | None = None, drafter: DrafterConfig | None = None,
                 methods=METHODS, concurrencies=(1, 2, 4, 8), prompt_tokens: int = 4096,
                 decode_tokens: int = 128, prefill_chunk: int = 1024, hot_cache_rows: int = 128,
@@ -83,9 +87,11 @@ def speculative(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
                 implementation: str | None = None, codebook_tokens: int = 4096,
                 results_dir: str | None = "results/speculative",
                 time_limit_s: float | None = None, resume_from: str | None = None):
-    """drafter_checkpoint: a trained drafter (experiments/train_drafter.py); None = an
-    untrained one of config ``drafter``. num_candidates, key_cache_rows: leansparse's C and
-    key cache (miss filter off: its selection is then independent of the key-cache order).
+    """checkpoint: the target's checkpoint; None = random weights (seed 0: the cost side at
+    shapes no checkpoint exists for). drafter_checkpoint: a trained drafter
+    (experiments/train_drafter.py); None = an untrained one of config ``drafter``.
+    num_candidates, key_cache_rows: leansparse's C and key cache (miss filter off: its
+    selection is then independent of the key-cache order).
     Cells run concurrency by concurrency (every method at the first one first); results are
     written after each cell; time_limit_s: start no cell after this many seconds (the results
     say ``complete: false``). resume_from: a results.json of an earlier run with the same
@@ -103,7 +109,8 @@ def speculative(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
     v.number("speculative.time_limit_s", time_limit_s, lo=0, none_ok=True)
     cfg = v.fit_model(model, prompt_tokens + decode_tokens + 1,
                       "speculative.prompt_tokens + decode_tokens + 1")
-    path = v.checkpoint_path("speculative.checkpoint", checkpoint)
+    path = None if checkpoint is None else v.checkpoint_path("speculative.checkpoint",
+                                                             checkpoint)
     if drafter_checkpoint is not None:
         dpath = v.checkpoint_path("speculative.drafter_checkpoint", drafter_checkpoint)
         from lsparse_jax.training.drafter import load_drafter
@@ -119,7 +126,8 @@ def speculative(name: str, model=gin.REQUIRED, checkpoint: str = gin.REQUIRED,
                                optional_pages, implementation, lean), dcfg)
     except ValueError as err:
         raise v.ConfigError(f"speculative: {err}") from err
-    params = v.load_checkpoint("speculative.checkpoint", path, cfg)
+    params = (init_params(cfg, 0) if path is None
+              else v.load_checkpoint("speculative.checkpoint", path, cfg))
     books = None
     if "leansparse" in methods:
         from lsparse_jax.methods.leansparse import calibrate_codebooks

@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-Implementation = Literal["xla", "triton", "triton_fused", "triton_copy", "triton_fp8",
-                         "jax_triton", "mosaic"]
-IMPLEMENTATIONS: tuple[str, ...] = ("xla", "triton", "triton_fused", "triton_copy",
-                                   "triton_fp8", "jax_triton", "mosaic")
+Implementation = Literal["xla", "triton", "triton_fused", "triton_fused2", "triton_copy",
+                         "triton_fp8", "jax_triton", "mosaic"]
+IMPLEMENTATIONS: tuple[str, ...] = ("xla", "triton", "triton_fused", "triton_fused2",
+                                   "triton_copy", "triton_fp8", "jax_triton", "mosaic")
 
 
 def on_gpu() -> bool:

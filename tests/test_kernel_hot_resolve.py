@@ -28,6 +28,7 @@ from tests.helpers import assert_resolved_rows
 
 IMPLS = ["xla", "triton_copy"]
 FUSED = "triton_fused"
+FUSED2 = "triton_fused2"  # the same kernels in two launches (block barriers between steps)
 HOST = jax.memory.Space.Host  # pinned_host
 
 
@@ -212,6 +213,13 @@ def test_fused_matches_lru_model_under_vmap(case):
               impls=("xla", FUSED))
 
 
+def test_fused2_matches_lru_model_under_vmap():
+    """triton_fused2 (map, control and order in one program a request) against the model and
+    xla, k = B (every row may be taken)."""
+    _run_case(World(seed=13, s=2, b=12, k=12, leaves=[(32, "float8_e4m3fn")]), steps=4,
+              pytree=False, impls=("xla", FUSED2))
+
+
 def test_fused_moves_e8m0_scales_bit_for_bit():
     """FP8 KV rows of ``kv_dtype="fp8_v4"``: e4m3 values [B, 16] and e8m0 scales [B, 2] (NaN
     0xFF included) from a pinned_host pool; the fused kernels move the e8m0 leaf as its uint8
@@ -325,23 +333,25 @@ def test_triton_lowers_for_cuda_pytree():
     assert text.count(common.TRITON_CALL_TARGET) == 2
 
 
-def test_fused_lowers_for_cuda_under_vmap():
+@pytest.mark.parametrize("impl, launches", [(FUSED, 4), (FUSED2, 2)])
+def test_fused_lowers_for_cuda_under_vmap(impl, launches):
     """triton_fused at the benchmark shape (64 requests, k = 512, B = 2048, D = 512 f32) and a
-    pytree of FP8 keys + f32 scales: four Triton calls (map, control, order, apply) for all
-    requests and leaves, no XLA sort or while loop, rows / positions / stamps aliased."""
+    pytree of FP8 keys + f32 scales: four Triton calls (map, control, order, apply; two for
+    triton_fused2: front, apply) for all requests and leaves, no XLA sort or while loop, rows /
+    positions / stamps aliased."""
     s = jax.ShapeDtypeStruct
     req, k, b, d, page = 64, 512, 2048, 512, 64
 
     def fn(sel, rows, pos, stamps, clock, table, pool):
         one = lambda *a: hot_resolve(*a, pool, page_size=page,  # noqa: E731
-                                     implementation="triton_fused")
+                                     implementation=impl)
         return jax.vmap(one)(sel, rows, pos, stamps, clock, table)
 
     text = common.lower_for_cuda(
         fn, s((req, k), jnp.int32), (s((req, b, d), jnp.float32), s((req, b, 1), jnp.float32)),
         s((req, b), jnp.int32), s((req, b), jnp.int32), s((req,), jnp.int32),
         s((req, 2048), jnp.int32), (s((1 << 19, d), jnp.float32), s((1 << 19, 1), jnp.float32)))
-    assert text.count(common.TRITON_CALL_TARGET) == 4
+    assert text.count(common.TRITON_CALL_TARGET) == launches
     assert "stablehlo.sort" not in text and "stablehlo.while" not in text
     call = text[text.rindex(common.TRITON_CALL_TARGET):]
     assert "output_operand_aliases" in call[:call.index("\n")]
@@ -380,11 +390,12 @@ def test_fused_many_misses_and_tied_stamps_equal_xla():
     args = (jnp.asarray(sel), jnp.asarray(rng.standard_normal((s, b, d)).astype(np.float32)),
             jnp.asarray(pos), jnp.asarray(stamps), jnp.full((s,), 3, jnp.int32),
             jnp.asarray(table))
-    outs = {impl: _step_fn(impl, page)(*args, pool) for impl in ("xla", "triton_fused")}
+    outs = {impl: _step_fn(impl, page)(*args, pool) for impl in ("xla", FUSED, FUSED2)}
     counts = np.asarray(outs["xla"][5])
     assert (counts[:, 1] > 40).all() and (counts[:, 0] > 0).all(), counts
-    for a, c in zip(jax.tree.leaves(outs["xla"]), jax.tree.leaves(outs["triton_fused"])):
-        assert _bytes(a) == _bytes(c)
+    for impl in (FUSED, FUSED2):
+        for a, c in zip(jax.tree.leaves(outs["xla"]), jax.tree.leaves(outs[impl])):
+            assert _bytes(a) == _bytes(c), impl
     one = hot_resolve(*(x[1] for x in args), pool, page_size=page,  # no vmap: S = 1
                       implementation="triton_fused")
     for a, c in zip(jax.tree.leaves(outs["xla"]), jax.tree.leaves(one)):
@@ -445,7 +456,7 @@ def test_gpu_pinned_host_pool_triton_equals_xla_and_model(dtype):
     s, b, k, d, page = 8, 1024, 256, 512, 64
     world = World(seed=7, s=s, b=b, k=k, leaves=[(d, dtype)], page=page, mp=64,
                   spare=(1 << 30) // (page * d * 4) - s * 64)
-    _run_case(world, steps=4, pytree=False, impls=("xla", "triton_copy", FUSED))
+    _run_case(world, steps=4, pytree=False, impls=("xla", "triton_copy", FUSED, FUSED2))
 
 
 @pytest.mark.gpu
@@ -455,7 +466,7 @@ def test_gpu_pinned_host_fp8_v4_rows_fused_equals_xla():
     leaf as uint8 bytes) equals "xla" and the model bit for bit on the GPU."""
     leaves = [(448, "float8_e4m3fn"), (7, "float8_e8m0fnu"), (64, "bfloat16")]
     world = World(seed=8, s=4, b=256, k=64, leaves=leaves, page=64, mp=16, spare=64)
-    _run_case(world, steps=3, pytree=True, impls=("xla", "triton_copy", "triton"))
+    _run_case(world, steps=3, pytree=True, impls=("xla", "triton_copy", "triton", FUSED2))
 
 
 @pytest.mark.gpu

@@ -19,8 +19,10 @@ row), "triton_copy" (``triton.py``: XLA control, then one Pallas-Triton kernel p
 each missed row from the pinned_host pool in place and writes it into its victim row, aliased;
 interpret mode without a GPU; leaves with D not a power of two and e8m0 leaves use the XLA
 loop), "triton_fused" (``fused.py``: the control in-kernel too, four launches for all requests
-and leaves, no XLA ops around them; any leaf dtype of ``DTYPES``, any D), and "triton", the
-decode steps' switch, which runs ``TRITON_RUNS``. None picks "triton" on a GPU and "xla"
+and leaves, no XLA ops around them; any leaf dtype of ``DTYPES``, any D), "triton_fused2"
+(the same kernels in two launches: map, control and order of a request in one program, ordered
+by block barriers, then apply), and "triton", the decode steps' switch, which runs
+``TRITON_RUNS``. None picks "triton" on a GPU and "xla"
 elsewhere. Both are vmappable over requests (the pool shared: in_axes=None); under vmap
 every request's misses go through one loop / one kernel launch.
 """
@@ -33,7 +35,7 @@ import jax.numpy as jnp
 from pallas_kernels import common
 
 OP = "hot_resolve"
-AVAILABLE = ("xla", "triton", "triton_fused", "triton_copy")
+AVAILABLE = ("xla", "triton", "triton_fused", "triton_fused2", "triton_copy")
 FASTEST_ON_GPU = "triton"
 # What implementation="triton" (the decode steps' switch) runs: "triton_fused" (control
 # in-kernel; H200, session 6: 0.179 / 0.118 ms at 5% / 0% misses vs 0.299 / 0.244 for
@@ -124,10 +126,11 @@ def hot_resolve(selected, hot_rows, hot_positions, hot_stamps, clock, page_table
     _check(selected, hot_rows, hot_positions, hot_stamps, clock, page_table, pool, page_size,
            dtypes)
     args = (selected, hot_rows, hot_positions, hot_stamps, clock, page_table, pool)
-    if impl == "triton_fused":
+    if impl in ("triton_fused", "triton_fused2"):
         from pallas_kernels.hot_resolve.fused import hot_resolve_fused
 
-        return hot_resolve_fused(*args, page_size=page_size, interpret=common.interpret())
+        return hot_resolve_fused(*args, page_size=page_size, interpret=common.interpret(),
+                                 launches=2 if impl == "triton_fused2" else 4)
     if impl == "triton_copy":
         from pallas_kernels.hot_resolve.triton import hot_resolve_triton
 

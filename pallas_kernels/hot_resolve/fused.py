@@ -24,7 +24,9 @@ Notation: S requests, k selected positions (KP = next pow2), B hot rows (BP = ne
      stamps[slot] = clock * k + j, positions[victim] = p, and every leaf's missed rows gathered
      from the pool (pinned_host read in place over PCIe, or device) as a [KB, D_l] tile and
      written into the victim rows; hot rows, positions and stamps aliased to the outputs.
-Kernel boundaries order the scratch writes and reads (Pallas-Triton has no block barrier).
+Kernel boundaries order the scratch writes and reads; launches=2 ("triton_fused2") instead runs
+steps 1-3 of a request in one program, ordered by block barriers (``plgpu.debug_barrier``,
+``__syncthreads``: the steps of one request never read another request's scratch), then 4.
 Results equal ``reference.hot_resolve_xla`` bit for bit (same LRU rule, rows copied as bytes).
 e8m0 leaves (the power-of-two scales of ``kv_dtype="fp8_v4"`` rows) cross the kernels as their
 bytes: Triton 3.6 rejects f8E8M0FNU tensors (``tt.load`` verifies element types), so such a leaf
@@ -75,10 +77,9 @@ def _slot(ok, idx, limit):
 # ----------------------------------------------------------------------------- kernels
 
 
-def _map_kernel(sel_ref, hp_ref, pos_map_ref, sel_map_ref, *, k, b, npos):
+def _map(s, sel_ref, hp_ref, pos_map_ref, sel_map_ref, *, k, b, npos):
     # inputs  sel_ref [S, k], hp_ref [S, B] int32 (ANY)
     # outputs pos_map_ref, sel_map_ref [S, NPOS] int32 scratch (ANY; only scattered entries)
-    s = pl.program_id(0)
     i = _iota(_pow2(b))
     hp = plgpu.load(hp_ref.at[s, jnp.minimum(i, b - 1)], mask=i < b, other=-1)
     ok = (i < b) & (hp >= 0) & (hp < npos)
@@ -89,12 +90,11 @@ def _map_kernel(sel_ref, hp_ref, pos_map_ref, sel_map_ref, *, k, b, npos):
     plgpu.store(sel_map_ref.at[s, _slot(ok, sel, npos)], j, mask=ok)
 
 
-def _control_kernel(sel_ref, hp_ref, st_ref, pos_map_ref, sel_map_ref,
-                    code_ref, cidx_ref, ckey_ref, cnt_ref, *, k, b, npos):
+def _control(s, sel_ref, hp_ref, st_ref, pos_map_ref, sel_map_ref,
+             code_ref, cidx_ref, ckey_ref, cnt_ref, *, k, b, npos):
     # inputs  sel_ref [S, k], hp_ref / st_ref [S, B], pos_map_ref / sel_map_ref [S, NPOS]
     # outputs code_ref [S, k] (hit row | -2 - miss rank | -1), cidx_ref / ckey_ref [S, KP]
     #         (victims in row order and their keys, first M valid), cnt_ref [S, 2] (hits, M)
-    s = pl.program_id(0)
     j = _iota(_pow2(k))
     sel = plgpu.load(sel_ref.at[s, jnp.minimum(j, k - 1)], mask=j < k, other=-1)
     want = (j < k) & (sel >= 0)
@@ -145,10 +145,9 @@ def _control_kernel(sel_ref, hp_ref, st_ref, pos_map_ref, sel_map_ref,
         plgpu.store(ckey_ref.at[s, at], key, mask=victim)
 
 
-def _order_kernel(cnt_ref, cidx_ref, ckey_ref, vict_ref):
+def _order(s, cnt_ref, cidx_ref, ckey_ref, vict_ref):
     # inputs  cnt_ref [S, 2], cidx_ref / ckey_ref [S, KP] (first M valid, row order)
     # outputs vict_ref [S, KP]: vict[r] = the victim of rank r in (key, row) order
-    s = pl.program_id(0)
     m_total = cnt_ref[s, 1]
     tiles = (m_total + TILE - 1) // TILE
     lane = _iota(TILE)
@@ -173,6 +172,39 @@ def _order_kernel(cnt_ref, cidx_ref, ckey_ref, vict_ref):
         return carry  # the carried value itself: jax 0.11's Triton lowering cannot yield a literal
 
     lax.fori_loop(0, tiles, per_a, jnp.int32(0))
+
+
+def _map_kernel(*refs, **kw):
+    _map(pl.program_id(0), *refs, **kw)
+
+
+def _control_kernel(*refs, **kw):
+    _control(pl.program_id(0), *refs, **kw)
+
+
+def _order_kernel(*refs):
+    _order(pl.program_id(0), *refs)
+
+
+def _barrier(interpret: bool):
+    """A block barrier (``__syncthreads``: this program's global writes before it are seen by
+    its reads after it). Interpret mode runs a program's statements in order: nothing to do."""
+    if not interpret:
+        plgpu.debug_barrier()
+
+
+def _front_kernel(sel_ref, hp_ref, st_ref, code_ref, cidx_ref, ckey_ref, cnt_ref, vict_ref,
+                  pos_map_ref, sel_map_ref, *, k, b, npos, interpret):
+    """map, control and order of one request in one program (launches=2): each step's
+    scratch writes are ordered before the next step's reads by a block barrier instead of a
+    kernel boundary."""
+    s = pl.program_id(0)
+    _map(s, sel_ref, hp_ref, pos_map_ref, sel_map_ref, k=k, b=b, npos=npos)
+    _barrier(interpret)
+    _control(s, sel_ref, hp_ref, st_ref, pos_map_ref, sel_map_ref, code_ref, cidx_ref,
+             ckey_ref, cnt_ref, k=k, b=b, npos=npos)
+    _barrier(interpret)
+    _order(s, cnt_ref, cidx_ref, ckey_ref, vict_ref)
 
 
 def _apply_kernel(*refs, k, kb, page, pools, dims):
@@ -214,8 +246,9 @@ def _apply_kernel(*refs, k, kb, page, pools, dims):
 # ----------------------------------------------------------------------------- XLA glue
 
 
-def _call(sel, rows, hp, st, clock, table, pools, *, page, interpret, num_warps):
-    """The four launches on S requests. sel [S, k]; rows, pools: tuples of leaves."""
+def _call(sel, rows, hp, st, clock, table, pools, *, page, interpret, num_warps, launches):
+    """The launches on S requests (4: map, control, order, apply; 2: front, apply).
+    sel [S, k]; rows, pools: tuples of leaves."""
     s_n, k = sel.shape
     b = hp.shape[1]
     npos = table.shape[1] * page
@@ -223,21 +256,31 @@ def _call(sel, rows, hp, st, clock, table, pools, *, page, interpret, num_warps)
     any_ = pl.BlockSpec(memory_space=pl.ANY)
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
     params = lambda w: plgpu.CompilerParams(num_warps=w)  # noqa: E731
-    pos_map, sel_map = pl.pallas_call(
-        functools.partial(_map_kernel, k=k, b=b, npos=npos), grid=(s_n,),
-        in_specs=[any_] * 2, out_specs=[any_] * 2, out_shape=[i32(s_n, npos)] * 2,
-        compiler_params=params(num_warps), interpret=interpret,
-        name="hot_resolve_map")(sel, hp)
-    code, cidx, ckey, counts = pl.pallas_call(
-        functools.partial(_control_kernel, k=k, b=b, npos=npos), grid=(s_n,),
-        in_specs=[any_] * 5, out_specs=[any_] * 4,
-        out_shape=[i32(s_n, k), i32(s_n, kp), i32(s_n, kp), i32(s_n, 2)],
-        compiler_params=params(max(num_warps, 8 if b >= 2048 else 4)), interpret=interpret,
-        name="hot_resolve_control")(sel, hp, st, pos_map, sel_map)
-    vict = pl.pallas_call(
-        _order_kernel, grid=(s_n,), in_specs=[any_] * 3, out_specs=any_,
-        out_shape=i32(s_n, kp), compiler_params=params(4), interpret=interpret,
-        name="hot_resolve_order")(counts, cidx, ckey)
+    control_warps = max(num_warps, 8 if b >= 2048 else 4)
+    if launches == 2:
+        code, cidx, ckey, counts, vict, _, _ = pl.pallas_call(
+            functools.partial(_front_kernel, k=k, b=b, npos=npos, interpret=interpret),
+            grid=(s_n,), in_specs=[any_] * 3, out_specs=[any_] * 7,
+            out_shape=[i32(s_n, k), i32(s_n, kp), i32(s_n, kp), i32(s_n, 2), i32(s_n, kp),
+                       i32(s_n, npos), i32(s_n, npos)],
+            compiler_params=params(control_warps), interpret=interpret,
+            name="hot_resolve_front")(sel, hp, st)
+    else:
+        pos_map, sel_map = pl.pallas_call(
+            functools.partial(_map_kernel, k=k, b=b, npos=npos), grid=(s_n,),
+            in_specs=[any_] * 2, out_specs=[any_] * 2, out_shape=[i32(s_n, npos)] * 2,
+            compiler_params=params(num_warps), interpret=interpret,
+            name="hot_resolve_map")(sel, hp)
+        code, cidx, ckey, counts = pl.pallas_call(
+            functools.partial(_control_kernel, k=k, b=b, npos=npos), grid=(s_n,),
+            in_specs=[any_] * 5, out_specs=[any_] * 4,
+            out_shape=[i32(s_n, k), i32(s_n, kp), i32(s_n, kp), i32(s_n, 2)],
+            compiler_params=params(control_warps), interpret=interpret,
+            name="hot_resolve_control")(sel, hp, st, pos_map, sel_map)
+        vict = pl.pallas_call(
+            _order_kernel, grid=(s_n,), in_specs=[any_] * 3, out_specs=any_,
+            out_shape=i32(s_n, kp), compiler_params=params(4), interpret=interpret,
+            name="hot_resolve_order")(counts, cidx, ckey)
     dims = tuple(r.shape[2] for r in rows)
     widest = max(_pow2(d) * jnp.dtype(r.dtype).itemsize for d, r in zip(dims, rows))
     kb = max(1, min(_pow2(k), 32768 // widest, 64))  # a [KB, D] tile of <= 32 KB per leaf
@@ -260,13 +303,13 @@ def _flat(x, lead):
 
 
 @functools.lru_cache(maxsize=None)
-def _batched_op(treedef, page, interpret, num_warps):
+def _batched_op(treedef, page, interpret, num_warps, launches):
     """custom_vmap'd op on S requests (leading axis); a vmap over it folds into S."""
 
     @custom_vmap
     def op(sel, rows, hp, st, clock, table, pools):
         out = _call(sel, tuple(rows), hp, st, clock, table, tuple(pools), page=page,
-                    interpret=interpret, num_warps=num_warps)
+                    interpret=interpret, num_warps=num_warps, launches=launches)
         return out
 
     @op.def_vmap
@@ -304,11 +347,13 @@ def _from_kernel_view(x, like):
 
 
 def hot_resolve_fused(selected, hot_rows, hot_positions, hot_stamps, clock, page_table, pool, *,
-                      page_size: int, interpret: bool, num_warps: int = 4):
+                      page_size: int, interpret: bool, num_warps: int = 4,
+                      launches: int = 4):
     """``hot_resolve`` of one request by the four kernels above (arguments checked by
     ``api.hot_resolve``); under ``jax.vmap`` over requests (pool shared) one launch sequence
-    serves all of them. Leaves: f32, bf16, float8_e4m3fn, or float8_e8m0fnu (moved as uint8
-    bytes), any D >= 1.
+    serves all of them. launches=2 runs map, control and order as one program a request
+    (``_front_kernel``), then apply. Leaves: f32, bf16, float8_e4m3fn, or float8_e8m0fnu
+    (moved as uint8 bytes), any D >= 1.
 
     Returns (slots [k], hot_rows, hot_positions, hot_stamps, clock + 1, counts [2]).
     """
@@ -321,7 +366,10 @@ def hot_resolve_fused(selected, hot_rows, hot_positions, hot_stamps, clock, page
                              "(use 'xla')")
     rows = [_kernel_view(r) for r in rows]
     pools = [_kernel_view(p) for p in jax.tree.leaves(pool)]
-    op = _batched_op(treedef, page_size, interpret, num_warps)
+    if launches not in (2, 4):
+        raise ValueError(f"hot_resolve: launches={launches} must be 4 (map, control, order, "
+                         "apply) or 2 (front, apply)")
+    op = _batched_op(treedef, page_size, interpret, num_warps, launches)
     one = lambda x: x[None]  # noqa: E731
     slots, rows, hp, st, clk, counts = op(
         one(selected), tuple(one(r) for r in rows), one(hot_positions), one(hot_stamps),

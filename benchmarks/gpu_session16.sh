@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Session 16's kernel call (device tool, carry [".whl"]), parts in order, each time-limited;
+# one tar comes back ($OUT/s16.tar).
+#   hot_resolve   benchmarks/hot_resolve_gpu.py: xla, triton_copy, triton_fused (4 launches)
+#                 and triton_fused2 (2 launches) at B 64, k 512, 5% / 0% misses, hot rows
+#                 donated, each checked equal to xla, with per-kernel busy time from a profile
+#                 (issue 16: <= 0.10 / 0.03 ms), then the hot_resolve GPU tests (fused2 included)
+#   prefix_admit  benchmarks/prefix_admit.py at V4 shapes (128K prefix + 2K suffix): where
+#                 LeanSparse's continuation admission spends its time on the GPU (issue 14)
+#   spec_v4       configs/experiments/speculative_v4.gin: the cost side of speculative decoding
+#                 at V4 shapes, hisparse and leansparse at C8, untrained drafter (issue 15)
+# PARTS="..." runs a subset (names above).
+source "$(dirname "$0")/gpu_lib.sh"
+part hot_resolve 120 "python3 benchmarks/hot_resolve_gpu.py --out \$OUT && \
+  python3 -m pytest -q -m gpu tests/test_kernel_hot_resolve.py -p no:cacheprovider"
+part prefix_admit 180 "python3 benchmarks/prefix_admit.py --preset v4_flash --prefix 131072 \
+  --suffix 2048 --chunk 4096 --page 64 --implementation triton --repeats 2 --out \$OUT"
+TAIL=12 part spec_v4 250 "python3 -m experiments.cli run configs/experiments/speculative_v4.gin"
+pack s16
