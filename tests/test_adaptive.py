@@ -243,3 +243,27 @@ def test_shared_budget_reclaims_whole_requests_or_waits():
     assert lent() == {0: 2, 2: 2} and e.control.spare() >= 0
     check_step(resident, e)
     assert [e.generated[s] for s in (0, 2)] == [resident.generated[s] for s in (0, 2)]
+
+
+def test_shared_budget_counts_request_extra_bytes():
+    """A controller's ``request_extra_bytes`` (a SpecEngine's ring and staging) count in
+    adaptive's shared budget: with the budget of four plain requests and extra bytes of one
+    more each, two are admitted and the third waits (SharedBudgetError, nothing changed)."""
+    from lsparse_jax.memory.accounting import request_bytes
+    from lsparse_jax.methods.adaptive import SharedBudgetError
+
+    cfg = tiny(max_len=128)
+    params, _ = model_and_tokens(cfg, 1, seed=5)
+    probe = make(cfg, params, "adaptive", optional=8, slots=4)
+    need = request_bytes(probe.config, 30).gpu_total
+    e = Engine(EngineConfig(model=cfg, method="adaptive", cache=CacheConfig(
+        num_slots=4, prefill_chunk=32, hot_cache_rows=16, page_size=PAGE, optional_pages=8,
+        shared_budget_bytes=4 * need)), params)
+    e.control.request_extra_bytes = need
+    prompt = np.arange(20, dtype=np.int32)
+    for _ in range(2):
+        e.admit(prompt, max_new_tokens=10)
+    assert e.control.spare() == 0
+    with pytest.raises(SharedBudgetError):
+        e.admit(prompt, max_new_tokens=10)
+    assert e.active.sum() == 2

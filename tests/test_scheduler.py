@@ -390,3 +390,36 @@ def test_overlap_refuses_prefix_reuse(resident):
 
     with pytest.raises(ValueError, match="overlap launches a step past"):
         Scheduler(resident, workload=MultiTurn, prefix_reuse=True, overlap=True)
+
+
+def test_serve_budget_fit_and_niah_prompts(tmp_path, monkeypatch):
+    """budget_fit=(hisparse, 2): the budget is exactly two hisparse requests' bytes at the
+    longest request, so at most two run at once and the rest wait; prompt_task='niah' serves
+    the NIAH prompts of the given length and seed range."""
+    from experiments.cli import main
+    from experiments.serve import NIAH_SEEDS, niah_prompts
+    from lsparse_jax.model import preset
+    from lsparse_jax.model.presets import fit_max_len
+    from lsparse_jax.serving.workloads import poisson_requests
+    from lsparse_jax.training.data import task_example
+
+    monkeypatch.setenv("LSPARSE_RUNS", str(tmp_path))
+    assert main(["run", "configs/experiments/serve_smoke.gin", "--gin.run.name='fit'",
+                 "--gin.serve.method='hisparse'", "--gin.serve.requests=4",
+                 "--gin.serve.arrival_rate=1000.0", "--gin.serve.prompt_tokens=(400, 400)",
+                 "--gin.serve.max_new_tokens=(4, 4)", "--gin.serve.prompt_task='niah'",
+                 "--gin.serve.budget_fit=('hisparse', 2)"]) == 0
+    out = json.loads((tmp_path / "fit" / "results.json").read_text())
+    engine = EngineConfig(model=fit_max_len(preset("tiny"), 404), method="hisparse",
+                          cache=CacheConfig(4, 64, 32, 16))
+    assert out["device_budget_bytes"] == 2 * request_bytes(engine, 404).gpu_total
+    assert out["completed"] == 4 and out["admission_waits"] > 0
+    assert max(it["active"] for it in out["trace"]) == 2
+    assert out["peak_device_bytes"] <= out["device_budget_bytes"]
+    raw = poisson_requests(3, 5.0, (380, 420), (4, 8), 256, 7)
+    got = niah_prompts(raw, 7)
+    for i, (r, g) in enumerate(zip(raw, got)):
+        want = task_example("niah", len(r.prompt), NIAH_SEEDS + 7 * 10**4 + i).prompt
+        assert list(g.prompt) == list(want) and len(want) == len(r.prompt)
+        assert (g.arrival_time, g.max_new_tokens, g.id) == (r.arrival_time, r.max_new_tokens,
+                                                             r.id)

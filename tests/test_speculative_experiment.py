@@ -26,3 +26,38 @@ def test_v4_cost_side_config_runs_greedy_exact_without_checkpoints(tmp_path):
     assert spec["greedy_identical"] is True
     assert 1.0 <= spec["acceptance_length"] <= 5.0  # gamma 4: at most 4 drafts + a bonus
     assert 0.0 <= spec["union_miss_ratio"] <= 1.0
+
+
+@pytest.mark.slow
+def test_serve_capped_with_the_drafter_counts_its_bytes(tmp_path):
+    """serve_capped.gin's path with the shipped drafter at small lengths: a SpecEngine serves
+    every request under the budget of two plain hisparse requests; its ring and staging bytes
+    count, so fewer run at once than plainly."""
+    from lsparse_jax.config import CacheConfig, EngineConfig, method_storage
+    from lsparse_jax.memory.accounting import request_bytes, spec_bytes
+    from lsparse_jax.model import preset
+    from lsparse_jax.model.presets import fit_max_len
+    from lsparse_jax.training.drafter import load_drafter
+
+    argv = ["run", "configs/experiments/serve_capped.gin", "--runs", str(tmp_path),
+            "--gin.run.name='capped'", "--gin.serve.method='adaptive'",
+            "--gin.serve.drafter_checkpoint='checkpoints/drafter_small'",
+            "--gin.serve.requests=4", "--gin.serve.prompt_tokens=(512, 512)",
+            "--gin.serve.max_new_tokens=(16, 16)", "--gin.serve.budget_fit=('hisparse', 4)",
+            "--gin.serve.num_slots=4", "--gin.serve.prefill_chunk=256",
+            "--gin.serve.optional_pages=64"]
+    assert main(argv) == 0
+    out = json.loads((tmp_path / "capped" / "results.json").read_text())
+    assert out["speculative"] and out["completed"] == 4
+    cfg = fit_max_len(preset("small"), 528)
+    plain = lambda m: request_bytes(EngineConfig(  # noqa: E731
+        model=cfg, method=m, cache=CacheConfig(4, 256, 128, 16, optional_pages=64
+                                               if method_storage(m).lent_pages else None)),
+        528).gpu_total
+    ring = sum(spec_bytes(EngineConfig(model=cfg, method="adaptive", cache=CacheConfig(
+        4, 256, 128, 16, optional_pages=64)), load_drafter("checkpoints/drafter_small")[1])
+        .values())
+    assert out["device_budget_bytes"] == 4 * plain("hisparse")
+    fits = out["device_budget_bytes"] // (plain("adaptive") + ring)
+    assert 1 <= max(it["active"] for it in out["trace"]) <= fits < 4
+    assert out["peak_device_bytes"] <= out["device_budget_bytes"]

@@ -203,7 +203,7 @@ class AdaptiveController(PagedController):
             grant, before = super().reserve(slot, total_tokens, prompt_tokens, held)
             victims, ready = self.residency.admit(slot, full)
         else:
-            need = request_bytes(engine, total_tokens).gpu_total
+            need = request_bytes(engine, total_tokens).gpu_total + self.request_extra_bytes
             if need > self.budget:
                 raise ValueError(f"adaptive: a request of {total_tokens} tokens needs {need} "
                                  f"required bytes, more than CacheConfig.shared_budget_bytes="

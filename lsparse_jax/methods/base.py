@@ -99,7 +99,13 @@ def _no_host_pages(pages) -> None:
 
 
 class Controller:
-    """Control plane of a method that keeps no host-side bookkeeping."""
+    """Control plane of a method that keeps no host-side bookkeeping.
+
+    request_extra_bytes: device bytes every request holds beyond ``request_bytes`` (a
+    ``SpecEngine``'s drafter ring and verification staging); a controller that budgets device
+    bytes itself (adaptive's shared budget) counts them."""
+
+    request_extra_bytes: int = 0
 
     def reserve(self, slot: int, total_tokens: int, prompt_tokens: int,
                 held=()) -> tuple[Grant, list[Update]]:

@@ -453,6 +453,7 @@ class SpecEngine(Engine):
         self.time_drafter = time_drafter
         check_spec(config, self.dcfg)
         super().__init__(config, params, codebooks)
+        self.control.request_extra_bytes = sum(spec_bytes(config, self.dcfg).values())
         self.spec = empty_spec_state(self.dcfg, config.cache.num_slots)
         self._draft_rng = jax.random.key(config.sampling.seed + 2)
         self.acceptance: list[int] = []  # tokens emitted per slot per verification
