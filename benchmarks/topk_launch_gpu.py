@@ -67,7 +67,13 @@ CORE = ("lax_top_k", "triton", "triton_fused")
 SWEEP = ("thr_kernel", "b8192", "b32768", "fb32", "s1024", "floor")
 FUSED_TUNABLES = {"thr_kernel": dict(threshold_kernel=True), "b8192": dict(block=8192),
                   "b32768": dict(block=32768), "fb32": dict(floor_bits=32),
-                  "s1024": dict(sample=1024), "floor": {}}
+                  "s1024": dict(sample=1024), "floor": {},
+                  # --sweep only (session 16): select / finish warps, select chunk and block
+                  "sw4": dict(select_warps=4), "sw16": dict(select_warps=16),
+                  "fw4": dict(finish_warps=4), "fw16": dict(finish_warps=16),
+                  "c1024": dict(chunk=1024), "c2048": dict(chunk=2048),
+                  "b8192c2048": dict(block=8192, chunk=2048),
+                  "b4096c1024sw4": dict(block=4096, chunk=1024, select_warps=4)}
 CMD_BUFFER = {  # name -> XLA_FLAGS added in the child process
     "default": "",
     "off": "--xla_gpu_enable_command_buffer=",
@@ -217,6 +223,9 @@ def main():
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--shape-index", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--variants", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--sweep", default="", help="comma-separated FUSED_TUNABLES names: time "
+                    "only triton_fused and these at the first shape (no core table, no "
+                    "command-buffer children)")
     a = ap.parse_args()
     if a.smoke:
         a.repeats = min(a.repeats, 3)
@@ -270,10 +279,16 @@ def main():
             print(json.dumps(row), flush=True)
             save()
 
-    for index in range(len(shapes)):
+    if a.sweep:
+        names = a.sweep.split(",")
+        unknown = [n for n in names if n not in FUSED_TUNABLES]
+        if unknown:
+            raise SystemExit(f"--sweep: unknown {unknown}; known {sorted(FUSED_TUNABLES)}")
+        run_rows(0, ["triton_fused"] + names)
+    for index in range(0 if a.sweep else len(shapes)):
         run_rows(index, CORE)
     data.clear()
-    for setting, flags in CMD_BUFFER.items():  # children need the device memory
+    for setting, flags in ({} if a.sweep else CMD_BUFFER).items():  # children need the memory
         if left() <= 0:
             cmd_rows.append(dict(setting=setting, xla_flags=flags, skipped="skipped: budget"))
             continue
@@ -281,8 +296,9 @@ def main():
         cmd_rows.extend(got)
         print(json.dumps(got), flush=True)
         save()
-    run_rows(0, SWEEP)
-    run_rows(len(shapes) - 1, ("floor", "thr_kernel", "s1024"))
+    if not a.sweep:
+        run_rows(0, SWEEP)
+        run_rows(len(shapes) - 1, ("floor", "thr_kernel", "s1024"))
     save()
     keys = ["n", "k", "variant", "call_ms", "batch_ms", "sets_equal", "fast", "kernels",
             "busy_us", "span_us", "device_to_host"]
