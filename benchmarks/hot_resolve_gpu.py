@@ -18,7 +18,6 @@ hot_resolve_gpu.json to --out.
 """
 
 import argparse
-import collections
 import json
 import pathlib
 import tempfile
@@ -26,7 +25,7 @@ import time
 
 import jax
 import numpy as np
-from traces import gpu_events  # benchmarks/traces.py
+from traces import gpu_events, per_call  # benchmarks/traces.py
 
 from experiments.cases import hot_resolve as case
 from pallas_kernels.hot_resolve.reference import resolve_control
@@ -62,20 +61,13 @@ def time_program(fn, fresh_rows, rest, pool):
 
 
 def profile(fn, fresh_rows, rest, pool):
-    """(kernels per call {name: busy us}, span us per call) from one traced run."""
+    """``traces.per_call`` of one traced run of the program (SETS calls)."""
     rows = fresh_rows()
     jax.block_until_ready(rows)
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
             jax.block_until_ready(fn(rows, rest, pool))
-        ev = [e for e in gpu_events(pathlib.Path(tmp)) if "memset" not in e[0].lower()]
-    if not ev:
-        return {}, None
-    busy = collections.defaultdict(float)
-    for name, _, dur in ev:
-        busy[name] += dur / SETS
-    span = (max(s + d for _, s, d in ev) - min(s for _, s, _ in ev)) / SETS
-    return dict(busy), span
+        return per_call(gpu_events(pathlib.Path(tmp)), SETS)
 
 
 def check(sets, table, pool, miss_fraction):
@@ -126,9 +118,9 @@ def main():
                             "fraction_of_link": link / t / case.LINK_BYTES_PER_S})
             if impl.startswith("triton"):
                 try:
-                    busy, span = profile(programs[impl], fresh, rest, pool)
-                    results[-1].update(kernels_us=busy, span_us=span,
-                                       busy_us=sum(busy.values()))
+                    got = profile(programs[impl], fresh, rest, pool)
+                    results[-1].update(kernels_us=got.get("by_name", {}),
+                                       span_us=got.get("span_us"), busy_us=got.get("busy_us"))
                 except Exception as err:  # a profiler problem must not cost the timings
                     results[-1].update(profile_error=f"{type(err).__name__}: {err}"[:300])
     meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,

@@ -56,7 +56,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from timing import median_time  # noqa: E402  (benchmarks/timing.py)
-from traces import gpu_events  # noqa: E402  (benchmarks/traces.py)
+from traces import gpu_events, per_call  # noqa: E402  (benchmarks/traces.py)
 
 from pallas_kernels.common import on_gpu  # noqa: E402
 
@@ -121,16 +121,12 @@ def profile(program, args, calls):
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
             jax.block_until_ready(program(*args))
         ev = gpu_events(pathlib.Path(tmp))
-    if not ev:
+    got = per_call(ev, calls)
+    if not got:
         return dict(kernels=None)
     d2h = sum("DtoH" in e[0] or "Device -> Host" in e[0] for e in ev)
-    ev = [e for e in ev if not e[0].startswith("Memset")]
-    per = {}
-    for name, _, dur in ev:
-        per[name[:60]] = per.get(name[:60], 0.0) + dur / calls
-    return dict(kernels=len(ev) / calls, busy_us=sum(e[2] for e in ev) / calls,
-                span_us=(ev[-1][1] + ev[-1][2] - ev[0][1]) / calls, device_to_host=d2h,
-                top=dict(sorted(per.items(), key=lambda kv: -kv[1])[:6]))
+    top = dict(sorted(got.pop("by_name").items(), key=lambda kv: -kv[1])[:6])
+    return dict(got, device_to_host=d2h, top=top)
 
 
 def measure(name, shape, data, repeats, check=True, trace=True):

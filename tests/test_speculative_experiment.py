@@ -9,17 +9,21 @@ import pytest
 from experiments.cli import main
 
 
+def run(tmp_path, gin: str, name: str, *overrides: str) -> dict:
+    """``lsparse run gin`` with the overrides into tmp_path; its results.json."""
+    assert main(["run", gin, "--runs", str(tmp_path), *overrides]) == 0
+    return json.loads((tmp_path / name / "results.json").read_text())
+
+
 @pytest.mark.slow
 def test_v4_cost_side_config_runs_greedy_exact_without_checkpoints(tmp_path):
-    argv = ["run", "configs/experiments/speculative_v4.gin", "--runs", str(tmp_path),
-            "--gin.model_preset.name='tiny'", "--gin.speculative.results_dir=None",
-            "--gin.speculative.methods=('hisparse',)", "--gin.speculative.prompt_tokens=512",
-            "--gin.speculative.decode_tokens=8", "--gin.speculative.prefill_chunk=128",
-            "--gin.speculative.hot_cache_rows=96", "--gin.speculative.page_size=16",
-            "--gin.speculative.concurrencies=(2,)", "--gin.speculative.implementation='xla'",
-            "--gin.DrafterConfig.target_layers=(0, 1)"]
-    assert main(argv) == 0
-    out = json.loads((tmp_path / "speculative_v4" / "results.json").read_text())
+    out = run(tmp_path, "configs/experiments/speculative_v4.gin", "speculative_v4",
+              "--gin.model_preset.name='tiny'", "--gin.speculative.results_dir=None",
+              "--gin.speculative.methods=('hisparse',)", "--gin.speculative.prompt_tokens=512",
+              "--gin.speculative.decode_tokens=8", "--gin.speculative.prefill_chunk=128",
+              "--gin.speculative.hot_cache_rows=96", "--gin.speculative.page_size=16",
+              "--gin.speculative.concurrencies=(2,)",
+              "--gin.speculative.implementation='xla'", "--gin.DrafterConfig.target_layers=(0, 1)")
     assert out["checkpoint"] is None and out["drafter_checkpoint"] is None
     plain, spec = out["records"]
     assert (plain["speculative"], spec["speculative"]) == (False, True)
@@ -39,15 +43,13 @@ def test_serve_capped_with_the_drafter_counts_its_bytes(tmp_path):
     from lsparse_jax.model.presets import fit_max_len
     from lsparse_jax.training.drafter import load_drafter
 
-    argv = ["run", "configs/experiments/serve_capped.gin", "--runs", str(tmp_path),
-            "--gin.run.name='capped'", "--gin.serve.method='adaptive'",
-            "--gin.serve.drafter_checkpoint='checkpoints/drafter_small'",
-            "--gin.serve.requests=4", "--gin.serve.prompt_tokens=(512, 512)",
-            "--gin.serve.max_new_tokens=(16, 16)", "--gin.serve.budget_fit=('hisparse', 4)",
-            "--gin.serve.num_slots=4", "--gin.serve.prefill_chunk=256",
-            "--gin.serve.optional_pages=64"]
-    assert main(argv) == 0
-    out = json.loads((tmp_path / "capped" / "results.json").read_text())
+    out = run(tmp_path, "configs/experiments/serve_capped.gin", "capped",
+              "--gin.run.name='capped'", "--gin.serve.method='adaptive'",
+              "--gin.serve.drafter_checkpoint='checkpoints/drafter_small'",
+              "--gin.serve.requests=4", "--gin.serve.prompt_tokens=(512, 512)",
+              "--gin.serve.max_new_tokens=(16, 16)", "--gin.serve.budget_fit=('hisparse', 4)",
+              "--gin.serve.num_slots=4", "--gin.serve.prefill_chunk=256",
+              "--gin.serve.optional_pages=64")
     assert out["speculative"] and out["completed"] == 4
     cfg = fit_max_len(preset("small"), 528)
     plain = lambda m: request_bytes(EngineConfig(  # noqa: E731
