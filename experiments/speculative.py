@@ -12,7 +12,8 @@ decodes ``decode_tokens`` tokens greedily, once plainly and once speculatively (
 prompts): output tokens/s over the decode phase (drafting and verification included), mean
 acceptance length (tokens emitted per verification), the union-miss ratio (host rows fetched
 once per verification block over the sum of each query's own misses), the drafter's time
-share, and whether the speculative tokens equal the plain ones (greedy-exact). Without a
+share, and whether the speculative tokens equal the plain ones (greedy-exact; where not, each
+request's first differing token index, ``first_divergence``). Without a
 drafter checkpoint an untrained drafter runs (the cost side: acceptance ~1); without a target
 checkpoint (``checkpoint=None``) the target has random weights of seed 0 (shapes only: its NIAH
 answers mean nothing, its greedy tokens still must equal plain decoding's).
@@ -75,6 +76,17 @@ def _serve(engine, prompts, decode_tokens):
             if engine.requests[s].done or engine.lengths[s] >= engine.limit[s]:
                 out[s] = engine.release(s)
     return [out[s] for s in slots], float(np.mean(ttft))
+
+
+def first_divergence(got: list, want: list) -> list[int | None]:
+    """Per request, the index of the first token where ``got`` departs from ``want`` (a
+    shorter sequence departs where it ends); None where they are equal."""
+    out = []
+    for g, w in zip(got, want, strict=True):
+        g, w = list(g), list(w)
+        same = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+        out.append(None if g == w else same)
+    return out
 
 
 @gin.configurable
@@ -177,7 +189,8 @@ def speculative(name: str, model=gin.REQUIRED, checkpoint: str | None = gin.REQU
                         "drafter_time_share": sm["drafter_time_share"], "ttft_s": ttft,
                         "spec_state_bytes_per_request": sm["spec_state_bytes_per_request"],
                         "decode_tokens": sm["decode_tokens"],
-                        "greedy_identical": got == want, "session": session})
+                        "greedy_identical": got == want,
+                        "first_divergence": first_divergence(got, want), "session": session})
         print(table(records[-2:]).splitlines()[-1])
         save(out, results_dir, records, len(records) == 2 * len(cells), meta)
     save(out, results_dir, records, len(records) == 2 * len(cells), meta)
@@ -222,7 +235,8 @@ def save(out, results_dir, records, complete: bool, meta: dict):
 
 def table(records) -> str:
     """Per method and concurrency: plain and speculative tok/s, speed-up, acceptance."""
-    rows = ["    method   C  plain_tok_s  spec_tok_s  speedup  acceptance  union/sum  identical"]
+    rows = ["    method   C  plain_tok_s  spec_tok_s  speedup  acceptance  union/sum  identical"
+            "  first_divergence"]
     plain = {(r["method"], r["concurrency"]): r for r in records if not r["speculative"]}
     for r in records:
         if not r["speculative"]:
@@ -233,7 +247,7 @@ def table(records) -> str:
                     f"{r['output_tok_s']:11.1f} {r['output_tok_s'] / p['output_tok_s']:8.2f} "
                     f"{r['acceptance_length']:11.2f} "
                     f"{'n/a' if ratio is None else f'{ratio:.2f}':>10} "
-                    f"{str(r['greedy_identical']):>10}")
+                    f"{str(r['greedy_identical']):>10}  {r.get('first_divergence')}")
     return "\n".join(rows)
 
 

@@ -27,9 +27,19 @@ def test_v4_cost_side_config_runs_greedy_exact_without_checkpoints(tmp_path):
     assert out["checkpoint"] is None and out["drafter_checkpoint"] is None
     plain, spec = out["records"]
     assert (plain["speculative"], spec["speculative"]) == (False, True)
-    assert spec["greedy_identical"] is True
+    assert spec["greedy_identical"] is True and spec["first_divergence"] == [None, None]
     assert 1.0 <= spec["acceptance_length"] <= 5.0  # gamma 4: at most 4 drafts + a bonus
     assert 0.0 <= spec["union_miss_ratio"] <= 1.0
+
+
+def test_first_divergence_is_the_first_differing_index():
+    from experiments.speculative import first_divergence
+
+    want = [[5, 6, 7], [1, 2, 3], [9, 9], [4]]
+    got = [[5, 6, 7], [1, 8, 3], [9, 9, 9], []]
+    assert first_divergence(got, want) == [None, 1, 2, 0]
+    with pytest.raises(ValueError):  # one list per request on both sides
+        first_divergence(got[:2], want)
 
 
 @pytest.mark.slow

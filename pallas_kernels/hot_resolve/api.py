@@ -37,10 +37,11 @@ from pallas_kernels import common
 OP = "hot_resolve"
 AVAILABLE = ("xla", "triton", "triton_fused", "triton_fused2", "triton_copy")
 FASTEST_ON_GPU = "triton"
-# What implementation="triton" (the decode steps' switch) runs: "triton_fused" (control
-# in-kernel; H200, session 6: 0.179 / 0.118 ms at 5% / 0% misses vs 0.299 / 0.244 for
-# "triton_copy", XLA control + copy kernel); tests pin both explicitly.
-TRITON_RUNS = "triton_fused"
+# What implementation="triton" (the decode steps' switch) runs: "triton_fused2" (control
+# in-kernel, two launches; H200, session 17, B 64, k 512, donated: 0.162 / 0.116 ms per call
+# at 5% / 0% misses, device span 95.8 / 24.3 us, vs "triton_fused" 0.196 / 0.118 ms and
+# 97.3 / 26.0 us, "triton_copy" 0.317 / 0.262 ms); tests pin each explicitly.
+TRITON_RUNS = "triton_fused2"
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e8m0fnu)
 
 
