@@ -247,10 +247,21 @@ def merge_runs(paths: list[str], out_dir: str) -> dict:
     (out / "results.json").write_text(json.dumps(merged, indent=2) + "\n")
     config = pathlib.Path(paths[0]).with_name("config.gin")  # the same settings in every run
     if config.exists():
-        (out / "config.gin").write_text(config.read_text())
+        (out / "config.gin").write_text(merged_config(config.read_text(),
+                                                      list(merged["methods"]), paths))
     plot(merged["methods"], out / "replay_cdf.png")
     _table(merged["methods"])
     return merged
+
+
+def merged_config(text: str, methods: list[str], paths) -> str:
+    """The first run's config.gin with ``replay.methods`` naming every merged method (the runs
+    differ in nothing else: ``merge_runs`` checks it) and a header naming the sources."""
+    lines = [f"replay.methods = {tuple(methods)!r}" if ln.startswith("replay.methods =")
+             else ln for ln in text.splitlines()]
+    head = [f"# merged by experiments.replay.merge_runs from {len(paths)} runs:"]
+    head += [f"#   {p}" for p in paths]
+    return "\n".join(head + lines) + "\n"
 
 
 def _table(per_method):

@@ -95,7 +95,12 @@ def test_replay_merge_runs_puts_methods_side_by_side(tmp_path):
         (tmp_path / f"r{i}").mkdir()
         paths.append(tmp_path / f"r{i}" / "results.json")
         paths[-1].write_text(json.dumps(base | {"methods": {method: rec}}))
+        (tmp_path / f"r{i}" / "config.gin").write_text(
+            f"replay.hot = 1\nreplay.methods = ('{method}',)\n")
     out = merge_runs(paths, tmp_path / "merged")
+    config = (tmp_path / "merged" / "config.gin").read_text().splitlines()
+    assert config[-2:] == ["replay.hot = 1", "replay.methods = ('leansparse', 'echo')"]
+    assert config[1:3] == [f"#   {p}" for p in paths]
     assert list(out["methods"]) == ["leansparse", "echo"]
     assert [m["methods"] for m in out["merged_from"]] == [["leansparse"], ["echo"]]
     assert out["methods"]["echo"]["summary"]["ttft_p50_s"] == pytest.approx(1.0)
