@@ -15,6 +15,9 @@
 #           continuation admission spends its time on the GPU (benchmarks/prefix_admit.py).
 #   STEP=c  issue 14: capacity at 512K with p = 0.3 (resumes results/capacity_p0.3_jt).
 #   STEP=d  the same at 950K.
+#   STEP=e  issue 15's memory-capped cells (serve_capped.gin) with the drafter's feature ring
+#           (serve.drafter_ring='features': 131,584 B instead of 524,800 B a request, the same
+#           weights): hisparse plain, hisparse and adaptive with the drafter.
 # Results come back as $OUT/<STEP>.tar.
 source "$(dirname "$0")/gpu_lib.sh"
 STEP=${STEP:-a}
@@ -43,6 +46,13 @@ case "$STEP" in
       --gin.capacity.input_repeat=0.3 \
       \"--gin.LeanSparseConfig.coarse_implementation='jax_triton'\" \
       \"--gin.LeanSparseConfig.coarse_precision='fp8'\"" ;;
+  e)
+    TAIL=16 part capped_features 300 "python3 -m experiments.cli run configs/experiments/serve_capped.gin \
+      \"--gin.serve.method='hisparse'\" \"--gin.run.name='capped_hisparse'\" 2>&1 | tail -3
+      for m in hisparse adaptive; do python3 -m experiments.cli run configs/experiments/serve_capped.gin \
+        \"--gin.serve.method='\$m'\" \"--gin.serve.drafter_checkpoint='checkpoints/drafter_small'\" \
+        \"--gin.serve.drafter_ring='features'\" \"--gin.run.name='capped_\${m}_spec_features'\" \
+        2>&1 | tail -3; done" ;;
   *) echo "unknown STEP $STEP" >&2; exit 2 ;;
 esac
 pack "$STEP"

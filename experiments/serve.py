@@ -73,7 +73,8 @@ def serve(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
           stop_strings=(), leansparse=None, clients: int | None = None,
           think_s: float = 0.0, echo_pool_rows: int = 4096, overlap: bool = False,
           seed: int = 0, drafter_checkpoint: str | None = None, prompt_task: str = "random",
-          budget_fit: tuple | None = None, adaptive_shares_budget: bool = False):
+          budget_fit: tuple | None = None, adaptive_shares_budget: bool = False,
+          drafter_ring: str | None = None):
     """Serves ``requests`` Poisson arrivals with ``method``; returns the summary.
 
     clients: a closed loop instead (``serving.workloads.ClosedLoop``): C clients at fixed
@@ -93,7 +94,8 @@ def serve(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
     (method, N) replaces device_budget_bytes by N requests' bytes of ``method`` (module
     doc). adaptive_shares_budget: adaptive's lent pages come out of the device budget too
     (``CacheConfig.shared_budget_bytes``; its required bytes count a drafter's ring and
-    staging), instead of a separate pool of optional_pages."""
+    staging), instead of a separate pool of optional_pages. drafter_ring: None serves the
+    checkpoint's ring; "kv" or "features" overrides ``DrafterConfig.ring`` (same weights)."""
     if prompt_task not in PROMPT_TASKS:
         raise ValueError(f"serve.prompt_task={prompt_task!r} must be one of {PROMPT_TASKS}")
     if prompt_task == "niah" and clients is not None:
@@ -102,6 +104,8 @@ def serve(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
                                    or len(budget_fit) != 2 or isinstance(budget_fit[1], bool)
                                    or not isinstance(budget_fit[1], int) or budget_fit[1] < 1):
         raise ValueError(f"serve.budget_fit={budget_fit!r} must be (method, N >= 1)")
+    if drafter_ring is not None and drafter_checkpoint is None:
+        raise ValueError("serve.drafter_ring: set only with serve.drafter_checkpoint")
     cfg = fit_max_len(model, prompt_tokens[1] + max_new_tokens[1])
     params = load_params(checkpoint, cfg) if checkpoint else init_params(cfg, seed)
 
@@ -136,7 +140,10 @@ def serve(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
         from lsparse_jax.serving.speculative import SpecEngine
         from lsparse_jax.training.drafter import load_drafter
 
-        drafter = load_drafter(drafter_checkpoint)
+        dparams, dcfg = load_drafter(drafter_checkpoint)
+        if drafter_ring is not None:
+            dcfg = dataclasses.replace(dcfg, ring=drafter_ring)  # ValueError if not a ring
+        drafter = (dparams, dcfg)
         make = lambda: SpecEngine(config, params, drafter, codebooks)  # noqa: E731
     warm = make()  # compiles every step of a request's life
     warm.warmup()  # (jit caches outlive the engine), so the clock never counts compilation
@@ -169,7 +176,9 @@ def serve(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
         "method": method, "speculative": drafter_checkpoint is not None,
         "requests": sched.records(), "trace": sched.trace, "engine": engine.metrics(),
         "config": {"model": dataclasses.asdict(cfg), "checkpoint": checkpoint,
-                   "drafter_checkpoint": drafter_checkpoint, "prompt_task": prompt_task,
+                   "drafter_checkpoint": drafter_checkpoint,
+                   "drafter_ring": None if drafter_checkpoint is None else drafter[1].ring,
+                   "prompt_task": prompt_task,
                    "budget_fit": None if budget_fit is None else list(budget_fit),
                    "adaptive_shares_budget": bool(shares),
                    "cache": dataclasses.asdict(cache), "requests": requests,

@@ -454,6 +454,11 @@ class DrafterConfig:
       window: W, the committed positions a draft layer attends to (its ring buffer).
       target_layers: target layers whose output hidden states condition the drafter
         (concatenated, projected, injected as extra keys/values in every draft layer).
+      ring: what a slot's ring keeps per position (``model.drafter.DrafterWindow``): "kv"
+        every draft layer's keys and values (l * 2 * h * d values), or "features" the
+        projected target feature (H values, the target's hidden), from which the keys and
+        values of the window are recomputed at each draft. The same parameters serve both;
+        ``memory.accounting.spec_bytes`` gives each one's bytes.
     """
 
     gamma: int = 4
@@ -463,10 +468,13 @@ class DrafterConfig:
     mlp_hidden: int = 256
     window: int = 64
     target_layers: tuple[int, ...] = (1, 3)
+    ring: str = "kv"
 
     def __post_init__(self):
         if isinstance(self.target_layers, list):
             object.__setattr__(self, "target_layers", tuple(self.target_layers))
+        if self.ring not in ("kv", "features"):
+            invalid("DrafterConfig", "ring", self.ring, "must be 'kv' or 'features'")
         _positive("DrafterConfig", gamma=self.gamma, num_layers=self.num_layers,
                   num_heads=self.num_heads, head_dim=self.head_dim,
                   mlp_hidden=self.mlp_hidden, window=self.window)

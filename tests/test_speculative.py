@@ -3,6 +3,7 @@ equals plain greedy output for every method, with a random drafter (rejections) 
 drafter (acceptances); nothing a rejected token wrote survives; rejection sampling keeps the
 target distribution; the ring window equals a windowed full-context drafter."""
 
+import dataclasses
 import functools
 
 import jax
@@ -19,6 +20,7 @@ from lsparse_jax.model.drafter import (
     draft_block,
     draft_logits,
     init_drafter,
+    ring_rows,
     target_io,
 )
 from lsparse_jax.serving.engine import Engine
@@ -89,6 +91,12 @@ def test_greedy_speculative_equals_plain_greedy(method, prompt, new):
     check_greedy_exact(method, prompt, new)
 
 
+def test_greedy_speculative_equals_plain_greedy_with_a_feature_ring():
+    """``DrafterConfig(ring="features")``: the rings keep target features; serving is still
+    greedy-exact and the ring's bytes are what the SpecEngine's budget counts."""
+    check_greedy_exact("hisparse", 70, 14, dcfg=dataclasses.replace(DCFG, ring="features"))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", ["resident", "hisparse", "leansparse", "adaptive"])
 def test_greedy_speculative_equals_plain_greedy_on_gpu(method):
@@ -96,7 +104,7 @@ def test_greedy_speculative_equals_plain_greedy_on_gpu(method):
     check_greedy_exact(method, 150, 40)
 
 
-def check_greedy_exact(method, prompt, new, implementation="xla"):
+def check_greedy_exact(method, prompt, new, implementation="xla", dcfg=DCFG):
     """Slot 0 drafts with an untrained drafter (nearly every draft rejected), slot 1 with an
     oracle that proposes the plain run's own tokens (all accepted): both emit exactly the
     plain greedy tokens; slot 0's caches and host pages then equal the plain engine's at the
@@ -111,15 +119,17 @@ def check_greedy_exact(method, prompt, new, implementation="xla"):
     want = plain.generated[0]
     assert plain.generated[1] == want
 
-    spec = SpecEngine(config, params, (init_drafter(cfg, DCFG, 1), DCFG), books)
+    spec = SpecEngine(config, params, (init_drafter(cfg, dcfg, 1), dcfg), books)
+    assert spec.request_device_bytes(prompt + new) == plain.request_device_bytes(
+        prompt + new) + sum(spec_bytes(config, dcfg).values())
     for _ in range(2):
         spec.admit(PROMPT[:prompt], new)
     oracle_steps, out = 0, {}
     while spec.lengths[0] < spec.limit[0]:
-        drafts = np.full((2, DCFG.gamma), -1, np.int32)
+        drafts = np.full((2, dcfg.gamma), -1, np.int32)
         if spec.active[1]:
             n = len(spec.generated[1])
-            drafts[1] = (want[n:] + [0] * DCFG.gamma)[:DCFG.gamma]
+            drafts[1] = (want[n:] + [0] * dcfg.gamma)[:dcfg.gamma]
             oracle_steps += 1
         spec.step(drafts=drafts)
         if spec.active[1] and spec.requests[1].done:
@@ -128,8 +138,8 @@ def check_greedy_exact(method, prompt, new, implementation="xla"):
     assert spec.generated[0] == want[:new] and out[1] == want[:new]
     assert spec.lengths[0] == plain.lengths[0]
     m = spec.metrics()
-    assert m["verifications"] > 0 and 1.0 <= m["acceptance_length"] <= DCFG.gamma + 1
-    assert oracle_steps <= -(-new // DCFG.gamma) + 2  # the oracle slot moved in blocks
+    assert m["verifications"] > 0 and 1.0 <= m["acceptance_length"] <= dcfg.gamma + 1
+    assert oracle_steps <= -(-new // dcfg.gamma) + 2  # the oracle slot moved in blocks
     for (path, got), (_, ref) in zip(slot_leaves(spec.state, 0), slot_leaves(plain.state, 0)):
         assert_same_rows(got, ref, path)
     if method != "resident":
@@ -206,34 +216,43 @@ def test_rejection_sampling_keeps_the_target_distribution():
     assert chi2 < sps.chi2.ppf(0.999, df=8), (counts, expected)
 
 
-def test_ring_window_equals_a_windowed_full_context():
+@pytest.mark.parametrize("ring", ["kv", "features"])
+def test_ring_window_equals_a_windowed_full_context(ring):
     """The drafter over its ring (W newest committed positions, written block by block) gives
-    the logits of the drafter over every position's features masked to the same window."""
+    the logits of the drafter over every position's features masked to the same window, with
+    either ring: draft keys and values kept, or target features kept and their keys and values
+    recomputed at each draft."""
     cfg, params, _ = setup()
-    dp = init_drafter(cfg, DCFG, 2)
-    n, w = 37, DCFG.window
-    feats = jax.random.normal(jax.random.key(0), (n, len(DCFG.target_layers), cfg.hidden))
-    k, v = context_kv(dp, DCFG, feats, jnp.arange(n))
-    ring = DrafterWindow.empty(DCFG)
+    dcfg = dataclasses.replace(DCFG, ring=ring)
+    dp = init_drafter(cfg, dcfg, 2)
+    n, w = 37, dcfg.window
+    feats = jax.random.normal(jax.random.key(0), (n, len(dcfg.target_layers), cfg.hidden))
+    k, v = context_kv(dp, dcfg, feats, jnp.arange(n))
+    ring = DrafterWindow.empty(dcfg, cfg.hidden)
     for s in range(0, n, 5):  # blocks of up to 5 committed positions
         pos = s + jnp.arange(5)
-        ring = ring.write(k[:, jnp.minimum(pos, n - 1)], v[:, jnp.minimum(pos, n - 1)], pos,
-                          pos < n)
+        rows = ring_rows(dp, dcfg, feats[jnp.minimum(pos, n - 1)], pos)
+        ring = ring.write(rows, pos, pos < n)
     target = target_io(params)
-    got = draft_block(dp, DCFG, target, ring, jnp.int32(65), n)
+    got = draft_block(dp, dcfg, target, ring, jnp.int32(65), n)
     pos = jnp.arange(n)
-    want = draft_logits(dp, DCFG, target, jnp.int32(65), n, k, v, (pos < n) & (pos >= n - w))
+    want = draft_logits(dp, dcfg, target, jnp.int32(65), n, k, v, (pos < n) & (pos >= n - w))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 
 
-def test_spec_bytes_equal_the_spec_state():
+@pytest.mark.parametrize("ring", ["kv", "features"])
+def test_spec_bytes_equal_the_spec_state(ring):
     config = engine_config("hisparse")
-    state = empty_spec_state(DCFG, 3)
+    dcfg = dataclasses.replace(DCFG, ring=ring)
+    state = empty_spec_state(dcfg, config.model.hidden, 3)
     per_slot = sum(a.nbytes for a in jax.tree.leaves(state)) // 3
-    assert spec_bytes(config, DCFG)["drafter_ring"] == per_slot
-    t, k = DCFG.gamma + 1, config.model.indexer.top_k
+    assert spec_bytes(config, dcfg)["drafter_ring"] == per_slot
+    per_position = (config.model.hidden if ring == "features"
+                    else dcfg.num_layers * dcfg.num_heads * dcfg.head_dim * 2)
+    assert per_slot == dcfg.window * (4 * per_position + 4)
+    t, k = dcfg.gamma + 1, config.model.indexer.top_k
     row = 4 * config.model.head_dim
-    assert spec_bytes(config, DCFG)["staging"] == 2 * t * k * row + 4 * t * row
+    assert spec_bytes(config, dcfg)["staging"] == 2 * t * k * row + 4 * t * row
 
 
 def test_bad_settings_are_refused():
@@ -244,6 +263,8 @@ def test_bad_settings_are_refused():
         SpecEngine(small_hot, params, (init_drafter(cfg, DCFG), DCFG))
     with pytest.raises(ValueError, match="DrafterConfig.window"):
         DrafterConfig(gamma=8, window=8)
+    with pytest.raises(ValueError, match="DrafterConfig.ring='bf16' is invalid"):
+        DrafterConfig(ring="bf16")
     with pytest.raises(ValueError, match="target_layers"):
         init_drafter(cfg, DrafterConfig(target_layers=(7,)))
     with pytest.raises(ValueError, match="swa window"):

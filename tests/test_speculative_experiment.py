@@ -43,10 +43,13 @@ def test_first_divergence_is_the_first_differing_index():
 
 
 @pytest.mark.slow
-def test_serve_capped_with_the_drafter_counts_its_bytes(tmp_path):
+@pytest.mark.parametrize("ring", ["kv", "features"])
+def test_serve_capped_with_the_drafter_counts_its_bytes(tmp_path, ring):
     """serve_capped.gin's path with the shipped drafter at small lengths: a SpecEngine serves
-    every request under the budget of two plain hisparse requests; its ring and staging bytes
-    count, so fewer run at once than plainly."""
+    every request under the budget of four plain hisparse requests; its ring (either kind,
+    ``serve.drafter_ring``) and staging bytes count, so fewer run at once than plainly."""
+    import dataclasses
+
     from lsparse_jax.config import CacheConfig, EngineConfig, method_storage
     from lsparse_jax.memory.accounting import request_bytes, spec_bytes
     from lsparse_jax.model import preset
@@ -59,16 +62,16 @@ def test_serve_capped_with_the_drafter_counts_its_bytes(tmp_path):
               "--gin.serve.requests=4", "--gin.serve.prompt_tokens=(512, 512)",
               "--gin.serve.max_new_tokens=(16, 16)", "--gin.serve.budget_fit=('hisparse', 4)",
               "--gin.serve.num_slots=4", "--gin.serve.prefill_chunk=256",
-              "--gin.serve.optional_pages=64")
-    assert out["speculative"] and out["completed"] == 4
+              "--gin.serve.optional_pages=64", f"--gin.serve.drafter_ring='{ring}'")
+    assert out["speculative"] and out["completed"] == 4 and out["config"]["drafter_ring"] == ring
     cfg = fit_max_len(preset("small"), 528)
     plain = lambda m: request_bytes(EngineConfig(  # noqa: E731
         model=cfg, method=m, cache=CacheConfig(4, 256, 128, 16, optional_pages=64
                                                if method_storage(m).lent_pages else None)),
         528).gpu_total
     ring = sum(spec_bytes(EngineConfig(model=cfg, method="adaptive", cache=CacheConfig(
-        4, 256, 128, 16, optional_pages=64)), load_drafter("checkpoints/drafter_small")[1])
-        .values())
+        4, 256, 128, 16, optional_pages=64)), dataclasses.replace(
+            load_drafter("checkpoints/drafter_small")[1], ring=ring)).values())
     assert out["device_budget_bytes"] == 4 * plain("hisparse")
     fits = out["device_budget_bytes"] // (plain("adaptive") + ring)
     assert 1 <= max(it["active"] for it in out["trace"]) <= fits < 4

@@ -333,9 +333,11 @@ def spec_bytes(engine: EngineConfig, drafter: DrafterConfig,
                layout: Layout | None = None) -> dict[str, int]:
     """Device bytes one request adds for speculative decoding (``serving.speculative``).
 
-    Notation: l draft layers, W window, h draft heads, d head dim, T = gamma + 1, k top-k.
-    drafter_ring: the persistent ring of W positions' draft keys and values (f32) per draft
-      layer, plus W int32 positions: l * W * h * d * 4 * 2 + 4W (equals ``SpecState``'s slot).
+    Notation: l draft layers, W window, h draft heads, d head dim, H target hidden, T = gamma
+      + 1, k top-k.
+    drafter_ring: the persistent ring of W positions (f32) plus W int32 positions, equal to
+      ``SpecState``'s slot: ``DrafterConfig.ring`` "kv" keeps every draft layer's keys and
+      values, l * W * h * d * 4 * 2 + 4W; "features" the target feature, W * H * 4 + 4W.
     staging: what a verification holds while it runs, per CSA and DSA layer: the union of the
       block's T selections, T * k rows (resolved once per group leader, followed by its
       members), plus the block's T new raw rows per windowed layer. The block's compressed
@@ -345,7 +347,9 @@ def spec_bytes(engine: EngineConfig, drafter: DrafterConfig,
     cfg = engine.model
     lay = layout or Layout.ours(cfg)
     t = drafter.gamma + 1
-    ring = drafter.num_layers * drafter.window * drafter.num_heads * drafter.head_dim * 4 * 2
+    per_position = (cfg.hidden if drafter.ring == "features"
+                    else drafter.num_layers * drafter.num_heads * drafter.head_dim * 2)
+    ring = drafter.window * per_position * 4
     csa = sum(k == "csa" for k in cfg.layer_pattern)
     dsa = cfg.layer_pattern.count("dsa")
     windowed = sum(k in ("swa", "csa", "hca") for k in cfg.layer_pattern)

@@ -5,8 +5,9 @@ The drafter proposes gamma tokens in one non-causal forward of a block
 the hidden states of a few target layers at each committed position are concatenated,
 projected and normalised into a context feature, and every draft layer attends to its own
 keys/values of those features (the "extra keys/values") besides the block's. A draft layer sees
-only the W newest committed positions: at serving time it keeps their keys/values in a ring
-buffer of fixed shape (``DrafterWindow``, position q at slot q % W; never offloaded). The
+only the W newest committed positions: at serving time it keeps their keys/values (or their
+features, ``DrafterConfig.ring``) in a ring buffer of fixed shape (``DrafterWindow``, position q
+at slot q % W; never offloaded). The
 drafter reads the target's embedding table and LM head (frozen) and owns everything else.
 
 Parameters are a plain pytree (``init_drafter``); all functions are pure and per slot.
@@ -59,6 +60,21 @@ def _heads(x, dcfg: DrafterConfig):
     return x.reshape(x.shape[:-1] + (dcfg.num_heads, dcfg.head_dim))
 
 
+def context_features(dparams, hidden):
+    """c = RMSNorm(concat_L(hidden) W_fc): [n, H] f32 from target hidden states [n, n_L, H]."""
+    return _rms(_dot(hidden.reshape(hidden.shape[0], -1), dparams["fc"]), dparams["ctx_norm"])
+
+
+def feature_kv(dparams, dcfg: DrafterConfig, c, positions):
+    """Each draft layer's keys and values of features c [n, H] at ``positions`` [n]:
+    k_l = RoPE(c W_k,l), v_l = c W_v,l, each [l, n, h, d]."""
+    ks, vs = [], []
+    for lp in dparams["layers"]:
+        ks.append(rope(_heads(_dot(c, lp["wk"]), dcfg), positions, dcfg.head_dim, ROPE_THETA))
+        vs.append(_heads(_dot(c, lp["wv"]), dcfg))
+    return jnp.stack(ks), jnp.stack(vs)
+
+
 def context_kv(dparams, dcfg: DrafterConfig, hidden, positions):
     """Each draft layer's keys and values of committed positions' target features.
 
@@ -67,12 +83,24 @@ def context_kv(dparams, dcfg: DrafterConfig, hidden, positions):
     Math: c = RMSNorm(concat_L(hidden) W_fc); k_l = RoPE(c W_k,l), v_l = c W_v,l.
     Returns (k, v), each [l, n, h, d].
     """
-    c = _rms(_dot(hidden.reshape(hidden.shape[0], -1), dparams["fc"]), dparams["ctx_norm"])
-    ks, vs = [], []
-    for lp in dparams["layers"]:
-        ks.append(rope(_heads(_dot(c, lp["wk"]), dcfg), positions, dcfg.head_dim, ROPE_THETA))
-        vs.append(_heads(_dot(c, lp["wv"]), dcfg))
-    return jnp.stack(ks), jnp.stack(vs)
+    return feature_kv(dparams, dcfg, context_features(dparams, hidden), positions)
+
+
+def ring_rows(dparams, dcfg: DrafterConfig, hidden, positions) -> tuple:
+    """What a slot's ring keeps of positions [n] with target hidden states [n, n_L, H]
+    (``DrafterConfig.ring``), slot axis first: "kv" (k, v) each [n, l, h, d]; "features"
+    (c,) [n, H]."""
+    c = context_features(dparams, hidden)
+    if dcfg.ring == "features":
+        return (c,)
+    return tuple(jnp.moveaxis(a, 0, 1) for a in feature_kv(dparams, dcfg, c, positions))
+
+
+def ring_shapes(dcfg: DrafterConfig, hidden: int) -> tuple:
+    """The shapes of one slot's ring leaves (``ring_rows`` of W positions)."""
+    if dcfg.ring == "features":
+        return ((dcfg.window, hidden),)
+    return ((dcfg.window, dcfg.num_layers, dcfg.num_heads, dcfg.head_dim),) * 2
 
 
 def draft_logits(dparams, dcfg: DrafterConfig, target, anchor, start, ctx_k, ctx_v, ctx_ok):
@@ -114,26 +142,24 @@ def draft_logits(dparams, dcfg: DrafterConfig, target, anchor, start, ctx_k, ctx
 
 @struct.dataclass
 class DrafterWindow:
-    """One slot's ring of the W newest committed positions' draft keys/values (Notation: l
-    draft layers, h heads, d head dim); position q sits at slot q % W."""
+    """One slot's ring of the W newest committed positions (``ring_rows``: draft keys and
+    values, or target features); position q sits at slot q % W."""
 
-    keys: jnp.ndarray  # [l, W, h, d] f32, NaN where empty
-    values: jnp.ndarray  # [l, W, h, d] f32, NaN where empty
+    rows: tuple  # ring leaves, slot axis first, f32, NaN where empty (``ring_shapes``)
     positions: jnp.ndarray  # [W] int32 position held by each slot, -1 = empty
 
     @classmethod
-    def empty(cls, dcfg: DrafterConfig) -> DrafterWindow:
-        shape = (dcfg.num_layers, dcfg.window, dcfg.num_heads, dcfg.head_dim)
-        return cls(jnp.full(shape, jnp.nan, jnp.float32), jnp.full(shape, jnp.nan, jnp.float32),
+    def empty(cls, dcfg: DrafterConfig, hidden: int) -> DrafterWindow:
+        """An empty ring of a drafter for a target of hidden size ``hidden``."""
+        return cls(tuple(jnp.full(s, jnp.nan, jnp.float32) for s in ring_shapes(dcfg, hidden)),
                    jnp.full((dcfg.window,), -1, jnp.int32))
 
-    def write(self, k, v, positions, ok) -> DrafterWindow:
-        """Puts rows k, v [l, n, h, d] of ``positions`` [n] (where ``ok``; n <= W, distinct
-        residues) at their ring slots."""
+    def write(self, rows, positions, ok) -> DrafterWindow:
+        """Puts ``rows`` (``ring_rows`` of ``positions`` [n]) where ``ok`` at their ring slots
+        (n <= W, distinct residues)."""
         w = self.positions.shape[0]
         at = jnp.where(ok, positions % w, w)  # out of bounds -> dropped
-        return DrafterWindow(self.keys.at[:, at].set(k, mode="drop"),
-                             self.values.at[:, at].set(v, mode="drop"),
+        return DrafterWindow(tuple(a.at[at].set(r, mode="drop") for a, r in zip(self.rows, rows)),
                              self.positions.at[at].set(positions, mode="drop"))
 
     def readable(self, start) -> jnp.ndarray:
@@ -144,10 +170,16 @@ class DrafterWindow:
 
 def draft_block(dparams, dcfg: DrafterConfig, target, window: DrafterWindow, anchor, start):
     """The drafter over its ring window (serving): logits [gamma + 1, V] of the block at
-    ``start`` whose first token is ``anchor``."""
-    return draft_logits(dparams, dcfg, target, anchor, start, window.keys, window.values,
-                        window.readable(start))
+    ``start`` whose first token is ``anchor``. A "features" ring recomputes the window's keys
+    and values here (W rows per draft layer; unreadable rows zeroed first: they may be NaN)."""
+    ok = window.readable(start)
+    if dcfg.ring == "features":
+        (c,) = window.rows
+        ck, cv = feature_kv(dparams, dcfg, jnp.where(ok[:, None], c, 0.0), window.positions)
+    else:
+        ck, cv = (jnp.moveaxis(a, 0, 1) for a in window.rows)
+    return draft_logits(dparams, dcfg, target, anchor, start, ck, cv, ok)
 
 
-__all__ = ["DrafterWindow", "context_kv", "draft_block", "draft_logits", "init_drafter",
-           "target_io"]
+__all__ = ["DrafterWindow", "context_features", "context_kv", "draft_block", "draft_logits",
+           "feature_kv", "init_drafter", "ring_rows", "ring_shapes", "target_io"]

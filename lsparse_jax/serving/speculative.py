@@ -42,7 +42,7 @@ from lsparse_jax.config import DrafterConfig, EngineConfig, ModelConfig, invalid
 from lsparse_jax.memory.accounting import spec_bytes
 from lsparse_jax.methods import policy
 from lsparse_jax.model.cache import CSACache, DSACache, HCACache, SWACache, empty_cache
-from lsparse_jax.model.drafter import DrafterWindow, context_kv, draft_block, target_io
+from lsparse_jax.model.drafter import DrafterWindow, draft_block, ring_rows, target_io
 from lsparse_jax.model.store import (
     NUM_SOURCES,
     DSAStores,
@@ -155,9 +155,10 @@ class SpecState:
     windows: DrafterWindow  # each leaf with a leading slot axis [S, ...]: the drafter's rings
 
 
-def empty_spec_state(dcfg: DrafterConfig, num_slots: int) -> SpecState:
+def empty_spec_state(dcfg: DrafterConfig, hidden: int, num_slots: int) -> SpecState:
+    """Empty rings of ``num_slots`` slots for a target of hidden size ``hidden``."""
     window = jax.tree.map(lambda a: jnp.broadcast_to(a, (num_slots,) + a.shape),
-                          DrafterWindow.empty(dcfg))
+                          DrafterWindow.empty(dcfg, hidden))
     state = SpecState(window)
     return jax.tree.map(lambda a: jax.device_put(a, a.sharding), state)
 
@@ -334,8 +335,8 @@ def verify_step(params, dparams, engine: EngineConfig, dcfg: DrafterConfig, stat
         new = commit(cfg, kv_store, key_index, dsa, caches, new, start, emitted, start + valid,
                      t_len)
         positions = start + jnp.arange(t_len)
-        ck, cv = context_kv(dparams, dcfg, feats, positions)
-        window = window.write(ck, cv, positions, jnp.arange(t_len) < emitted)
+        window = window.write(ring_rows(dparams, dcfg, feats, positions), positions,
+                              jnp.arange(t_len) < emitted)
         out = jnp.where(jnp.arange(t_len) < a, jnp.concatenate([draft, draft[:1]]), -1)
         out = out.at[a].set(jnp.where(valid > 0, bonus, -1))
         picked = [sels[i] for i in sparse_layers(cfg)]
@@ -357,8 +358,8 @@ def verify_step(params, dparams, engine: EngineConfig, dcfg: DrafterConfig, stat
 @functools.partial(jax.jit, static_argnames=("dcfg",), donate_argnames=("spec",))
 def fill_window(dparams, dcfg: DrafterConfig, spec: SpecState, slot, feats, positions, ok):
     """Replaces ``slot``'s ring with the features of ``positions`` [W] (where ``ok``)."""
-    ck, cv = context_kv(dparams, dcfg, feats, positions)
-    window = DrafterWindow.empty(dcfg).write(ck, cv, positions, ok)
+    empty = DrafterWindow.empty(dcfg, feats.shape[-1])
+    window = empty.write(ring_rows(dparams, dcfg, feats, positions), positions, ok)
     windows = jax.tree.map(lambda big, one: big.at[slot].set(one), spec.windows, window)
     return spec.replace(windows=windows)
 
@@ -454,7 +455,7 @@ class SpecEngine(Engine):
         check_spec(config, self.dcfg)
         super().__init__(config, params, codebooks)
         self.control.request_extra_bytes = sum(spec_bytes(config, self.dcfg).values())
-        self.spec = empty_spec_state(self.dcfg, config.cache.num_slots)
+        self.spec = empty_spec_state(self.dcfg, config.model.hidden, config.cache.num_slots)
         self._draft_rng = jax.random.key(config.sampling.seed + 2)
         self.acceptance: list[int] = []  # tokens emitted per slot per verification
         self.union_misses = 0
