@@ -2,12 +2,13 @@
 # Prepared in session 17 for the next GPU session (device tool, carry [".whl"]), one call per
 # STEP; every part is time-limited. None of these has run yet.
 #   STEP=a  issue 15: where speculative_v4.gin's greedy tokens depart from plain decoding
-#           (hisparse C8; records first_divergence) with bf16 matmuls (as committed), f32
-#           matmuls, and f32 matmuls with every op in XLA (no Triton kernel: plain decode and
-#           verification then attend through the same XLA code). bf16 departs and f32 does not:
-#           bf16 GEMM rounding differs between a T = 1 step and a T = 5 verification. f32 with
-#           Triton departs and f32 XLA does not: the decode step's Triton attention (3-pass
-#           TF32) vs verification's XLA attention.
+#           (hisparse C8; records first_divergence and the plain logit gap there: a gap
+#           near 0 is a rounding flip of a near tie, a large one a real departure), three
+#           ways: bf16 matmuls (as committed), f32 matmuls, and f32 matmuls with every op in
+#           XLA (no Triton kernel: plain decode and verification then attend through the same
+#           XLA code). bf16 departs and f32 does not: bf16 GEMM rounding differs between a
+#           T = 1 step and a T = 5 verification. f32 with Triton departs and f32 XLA does not:
+#           the decode step's Triton attention (3-pass TF32) vs verification's XLA attention.
 #   STEP=b  issue 13's 512K target (LeanSparse <= 0.85x HiSparse's step) with trained-like
 #           reuse: the decode step at 512K, B 32, driven by RepeatInputs(p = 0.3) (reuse ~0.23,
 #           session 13), hisparse vs leansparse with the jax-triton FP8 coarse pass, pipelined,
@@ -26,6 +27,7 @@ spec() {  # spec NAME PRECISION IMPLEMENTATION
   TAIL=4 part "$1" 140 "python3 -m experiments.cli run configs/experiments/speculative_v4.gin \
     \"--gin.speculative.methods=('hisparse',)\" \"--gin.model_preset.matmul_precision='$2'\" \
     \"--gin.speculative.implementation='$3'\" --gin.speculative.results_dir=None \
+    --gin.speculative.record_margins=True \
     \"--gin.run.name='$1'\""
 }
 case "$STEP" in

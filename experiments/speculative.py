@@ -27,6 +27,7 @@ import shutil
 import time
 
 import gin
+import jax
 import numpy as np
 
 from experiments import validate as v
@@ -59,9 +60,19 @@ def _config(method, cfg, slots, chunk, hot_rows, page, optional_pages, implement
                           optional_pages=optional_pages if storage.lent_pages else None))
 
 
-def _serve(engine, prompts, decode_tokens):
+TOP = 8  # record_margins: the plain run's top logits kept per step and request
+
+
+@jax.jit
+def _top(logits):
+    return jax.lax.top_k(logits, TOP)
+
+
+def _serve(engine, prompts, decode_tokens, margins: bool = False):
     """Admits every prompt, decodes until each has decode_tokens tokens (the first one from
-    the prefill); returns the tokens per request and the mean time to first token."""
+    the prefill); returns the tokens per request, the mean time to first token, and with
+    ``margins`` each request's top-``TOP`` (token ids, logits) of every decode step (entry
+    j - 1 made token j; None without)."""
     engine.warmup()
     # admission compiles on its first use (not in warmup): admit and release one prompt of a
     # few pages first, so that the time to first token excludes compilation
@@ -69,13 +80,19 @@ def _serve(engine, prompts, decode_tokens):
     engine.release(engine.admit(np.zeros(min(chunk + 1, cfg.max_len - 1), np.int32), 1))
     slots = [engine.admit(p, decode_tokens) for p in prompts]
     ttft = [engine.requests[s].first_token_at - engine.requests[s].admitted_at for s in slots]
-    out = {}
+    out, tops = {}, {s: [] for s in slots}
     while engine.active.any():
-        engine.step()
+        live = np.flatnonzero(engine.active)
+        step = engine.step()
+        if margins:  # after the engine's timed step: its tok/s does not include this
+            vals, ids = (np.asarray(a) for a in _top(step.logits))
+            for s in live:
+                tops[s].append((ids[s], vals[s]))
         for s in np.flatnonzero(engine.active):
             if engine.requests[s].done or engine.lengths[s] >= engine.limit[s]:
                 out[s] = engine.release(s)
-    return [out[s] for s in slots], float(np.mean(ttft))
+    return ([out[s] for s in slots], float(np.mean(ttft)),
+            [tops[s] for s in slots] if margins else None)
 
 
 def first_divergence(got: list, want: list) -> list[int | None]:
@@ -89,6 +106,35 @@ def first_divergence(got: list, want: list) -> list[int | None]:
     return out
 
 
+def divergence_margins(got: list, want: list, tops: list) -> list[dict | None]:
+    """Per request, where the speculative tokens ``got`` first depart from the plain ones
+    ``want``, with the plain run's logits there (``tops``: ``_serve``'s margins of the plain
+    run): the index j, both tokens, ``logit_gap`` = plain logit of its token - plain logit of
+    the speculative token (None: the speculative token is not in the plain top ``TOP``), and
+    ``top2_gap`` = plain top-1 - top-2 logit. A gap near 0 is a near tie that rounding can flip;
+    a large one, or a token outside the top, is a real departure. None where equal; j = 0 (the
+    prefill's token) has no step logits (gaps None)."""
+    out = []
+    for j, g, w, top in zip(first_divergence(got, want), got, want, tops, strict=True):
+        if j is None:
+            out.append(None)
+            continue
+        g, w = list(g), list(w)
+        rec = {"index": j, "plain_token": int(w[j]) if j < len(w) else None,
+               "spec_token": int(g[j]) if j < len(g) else None, "logit_gap": None,
+               "top2_gap": None}
+        if 1 <= j <= len(top) and rec["plain_token"] is not None:
+            ids, vals = (list(map(int, top[j - 1][0])), [float(v) for v in top[j - 1][1]])
+            if ids[0] != rec["plain_token"]:
+                raise ValueError(f"divergence_margins: step {j - 1}'s top token {ids[0]} is "
+                                 f"not the plain token {rec['plain_token']}: tops misaligned")
+            rec["top2_gap"] = vals[0] - vals[1]
+            if rec["spec_token"] in ids:
+                rec["logit_gap"] = vals[0] - vals[ids.index(rec["spec_token"])]
+        out.append(rec)
+    return out
+
+
 @gin.configurable
 def speculative(name: str, model=gin.REQUIRED, checkpoint: str | None = gin.REQUIRED,
                 drafter_checkpoint: str | None = None, drafter: DrafterConfig | None = None,
@@ -98,7 +144,8 @@ def speculative(name: str, model=gin.REQUIRED, checkpoint: str | None = gin.REQU
                 num_candidates: int = 64, key_cache_rows: int = 256,
                 implementation: str | None = None, codebook_tokens: int = 4096,
                 results_dir: str | None = "results/speculative",
-                time_limit_s: float | None = None, resume_from: str | None = None):
+                time_limit_s: float | None = None, resume_from: str | None = None,
+                record_margins: bool = False):
     """checkpoint: the target's checkpoint; None = random weights (seed 0: the cost side at
     shapes no checkpoint exists for). drafter_checkpoint: a trained drafter
     (experiments/train_drafter.py); None = an untrained one of config ``drafter``.
@@ -109,7 +156,9 @@ def speculative(name: str, model=gin.REQUIRED, checkpoint: str | None = gin.REQU
     say ``complete: false``). resume_from: a results.json of an earlier run with the same
     model, checkpoints, lengths and implementation: its finished cells (plain and speculative
     records of one method and concurrency) are kept and not run again; each record carries the
-    ``session`` (run name @ UTC start) that measured it."""
+    ``session`` (run name @ UTC start) that measured it. record_margins: keep the plain run's
+    top logits each step and record, where speculative tokens depart, the plain logit gap
+    there (``divergences``; the top-k after each step adds a little to the plain run)."""
     for setting, value in (("prompt_tokens", prompt_tokens), ("decode_tokens", decode_tokens),
                            ("prefill_chunk", prefill_chunk), ("page_size", page_size),
                            ("optional_pages", optional_pages),
@@ -166,7 +215,7 @@ def speculative(name: str, model=gin.REQUIRED, checkpoint: str | None = gin.REQU
         config = _config(method, cfg, c, prefill_chunk, hot_cache_rows, page_size,
                          optional_pages, implementation, lean)
         plain = Engine(config, params, books)
-        want, ttft = _serve(plain, prompts, decode_tokens)
+        want, ttft, tops = _serve(plain, prompts, decode_tokens, record_margins)
         pm = plain.metrics()
         records.append({"method": method, "concurrency": c, "speculative": False,
                         "acceptance_length": 1.0,
@@ -174,7 +223,7 @@ def speculative(name: str, model=gin.REQUIRED, checkpoint: str | None = gin.REQU
                         "union_miss_ratio": None, "ttft_s": ttft,
                         "decode_tokens": pm["decode_tokens"], "session": session})
         spec = SpecEngine(config, params, (dparams, dcfg), books)
-        got, ttft = _serve(spec, prompts, decode_tokens)
+        got, ttft, _ = _serve(spec, prompts, decode_tokens)
         sm = spec.metrics()
         # the drafter timed apart (the served run queues verification behind drafting)
         sm["drafter_time_share"] = spec.drafter_seconds() * sm["steps"] / max(
@@ -190,7 +239,9 @@ def speculative(name: str, model=gin.REQUIRED, checkpoint: str | None = gin.REQU
                         "spec_state_bytes_per_request": sm["spec_state_bytes_per_request"],
                         "decode_tokens": sm["decode_tokens"],
                         "greedy_identical": got == want,
-                        "first_divergence": first_divergence(got, want), "session": session})
+                        "first_divergence": first_divergence(got, want),
+                        "divergences": (divergence_margins(got, want, tops) if record_margins
+                                        else None), "session": session})
         print(table(records[-2:]).splitlines()[-1])
         save(out, results_dir, records, len(records) == 2 * len(cells), meta)
     save(out, results_dir, records, len(records) == 2 * len(cells), meta)
@@ -247,8 +298,18 @@ def table(records) -> str:
                     f"{r['output_tok_s']:11.1f} {r['output_tok_s'] / p['output_tok_s']:8.2f} "
                     f"{r['acceptance_length']:11.2f} "
                     f"{'n/a' if ratio is None else f'{ratio:.2f}':>10} "
-                    f"{str(r['greedy_identical']):>10}  {r.get('first_divergence')}")
+                    f"{str(r['greedy_identical']):>10}  {r.get('first_divergence')}"
+                    + _gaps(r.get("divergences")))
     return "\n".join(rows)
+
+
+def _gaps(divergences) -> str:
+    """' gaps [...]': each departure's plain logit gap (>top: outside the plain top)."""
+    if not divergences or all(d is None for d in divergences):
+        return ""
+    cells = ["-" if d is None else ">top" if d["logit_gap"] is None else f"{d['logit_gap']:.3g}"
+             for d in divergences]
+    return f"  gaps [{', '.join(cells)}]"
 
 
 def plot(records, path):

@@ -23,11 +23,13 @@ def test_v4_cost_side_config_runs_greedy_exact_without_checkpoints(tmp_path):
               "--gin.speculative.decode_tokens=8", "--gin.speculative.prefill_chunk=128",
               "--gin.speculative.hot_cache_rows=96", "--gin.speculative.page_size=16",
               "--gin.speculative.concurrencies=(2,)",
-              "--gin.speculative.implementation='xla'", "--gin.DrafterConfig.target_layers=(0, 1)")
+              "--gin.speculative.implementation='xla'", "--gin.DrafterConfig.target_layers=(0, 1)",
+              "--gin.speculative.record_margins=True")
     assert out["checkpoint"] is None and out["drafter_checkpoint"] is None
     plain, spec = out["records"]
     assert (plain["speculative"], spec["speculative"]) == (False, True)
     assert spec["greedy_identical"] is True and spec["first_divergence"] == [None, None]
+    assert spec["divergences"] == [None, None]  # record_margins=True below
     assert 1.0 <= spec["acceptance_length"] <= 5.0  # gamma 4: at most 4 drafts + a bonus
     assert 0.0 <= spec["union_miss_ratio"] <= 1.0
 
@@ -40,6 +42,51 @@ def test_first_divergence_is_the_first_differing_index():
     assert first_divergence(got, want) == [None, 1, 2, 0]
     with pytest.raises(ValueError):  # one list per request on both sides
         first_divergence(got[:2], want)
+
+
+def test_divergence_margins_read_the_plain_logits_at_the_departure():
+    import numpy as np
+
+    from experiments.speculative import TOP, divergence_margins
+
+    want = [[5, 6, 7], [1, 2, 3], [4, 4], [9, 8]]
+    got = [[5, 6, 7], [1, 3, 3], [4, 99], [7, 8]]
+    ids = np.arange(TOP)  # step logits: token t has logit 10 - t (top-TOP ids 0..TOP-1)
+    step = (np.array([2, 3, 0, 1, 4, 5, 6, 7]), 10.0 - np.array([2, 3, 0, 1, 4, 5, 6, 7]))
+    tops = [[(ids, 10.0 - ids)] * 2, [step, (ids, 10.0 - ids)], [(ids + 4, 6.0 - ids)],
+            [(ids, 10.0 - ids)]]
+    out = divergence_margins(got, want, tops)
+    assert out[0] is None
+    assert out[1] == {"index": 1, "plain_token": 2, "spec_token": 3, "logit_gap": 1.0,
+                      "top2_gap": 1.0}
+    assert out[2] == {"index": 1, "plain_token": 4, "spec_token": 99, "logit_gap": None,
+                      "top2_gap": 1.0}  # beyond the plain top-TOP
+    assert out[3]["index"] == 0 and out[3]["logit_gap"] is None  # the prefill's token
+    with pytest.raises(ValueError, match="misaligned"):
+        divergence_margins([[5, 7]], [[5, 6]], [[(ids, 10.0 - ids)]])
+
+
+def test_serve_margins_top_token_is_each_greedy_token():
+    """``_serve(margins=True)``: entry j - 1 of a request's top logits is the step that made
+    its token j, whose top-1 id is that token (greedy), for every token after the first."""
+    import numpy as np
+
+    from experiments.speculative import _serve
+    from lsparse_jax.config import CacheConfig, EngineConfig, SamplingConfig
+    from lsparse_jax.model import init_params
+    from lsparse_jax.serving.engine import Engine
+    from tests.helpers import tiny
+
+    cfg = tiny(max_len=128)
+    engine = Engine(EngineConfig(model=cfg, method="hisparse", sampling=SamplingConfig(0.0, 0),
+                                 cache=CacheConfig(3, 32, 40, 8)), init_params(cfg, 0), None)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, n).astype(np.int32) for n in (40, 57)]
+    tokens, _, tops = _serve(engine, prompts, 6, margins=True)
+    for toks, top in zip(tokens, tops):
+        assert len(toks) == 6 and len(top) == 5
+        assert [int(ids[0]) for ids, _ in top] == list(toks[1:])
+        assert all(vals[0] >= vals[1] for _, vals in top)
 
 
 @pytest.mark.slow
