@@ -18,7 +18,9 @@
 #   STEP=d  the same at 950K.
 #   STEP=e  issue 15's memory-capped cells (serve_capped.gin) with the drafter's feature ring
 #           (serve.drafter_ring='features': 131,584 B instead of 524,800 B a request, the same
-#           weights): hisparse plain, hisparse and adaptive with the drafter.
+#           weights): hisparse plain, hisparse and adaptive with the drafter; then issue 16's
+#           topk with the select chunk's prefix count in row scans (scan_rows 8 / 32 / 128,
+#           fused.py) beside the default, per kernel, and its GPU tests.
 # Results come back as $OUT/<STEP>.tar.
 source "$(dirname "$0")/gpu_lib.sh"
 STEP=${STEP:-a}
@@ -54,7 +56,10 @@ case "$STEP" in
       for m in hisparse adaptive; do python3 -m experiments.cli run configs/experiments/serve_capped.gin \
         \"--gin.serve.method='\$m'\" \"--gin.serve.drafter_checkpoint='checkpoints/drafter_small'\" \
         \"--gin.serve.drafter_ring='features'\" \"--gin.run.name='capped_\${m}_spec_features'\" \
-        2>&1 | tail -3; done" ;;
+        2>&1 | tail -3; done"
+    TAIL=8 part topk_rows 120 "python3 benchmarks/topk_launch_gpu.py --out \$OUT --budget-s 60 \
+      --sweep r8,r32,r128 && python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/test_kernel_topk.py -k 'fused_on_gpu and (r32 or default)'" ;;
   *) echo "unknown STEP $STEP" >&2; exit 2 ;;
 esac
 pack "$STEP"

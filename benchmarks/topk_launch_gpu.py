@@ -73,7 +73,10 @@ FUSED_TUNABLES = {"thr_kernel": dict(threshold_kernel=True), "b8192": dict(block
                   "fw4": dict(finish_warps=4), "fw16": dict(finish_warps=16),
                   "c1024": dict(chunk=1024), "c2048": dict(chunk=2048),
                   "b8192c2048": dict(block=8192, chunk=2048),
-                  "b4096c1024sw4": dict(block=4096, chunk=1024, select_warps=4)}
+                  "b4096c1024sw4": dict(block=4096, chunk=1024, select_warps=4),
+                  # --sweep only (session 17): the select chunk's prefix count in row scans
+                  "r8": dict(scan_rows=8), "r32": dict(scan_rows=32),
+                  "r128": dict(scan_rows=128)}
 CMD_BUFFER = {  # name -> XLA_FLAGS added in the child process
     "default": "",
     "off": "--xla_gpu_enable_command_buffer=",

@@ -239,6 +239,37 @@ def test_fused_matches_xla(kind):
         assert fast[[0, 3, 4, 5]].all() and not fast[1], fast
 
 
+@pytest.mark.parametrize("kind", ["normal", "ties"])
+@pytest.mark.parametrize("scan_rows", [4, 32])
+def test_fused_scan_rows_gives_the_same_sets(kind, scan_rows):
+    """``scan_rows`` (the select chunk's prefix count through a [rows, CH / rows] view): the
+    same sets as the reference, the crowded-block fallback and ties included, and the same
+    candidate rows as one scan (position order kept in every segment)."""
+    scores, lengths, k = _fused_rows(21 + scan_rows, kind)
+    scores[1] = np.sort(scores[1])
+    lengths[1] = 2000
+    fast = _check_fused(scores, lengths, k, scan_rows=scan_rows, **FUSED_TUN)
+    assert fast.tolist() == _check_fused(scores, lengths, k, **FUSED_TUN).tolist()
+    args = (jnp.asarray(scores), jnp.asarray(lengths).reshape(-1, 1))
+    one = fused.select_call(*args, None, fused.fused_config(2000, k, **FUSED_TUN))
+    rows = fused.select_call(*args, None, fused.fused_config(2000, k, scan_rows=scan_rows,
+                                                             **FUSED_TUN))
+    for a, b in zip(one, rows):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_fused_scan_rows_lowers_for_cuda():
+    specs = (jax.ShapeDtypeStruct((64, 262144), jnp.float32),
+             jax.ShapeDtypeStruct((64,), jnp.int32))
+    text = common.lower_for_cuda(functools.partial(fused.topk_fused, k=2048, scan_rows=32),
+                                 *specs)
+    assert text.count(common.TRITON_CALL_TARGET) == 3 and _xla_ops(text) == []
+    with pytest.raises(ValueError, match="scan_rows=3 must be a power of two"):
+        fused.fused_config(2000, 64, scan_rows=3)
+    with pytest.raises(ValueError, match="scan_rows=8192 > chunk"):
+        fused.fused_config(262144, 2048, scan_rows=8192)
+
+
 def _sample_positions(length, sample, window):
     """fused._sample_floor's sample positions of a row of the given length."""
     ws = max(window, length // (sample // window))
@@ -402,11 +433,13 @@ def test_triton_matches_xla_on_gpu(b, n, k, kind):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["normal", "ties", "relu"])
-@pytest.mark.parametrize("variant", ["default", "thr_kernel", "b8192", "hint_above", "hint_ok"])
+@pytest.mark.parametrize("variant", ["default", "thr_kernel", "b8192", "hint_above", "hint_ok",
+                                     "r32"])
 def test_fused_on_gpu(variant, kind):
     """fused.py's compiled kernels at the target shape against XLA: the defaults, the separate
-    threshold launch, 32 programs a row, and floor hints that send every row to the whole-row
-    scan or finish it from the candidates; one ascending row (crowded last blocks) in each."""
+    threshold launch, 32 programs a row, floor hints that send every row to the whole-row
+    scan or finish it from the candidates, and the prefix count in 32 row scans; one ascending
+    row (crowded last blocks) in each."""
     b, n, k = 64, 262144, 2048
     scores, lengths = _gpu_case(3 * b + k, b, n, k, kind)
     scores[9] = np.sort(scores[9])
@@ -418,5 +451,6 @@ def test_fused_on_gpu(variant, kind):
         floor = np.full((b,), np.inf, np.float32) if variant == "hint_above" else vals[:, -1]
         floor = jnp.asarray(np.where(np.isfinite(floor) | (variant == "hint_above"), floor,
                                      -np.inf).astype(np.float32))
-    tun = {"thr_kernel": dict(threshold_kernel=True), "b8192": dict(block=8192)}.get(variant, {})
+    tun = {"thr_kernel": dict(threshold_kernel=True), "b8192": dict(block=8192),
+           "r32": dict(scan_rows=32)}.get(variant, {})
     assert_topk_equal(fused.topk_fused(*args, floor=floor, **tun), want)

@@ -76,6 +76,7 @@ class FusedConfig:
     fallback_chunk: int  # positions per step of the fallback scan
     select_warps: int
     finish_warps: int
+    scan_rows: int      # the select chunk's prefix count: one scan (1) or rows x (CH / rows)
     threshold_kernel: bool
     interpret: bool
 
@@ -105,7 +106,7 @@ def fits(n: int, k: int) -> bool:
 def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 4096, sample: int = 4096,
                  window: int = 8, floor_bits: int = 20, digit_bits: int = 4,
                  fallback_chunk: int = 1024, select_warps: int = 8, finish_warps: int = 8,
-                 threshold_kernel: bool | None = None,
+                 threshold_kernel: bool | None = None, scan_rows: int = 1,
                  interpret: bool | None = None) -> FusedConfig:
     """Tunables fitted to rows of N (call outside jit when interpret is None). threshold_kernel
     None: the separate threshold launch when a row has more than two select programs (H200,
@@ -114,9 +115,12 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 4096, sampl
     ``benchmarks/topk_launch_gpu.py``). block 16384; floor_bits = 20 leaves t
     within 2^-11 of the sample key (a few more candidates, 12 fewer steps). CR is twice a
     full row's expected candidates (r + 1) * N / S, a power of two in [KP, 16384], at most NP.
+    scan_rows: the select chunk's slots from one prefix scan of CH indicators (1) or from a
+    [scan_rows, CH / scan_rows] view: row totals, a scan of them, per-row scans (shorter
+    scans; the same slots, a power of two <= CH; session 17, not timed yet).
     Raises ValueError when KP > 8192 (the finish keeps CR >= 2 KP keys in registers)."""
     for name, v in (("block", block), ("chunk", chunk), ("sample", sample), ("window", window),
-                    ("fallback_chunk", fallback_chunk)):
+                    ("fallback_chunk", fallback_chunk), ("scan_rows", scan_rows)):
         if v < 1 or v & (v - 1):
             raise ValueError(f"topk_fused: {name}={v} must be a power of two")
     if digit_bits not in (1, 2, 4, 8) or not 1 <= floor_bits <= 32:
@@ -126,6 +130,8 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 4096, sampl
     np_ = tk._next_pow2(n)
     block = min(block, np_)
     chunk = min(chunk, block)
+    if scan_rows > chunk:
+        raise ValueError(f"topk_fused: scan_rows={scan_rows} > chunk={chunk}")
     sample = min(sample, np_)
     window = min(window, sample)
     kp = tk._next_pow2(min(k, n))
@@ -144,7 +150,7 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 4096, sampl
                        floor_bits=int(floor_bits), cr=max(cr, kp), digit_bits=digit_bits,
                        fallback_chunk=min(fallback_chunk, np_), select_warps=select_warps,
                        finish_warps=finish_warps, threshold_kernel=bool(threshold_kernel),
-                       interpret=bool(interpret))
+                       scan_rows=scan_rows, interpret=bool(interpret))
 
 
 # ----------------------------------------------------------------------------- in-kernel pieces
@@ -177,6 +183,17 @@ def _sample_floor(row_ref, length, m, cfg: FusedConfig):
 
     t = lax.fori_loop(0, cfg.floor_bits, bit_step, jnp.int32(0)) ^ INT32_MIN
     return jnp.maximum(t, KEY_NEG_INF)
+
+
+def _exclusive_count(ci, rows: int):
+    """The exclusive prefix sum of indicators ci [CH] (cumsum(ci) - ci): one scan of CH, or
+    (rows > 1) through a [rows, CH / rows] view: each row's offset (a scan of the row totals)
+    plus the row's own scan."""
+    if rows == 1:
+        return jnp.cumsum(ci) - ci
+    c2 = ci.reshape(rows, ci.shape[0] // rows)
+    tot = jnp.sum(c2, axis=1)
+    return ((jnp.cumsum(tot) - tot)[:, None] + (jnp.cumsum(c2, axis=1) - c2)).reshape(-1)
 
 
 def _segment(j, length, cfg: FusedConfig):
@@ -227,7 +244,7 @@ def _select_kernel(len_ref, t_src_ref, x_ref, pos_ref, val_ref, cnt_ref, *, cfg:
         pos, key = tk.eligible_keys(x, j * cfg.block + s, length)
         is_c = key >= t  # t >= key(-inf) > INT32_MIN: ineligible never counts
         ci = is_c.astype(jnp.int32)
-        slot = start + count + jnp.cumsum(ci) - ci
+        slot = start + count + _exclusive_count(ci, cfg.scan_rows)
         ok = is_c & (slot < end)
         slot = jnp.where(ok, slot, cfg.cr + lane)
         plgpu.store(pos_ref.at[slot], pos, mask=ok)
