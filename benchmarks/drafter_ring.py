@@ -12,10 +12,10 @@ import argparse
 import dataclasses
 import json
 import pathlib
-import time
 
 import numpy as np
 
+from experiments.speculative import serve_prompts
 from lsparse_jax.config import CacheConfig, EngineConfig, SamplingConfig, method_storage
 from lsparse_jax.model.presets import fit_max_len, preset
 from lsparse_jax.serving.speculative import SpecEngine
@@ -25,16 +25,11 @@ from lsparse_jax.training.drafter import load_drafter
 
 
 def serve(config, params, drafter, prompts, tokens):
+    """Tokens per request, the engine's metrics and its decode seconds (warmup excluded)."""
     engine = SpecEngine(config, params, drafter)
-    slots = [engine.admit(p, tokens) for p in prompts]
-    out, t0 = {}, time.perf_counter()
-    while engine.active.any():
-        engine.step()
-        for s in np.flatnonzero(engine.active):
-            if engine.requests[s].done or engine.lengths[s] >= engine.limit[s]:
-                out[s] = engine.release(s)
+    out, _, _ = serve_prompts(engine, prompts, tokens)
     m = engine.metrics()
-    return [list(map(int, out[s])) for s in slots], m, time.perf_counter() - t0
+    return [list(map(int, t)) for t in out], m, m["decode_seconds"]
 
 
 if __name__ == "__main__":

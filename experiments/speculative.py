@@ -68,7 +68,7 @@ def _top(logits):
     return jax.lax.top_k(logits, TOP)
 
 
-def _serve(engine, prompts, decode_tokens, margins: bool = False):
+def serve_prompts(engine, prompts, decode_tokens, margins: bool = False):
     """Admits every prompt, decodes until each has decode_tokens tokens (the first one from
     the prefill); returns the tokens per request, the mean time to first token, and with
     ``margins`` each request's top-``TOP`` (token ids, logits) of every decode step (entry
@@ -108,7 +108,7 @@ def first_divergence(got: list, want: list) -> list[int | None]:
 
 def divergence_margins(got: list, want: list, tops: list) -> list[dict | None]:
     """Per request, where the speculative tokens ``got`` first depart from the plain ones
-    ``want``, with the plain run's logits there (``tops``: ``_serve``'s margins of the plain
+    ``want``, with the plain run's logits there (``tops``: ``serve_prompts``'s margins of the plain
     run): the index j, both tokens, ``logit_gap`` = plain logit of its token - plain logit of
     the speculative token (None: the speculative token is not in the plain top ``TOP``), and
     ``top2_gap`` = plain top-1 - top-2 logit. A gap near 0 is a near tie that rounding can flip;
@@ -215,7 +215,7 @@ def speculative(name: str, model=gin.REQUIRED, checkpoint: str | None = gin.REQU
         config = _config(method, cfg, c, prefill_chunk, hot_cache_rows, page_size,
                          optional_pages, implementation, lean)
         plain = Engine(config, params, books)
-        want, ttft, tops = _serve(plain, prompts, decode_tokens, record_margins)
+        want, ttft, tops = serve_prompts(plain, prompts, decode_tokens, record_margins)
         pm = plain.metrics()
         records.append({"method": method, "concurrency": c, "speculative": False,
                         "acceptance_length": 1.0,
@@ -223,7 +223,7 @@ def speculative(name: str, model=gin.REQUIRED, checkpoint: str | None = gin.REQU
                         "union_miss_ratio": None, "ttft_s": ttft,
                         "decode_tokens": pm["decode_tokens"], "session": session})
         spec = SpecEngine(config, params, (dparams, dcfg), books)
-        got, ttft, _ = _serve(spec, prompts, decode_tokens)
+        got, ttft, _ = serve_prompts(spec, prompts, decode_tokens)
         sm = spec.metrics()
         # the drafter timed apart (the served run queues verification behind drafting)
         sm["drafter_time_share"] = spec.drafter_seconds() * sm["steps"] / max(

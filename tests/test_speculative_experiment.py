@@ -67,11 +67,11 @@ def test_divergence_margins_read_the_plain_logits_at_the_departure():
 
 
 def test_serve_margins_top_token_is_each_greedy_token():
-    """``_serve(margins=True)``: entry j - 1 of a request's top logits is the step that made
+    """``serve_prompts(margins=True)``: entry j - 1 of a request's top logits is the step that made
     its token j, whose top-1 id is that token (greedy), for every token after the first."""
     import numpy as np
 
-    from experiments.speculative import _serve
+    from experiments.speculative import serve_prompts
     from lsparse_jax.config import CacheConfig, EngineConfig, SamplingConfig
     from lsparse_jax.model import init_params
     from lsparse_jax.serving.engine import Engine
@@ -82,7 +82,7 @@ def test_serve_margins_top_token_is_each_greedy_token():
                                  cache=CacheConfig(3, 32, 40, 8)), init_params(cfg, 0), None)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, n).astype(np.int32) for n in (40, 57)]
-    tokens, _, tops = _serve(engine, prompts, 6, margins=True)
+    tokens, _, tops = serve_prompts(engine, prompts, 6, margins=True)
     for toks, top in zip(tokens, tops):
         assert len(toks) == 6 and len(top) == 5
         assert [int(ids[0]) for ids, _ in top] == list(toks[1:])
