@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Prepared in session 17 for the next GPU session (device tool, carry [".whl"]), one call per
-# STEP; every part is time-limited. None of these has run yet.
+# STEP; every part is time-limited. Session 18 ran a (spec_f32 cut by its limit), e, c and d;
+# b has not run. SPEC_S sets each spec part's limit (default 140 s; f32 with Triton needs more).
 #   STEP=a  issue 15: where speculative_v4.gin's greedy tokens depart from plain decoding
 #           (hisparse C8; records first_divergence and the plain logit gap there: a gap
 #           near 0 is a rounding flip of a near tie, a large one a real departure), three
@@ -26,7 +27,7 @@ source "$(dirname "$0")/gpu_lib.sh"
 STEP=${STEP:-a}
 JT="--gin \"LeanSparseConfig.coarse_implementation='jax_triton'\""
 spec() {  # spec NAME PRECISION IMPLEMENTATION
-  TAIL=4 part "$1" 140 "python3 -m experiments.cli run configs/experiments/speculative_v4.gin \
+  TAIL=4 part "$1" "${SPEC_S:-140}" "python3 -m experiments.cli run configs/experiments/speculative_v4.gin \
     \"--gin.speculative.methods=('hisparse',)\" \"--gin.model_preset.matmul_precision='$2'\" \
     \"--gin.speculative.implementation='$3'\" --gin.speculative.results_dir=None \
     --gin.speculative.record_margins=True \

@@ -76,7 +76,9 @@ FUSED_TUNABLES = {"thr_kernel": dict(threshold_kernel=True), "b8192": dict(block
                   "b4096c1024sw4": dict(block=4096, chunk=1024, select_warps=4),
                   # --sweep only (session 17): the select chunk's prefix count in row scans
                   "r8": dict(scan_rows=8), "r32": dict(scan_rows=32),
-                  "r128": dict(scan_rows=128)}
+                  "r128": dict(scan_rows=128),
+                  # session 18: 32 row scans became the default; r1 is the one scan before
+                  "r1": dict(scan_rows=1)}
 CMD_BUFFER = {  # name -> XLA_FLAGS added in the child process
     "default": "",
     "off": "--xla_gpu_enable_command_buffer=",

@@ -242,16 +242,19 @@ def test_fused_matches_xla(kind):
 @pytest.mark.parametrize("kind", ["normal", "ties"])
 @pytest.mark.parametrize("scan_rows", [4, 32])
 def test_fused_scan_rows_gives_the_same_sets(kind, scan_rows):
-    """``scan_rows`` (the select chunk's prefix count through a [rows, CH / rows] view): the
-    same sets as the reference, the crowded-block fallback and ties included, and the same
-    candidate rows as one scan (position order kept in every segment)."""
+    """``scan_rows`` (the select chunk's prefix count through a [rows, CH / rows] view; 32 is
+    the default): the same sets as the reference, the crowded-block fallback and ties
+    included, and the same candidate rows as one scan (position order kept in every
+    segment)."""
     scores, lengths, k = _fused_rows(21 + scan_rows, kind)
     scores[1] = np.sort(scores[1])
     lengths[1] = 2000
     fast = _check_fused(scores, lengths, k, scan_rows=scan_rows, **FUSED_TUN)
-    assert fast.tolist() == _check_fused(scores, lengths, k, **FUSED_TUN).tolist()
+    assert fast.tolist() == _check_fused(scores, lengths, k, scan_rows=1,
+                                         **FUSED_TUN).tolist()
     args = (jnp.asarray(scores), jnp.asarray(lengths).reshape(-1, 1))
-    one = fused.select_call(*args, None, fused.fused_config(2000, k, **FUSED_TUN))
+    one = fused.select_call(*args, None, fused.fused_config(2000, k, scan_rows=1,
+                                                            **FUSED_TUN))
     rows = fused.select_call(*args, None, fused.fused_config(2000, k, scan_rows=scan_rows,
                                                              **FUSED_TUN))
     for a, b in zip(one, rows):
@@ -266,8 +269,8 @@ def test_fused_scan_rows_lowers_for_cuda():
     assert text.count(common.TRITON_CALL_TARGET) == 3 and _xla_ops(text) == []
     with pytest.raises(ValueError, match="scan_rows=3 must be a power of two"):
         fused.fused_config(2000, 64, scan_rows=3)
-    with pytest.raises(ValueError, match="scan_rows=8192 > chunk"):
-        fused.fused_config(262144, 2048, scan_rows=8192)
+    assert fused.fused_config(262144, 2048, scan_rows=8192).scan_rows == 4096  # <= CH
+    assert fused.fused_config(16, 4).scan_rows == 16  # the default 32, clipped to CH
 
 
 def _sample_positions(length, sample, window):
@@ -434,11 +437,12 @@ def test_triton_matches_xla_on_gpu(b, n, k, kind):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["normal", "ties", "relu"])
 @pytest.mark.parametrize("variant", ["default", "thr_kernel", "b8192", "hint_above", "hint_ok",
-                                     "r32"])
+                                     "r1"])
 def test_fused_on_gpu(variant, kind):
     """fused.py's compiled kernels at the target shape against XLA: the defaults, the separate
     threshold launch, 32 programs a row, floor hints that send every row to the whole-row
-    scan or finish it from the candidates, and the prefix count in 32 row scans; one ascending
+    scan or finish it from the candidates, and the prefix count in one scan (the default: 32
+    row scans); one ascending
     row (crowded last blocks) in each."""
     b, n, k = 64, 262144, 2048
     scores, lengths = _gpu_case(3 * b + k, b, n, k, kind)
@@ -452,5 +456,5 @@ def test_fused_on_gpu(variant, kind):
         floor = jnp.asarray(np.where(np.isfinite(floor) | (variant == "hint_above"), floor,
                                      -np.inf).astype(np.float32))
     tun = {"thr_kernel": dict(threshold_kernel=True), "b8192": dict(block=8192),
-           "r32": dict(scan_rows=32)}.get(variant, {})
+           "r1": dict(scan_rows=1)}.get(variant, {})
     assert_topk_equal(fused.topk_fused(*args, floor=floor, **tun), want)
