@@ -11,6 +11,7 @@ from lsparse_jax.config import CacheConfig, EngineConfig, LeanSparseConfig, Samp
 from lsparse_jax.memory.accounting import request_bytes
 from lsparse_jax.methods.leansparse import calibrate_codebooks
 from lsparse_jax.serving.engine import Engine
+from lsparse_jax.serving.metrics import steady_state
 from lsparse_jax.serving.request import Request
 from lsparse_jax.serving.scheduler import Clock, Scheduler
 from lsparse_jax.tasks import tokenizer
@@ -311,6 +312,19 @@ def test_metrics_exact_on_a_fixed_clock(resident, overlap):
         assert s[f"ttft_p{q}_s"] == pytest.approx(np.percentile(ttft, q))
         assert s[f"e2e_p{q}_s"] == pytest.approx(np.percentile([1.0, 1.125, 0.5], q))
     assert s["tpot_p50_s"] == 0.25
+    # steady state: one request decoding in both neighbouring entries, 0.25 s a step
+    assert s["most_active"] == 1 and s["steady_iteration_p50_s"] == 0.25
+    assert s["steady_iterations"] >= 1
+
+
+def test_steady_state_counts_only_intervals_at_the_most_active():
+    """Intervals whose two ends both show the most active requests: here (1.0, 1.5) and
+    (1.5, 2.5); the admission interval (0.5, 1.0) and the drain are left out."""
+    trace = [{"time_s": t, "active": a} for t, a in
+             [(0.0, 0), (0.5, 1), (1.0, 2), (1.5, 2), (2.5, 2), (2.75, 1), (3.0, 0)]]
+    assert steady_state(trace) == {"most_active": 2, "steady_iterations": 2,
+                                   "steady_iteration_p50_s": 0.75}
+    assert steady_state([{"time_s": 0.0, "active": 0}])["steady_iteration_p50_s"] is None
 
 
 

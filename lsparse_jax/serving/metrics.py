@@ -61,4 +61,23 @@ def throughput(records: Sequence[dict]) -> tuple[int, float, float | None]:
     return tokens, span, tokens / span if span > 0 else None
 
 
-__all__ = ["PERCENTILES", "percentiles", "request_metrics", "summarize", "throughput"]
+def steady_state(trace: Sequence[dict]) -> dict:
+    """The iteration time while the most requests were decoding, from a scheduler's trace
+    (``Scheduler.trace``: one entry per iteration, its clock time and active count at the
+    iteration's end): the intervals between consecutive entries that both show the most
+    active requests (so no admission or finish changed the batch within them).
+
+    Returns {"most_active", "steady_iterations" (intervals counted), "steady_iteration_p50_s"
+    (their median; None if there are none)}. Steady tokens/s are then about most_active x
+    tokens per request-iteration / steady_iteration_p50_s."""
+    active = np.asarray([t["active"] for t in trace], np.int64)
+    times = np.asarray([t["time_s"] for t in trace], np.float64)
+    most = int(active.max()) if active.size else 0
+    keep = (active[1:] == most) & (active[:-1] == most) & (most > 0)
+    gaps = np.diff(times)[keep]
+    return {"most_active": most, "steady_iterations": int(gaps.size),
+            "steady_iteration_p50_s": float(np.median(gaps)) if gaps.size else None}
+
+
+__all__ = ["PERCENTILES", "percentiles", "request_metrics", "steady_state", "summarize",
+           "throughput"]

@@ -73,7 +73,7 @@ from lsparse_jax.memory.accounting import prefill_transient_bytes, request_bytes
 from lsparse_jax.memory.device_pool import DeviceCapacityError
 from lsparse_jax.memory.host_pool import CapacityError
 from lsparse_jax.serving.engine import Engine
-from lsparse_jax.serving.metrics import request_metrics, summarize
+from lsparse_jax.serving.metrics import request_metrics, steady_state, summarize
 from lsparse_jax.serving.request import Request
 
 WAIT_REASONS = ("slots", "device_budget", "prefill_memory", "host_pool", "device_pool",
@@ -415,8 +415,8 @@ class Scheduler:
                 for r in self.finished]
 
     def summary(self) -> dict:
-        """Aggregates (``metrics.summarize``) plus admission waits, iterations and the peak of
-        the device bytes in use."""
+        """Aggregates (``metrics.summarize``) plus admission waits, iterations, the peak of
+        the device bytes in use and the steady iteration time (``metrics.steady_state``)."""
         return summarize(self.records()) | {
             "reused_prefix_tokens": self.reused_tokens, "prefix_drops": self.prefix_drops,
             "admission_waits": self.admission_waits, "waits_by": dict(self.waits_by),
@@ -424,7 +424,8 @@ class Scheduler:
             "prefill_memory": self.prefill_memory,
             "memory_model_layers": (None if self.memory_model is None
                                     else self.memory_model.model.num_layers),
-            "peak_device_bytes": max((t["device_bytes"] for t in self.trace), default=0)}
+            "peak_device_bytes": max((t["device_bytes"] for t in self.trace), default=0),
+            **steady_state(self.trace)}
 
     def _live(self) -> dict:
         s = summarize([request_metrics(r) for r in self.finished])
