@@ -22,6 +22,9 @@
 #           weights): hisparse plain, hisparse and adaptive with the drafter; then issue 16's
 #           topk with the select chunk's prefix count in row scans (scan_rows 8 / 32 / 128,
 #           fused.py) beside the default, per kernel, and its GPU tests.
+#   STEP=f  ModelConfig.weight_dtype='bf16' (the matmul weights stored bf16: half the weight
+#           bytes a step): its GPU equality test, then the 128K B 64 decode step with f32 and
+#           with bf16 weights (session 14's profile: gemm 2.74 of 8.55 ms reads f32 weights).
 # Results come back as $OUT/<STEP>.tar.
 source "$(dirname "$0")/gpu_lib.sh"
 STEP=${STEP:-a}
@@ -61,6 +64,15 @@ case "$STEP" in
     TAIL=8 part topk_rows 120 "python3 benchmarks/topk_launch_gpu.py --out \$OUT --budget-s 60 \
       --sweep r8,r32,r128 && python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/test_kernel_topk.py -k 'fused_on_gpu and (r32 or default)'" ;;
+  f)  # ModelConfig.weight_dtype='bf16' (built in session 18, not run): equality on the GPU,
+      # then the 128K B64 decode step with f32 and with bf16-stored weights (bf16 matmuls)
+    TAIL=6 part bf16_weights_test 90 "python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/test_gpu_hierarchy.py -k bf16_stored"
+    for w in f32 bf16; do
+      part profile_w$w 200 "python3 benchmarks/decode_profile_gpu.py --methods hisparse,leansparse \
+        --context 131072 --batch 64 --steps 8 --kv-dtype fp8_v4 \
+        --gin \"model_preset.weight_dtype='$w'\" --out \$OUT --budget-s 190"
+    done ;;
   *) echo "unknown STEP $STEP" >&2; exit 2 ;;
 esac
 pack "$STEP"

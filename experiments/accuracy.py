@@ -48,11 +48,18 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from experiments import validate as v
-from experiments.common import pyplot, run_dir, selection_recall, write_results
+from experiments.common import (
+    fill_added_fields,
+    pyplot,
+    run_dir,
+    selection_recall,
+    write_results,
+)
 from lsparse_jax.config import (
     CacheConfig,
     EngineConfig,
     LeanSparseConfig,
+    ModelConfig,
     SamplingConfig,
     method_storage,
 )
@@ -364,6 +371,9 @@ def resumed_records(path: pathlib.Path, settings: dict, tasks, lengths, methods,
     if not path.exists():
         return []
     old = json.loads(path.read_text())
+    if isinstance((old.get("settings") or {}).get("model"), dict):  # fields added since
+        old["settings"]["model"] = fill_added_fields(old["settings"]["model"],
+                                                     settings["model"], ModelConfig)
     if old.get("settings") != settings:
         theirs = old.get("settings") or {}
         differ = sorted(k for k in set(settings) | set(theirs)

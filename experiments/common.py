@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -65,6 +66,17 @@ def cdf_plot(series: dict, panels, path, marks: bool = False):
 def model_preset(name: str = gin.REQUIRED, **overrides) -> ModelConfig:
     """A model preset by name (``tiny``, ``v4_flash``, ``glm5``) with field overrides."""
     return preset(name, **overrides)
+
+
+def fill_added_fields(prev: dict, now: dict, cls) -> dict:
+    """``prev``, an earlier run's ``dataclasses.asdict`` of a ``cls`` in JSON form, with the
+    fields added to ``cls`` since then taken from ``now`` where ``now`` holds their defaults
+    (such a field counts as unchanged when a run resumes); otherwise ``prev`` as it is."""
+    added = {f.name: json.loads(json.dumps(f.default)) for f in dataclasses.fields(cls)
+             if f.name not in prev and f.default is not dataclasses.MISSING}
+    if all(now.get(n) == d for n, d in added.items()):
+        return {**prev, **{n: now[n] for n in added}}
+    return prev
 
 
 def selection_recall(got, want) -> float:

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from experiments import validate as v
-from experiments.common import pyplot, run_dir, write_results
+from experiments.common import fill_added_fields, pyplot, run_dir, write_results
 from lsparse_jax.config import (
     CacheConfig,
     DrafterConfig,
@@ -257,12 +257,8 @@ def resumed(resume_from: str, meta: dict, cells) -> list[dict]:
     prev = json.loads(path.read_text())
     now = json.loads(json.dumps(meta))
     for key, cls in (("model", ModelConfig), ("drafter", DrafterConfig)):
-        # a config field added since the earlier run counts as unchanged at its default
-        added = {f.name: f.default for f in dataclasses.fields(cls)
-                 if f.name not in prev.get(key, {}) and f.default is not dataclasses.MISSING}
-        if isinstance(prev.get(key), dict) and all(now[key].get(n) == json.loads(
-                json.dumps(d)) for n, d in added.items()):
-            prev[key] = {**prev[key], **{n: now[key][n] for n in added}}
+        if isinstance(prev.get(key), dict):  # fields added since count at their default
+            prev[key] = fill_added_fields(prev[key], now[key], cls)
     differs = [k for k, val in now.items() if prev.get(k) != val]
     if differs:
         raise v.ConfigError(f"speculative.resume_from: {path} was run with other {differs}; "

@@ -16,6 +16,7 @@ LAYER_KINDS: tuple[str, ...] = ("swa", "csa", "hca", "dsa")
 KV_DTYPES: tuple[str, ...] = ("f32", "bf16", "fp8_v4")  # stored CSA KV rows (quant.kv_rows)
 MATMUL_PRECISIONS: tuple[str, ...] = ("highest", "tf32", "bf16")  # ModelConfig.matmul_precision
 ATTENTION_PRECISIONS: tuple[str, ...] = ("f32", "bf16")  # ModelConfig.attention_precision
+WEIGHT_DTYPES: tuple[str, ...] = ("f32", "bf16")  # ModelConfig.weight_dtype
 
 
 
@@ -145,6 +146,13 @@ class ModelConfig:
         Its logit error (tests/test_kv_rows.py) is below what fp8_v4 rows already cost.
         Every method reads the kernel in the same form, so the hierarchy identities
         (hisparse == resident, ...) hold bit for bit at either setting.
+      weight_dtype: how serving stores the model's matmul weights (every Dense kernel;
+        ``model.transformer.serving_params``, applied by ``Engine`` and ``steps.prefill``):
+        "f32" as trained, or "bf16" (needs matmul_precision "bf16", whose matmuls round their
+        operands to bf16 anyway): each decode step then reads half the weight bytes. Serving
+        bf16-stored weights equals serving f32 weights that hold the same bf16 values, bit for
+        bit (tested); against the f32 originals it is the rounding the bf16 matmuls apply on
+        a GPU (XLA's CPU backend computes "bf16" matmuls in f32, so there it differs).
     """
 
     vocab_size: int = 256
@@ -165,6 +173,7 @@ class ModelConfig:
     kv_dtype: str = "f32"
     matmul_precision: str = "highest"
     attention_precision: str = "f32"
+    weight_dtype: str = "f32"
 
     def __post_init__(self):
         if isinstance(self.layer_pattern, list):
@@ -201,6 +210,14 @@ class ModelConfig:
         if self.attention_precision not in ATTENTION_PRECISIONS:
             invalid("ModelConfig", "attention_precision", self.attention_precision,
                     f"allowed: {ATTENTION_PRECISIONS}")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            invalid("ModelConfig", "weight_dtype", self.weight_dtype,
+                    f"allowed: {WEIGHT_DTYPES}")
+        if self.weight_dtype == "bf16" and self.matmul_precision != "bf16":
+            invalid("ModelConfig", "weight_dtype", self.weight_dtype,
+                    f"bf16 weights need matmul_precision='bf16' (got "
+                    f"{self.matmul_precision!r}: its matmuls would use the rounded weights at "
+                    f"higher precision)")
         if self.kv_dtype == "fp8_v4" and not 0 < self.rope_dim < self.head_dim:
             invalid("ModelConfig", "kv_dtype", self.kv_dtype,
                     f"'fp8_v4' splits a row into FP8 non-RoPE and bf16 RoPE parts: needs "

@@ -66,3 +66,25 @@ def test_leansparse_kernels_match_xla_on_gpu():
             same.append(float(np.abs(np.asarray(a.logits[0]) - np.asarray(b.logits[0])).max()))
     assert found / total >= 0.95
     assert same and max(same) < 1e-2
+
+
+def test_bf16_stored_weights_equal_f32_weights_at_bf16_matmuls_on_gpu():
+    """On the GPU a "bf16" matmul rounds its f32 operands to bf16, so storing the weights
+    bf16 (``ModelConfig.weight_dtype``) changes no logit: the same engine with the original
+    f32 weights gives the same tokens and logits bit for bit."""
+    import dataclasses
+
+    from lsparse_jax.config import CacheConfig, EngineConfig, SamplingConfig
+    from lsparse_jax.serving.engine import Engine
+    from tests.helpers import assert_same_continuation, model_and_tokens, tiny
+
+    cfg = tiny(max_len=128, matmul_precision="bf16")
+    params, prompt = model_and_tokens(cfg, 37, seed=3)
+    engines = []
+    for model in (cfg, dataclasses.replace(cfg, weight_dtype="bf16")):
+        engine = Engine(EngineConfig(model=model, method="hisparse",
+                                     sampling=SamplingConfig(0.0),
+                                     cache=CacheConfig(2, 16, 32, 8)), params)
+        engine.admit(prompt)
+        engines.append(engine)
+    assert_same_continuation(engines[0], engines[1], 6)

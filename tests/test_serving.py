@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 
 from lsparse_jax.config import CacheConfig, EngineConfig, SamplingConfig
+from lsparse_jax.model import serving_params
 from lsparse_jax.model.cache import empty_cache
 from lsparse_jax.serving.engine import Engine
 from lsparse_jax.serving.sampling import sample
 from lsparse_jax.serving.state import empty_state, slot_bytes
 from lsparse_jax.serving.steps import forward_chunk
-from tests.helpers import model_and_tokens, tiny
+from tests.helpers import assert_same_continuation, model_and_tokens, tiny
 
 
 def test_greedy_is_argmax_with_lower_id_on_ties():
@@ -135,3 +136,48 @@ def test_device_sums_are_exact_past_32_bits():
                        jnp.zeros((1, 1, 3), jnp.int32), jnp.zeros((1, 1, 3), jnp.int32),
                        jnp.ones((1,), bool))
     assert stats.totals()["eligible"] == 5 * (2**31 - 1)
+
+
+def _rounded_kernels(params):
+    """params whose Dense kernels hold bf16 values (stored f32)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: (x.astype(jnp.bfloat16).astype(jnp.float32)
+                         if getattr(path[-1], "key", None) == "kernel" else x), params)
+
+
+def test_serving_params_casts_only_the_matmul_weights():
+    cfg = tiny(max_len=128, matmul_precision="bf16", weight_dtype="bf16")
+    params, _ = model_and_tokens(cfg, 1)
+    got = serving_params(params, cfg)
+    flat = jax.tree_util.tree_flatten_with_path(got)[0]
+    kernels = [x for path, x in flat if path[-1].key == "kernel"]
+    others = [x for path, x in flat if path[-1].key != "kernel"]
+    assert kernels and others and all(x.dtype == jnp.bfloat16 for x in kernels)
+    want = jax.tree.leaves(_rounded_kernels(params))
+    for a, b in zip(jax.tree.leaves(got), want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b))
+    assert jax.tree.all(jax.tree.map(lambda a, b: a is b, serving_params(got, cfg), got))
+    f32 = tiny(max_len=128, matmul_precision="bf16")
+    assert serving_params(params, f32) is params
+    with pytest.raises(ValueError, match="weight_dtype.*matmul_precision='bf16'"):
+        tiny(weight_dtype="bf16")
+    with pytest.raises(ValueError, match="weight_dtype"):
+        tiny(matmul_precision="bf16", weight_dtype="fp8")
+
+
+@pytest.mark.parametrize("method", ["resident", "hisparse"])
+def test_bf16_stored_weights_serve_as_f32_weights_of_the_same_values(method):
+    """An engine storing its matmul weights bf16 (``weight_dtype``) gives the tokens and
+    logits, bit for bit, of one given f32 weights holding the same bf16 values."""
+    cfg = tiny(max_len=128, matmul_precision="bf16", weight_dtype="bf16")
+    params, prompt = model_and_tokens(cfg, 37, seed=3)
+    hot = 32 if method == "hisparse" else None
+    engines = []
+    for model, weights in ((cfg, params), (tiny(max_len=128, matmul_precision="bf16"),
+                                           _rounded_kernels(params))):
+        engine = Engine(EngineConfig(model=model, method=method, sampling=SamplingConfig(0.0),
+                                     cache=CacheConfig(2, 16, hot, 8)), weights)
+        engine.admit(prompt)
+        engines.append(engine)
+    assert engines[0].params["lm_head"]["kernel"].dtype == jnp.bfloat16
+    assert_same_continuation(engines[1], engines[0], 6)

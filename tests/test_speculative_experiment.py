@@ -2,6 +2,7 @@
 checkpoint None; an untrained drafter) on the tiny preset: the speculative tokens equal plain
 decoding's and the records carry what the issue names."""
 
+import dataclasses
 import json
 
 import pytest
@@ -123,3 +124,15 @@ def test_serve_capped_with_the_drafter_counts_its_bytes(tmp_path, ring):
     fits = out["device_budget_bytes"] // (plain("adaptive") + ring)
     assert 1 <= max(it["active"] for it in out["trace"]) <= fits < 4
     assert out["peak_device_bytes"] <= out["device_budget_bytes"]
+
+
+def test_fill_added_fields_counts_a_new_field_at_its_default_as_unchanged():
+    from experiments.common import fill_added_fields
+    from lsparse_jax.config import ModelConfig
+
+    now = json.loads(json.dumps(dataclasses.asdict(ModelConfig())))
+    old = {k: v for k, v in now.items() if k != "weight_dtype"}  # written before the field
+    assert fill_added_fields(old, now, ModelConfig) == now
+    bf16 = now | {"matmul_precision": "bf16", "weight_dtype": "bf16"}
+    old16 = {k: v for k, v in bf16.items() if k != "weight_dtype"}
+    assert fill_added_fields(old16, bf16, ModelConfig) == old16  # not the default: differs

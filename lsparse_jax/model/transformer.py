@@ -75,6 +75,20 @@ class Transformer(nn.Module):
         return logits, tuple(new_caches), tuple(selections)
 
 
+def serving_params(params, cfg: ModelConfig):
+    """``params`` as serving stores them (``ModelConfig.weight_dtype``): with "bf16" every
+    Dense kernel (the model's matmul weights, leaves named "kernel") cast to bfloat16; the
+    embedding table, norm scales and other parameters stay f32. Idempotent."""
+    if cfg.weight_dtype == "f32":
+        return params
+
+    def cast(path, leaf):
+        named = getattr(path[-1], "key", None) == "kernel"
+        return leaf.astype(jnp.bfloat16) if named and leaf.dtype == jnp.float32 else leaf
+
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
 def init_params(cfg: ModelConfig, seed: int = 0):
     """Random parameters of the model ``cfg`` from an integer seed."""
     return _init_params(cfg, jax.random.key(seed))

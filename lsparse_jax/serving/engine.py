@@ -18,6 +18,7 @@ from jax.sharding import SingleDeviceSharding
 from lsparse_jax.config import EngineConfig
 from lsparse_jax.memory.accounting import prefill_transient_bytes, request_bytes
 from lsparse_jax.methods import policy
+from lsparse_jax.model.transformer import serving_params
 from lsparse_jax.parallel import engine_mesh, replicate, shard_params
 from lsparse_jax.quant import KVRowFormat
 from lsparse_jax.serving import stats
@@ -64,7 +65,10 @@ class Engine:
 
     def __init__(self, config: EngineConfig, params, codebooks: dict | None = None):
         """codebooks: {CSA layer: [M, K, D_I/M]} PQ codebooks, needed by leansparse.
-        With ``config.tp`` > 1 the parameters are split over the mesh (``lsparse_jax.parallel``)."""
+        With ``config.tp`` > 1 the parameters are split over the mesh (``lsparse_jax.parallel``).
+        The matmul weights are stored as ``ModelConfig.weight_dtype`` says
+        (``model.transformer.serving_params``)."""
+        params = serving_params(params, config.model)
         self.mesh = engine_mesh(config)
         if self.mesh is not None:
             params = shard_params(params, self.mesh)

@@ -12,7 +12,7 @@ from lsparse_jax.config import EngineConfig, ModelConfig
 from lsparse_jax.methods import policy
 from lsparse_jax.model.cache import empty_cache
 from lsparse_jax.model.store import NUM_SOURCES
-from lsparse_jax.model.transformer import Transformer
+from lsparse_jax.model.transformer import Transformer, serving_params
 from lsparse_jax.parallel import engine_mesh, mesh_scope
 from lsparse_jax.serving.sampling import sample
 from lsparse_jax.serving.state import DecodeState
@@ -67,6 +67,7 @@ def prefill_chunks(params, cfg: ModelConfig, tokens, chunk: int,
     if n > cfg.max_len:
         raise ValueError(f"prefill: prompt of {n} tokens exceeds ModelConfig.max_len={cfg.max_len}")
     caches = empty_cache(cfg)
+    params = serving_params(params, cfg)  # ModelConfig.weight_dtype (once per prompt)
     padded = jnp.pad(tokens, (0, -n % chunk))
     for start in range(0, n, chunk):
         valid = min(chunk, n - start)
