@@ -288,6 +288,11 @@ class CacheConfig:
         deficit reclaims whole requests' optional pages in reclaim order, and waits if all of
         them cannot cover it; new and refilled pages are lent only from spare bytes. None:
         the optional pages are a separate allocation, lent whenever one is free.
+      prefetch_rows: echo only: P positions ranked just below each decode step's top-k
+        (ranks k .. k + P - 1 of the exact index scores) that the step also copies into the
+        request's buffer when missing: ECHO's intra-query prefetch, which counts on adjacent
+        steps' selections crossing the top-k boundary (``methods.echo``). Lossless: the
+        attention reads only the top-k. Needs hot_cache_rows >= top_k + P. 0: none.
       location_reuse: paged methods with DSA share groups: member layers inherit their
         leader's location vector (``model.store.Locations``: the leader's resolve decides the
         missing positions once; each member copies its own rows of them into the same hot
@@ -307,12 +312,16 @@ class CacheConfig:
     shared_pool_rows: int | None = None
     shared_budget_bytes: int | None = None
     location_reuse: bool = True
+    prefetch_rows: int = 0
 
     def __post_init__(self):
         if not isinstance(self.location_reuse, bool):
             invalid("CacheConfig", "location_reuse", self.location_reuse, "must be a bool")
         _positive("CacheConfig", num_slots=self.num_slots, prefill_chunk=self.prefill_chunk,
                   page_size=self.page_size, refill_pages=self.refill_pages)
+        if isinstance(self.prefetch_rows, bool) or not isinstance(self.prefetch_rows, int) \
+                or self.prefetch_rows < 0:
+            invalid("CacheConfig", "prefetch_rows", self.prefetch_rows, "must be an int >= 0")
         for name in ("hot_cache_rows", "host_pages", "optional_pages", "device_pages",
                      "shared_pool_rows", "shared_budget_bytes"):
             if getattr(self, name) is not None:

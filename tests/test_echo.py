@@ -1,36 +1,45 @@
 """The ECHO-style baseline (methods.echo): lossless (bit-identical to resident), its shared GPU
 KV pool bounds admission (waits, never loses a request), and its accounting."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from lsparse_jax.config import CacheConfig, EngineConfig, SamplingConfig
+from lsparse_jax.memory import HotCache, empty_pool, write_host_page
 from lsparse_jax.memory.accounting import max_concurrency, request_bytes, shared_pool_bytes
+from lsparse_jax.memory.paged_kv import PagedKV, PagedKVStore, PageView
 from lsparse_jax.methods.echo import SharedPoolCapacityError
 from lsparse_jax.serving.engine import Engine
 from lsparse_jax.serving.request import Request
 from lsparse_jax.serving.scheduler import Clock, Scheduler
-from tests.helpers import model_and_tokens, tiny
+from tests.helpers import assert_resolved_rows, model_and_tokens, tiny
 
 CFG = tiny(max_len=256)
 
 
-def engine(method, pool=None, slots=3, page=8):
+def engine(method, pool=None, slots=3, page=8, rows=16, prefetch=0):
     params, _ = model_and_tokens(CFG, 1, seed=5)
-    rows = None if method == "resident" else 16
+    rows = None if method == "resident" else rows
     return Engine(EngineConfig(model=CFG, method=method, sampling=SamplingConfig(0.0),
                                cache=CacheConfig(num_slots=slots, prefill_chunk=32,
                                                  hot_cache_rows=rows, page_size=page,
-                                                 shared_pool_rows=pool)), params)
+                                                 shared_pool_rows=pool,
+                                                 prefetch_rows=prefetch)), params)
 
 
-def test_echo_is_lossless_and_bit_identical_to_resident():
+@pytest.mark.parametrize("prefetch", [0, 8])
+def test_echo_is_lossless_and_bit_identical_to_resident(prefetch):
     """Two requests decode together, a third joins and the first leaves: echo's logits,
-    tokens and selections equal resident's at every step (lossless prefetch from host)."""
+    tokens and selections equal resident's at every step (lossless prefetch from host), with
+    and without the prefetch of the 8 positions ranked after the top-16 (whose copies the
+    statistics count apart)."""
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 256, n).astype(np.int32) for n in (70, 101, 45)]
-    want, got = engine("resident"), engine("echo", pool=512)
-    host_rows = 0
+    want = engine("resident")
+    got = engine("echo", pool=512, rows=16 + 2 * prefetch, prefetch=prefetch)
+    host_rows = prefetched = 0
     for e in (want, got):
         e.admit(prompts[0], max_new_tokens=60)
         e.admit(prompts[1], max_new_tokens=60)
@@ -46,8 +55,52 @@ def test_echo_is_lossless_and_bit_identical_to_resident():
         np.testing.assert_array_equal(np.asarray(b.logits)[act], np.asarray(a.logits)[act])
         np.testing.assert_array_equal(np.asarray(b.selected)[act], np.asarray(a.selected)[act])
         host_rows += int(np.asarray(b.sources)[act][..., 2].sum())
+        prefetched += int(np.asarray(b.prefetched)[act].sum())
     assert want.generated == got.generated
     assert host_rows > 0  # the buffer missed and fetched from the host: still identical
+    sel = got.metrics()["selection"]
+    assert sel["host_rows"] == host_rows and sel["prefetched_rows"] == prefetched
+    assert (prefetched > 0) == (prefetch > 0)
+
+
+def test_prefetched_rows_are_hits_at_the_next_step():
+    """``PagedKVStore.gather_band`` on a buffer of 8 rows, pages of 4: step 1 selects 3 and 7
+    and prefetches 10 and 11 (4 host copies: 2 selected, 2 prefetched); step 2 selects 10, 3
+    and 11, all hits, and prefetches 20 (1 copy). The rows read are the selection's only, in
+    order, each equal to the host truth; the buffer then holds every row it was given."""
+    page, dim, pages = 4, 3, 8
+    rng = np.random.default_rng(0)
+    truth = rng.normal(size=(pages * page, dim)).astype(np.float32)
+    pool = empty_pool(pages, page, dim)
+    for p in range(pages):
+        pool = write_host_page(pool, p, jnp.asarray(truth[p * page:(p + 1) * page]))
+    store = PagedKVStore(page, 8)
+    state = PagedKV(jnp.full((page, dim), jnp.nan), HotCache.empty(8, dim))
+    view_ctx = PageView(pool, jnp.arange(pages, dtype=jnp.int32))
+    completed = pages * page  # every row is on the host
+    step = jax.jit(store.gather_band)
+    for sel, band, sources, fetched in (([3, 7, -1], [10, 11], [0, 0, 2], 2),
+                                        ([10, 3, 11], [20, -1], [0, 3, 0], 1)):
+        state, view, got = step(state, completed, jnp.asarray([sel], jnp.int32),
+                                jnp.asarray([band], jnp.int32), view_ctx)
+        assert np.asarray(view.sources).tolist() == [sources] and int(got) == fetched
+        assert np.asarray(view.slots).tolist() == [[j if p >= 0 else -1
+                                                    for j, p in enumerate(sel)]]
+        assert_resolved_rows(np.asarray(view.table)[0], sel, truth)  # [k, D]: the selection
+    held = np.asarray(state.hot.positions)
+    assert sorted(held[held >= 0].tolist()) == [3, 7, 10, 11, 20]
+    rows = np.asarray(state.hot.rows)
+    for j in np.flatnonzero(held >= 0):
+        np.testing.assert_array_equal(rows[j], truth[held[j]])
+
+
+def test_prefetch_settings_are_checked():
+    with pytest.raises(ValueError, match="prefetch_rows.*only the echo method"):
+        engine("hisparse", prefetch=4)
+    with pytest.raises(ValueError, match="hot_cache_rows=16 < top_k \\+ prefetch_rows = 20"):
+        engine("echo", pool=512, rows=16, prefetch=4)
+    with pytest.raises(ValueError, match="prefetch_rows"):
+        CacheConfig(prefetch_rows=-1)
 
 
 def test_shared_pool_holds_buffers_and_prefill_history():

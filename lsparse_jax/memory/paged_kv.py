@@ -75,6 +75,30 @@ class PagedKVStore:
         table = jax.tree.map(lambda r: r[None], rows)
         return state.replace(hot=hot), RowView(table, slots, counts[None], plan)
 
+    def gather_band(self, state: PagedKV, completed, selected, band, context: PageView):
+        """``gather`` that also loads ``band`` [1, P] (the positions ranked just below the
+        selection: echo's prefetch) into the hot cache, in the same resolve: the request is
+        [selected; band], so band rows take LRU victims after the selection's, are stamped
+        as used after them, and the attention reads only the selection's rows (lossless).
+
+        Returns (state, RowView of the selection (its sources count the selection alone),
+        band rows copied from the host [] int32)."""
+        k = selected.shape[-1]
+        request = jnp.concatenate([selected, band], axis=-1)
+        state, view = self.gather(state, completed, request, context)
+        plan = view.plan
+        copied = (plan.row_of >= 0) & (plan.fetch[jnp.maximum(plan.row_of, 0)] >= 0)
+        first = (plan.in_tail | (plan.opt >= 0))[:k]
+        valid = selected[0] >= 0
+        host = jnp.sum(copied[:k] & valid)
+        sources = jnp.stack([jnp.sum(first & valid), jnp.sum(valid & ~first) - host,
+                             host]).astype(jnp.int32)
+        plan = plan.replace(selected=plan.selected[:k], in_tail=plan.in_tail[:k],
+                            opt=plan.opt[:k], row_of=plan.row_of[:k])
+        table = jax.tree.map(lambda r: r[:, :k], view.table)
+        view = RowView(table, view.slots[:, :k], sources[None], plan)
+        return state, view, jnp.sum(copied[k:] & (band[0] >= 0)).astype(jnp.int32)
+
     def follow(self, state: PagedKV, completed, locations: Locations, context: PageView):
         """A DSA member layer without location reuse (``CacheConfig.location_reuse`` False):
         resolves the leader's positions through its own hot cache (a second scan; the same

@@ -175,6 +175,9 @@ class Method:
             invalid("EngineConfig", "cache.shared_pool_rows", engine.cache.shared_pool_rows,
                     "the echo method needs it (its GPU KV pool shared across requests); "
                     "other methods must leave it None")
+        if engine.cache.prefetch_rows and not cls.shared_pool:
+            invalid("EngineConfig", "cache.prefetch_rows", engine.cache.prefetch_rows,
+                    "only the echo method prefetches (ECHO's intra-query prefetch); leave it 0")
         cfg, page = engine.model, engine.cache.page_size
         if engine.cache.device_pages is not None and "hca" in cfg.layer_pattern \
                 and page * cfg.csa_ratio % cfg.hca_ratio:

@@ -26,6 +26,13 @@ Simplifications (stated, not hidden):
   lookahead). Outputs are the same by losslessness; only overlap of copies with compute is
   not modelled, which the scheduler's measured clock then charges to the step.
 - ECHO's own prefetch predictor and eviction policy are not reproduced (LRU buffer instead).
+  ``CacheConfig.prefetch_rows`` = P adds its intra-query prefetch in our terms: each decode
+  step ranks the top-(k + P) exact index scores, attends over the top-k and also loads ranks
+  k .. k + P - 1 into the buffer when missing (one resolve of [selection; band], band rows
+  stamped as used after the selection's), betting that the next step's selection crosses the
+  boundary. Lossless (tested bit for bit against resident); its copies are counted apart
+  (``selection.prefetched_rows``). Not ahead of the step: they are copied in the step that
+  ranks them, so no overlap with compute is modelled.
 - With prefix reuse (``Engine.admit(prefix=...)``) the engine streams every method's prefix
   from host layer by layer (one data path); echo's pool still charges the whole history
   (prefix included) for the admission, as ECHO loads it onto the GPU before prefilling.
@@ -40,6 +47,7 @@ from lsparse_jax.config import EngineConfig, invalid
 from lsparse_jax.memory.host_pool import CapacityError
 from lsparse_jax.methods.base import register
 from lsparse_jax.methods.hisparse import HiSparse, PagedController
+from lsparse_jax.model.store import ExactIndex
 
 
 class SharedPoolCapacityError(CapacityError):
@@ -61,6 +69,28 @@ class Echo(HiSparse):
         if rows < buffer:
             invalid("EngineConfig", "cache.shared_pool_rows", rows,
                     f"must hold at least one request's buffer (hot_cache_rows={buffer})")
+        band, k = engine.cache.prefetch_rows, engine.model.indexer.top_k
+        if band and buffer < k + band:
+            invalid("EngineConfig", "cache.prefetch_rows", band,
+                    f"the buffer must hold a step's selection and its prefetch: "
+                    f"hot_cache_rows={buffer} < top_k + prefetch_rows = {k + band}")
+        if band and k + band > engine.model.num_compressed("csa"):
+            invalid("EngineConfig", "cache.prefetch_rows", band,
+                    f"top_k + prefetch_rows = {k + band} exceeds the "
+                    f"{engine.model.num_compressed('csa')} compressed rows of max_len")
+        if band and engine.cache.device_pages is not None:
+            invalid("EngineConfig", "cache.prefetch_rows", band,
+                    "prefetch ranks the exact keys kept in each slot; with device_pages "
+                    "leave it 0")
+
+    def key_index(self):
+        """HiSparse's exact index; with ``CacheConfig.prefetch_rows`` = P > 0 it also ranks
+        the next P positions (``Selection.band``), which decode loads with the selection
+        (``PagedKVStore.gather_band``)."""
+        band = self.engine.cache.prefetch_rows
+        if not band:
+            return super().key_index()
+        return ExactIndex(self.engine.model.indexer.top_k, self.engine.implementation, band)
 
     def controller(self) -> EchoController:
         return EchoController(self)

@@ -179,7 +179,13 @@ class AttentionLayer(nn.Module):
         elif self.dense_selection and self.kind == "csa":
             groups.append((rowfmt.decode(self.kv_store.all_rows(cache.kv))[None], eligible))
         elif self.kind == "csa":
-            kv, view = self.kv_store.gather(cache.kv, completed, selection.positions, kv_ctx)
+            if selection.band is not None and t_len == 1:  # decode with echo's prefetch
+                kv, view, fetched = self.kv_store.gather_band(
+                    cache.kv, completed, selection.positions, selection.band, kv_ctx)
+                selection = selection.replace(prefetched=fetched[None])
+            else:
+                kv, view = self.kv_store.gather(cache.kv, completed, selection.positions,
+                                                kv_ctx)
             cache = cache.replace(kv=kv)
             if not kernel_decode:  # XLA path: the selected rows, query by query
                 picked = jax.tree.map(lambda t: t[0][jnp.maximum(view.slots, 0)], view.table)

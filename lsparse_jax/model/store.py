@@ -54,6 +54,9 @@ class Selection:
     key_sources: jnp.ndarray  # [T, 3] int32 exact keys scored from (tail/resident, cache, host)
     locations: Any = None  # DSA share-group leaders: the location vector of the resolved
     #   selection (``Locations``) that member layers read their own rows at; None elsewhere
+    band: Any = None  # [T, P] int32 positions ranked k .. k + P - 1 (-1 padded): what a
+    #   prefetching store also loads (``ExactIndex.band``, echo); None without prefetch
+    prefetched: Any = None  # [T] int32 band rows the store copied from the host; None: none
 
 
 @struct.dataclass
@@ -159,7 +162,7 @@ def query_tile(num_queries: int, bytes_per_query: int, budget: int) -> int:
 
 def exact_selection(query: IndexerQuery, values, scales, eligible, top_k: int,
                     tile_bytes: int = SCORE_TILE_BYTES,
-                    implementation: str | None = "xla") -> Selection:
+                    implementation: str | None = "xla", band: int = 0) -> Selection:
     """Exact top-k of eligible stored keys.
 
     Notation: T queries, H heads, D dim, N stored keys.
@@ -171,7 +174,9 @@ def exact_selection(query: IndexerQuery, values, scales, eligible, top_k: int,
     over 256K keys with 64 heads would otherwise need 256 GiB). Each query's selection does
     not depend on the tiling.
     Top-k: ``indexing.select_topk`` through the ``topk`` op's ``implementation`` (the same
-    positions in the same order as "xla").
+    positions in the same order as "xla"). band > 0: the top-(k + band) is taken and split,
+    the first k the selection (best first, so exactly the top-k) and the next ``band`` its
+    ``Selection.band``.
     """
     keys = dequantize_index_keys(values, scales)  # [N, D] f32
 
@@ -179,8 +184,10 @@ def exact_selection(query: IndexerQuery, values, scales, eligible, top_k: int,
     scores = head_sum(functools.partial(exact_index_scores, precision=precision()),
                                (1, 1, None))
 
+    take = top_k + band
+
     def select(q, w, ok):
-        return select_topk(scores(q, w, keys), ok, top_k, implementation)[0]
+        return select_topk(scores(q, w, keys), ok, take, implementation)[0]
 
     num, heads = query.q.shape[:2]
     tile = query_tile(num, heads * keys.shape[0] * 4, tile_bytes)
@@ -190,10 +197,12 @@ def exact_selection(query: IndexerQuery, values, scales, eligible, top_k: int,
         pad = -num % tile
         tiles = [jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(
             (-1, tile) + a.shape[1:]) for a in (query.q, query.weights, eligible)]
-        positions = jax.lax.map(lambda a: select(*a), tuple(tiles)).reshape(-1, top_k)[:num]
+        positions = jax.lax.map(lambda a: select(*a), tuple(tiles)).reshape(-1, take)[:num]
+    positions, ranked_next = positions[:, :top_k], positions[:, top_k:]
     counts = jnp.sum(eligible, axis=-1).astype(jnp.int32)
     scored = jnp.zeros((positions.shape[0], NUM_SOURCES), jnp.int32).at[:, 0].set(counts)
-    return Selection(positions, counts, resident_counts(positions), scored)
+    return Selection(positions, counts, resident_counts(positions), scored,
+                     band=ranked_next if band else None)
 
 
 @struct.dataclass
@@ -232,10 +241,12 @@ class ResidentKeys:
 
 @dataclasses.dataclass(frozen=True)
 class ExactIndex:
-    """Every FP8 indexer key on the device; exact top-k over all eligible keys."""
+    """Every FP8 indexer key on the device; exact top-k over all eligible keys (and with
+    ``band`` > 0 the next ``band`` ranked positions as ``Selection.band``: echo's prefetch)."""
 
     top_k: int
     implementation: str | None = "xla"  # the top-k kernel (``topk`` op implementation)
+    band: int = 0
 
     def empty(self, num_rows: int, dim: int, num_scales: int) -> ResidentKeys:
         return ResidentKeys(values=jnp.full((num_rows, dim), jnp.nan, jnp.float8_e4m3fn),
@@ -247,7 +258,7 @@ class ExactIndex:
 
     def select(self, state: ResidentKeys, completed, query, eligible, context):
         return state, exact_selection(query, state.values, state.scales, eligible, self.top_k,
-                                      implementation=self.implementation)
+                                      implementation=self.implementation, band=self.band)
 
 
 RESIDENT_KV = ResidentKVStore()

@@ -124,7 +124,8 @@ class Engine:
                                       jnp.asarray(self.next_token), idle)
         # the statistics updates (an idle step adds nothing) and the controller's updates
         self.stats = stats.admitted(stats.record(self.stats, out.selected, out.eligible,
-                                                 out.sources, out.key_sources, idle), 0)
+                                                 out.sources, out.key_sources, idle,
+                                                 out.prefetched), 0)
         self.state = self.control.warmup(self.state, writeback)
         jax.block_until_ready(self.state)
 
@@ -439,7 +440,7 @@ class Engine:
             self.state = update(self.state)
         self.lengths += live
         self.stats = stats.record(self.stats, out.selected, out.eligible, out.sources,
-                                  out.key_sources, active)
+                                  out.key_sources, active, out.prefetched)
         return out
 
     def _collect(self, sampled: np.ndarray, forced, now: float, mine: np.ndarray) -> None:

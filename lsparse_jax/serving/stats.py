@@ -16,7 +16,8 @@ import numpy as np
 from flax import struct
 
 FIELDS = ("steps", "eligible", "selected", "reused", "reuse_base",
-          "rows_tail", "rows_hot", "rows_host", "keys_tail", "keys_cache", "keys_host")
+          "rows_tail", "rows_hot", "rows_host", "keys_tail", "keys_cache", "keys_host",
+          "rows_prefetched")
 
 
 @struct.dataclass
@@ -49,13 +50,14 @@ def _add64(sums, values):
 
 
 @functools.partial(jax.jit, donate_argnames=("stats",))
-def record(stats: SelectionStats, selected, eligible, sources, key_sources, active):
+def record(stats: SelectionStats, selected, eligible, sources, key_sources, active,
+           prefetched=None):
     """Adds one decode step.
 
     selected [S, L, k] int32 (-1 padded), eligible [S, L] int32, sources and key_sources
-    [S, L, 3] int32, active [S] bool. Reuse: selected positions that the same slot also selected
-    at its previous step (positions within a row are distinct, so matches count the
-    intersection).
+    [S, L, 3] int32, active [S] bool, prefetched [S, L] int32 or None (none). Reuse:
+    selected positions that the same slot also selected at its previous step (positions
+    within a row are distinct, so matches count the intersection).
     """
     act = active[:, None]
     valid = selected >= 0
@@ -66,6 +68,8 @@ def record(stats: SelectionStats, selected, eligible, sources, key_sources, acti
               jnp.sum(valid & act[..., None]), jnp.sum(match & both), jnp.sum(valid & both)]
     counts += [jnp.sum(jnp.where(act, sources[..., j], 0)) for j in range(3)]
     counts += [jnp.sum(jnp.where(act, key_sources[..., j], 0)) for j in range(3)]
+    counts.append(jnp.zeros((), jnp.int32) if prefetched is None
+                  else jnp.sum(jnp.where(act, prefetched, 0)))
     values = jnp.stack([c.astype(jnp.uint32) for c in counts])
     return SelectionStats(_add64(stats.sums, values), selected, stats.has_prev | active)
 
@@ -88,7 +92,9 @@ def as_dict(totals: dict[str, int], row_bytes: int, key_bytes: int) -> dict:
             "key_resolved_fraction": dict(zip(("tail_or_resident", "key_cache", "host_copy"),
                                               (keys / max(keys.sum(), 1.0)).tolist())),
             "host_rows": float(rows[2]), "host_key_rows": float(keys[2]),
-            "host_bytes": float(rows[2]) * row_bytes + float(keys[2]) * key_bytes}
+            "prefetched_rows": float(totals["rows_prefetched"]),  # echo's prefetch copies
+            "host_bytes": (float(rows[2]) + totals["rows_prefetched"]) * row_bytes
+            + float(keys[2]) * key_bytes}
 
 
 __all__ = ["FIELDS", "SelectionStats", "admitted", "as_dict", "record"]

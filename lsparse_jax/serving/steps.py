@@ -27,6 +27,8 @@ class DecodeOutput:
     sources: jnp.ndarray  # [S, L_sparse, 3] int32 selected rows found in tail/resident, hot, host
     key_sources: jnp.ndarray  # [S, L_sparse, 3] int32 exact keys scored from tail/resident,
     #   key cache, host (resident and hisparse score every eligible key from the GPU)
+    prefetched: jnp.ndarray  # [S, L_sparse] int32 rows copied from host beyond the selection
+    #   (echo's prefetch, ``CacheConfig.prefetch_rows``; 0 elsewhere)
 
 
 def sparse_layers(cfg: ModelConfig) -> tuple[int, ...]:
@@ -116,16 +118,21 @@ def decode_step(params, engine: EngineConfig, state: DecodeState, tokens, active
                 return jnp.zeros(empty_shape, jnp.int32)
             return jnp.stack([getattr(s, field)[0] for s in picked])
 
+        prefetched = jnp.stack([jnp.zeros((), jnp.int32) if s.prefetched is None
+                                else s.prefetched[0] for s in picked]) if picked else \
+            jnp.zeros((0,), jnp.int32)
         return (logits[0], caches, stack("positions", (0, k)), stack("eligible", (0,)),
-                stack("sources", (0, NUM_SOURCES)), stack("key_sources", (0, NUM_SOURCES)))
+                stack("sources", (0, NUM_SOURCES)), stack("key_sources", (0, NUM_SOURCES)),
+                prefetched)
 
     with mesh_scope(engine_mesh(engine)):  # kernels per head shard (tp > 1)
-        logits, caches, positions, eligible, sources, key_sources = jax.vmap(one)(
+        logits, caches, positions, eligible, sources, key_sources, prefetched = jax.vmap(one)(
             state.caches, method.slot_rows(state.tier), tokens, state.lengths, active)
     rng, key = jax.random.split(state.rng)
     next_tokens = sample(logits, key, engine.sampling.temperature)
     new = state.replace(caches=caches, lengths=state.lengths + active.astype(jnp.int32), rng=rng)
-    return new, DecodeOutput(logits, next_tokens, positions, eligible, sources, key_sources)
+    return new, DecodeOutput(logits, next_tokens, positions, eligible, sources, key_sources,
+                             prefetched)
 
 
 __all__ = ["DecodeOutput", "decode_step", "forward", "forward_chunk", "prefill",
