@@ -113,17 +113,14 @@ def decode_step(params, engine: EngineConfig, state: DecodeState, tokens, active
         picked = [sels[i] for i in sparse_layers(cfg)]
         k = cfg.indexer.top_k
 
-        def stack(field, empty_shape):
-            if not picked:
-                return jnp.zeros(empty_shape, jnp.int32)
-            return jnp.stack([getattr(s, field)[0] for s in picked])
+        def stack(field, shape):  # shape: one layer's entry; a field left None counts 0
+            rows = [jnp.zeros(shape, jnp.int32) if getattr(s, field) is None
+                    else getattr(s, field)[0] for s in picked]
+            return jnp.stack(rows) if rows else jnp.zeros((0,) + shape, jnp.int32)
 
-        prefetched = jnp.stack([jnp.zeros((), jnp.int32) if s.prefetched is None
-                                else s.prefetched[0] for s in picked]) if picked else \
-            jnp.zeros((0,), jnp.int32)
-        return (logits[0], caches, stack("positions", (0, k)), stack("eligible", (0,)),
-                stack("sources", (0, NUM_SOURCES)), stack("key_sources", (0, NUM_SOURCES)),
-                prefetched)
+        return (logits[0], caches, stack("positions", (k,)), stack("eligible", ()),
+                stack("sources", (NUM_SOURCES,)), stack("key_sources", (NUM_SOURCES,)),
+                stack("prefetched", ()))
 
     with mesh_scope(engine_mesh(engine)):  # kernels per head shard (tp > 1)
         logits, caches, positions, eligible, sources, key_sources, prefetched = jax.vmap(one)(
