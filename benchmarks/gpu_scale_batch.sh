@@ -13,6 +13,7 @@
 #                 prefill of each context is cached in /tmp/lsparse_scale_prefill while the
 #                 machine stays warm. results.json's `pending` lists the cells left.
 #   STEP=both     profile (with a 170 s budget) then scale (budget cut to fit): one call.
+# SCALE_BUDGET: the scale step's budget in s (default 480; a call is <= 600 s).
 # SCALE_ARGS: extra gin bindings for the scale run, e.g.
 #   SCALE_ARGS="--gin.scale.methods=('hisparse','leansparse','leansparse_g2')"
 # Everything written under $OUT comes back; the last lines print the tables.
@@ -57,7 +58,7 @@ EOF
 
 case "$STEP" in
   profile) profile 240 ;;
-  scale) scale 480 ;;
+  scale) scale "${SCALE_BUDGET:-480}" ;;
   both)
     profile 170
     scale $(( 470 - ($(date +%s) - START) )) ;;

@@ -261,7 +261,8 @@ class _Estimates:
     Prefill: the recorded prefill_s of this context, else the largest smaller recorded
     context's scaled by (context ratio)^2, else 0 (unknown: it runs). Cell: a fixed part, the
     largest recorded cell time less its admissions at this context (engine, warm-up compile,
-    steps; else 20 s), plus per request the largest recorded admission seconds (else 0.5 s),
+    steps; else 20 s; the method's own cells where it has some: a 100 s LeanSparse cell at
+    batch 64 says little of resident at batch 1), plus per request the largest recorded admission seconds (else 0.5 s),
     ``steps`` decode steps at the largest recorded step ms per request (else 2 ms) and its
     host pools filled at 2 GB/s (pinned_host allocation grows with the batch), times 1.25.
     """
@@ -269,8 +270,12 @@ class _Estimates:
     def __init__(self, records, context: int):
         self.records = [r for r in records if "step_ms" in r]
         here = [r for r in self.records if r["context"] == context]
-        self.fixed = max([r.get("cell_s", r["warmup_s"]) - r.get("admit_s", 0.0)
-                          for r in here], default=20.0)
+        fixed = lambda rs, default: max(  # noqa: E731
+            [r.get("cell_s", r["warmup_s"]) - r.get("admit_s", 0.0) for r in rs],
+            default=default)
+        self.fixed = fixed(here, 20.0)
+        self.fixed_by = {m: fixed([r for r in here if r["method"] == m], 0.0)
+                         for m in {r["method"] for r in here}}
         self.admit = max([r.get("admit_s", 0.0) / r["batch"] for r in here], default=0.5)
         self.step = max([r["step_ms"] / 1e3 / r["batch"] for r in here], default=2e-3)
         self.host = {r["method"]: r["host_bytes_per_request"] / 2e9 for r in here}
@@ -284,7 +289,8 @@ class _Estimates:
 
     def cell_s(self, method: str, batch: int, steps: int) -> float:
         host = self.host.get(method, max(self.host.values(), default=0.0))
-        return 1.25 * (self.fixed + batch * (self.admit + steps * self.step + host))
+        fixed = self.fixed_by.get(method, self.fixed)
+        return 1.25 * (fixed + batch * (self.admit + steps * self.step + host))
 
 
 def decode_cell(cfg, params, books, pre, prompt, method, batch, steps, warm_steps, chunk,

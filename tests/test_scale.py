@@ -72,6 +72,12 @@ def test_variants_estimates_and_grid_checks():
     assert est.cell_s("hisparse", 8, 10) == pytest.approx(1.25 * (36 + 8 * (0.5 + 10 * 2e-3
                                                                             + 2.0)))
     assert _Estimates([], 1024).cell_s("resident", 1, 0) == pytest.approx(1.25 * 20.5)
+    recs.append(dict(recs[0], method="resident", batch=1, cell_s=10.0, admit_s=1.0,
+                     host_bytes_per_request=0.0))  # its own fixed part: 9 s, not 36
+    est = _Estimates(recs, 1024)
+    # per request: the largest admission (1 s) and step (16 ms) per request recorded
+    assert est.cell_s("resident", 1, 10) == pytest.approx(1.25 * (9 + 1.0 + 10 * 16e-3))
+    assert est.cell_s("adaptive", 1, 0) == pytest.approx(1.25 * (36 + 1.0 + 2.0))
 
 
 @pytest.mark.slow
