@@ -30,3 +30,14 @@ pack() {
   (cd "$OUT" && tar -cf "/tmp/$1.tar" . && find . -mindepth 1 -delete && mv "/tmp/$1.tar" .)
   ls -la "$OUT"
 }
+
+# spec NAME PRECISION IMPLEMENTATION [SECONDS]: speculative_v4.gin's hisparse C8 cell at that
+# matmul precision and kernel implementation, with the plain logit margins recorded (where its
+# greedy tokens depart from plain decoding); SECONDS defaults to $SPEC_S, else 140.
+spec() {
+  TAIL=4 part "$1" "${4:-${SPEC_S:-140}}" "python3 -m experiments.cli run configs/experiments/speculative_v4.gin \
+    \"--gin.speculative.methods=('hisparse',)\" \"--gin.model_preset.matmul_precision='$2'\" \
+    \"--gin.speculative.implementation='$3'\" --gin.speculative.results_dir=None \
+    --gin.speculative.record_margins=True \
+    \"--gin.run.name='$1'\""
+}

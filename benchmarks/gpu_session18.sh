@@ -29,13 +29,6 @@
 source "$(dirname "$0")/gpu_lib.sh"
 STEP=${STEP:-a}
 JT="--gin \"LeanSparseConfig.coarse_implementation='jax_triton'\""
-spec() {  # spec NAME PRECISION IMPLEMENTATION
-  TAIL=4 part "$1" "${SPEC_S:-140}" "python3 -m experiments.cli run configs/experiments/speculative_v4.gin \
-    \"--gin.speculative.methods=('hisparse',)\" \"--gin.model_preset.matmul_precision='$2'\" \
-    \"--gin.speculative.implementation='$3'\" --gin.speculative.results_dir=None \
-    --gin.speculative.record_margins=True \
-    \"--gin.run.name='$1'\""
-}
 case "$STEP" in
   a)
     spec spec_bf16 bf16 triton

@@ -17,12 +17,11 @@ tokens): hisparse 0.104 s (admit_layer 0.088), echo 0.095 (0.078), leansparse 0.
 """
 
 import argparse
-import json
-import pathlib
 import time
 
 import jax
 import numpy as np
+from timing import write_results  # benchmarks/timing.py
 
 import lsparse_jax.serving.engine as engine_module
 import lsparse_jax.serving.prefix as prefix_module
@@ -108,12 +107,7 @@ def main():
         print(f"{method:<11} admission {total:.3f} s: prefix load {row['prefix_load_s']:.3f}, "
               f"admit_layer {row['admit_layer_s']:.3f}, rest {row['rest_s']:.3f}", flush=True)
         del engine
-        if args.out:
-            out = pathlib.Path(args.out)
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "prefix_admit.json").write_text(json.dumps({
-                "args": vars(args), "device": jax.devices()[0].device_kind,
-                "jax": jax.__version__, "results": results}, indent=1))
+        write_results(args.out, "prefix_admit.json", args, results)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """Shared timing for the GPU benchmark scripts (run as ``python3 benchmarks/<script>.py``)."""
 
+import json
+import pathlib
 import time
 
 import jax
@@ -34,3 +36,15 @@ def program_time(fn, sets, repeats=10, warmup=2):
         jax.block_until_ready(program(sets))
         times.append((time.perf_counter() - t0) / len(sets))
     return float(np.median(times))
+
+
+def write_results(out, filename: str, args, results: list) -> None:
+    """``results`` (rows so far) with the run's arguments, device and jax version as JSON at
+    ``out``/``filename`` (a script calls it after every row; ``out`` None writes nothing)."""
+    if out is None:
+        return
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / filename).write_text(json.dumps({
+        "args": vars(args), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+        "results": results}, indent=1))

@@ -110,13 +110,16 @@ def replay(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
            prefill_token_budget: int | None = None, leansparse=None,
            implementation: str | None = "xla",
            step_s: float | None = None, prefill_token_s: float = 0.0, seed: int = 0,
-           warmup_first: bool = False, memory_model: str | None = None):
+           warmup_first: bool = False, memory_model: str | None = None,
+           mixed: bool = False):
     """Replays the same synthetic sessions on each method; returns {method: summary}.
     hot_cache_rows: {method: B} (the paper: LeanSparse 2048, ECHO 512, HiSparse 4096).
     warmup_first: every session's warmup call first, the measured window after them
     (``MultiTurn.warmup_first``). memory_model: a preset name; the budget counts the served
     model with that preset's layer pattern (e.g. 'v4_flash': the 43 layers whose 4-layer slice
-    runs; ``Scheduler(memory_model=)``); None: the served model."""
+    runs; ``Scheduler(memory_model=)``); None: the served model. mixed: a prefill chunk of
+    each iteration inside the decode step (``Scheduler(mixed=True)``; a layer-streamed
+    prefill, LeanSparse's, raises ValueError: run such methods without it)."""
     hot = dict(hot_cache_rows or {"leansparse": 2048, "echo": 512, "hisparse": 4096})
     lean = leansparse or LeanSparseConfig()
     load = dict(sessions=sessions, calls=calls, first_prompt_tokens=tuple(first_prompt_tokens),
@@ -151,7 +154,7 @@ def replay(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
         sched = Scheduler(engine, device_budget_bytes, Clock(step_s, prefill_token_s),
                           workload=work, prefix_reuse=prefix_reuse,
                           prefill_memory=prefill_memory, memory_model=memory,
-                          prefill_token_budget=prefill_token_budget)
+                          prefill_token_budget=prefill_token_budget, mixed=mixed)
         with tqdm(total=sessions * calls, desc=f"replay {method}", unit="call") as bar:
             sched.run(bar)
         records = sched.records()
@@ -169,7 +172,7 @@ def replay(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
             checkpoint=checkpoint, num_slots=num_slots, device_budget_bytes=device_budget_bytes,
             prefill_chunk=prefill_chunk, echo_pool_rows=echo_pool_rows,
             prefix_reuse=prefix_reuse, prefill_memory=prefill_memory,
-            prefill_token_budget=prefill_token_budget,
+            prefill_token_budget=prefill_token_budget, mixed=mixed,
             memory_model=memory_model,
             memory_model_layers=None if memory is None else memory.model.num_layers,
             implementation=implementation,

@@ -262,7 +262,8 @@ class _Estimates:
     context's scaled by (context ratio)^2, else 0 (unknown: it runs). Cell: a fixed part, the
     largest recorded cell time less its admissions at this context (engine, warm-up compile,
     steps; else 20 s; the method's own cells where it has some: a 100 s LeanSparse cell at
-    batch 64 says little of resident at batch 1), plus per request the largest recorded admission seconds (else 0.5 s),
+    batch 64 says little of resident at batch 1), plus per request the largest recorded
+    admission seconds (else 0.5 s),
     ``steps`` decode steps at the largest recorded step ms per request (else 2 ms) and its
     host pools filled at 2 GB/s (pinned_host allocation grows with the batch), times 1.25.
     """

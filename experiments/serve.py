@@ -74,7 +74,7 @@ def serve(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
           think_s: float = 0.0, echo_pool_rows: int = 4096, overlap: bool = False,
           seed: int = 0, drafter_checkpoint: str | None = None, prompt_task: str = "random",
           budget_fit: tuple | None = None, adaptive_shares_budget: bool = False,
-          drafter_ring: str | None = None):
+          drafter_ring: str | None = None, mixed: bool = False):
     """Serves ``requests`` Poisson arrivals with ``method``; returns the summary.
 
     clients: a closed loop instead (``serving.workloads.ClosedLoop``): C clients at fixed
@@ -95,7 +95,9 @@ def serve(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
     doc). adaptive_shares_budget: adaptive's lent pages come out of the device budget too
     (``CacheConfig.shared_budget_bytes``; its required bytes count a drafter's ring and
     staging), instead of a separate pool of optional_pages. drafter_ring: None serves the
-    checkpoint's ring; "kv" or "features" overrides ``DrafterConfig.ring`` (same weights)."""
+    checkpoint's ring; "kv" or "features" overrides ``DrafterConfig.ring`` (same weights).
+    mixed: one prefill chunk of each iteration runs inside the decode step
+    (``Scheduler(mixed=True)``; needs prefill_token_budget)."""
     if prompt_task not in PROMPT_TASKS:
         raise ValueError(f"serve.prompt_task={prompt_task!r} must be one of {PROMPT_TASKS}")
     if prompt_task == "niah" and clients is not None:
@@ -166,7 +168,7 @@ def serve(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
                           cfg.vocab_size, think_s, seed)
         requests = clients * (requests // clients)
     sched = Scheduler(engine, device_budget_bytes, Clock(step_s, prefill_token_s),
-                      prefill_token_budget, workload=work, overlap=overlap)
+                      prefill_token_budget, workload=work, overlap=overlap, mixed=mixed)
     label = method + ("+drafter" if drafter_checkpoint else "")
     with tqdm(total=requests, desc=f"serve {label}", unit="req") as bar:
         sched.run(bar)
@@ -187,6 +189,7 @@ def serve(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
                    "max_new_tokens": list(max_new_tokens), "stop_strings": list(stop_strings),
                    "device_budget_bytes": device_budget_bytes,
                    "prefill_token_budget": prefill_token_budget, "overlap": overlap,
+                   "mixed": mixed,
                    "clock": "measured wall time" if step_s is None else
                    {"step_s": step_s, "prefill_token_s": prefill_token_s}, "seed": seed},
         "note": ("whole-prompt prefill (an admission stalls decoding)"

@@ -202,3 +202,28 @@ def test_matmul_precision_reaches_every_model_matmul():
     assert np.max(np.abs(got - ref)) < 0.05 * np.max(np.abs(ref))
     with pytest.raises(ValueError, match="matmul_precision"):
         tiny(matmul_precision="fp16")
+
+
+@pytest.mark.parametrize("kv_dtype,precision,atol", [
+    ("f32", "f32", 1e-4), pytest.param("bf16", "bf16", 3e-2, marks=pytest.mark.slow),
+    ("f32", "bf16", 3e-2)])
+def test_short_chunk_attends_through_the_kernel_like_xla(kv_dtype, precision, atol):
+    """A CSA chunk of T <= blocks.KERNEL_QUERIES queries (a verification block) attends through
+    the sparse_attention kernel (interpret mode), query by query with its own window rows; the
+    table shared, or per query where ``selected_rows`` rounds f32 rows to bf16. Its logits
+    match the XLA path's within the kernel's precision (f32: 3-pass products; bf16: q and
+    probabilities rounded), and the selections (made before the attention) are identical."""
+    from lsparse_jax.model.blocks import KERNEL_QUERIES
+
+    cfg = tiny(kv_dtype=kv_dtype, attention_precision=precision)
+    params, tokens = model_and_tokens(cfg, 69)
+    _, caches, _ = forward_chunk(params, cfg, empty_cache(cfg), tokens[:64], 0, 64)
+    t = 5
+    assert t <= KERNEL_QUERIES
+    want = forward_chunk(params, cfg, caches, tokens[64:], 64, t)
+    got = forward_chunk(params, cfg, caches, tokens[64:], 64, t, implementation="triton")
+    for layer in sparse_layers(cfg):
+        np.testing.assert_array_equal(want[2][layer].positions, got[2][layer].positions)
+        assert (np.asarray(got[2][layer].positions) >= 0).any()
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=atol, rtol=0)
+    assert not np.array_equal(np.asarray(got[0]), np.asarray(want[0]))  # the kernel ran

@@ -390,9 +390,11 @@ def test_serve_experiment_smoke(tmp_path, monkeypatch):
     monkeypatch.setenv("LSPARSE_RUNS", str(tmp_path))
     assert main(["run", "configs/experiments/serve_smoke.gin", "--gin.run.name='smoke'",
                  "--gin.serve.requests=6", "--gin.serve.max_new_tokens=(2, 6)",
-                 "--gin.serve.overlap=True"]) == 0
+                 "--gin.serve.overlap=True", "--gin.serve.prefill_token_budget=64",
+                 "--gin.serve.mixed=True"]) == 0
     out = json.loads((tmp_path / "smoke" / "results.json").read_text())
     assert out["completed"] == 6 and len(out["requests"]) == 6 and out["config"]["overlap"]
+    assert out["config"]["mixed"] and out["mixed_iterations"] > 0  # chunks rode on steps
     for key in ("ttft_p50_s", "tpot_p50_s", "throughput_tok_s", "admission_waits"):
         assert key in out
     assert out["peak_device_bytes"] <= out["device_budget_bytes"]

@@ -38,6 +38,10 @@ from lsparse_jax.parallel import per_head
 from lsparse_jax.quant import KVRowFormat, dequantize_index_keys, quantize_index_keys
 from pallas_kernels.sparse_attention.api import sparse_attention
 
+KERNEL_QUERIES = 16  # a CSA chunk of at most this many queries (decode: 1; a speculative
+#   verification block: gamma + 1) attends through the sparse_attention op when the layer's
+#   implementation is not "xla"; longer chunks (prefill) through XLA's sink_attention
+
 
 class Indexer(nn.Module):
     """Lightning indexer: query heads, head weights and (for CSA) its own compressor.
@@ -111,9 +115,11 @@ class AttentionLayer(nn.Module):
             cache = cache.replace(window=window)
 
         num = cfg.num_compressed(self.kind)
-        # decode (one query) of a CSA layer over its selection: the sparse_attention op
-        kernel_decode = (self.kind == "csa" and t_len == 1 and not self.dense_selection
-                         and not self.indexer_loss and self.implementation != "xla")
+        # a CSA layer's decode query, or each query of a short chunk (a speculative
+        # verification block), over its selection: the sparse_attention op
+        kernel_attend = (self.kind == "csa" and t_len <= KERNEL_QUERIES
+                         and not self.dense_selection and not self.indexer_loss
+                         and self.implementation != "xla")
         if self.kind in ("csa", "hca"):
             m = cfg.csa_ratio if self.kind == "csa" else cfg.hca_ratio
             comp = Compressor(d, m, self.kind == "csa", cfg.rope_dim, cfg.rope_theta, name="comp")
@@ -187,7 +193,7 @@ class AttentionLayer(nn.Module):
                 kv, view = self.kv_store.gather(cache.kv, completed, selection.positions,
                                                 kv_ctx)
             cache = cache.replace(kv=kv)
-            if not kernel_decode:  # XLA path: the selected rows, query by query
+            if not kernel_attend:  # XLA path: the selected rows, query by query
                 picked = jax.tree.map(lambda t: t[0][jnp.maximum(view.slots, 0)], view.table)
                 groups.append((rowfmt.decode(picked), view.slots >= 0))
             else:  # the rows in the form cfg.attention_precision hands the kernel
@@ -226,14 +232,27 @@ class AttentionLayer(nn.Module):
             attended = None if self.dense_selection else selection.positions
             self.sow("losses", "indexer_kl", indexer_kl(
                 iq, iw, krows, kval, kscale, kids, kok, num, eligible, attended, probs[-1]))
-        elif kernel_decode:
+        elif kernel_attend:
             ((window_rows, window_mask),) = groups
             if cfg.attention_precision == "bf16":  # the window as the rows: bf16
                 window_rows = window_rows.astype(jnp.bfloat16)
-            attend = functools.partial(sparse_attention, implementation=self.implementation)
             # tp > 1: each device attends with its query heads (q [1, H, D], sink [H])
-            out = per_head(attend, (1, None, None, None, None, 0), 1)(
-                q, view.table, view.slots, window_rows, window_mask, sink)
+            attend = per_head(functools.partial(sparse_attention,
+                                                implementation=self.implementation),
+                              (1, None, None, None, None, 0), 1)
+            if t_len == 1:  # decode: the window is the ring, one group
+                out = attend(q, view.table, view.slots, window_rows, window_mask, sink)
+            else:  # query by query, each with its window rows; the table shared, unless
+                #  selected_rows made it per query ([T, k, D])
+                per_query = jax.tree.leaves(view.table)[0].shape[0] == t_len
+
+                def one(qt, table, slots, rows, mask):
+                    table = jax.tree.map(lambda a: a[None], table) if per_query else table
+                    return attend(qt[None], table, slots[None], rows[None], mask[None],
+                                  sink)[0]
+
+                out = jax.vmap(one, in_axes=(0, 0 if per_query else None, 0, 0, 0))(
+                    q, view.table, view.slots, window_rows, window_mask)
         else:
             out = sink_attention(q, groups, sink)
         y = dense(cfg.hidden, "wo")(out.reshape(t_len, h * d))
@@ -241,8 +260,8 @@ class AttentionLayer(nn.Module):
 
 
 def kernel_rows(rowfmt: KVRowFormat, view, precision: str):
-    """A decode query's view (T = 1) in the form the sparse_attention kernel reads at
-    ``precision`` (``ModelConfig.attention_precision``):
+    """A view of T queries (slots [T, k], table [1, R, ...]) in the form the sparse_attention
+    kernel reads at ``precision`` (``ModelConfig.attention_precision``):
       "f32"   f32 rows as stored; bf16 / fp8_v4 rows: the selected ones decoded to f32
               (``selected_rows``), the kernel's f32 path.
       "bf16"  bf16 and fp8_v4 rows as stored (the kernel gathers them in place, FP8 in its
@@ -262,11 +281,11 @@ def kernel_rows(rowfmt: KVRowFormat, view, precision: str):
 
 
 def selected_rows(rowfmt: KVRowFormat, view, dtype=jnp.float32):
-    """A decode query's view (T = 1) whose table is its k selected rows, decoded to f32 and
-    cast to ``dtype`` (table [1, k, D], slots 0..k-1 where selected, -1 elsewhere)."""
+    """A view of T queries whose table is each query's k selected rows, decoded to f32 and
+    cast to ``dtype`` (table [T, k, D], slots 0..k-1 where selected, -1 elsewhere)."""
     slots = view.slots
-    rows = rowfmt.decode(jax.tree.map(lambda t: t[0][jnp.maximum(slots[0], 0)], view.table))
-    return view.replace(table=rows[None].astype(dtype),
+    rows = rowfmt.decode(jax.tree.map(lambda t: t[0][jnp.maximum(slots, 0)], view.table))
+    return view.replace(table=rows.astype(dtype),
                         slots=jnp.where(slots >= 0, jnp.arange(slots.shape[-1]), -1))
 
 
@@ -306,6 +325,12 @@ def indexer_kl(iq, iw, krows, kval, kscale, kids, kok, num, eligible, attended, 
 
 
 class Block(nn.Module):
+    """attn_norm -> AttentionLayer -> residual, then mlp_norm -> MLP -> residual.
+
+    The halves are methods too (``Block(...).apply(..., method="attend")``): ``attend`` mixes
+    a sequence's tokens (one slot's caches), ``feed_forward`` treats every row alone, so
+    ``serving.mixed`` runs decode and prefill rows through one ``feed_forward``."""
+
     cfg: ModelConfig
     layer: int
     dense_selection: bool = False
@@ -316,17 +341,29 @@ class Block(nn.Module):
     hca_store: Any = RESIDENT_ROWS
     dsa_stores: DSAStores = RESIDENT_DSA
 
-    @nn.compact
+    def setup(self):
+        self.attn_norm = RMSNorm()
+        self.attn = AttentionLayer(self.cfg, self.layer, self.dense_selection,
+                                   self.implementation, self.indexer_loss, self.kv_store,
+                                   self.key_index, self.hca_store, self.dsa_stores)
+        self.mlp_norm = RMSNorm()
+        self.mlp = MLP(self.cfg.mlp_hidden)
+
     def __call__(self, x, cache, start, num_valid, shared=None, context=None):
+        x, cache, selection = self.attend(x, cache, start, num_valid, shared, context)
+        return self.feed_forward(x), cache, selection
+
+    def attend(self, x, cache, start, num_valid, shared=None, context=None):
+        """x + attention(attn_norm(x)) -> (x, cache, selection)."""
         with matmul_precision(self.cfg.matmul_precision):
-            attn = AttentionLayer(self.cfg, self.layer, self.dense_selection,
-                                  self.implementation, self.indexer_loss, self.kv_store,
-                                  self.key_index, self.hca_store, self.dsa_stores, name="attn")
-            y, cache, selection = attn(RMSNorm(name="attn_norm")(x), cache, start, num_valid,
-                                       shared, context)
-            x = x + y
-            x = x + MLP(self.cfg.mlp_hidden, name="mlp")(RMSNorm(name="mlp_norm")(x))
-        return x, cache, selection
+            y, cache, selection = self.attn(self.attn_norm(x), cache, start, num_valid,
+                                            shared, context)
+        return x + y, cache, selection
+
+    def feed_forward(self, x):
+        """x + MLP(mlp_norm(x)), row by row."""
+        with matmul_precision(self.cfg.matmul_precision):
+            return x + self.mlp(self.mlp_norm(x))
 
 
 __all__ = ["AttentionLayer", "Block", "Indexer", "Selection", "SWACache", "CSACache",

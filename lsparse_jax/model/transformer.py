@@ -50,29 +50,60 @@ class Transformer(nn.Module):
     @nn.compact
     def __call__(self, tokens, caches, start, num_valid, contexts=None):
         cfg = self.cfg
-        x = nn.Embed(cfg.vocab_size, cfg.hidden, name="embed",
-                     embedding_init=nn.initializers.normal(1.0))(tokens)
+        x = self.embedding("embed")(tokens)
         new_caches, selections, hidden = [], [], {}
         for i in range(cfg.num_layers):
-            shared = None
-            if cfg.layer_pattern[i] == "dsa" and cfg.dsa_leader(i) != i:
-                shared = selections[cfg.dsa_leader(i)]
-            indexer_loss = self.indexer_loss and cfg.layer_pattern[i] == "csa"
-            x, c, sel = Block(cfg, i, self.dense_selection, self.implementation, indexer_loss,
-                              self.kv_store, self.key_index, self.hca_store,
-                              self.dsa_stores, name=f"block_{i}")(
-                x, caches[i], start, num_valid, shared,
+            x, c, sel = self.block(i, f"block_{i}")(
+                x, caches[i], start, num_valid, shared_selection(cfg, i, selections),
                 None if contexts is None else contexts[i])
             new_caches.append(c)
             selections.append(sel)
             hidden[i] = x
-        x = RMSNorm(name="final_norm")(x)
-        with matmul_precision(cfg.matmul_precision):
-            logits = dense(cfg.vocab_size, "lm_head")(x)
+        logits = head(cfg, x)
         if self.hidden_layers:
             feats = jnp.stack([hidden[i] for i in self.hidden_layers], axis=1)
             return logits, tuple(new_caches), tuple(selections), feats
         return logits, tuple(new_caches), tuple(selections)
+
+    @nn.nowrap
+    def embedding(self, name: str | None = None) -> nn.Embed:
+        """The token embedding (params "embed")."""
+        return nn.Embed(self.cfg.vocab_size, self.cfg.hidden, name=name,
+                        embedding_init=nn.initializers.normal(1.0))
+
+    @nn.nowrap
+    def block(self, i: int, name: str | None = None) -> Block:
+        """Layer i's Block as this model builds it (params f"block_{i}")."""
+        indexer_loss = self.indexer_loss and self.cfg.layer_pattern[i] == "csa"
+        return Block(self.cfg, i, self.dense_selection, self.implementation, indexer_loss,
+                     self.kv_store, self.key_index, self.hca_store, self.dsa_stores,
+                     name=name)
+
+
+def shared_selection(cfg: ModelConfig, i: int, selections):
+    """The Selection layer i reuses (a DSA group member: its leader's, from ``selections`` of
+    the layers before it), else None."""
+    if cfg.layer_pattern[i] == "dsa" and cfg.dsa_leader(i) != i:
+        return selections[cfg.dsa_leader(i)]
+    return None
+
+
+def head(cfg: ModelConfig, x):
+    """Final norm and LM head: x [T, hidden] -> logits [T, V]. Builds its modules
+    ("final_norm", "lm_head") in the calling compact scope (``Transformer``, ``Head``)."""
+    x = RMSNorm(name="final_norm")(x)
+    with matmul_precision(cfg.matmul_precision):
+        return dense(cfg.vocab_size, "lm_head")(x)
+
+
+class Head(nn.Module):
+    """A Transformer's ``head`` alone: ``Head(cfg).apply({"params": transformer params}, x)``."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        return head(self.cfg, x)
 
 
 def serving_params(params, cfg: ModelConfig):

@@ -22,6 +22,7 @@ from lsparse_jax.model.transformer import serving_params
 from lsparse_jax.parallel import engine_mesh, replicate, shard_params
 from lsparse_jax.quant import KVRowFormat
 from lsparse_jax.serving import stats
+from lsparse_jax.serving.mixed import mixed_step
 from lsparse_jax.serving.prefill_stream import StreamedPrefix, stream_prefix
 from lsparse_jax.serving.prefix import Prefix, check_reuse, export_layer, loaders, tree_bytes
 from lsparse_jax.serving.request import Request
@@ -36,6 +37,7 @@ from lsparse_jax.serving.state import (
 )
 from lsparse_jax.serving.steps import (
     DecodeOutput,
+    PrefillChunks,
     decode_step,
     prefill,
     prefill_chunks,
@@ -211,21 +213,24 @@ class Engine:
         """Chunked prefill of ``prompt``, one ``prefill_chunk`` per ``next`` (a scheduler
         interleaves them with decode steps): yields (prefilled, valid tokens of the chunk); the
         last ``prefilled`` is what ``admit(prefilled=...)`` takes, the same as ``admit``'s own
-        prefill computes. With ``CacheConfig.streamed_prefill`` each chunk streams through
-        the layers (``prefill_stream.stream_prefix``, two device buffers) and the state waits
-        on the host between chunks: ``prefilled`` is the ``StreamedPrefix`` so far."""
+        prefill computes: a ``steps.PrefillChunks``, whose next chunk ``step(prefill=)`` can
+        run fused with a decode step. With ``CacheConfig.streamed_prefill`` each chunk streams
+        through the layers (``prefill_stream.stream_prefix``, two device buffers) and the state
+        waits on the host between chunks: ``prefilled`` is the ``StreamedPrefix`` so far."""
         cfg = self.config
         if cfg.cache.streamed_prefill:
-            chunk, done = cfg.cache.prefill_chunk, None
-            for offset in range(0, len(prompt), chunk):
-                part = prompt[offset:offset + chunk]
-                done = stream_prefix(self.params, cfg.model, part, chunk, prefix=done,
-                                     implementation=cfg.implementation)
-                yield done, len(part)
-            return
-        for caches, last, valid in prefill_chunks(self.params, cfg.model, prompt,
-                                                  cfg.cache.prefill_chunk, cfg.implementation):
-            yield (caches, last), valid
+            return self._streamed_chunks(prompt)
+        return prefill_chunks(self.params, cfg.model, prompt, cfg.cache.prefill_chunk,
+                              cfg.implementation)
+
+    def _streamed_chunks(self, prompt: np.ndarray):
+        cfg, done = self.config, None
+        chunk = cfg.cache.prefill_chunk
+        for offset in range(0, len(prompt), chunk):
+            part = prompt[offset:offset + chunk]
+            done = stream_prefix(self.params, cfg.model, part, chunk, prefix=done,
+                                 implementation=cfg.implementation)
+            yield done, len(part)
 
     def _check_prefix(self, prefix: Prefix, prompt: np.ndarray, prefilled) -> None:
         prefix.check_held(self.control, "admit")
@@ -317,17 +322,20 @@ class Engine:
         request.finished_at = time.perf_counter()
         return request.tokens
 
-    def step(self, tokens=None) -> DecodeOutput:
+    def step(self, tokens=None, prefill: PrefillChunks | None = None) -> DecodeOutput:
         """One decode step of every active slot. ``tokens`` [S] forces each active slot's
         next input (teacher forcing, e.g. to compare methods on identical contexts); by
         default each slot feeds the token it sampled last. Reads the step's tokens back before
-        it returns (``decode`` runs several steps without waiting for each)."""
+        it returns (``decode`` runs several steps without waiting for each).
+        prefill: a chunked prefill (``prefill_chunks``) whose next chunk runs in the same
+        jitted program (``serving.mixed``); its ``last`` holds that chunk's yield after."""
         if tokens is not None:
             tokens = self._forced(tokens)
             self.next_token = np.where(self.active, tokens, self.next_token)
         self._check_room(1)
         t0 = time.perf_counter()
-        out = self._launch(jnp.asarray(self.next_token), jnp.asarray(self.active), self.active)
+        out = self._launch(jnp.asarray(self.next_token), jnp.asarray(self.active), self.active,
+                           prefill)
         sampled = np.asarray(out.tokens)
         now = time.perf_counter()
         self.decode_seconds += now - t0
@@ -370,7 +378,8 @@ class Engine:
         return sampled
 
     def launch(self, prev: InFlight | None = None, forced: np.ndarray | None = None,
-               skip: np.ndarray | None = None) -> InFlight:
+               skip: np.ndarray | None = None,
+               prefill: PrefillChunks | None = None) -> InFlight:
         """Dispatches one decode step of the active slots that have room for a token, and
         returns at once (nothing on the device is waited for); ``collect`` reads it back.
 
@@ -381,7 +390,7 @@ class Engine:
         Slots without room (their reserved length reached) and those in ``skip`` [S] sit
         the step out: a scheduler that launches ahead of reading tokens
         (``Scheduler(overlap=True)``) skips those whose last token is in flight and finishes
-        them when it reads it.
+        them when it reads it. prefill: as ``step``'s.
         """
         if not self.pipelines:
             raise ValueError(f"{type(self).__name__} does not launch steps ahead of reading "
@@ -397,7 +406,7 @@ class Engine:
             feed = jnp.where(jnp.asarray(live), jnp.asarray(forced), feed)
         requests = {s: self.requests[s] for s in np.flatnonzero(live)}
         active = jnp.asarray(live)
-        out = self._launch(feed, active, live)
+        out = self._launch(feed, active, live, prefill)
         return InFlight(out, jnp.where(active, out.tokens, feed), requests, forced)
 
     def collect(self, step: InFlight) -> np.ndarray:
@@ -429,13 +438,22 @@ class Engine:
                                f"reserved length (max_new_tokens or max_len): room for fewer "
                                f"than {n} more tokens; release them")
 
-    def _launch(self, feed, active, live: np.ndarray) -> DecodeOutput:
+    def _launch(self, feed, active, live: np.ndarray,
+                prefill: PrefillChunks | None = None) -> DecodeOutput:
         """Dispatches one decode step (feed [S] on the device; active: ``live`` on the device)
-        and the updates around it; waits for nothing on the device. The host mirrors
-        (lengths) advance here."""
+        and the updates around it, fused with ``prefill``'s next chunk if given; waits for
+        nothing on the device. The host mirrors (lengths) advance here."""
         for update in self.control.before_step():  # e.g. adaptive's refill of lent pages
             self.state = update(self.state)
-        self.state, out = decode_step(self.params, self.config, self.state, feed, active)
+        if prefill is None:
+            self.state, out = decode_step(self.params, self.config, self.state, feed, active)
+        else:  # inputs committed to the state's device: one compilation (jit keys on it)
+            tokens, start, valid = prefill.pending()
+            feed, active, caches, tokens = jax.device_put(
+                (feed, active, prefill.caches, tokens), self.state.lengths.sharding)
+            self.state, out, chunk = mixed_step(self.params, self.config, self.state, feed,
+                                                active, caches, tokens, start, valid)
+            prefill.advance(*chunk)
         for update in self.control.after_step(self.lengths, live):  # page writeback
             self.state = update(self.state)
         self.lengths += live

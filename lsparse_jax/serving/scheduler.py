@@ -27,13 +27,22 @@ while its prompt is prefilled ``prefill_token_budget`` tokens (whole chunks) per
 beside the decode step (``Engine.prefill_chunks``: a ``SpecEngine``'s also keep the target
 features its drafter's ring needs), and enters the engine (``Engine.admit(prefilled=...)``,
 which then reserves its host pages) when its prompt is done. The chunks run as separate calls
-before the decode step, not fused into one mixed batch, and the same chunking as the engine's
-own prefill, so the tokens equal those of whole-prompt admission. A layer-streamed engine
+before the decode step (unless ``mixed``, below), the same chunking as the engine's own
+prefill, so the tokens equal those of whole-prompt admission. A layer-streamed engine
 (``CacheConfig.streamed_prefill``) streams each chunk through its layers, the state waiting on
 the host between chunks, and is admitted layer by layer from it. Host pages are reserved only
 then: a prefilled request the host pool cannot hold yet waits, holding its slot and bytes.
 With prefix reuse a continuation (its session's prefix held) is admitted whole in its turn
 (``Engine.admit(prefix=...)``: only its suffix is prefilled), the others chunked.
+
+Mixed iterations (``mixed=True``, chunked mode; Sarathi-Serve's mixed batches): in an
+iteration with requests decoding, one chunk of the budget (the next of the oldest prefill
+that has chunks left after the separate ones) runs inside the decode step, one jitted
+program (``serving.mixed``: each layer's norm + MLP and the LM head run once over the decode
+tokens and the chunk's together, attention per path), and a prefill it completes enters the
+engine right after the step. Tokens equal the unmixed schedule's (tested); the trace marks
+mixed iterations, the summary counts them; a fixed clock charges the chunk's tokens as
+unmixed. Not for a ``SpecEngine``, a layer-streamed prefill or tp > 1 (ValueError).
 
 Workloads (``serving.workloads``): ``workload`` submits its ``initial()`` requests and, as
 each request finishes, those ``on_finish(request, now)`` returns (closed-loop clients, the next
@@ -74,7 +83,9 @@ from lsparse_jax.memory.device_pool import DeviceCapacityError
 from lsparse_jax.memory.host_pool import CapacityError
 from lsparse_jax.serving.engine import Engine
 from lsparse_jax.serving.metrics import request_metrics, steady_state, summarize
+from lsparse_jax.serving.mixed import check_mixed
 from lsparse_jax.serving.request import Request
+from lsparse_jax.serving.steps import PrefillChunks
 
 WAIT_REASONS = ("slots", "device_budget", "prefill_memory", "host_pool", "device_pool",
                 "shared_pool", "shared_budget")
@@ -121,13 +132,17 @@ class Scheduler:
     engine's in the model's layer pattern only (e.g. the 43-layer V4-Flash whose 4-layer slice
     runs: every per-layer footprint, a monolithic prefill's whole history included, counts
     at the full depth, while a layer-streamed prefill still holds two layer buffers); None
-    counts the engine's own.
+    counts the engine's own. mixed: run a chunk of each iteration inside its decode step
+    (module docstring).
     """
 
     def __init__(self, engine: Engine, device_budget_bytes: int | None = None,
                  clock: Clock | None = None, prefill_token_budget: int | None = None,
                  workload=None, prefix_reuse: bool = False, overlap: bool = False,
-                 prefill_memory: bool = False, memory_model: EngineConfig | None = None):
+                 prefill_memory: bool = False, memory_model: EngineConfig | None = None,
+                 mixed: bool = False):
+        if mixed:
+            _check_mixed(engine, prefill_token_budget)
         if memory_model is not None:
             _check_memory_model(engine, memory_model)
         if prefill_memory and device_budget_bytes is None:
@@ -147,6 +162,8 @@ class Scheduler:
         self.memory_model = memory_model
         self.clock = clock or Clock()
         self.prefill_token_budget = prefill_token_budget
+        self.mixed, self._mixed = mixed, None  # the Prefill whose chunk rides on this step
+        self.mixed_iterations = 0
         self.waiting: list[Request] = []  # by arrival time
         self.prefilling: list[Prefill] = []  # chunked mode: admitted, prompt not yet done
         self.running: dict[int, Request] = {}  # slot -> request
@@ -303,16 +320,38 @@ class Scheduler:
             self.device_bytes_in_use += self.device_bytes(r)
             self.prefill_bytes_in_use += self.prefill_bytes(r)
             self._peak = max(self._peak, self.device_bytes_in_use + self.prefill_bytes_in_use)
-            self.prefilling.append(Prefill(r, self.engine.prefill_chunks(r.prompt),
-                                           self.clock.now))
-        t0, tokens, entered = time.perf_counter(), 0, []
+            self.prefilling.append(Prefill(r, self._chunks(r), self.clock.now))
+        t0, tokens = time.perf_counter(), 0
         calls = max(1, self.prefill_token_budget // cfg.cache.prefill_chunk)
+        mix = self.mixed and bool(self.running)  # a decode step follows: one chunk rides on it
+        calls -= mix
         for job in self.prefilling:
             while calls and job.result is None:
-                prefilled, valid = next(job.chunks)
-                calls, tokens, job.done = calls - 1, tokens + valid, job.done + valid
-                if job.done == len(job.request.prompt):
-                    job.result = prefilled
+                calls, tokens = calls - 1, tokens + self._prefilled(job, *next(job.chunks))
+        if mix:
+            self._mixed = next((job for job in self.prefilling if job.result is None), None)
+        self._enter(t0, tokens)
+
+    def _chunks(self, r: Request):
+        """``r``'s chunked prefill (``Engine.prefill_chunks``)."""
+        chunks = self.engine.prefill_chunks(r.prompt)
+        if self.mixed and not isinstance(chunks, PrefillChunks):
+            raise TypeError(f"Scheduler: mixed runs chunks of a steps.PrefillChunks; "
+                            f"{type(self.engine).__name__}.prefill_chunks gave "
+                            f"{type(chunks).__name__}")
+        return chunks
+
+    def _prefilled(self, job: Prefill, prefilled, valid: int) -> int:
+        """Counts a chunk of ``valid`` tokens that ran for ``job``; returns ``valid``."""
+        job.done += valid
+        if job.done == len(job.request.prompt):
+            job.result = prefilled
+        return valid
+
+    def _enter(self, t0: float, tokens: int) -> None:
+        """Finished prefills enter the engine in order (one the host pool cannot hold waits);
+        the clock is charged the wall time since ``t0`` or ``tokens`` prefilled."""
+        entered = []
         while self.prefilling and self.prefilling[0].result is not None:
             job = self.prefilling[0]
             if (slot := self._engine_admit(job.request, job.result)) is None:
@@ -323,6 +362,23 @@ class Scheduler:
         now = self.clock.charge(time.perf_counter() - t0, self.clock.prefill_token_s * tokens)
         for slot, job in entered:
             self._started(slot, job.request, job.started, now)
+
+    def _step_args(self) -> dict:
+        """The decode step's ``prefill`` (its chunk runs inside the step), if mixed."""
+        return {} if self._mixed is None else {"prefill": self._mixed.chunks}
+
+    def _after_mixed(self) -> None:
+        """Counts this iteration's mixed chunk (run alone here if no step ran it: overlap,
+        every running request sitting the step out) and admits the prefills done."""
+        job, self._mixed = self._mixed, None
+        if job is None:
+            return
+        t0 = time.perf_counter()
+        ran = job.chunks.start > job.done  # uncounted tokens (its chunks so far are whole)
+        if not ran:
+            next(job.chunks)
+        self.mixed_iterations += ran
+        self._enter(t0, self._prefilled(job, *job.chunks.last))
 
     def _finish(self, slot: int) -> None:
         """Ends the request in ``slot`` (released, or detached when its session goes on with
@@ -355,7 +411,7 @@ class Scheduler:
             self._overlapped_step()
         elif self.running:
             t0 = time.perf_counter()
-            self.engine.step()
+            self.engine.step(**self._step_args())
             now = self.clock.charge(time.perf_counter() - t0, self.clock.step_s or 0.0)
             for slot, r in list(self.running.items()):
                 r.token_times[-1] = now
@@ -363,7 +419,10 @@ class Scheduler:
                     self._finish(slot)
         elif self.waiting and not self.prefilling:  # idle until the next arrival
             self.clock.now = max(self.clock.now, self.waiting[0].arrival_time)
+        mixed = self.mixed_iterations
+        self._after_mixed()
         self.trace.append({"time_s": self.clock.now, "active": len(self.running),
+                           "mixed": self.mixed_iterations > mixed,
                            "prefilling": len(self.prefilling),
                            "waiting": sum(1 for _ in itertools.takewhile(  # arrived ones
                                lambda r: r.arrival_time <= self.clock.now, self.waiting)),
@@ -380,7 +439,8 @@ class Scheduler:
         # limit - 2 samples: from there on it sits out (finished when that token is read)
         last = engine.lengths + 1 >= engine.limit
         room = engine.active & ~last
-        self._in_flight = engine.launch(prev, skip=last) if room.any() else None
+        self._in_flight = (engine.launch(prev, skip=last, **self._step_args())
+                           if room.any() else None)
         if prev is not None:
             before = {slot: len(r.tokens) for slot, r in self.running.items()}
             engine.collect(prev)
@@ -420,7 +480,8 @@ class Scheduler:
         return summarize(self.records()) | {
             "reused_prefix_tokens": self.reused_tokens, "prefix_drops": self.prefix_drops,
             "admission_waits": self.admission_waits, "waits_by": dict(self.waits_by),
-            "iterations": len(self.trace), "device_budget_bytes": self.budget,
+            "iterations": len(self.trace), "mixed_iterations": self.mixed_iterations,
+            "device_budget_bytes": self.budget,
             "prefill_memory": self.prefill_memory,
             "memory_model_layers": (None if self.memory_model is None
                                     else self.memory_model.model.num_layers),
@@ -432,6 +493,17 @@ class Scheduler:
         fmt = lambda v, scale=1.0: "-" if v is None else f"{v * scale:.3g}"  # noqa: E731
         return {"ttft_p50_s": fmt(s["ttft_p50_s"]), "tpot_p50_ms": fmt(s["tpot_p50_s"], 1e3),
                 "tok/s": fmt(s["throughput_tok_s"])}
+
+
+def _check_mixed(engine: Engine, prefill_token_budget: int | None) -> None:
+    """Mixed iterations fuse a prefill chunk into the plain engine's decode step."""
+    if prefill_token_budget is None:
+        raise ValueError("Scheduler: mixed runs prefill chunks inside decode steps; it needs "
+                         "chunked prefill (set prefill_token_budget)")
+    if type(engine).step is not Engine.step:
+        raise ValueError(f"Scheduler: mixed fuses a chunk into Engine's decode step; "
+                         f"{type(engine).__name__} runs its own step")
+    check_mixed(engine.config)
 
 
 def _check_memory_model(engine: Engine, memory: EngineConfig) -> None:

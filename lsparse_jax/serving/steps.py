@@ -53,29 +53,59 @@ def forward(params, cfg: ModelConfig, tokens, dense_selection: bool = False):
     return logits
 
 
-def prefill_chunks(params, cfg: ModelConfig, tokens, chunk: int,
-                   implementation: str | None = "xla"):
+class PrefillChunks:
     """Chunked prefill of one prompt from empty caches, one chunk per ``next``: yields
-    (caches, logits of the chunk's last valid token [V], valid tokens of the chunk).
+    ((caches, logits of the chunk's last valid token [V]), valid tokens of the chunk).
 
     Every chunk has ``chunk`` tokens (the last is padded), so one compilation serves any prompt.
     The last yield holds the prompt's caches and last logits (a scheduler interleaves the
-    chunks with decode steps; ``prefill`` runs them all).
+    chunks with decode steps; ``prefill`` runs them all). A caller may run the next chunk
+    itself (``serving.mixed``: fused with a decode step): ``pending`` gives its inputs,
+    ``advance`` takes its result. ``last``: the latest yield (None before the first chunk).
     """
-    tokens = jnp.asarray(tokens, jnp.int32)
-    n = tokens.shape[0]
-    if n == 0:
-        raise ValueError("prefill: the prompt is empty")
-    if n > cfg.max_len:
-        raise ValueError(f"prefill: prompt of {n} tokens exceeds ModelConfig.max_len={cfg.max_len}")
-    caches = empty_cache(cfg)
-    params = serving_params(params, cfg)  # ModelConfig.weight_dtype (once per prompt)
-    padded = jnp.pad(tokens, (0, -n % chunk))
-    for start in range(0, n, chunk):
-        valid = min(chunk, n - start)
-        logits, caches, _ = forward_chunk(params, cfg, caches, padded[start:start + chunk],
-                                          start, valid, implementation=implementation)
-        yield caches, logits[valid - 1], valid
+
+    def __init__(self, params, cfg: ModelConfig, tokens, chunk: int,
+                 implementation: str | None = "xla"):
+        tokens = jnp.asarray(tokens, jnp.int32)
+        n = tokens.shape[0]
+        if n == 0:
+            raise ValueError("prefill: the prompt is empty")
+        if n > cfg.max_len:
+            raise ValueError(f"prefill: prompt of {n} tokens exceeds "
+                             f"ModelConfig.max_len={cfg.max_len}")
+        self.params = serving_params(params, cfg)  # ModelConfig.weight_dtype (once per prompt)
+        self.cfg, self.chunk, self.implementation = cfg, chunk, implementation
+        self.caches, self.length, self.start, self.last = empty_cache(cfg), n, 0, None
+        self.padded = jnp.pad(tokens, (0, -n % chunk))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        tokens, start, valid = self.pending()
+        logits, caches, _ = forward_chunk(self.params, self.cfg, self.caches, tokens, start,
+                                          valid, implementation=self.implementation)
+        return self.advance(logits, caches)
+
+    def pending(self):
+        """The next chunk: (tokens [chunk] int32, start, valid); StopIteration after the last."""
+        if self.start >= self.length:
+            raise StopIteration
+        valid = min(self.chunk, self.length - self.start)
+        return self.padded[self.start:self.start + self.chunk], self.start, valid
+
+    def advance(self, logits, caches):
+        """Takes the next chunk's result (logits [chunk, V], caches); returns its yield."""
+        _, start, valid = self.pending()
+        self.caches, self.start = caches, start + self.chunk
+        self.last = (caches, logits[valid - 1]), valid
+        return self.last
+
+
+def prefill_chunks(params, cfg: ModelConfig, tokens, chunk: int,
+                   implementation: str | None = "xla") -> PrefillChunks:
+    """``PrefillChunks`` of ``tokens`` (the prompt checked here)."""
+    return PrefillChunks(params, cfg, tokens, chunk, implementation)
 
 
 def prefill(params, cfg: ModelConfig, tokens, chunk: int, progress=None,
@@ -86,8 +116,41 @@ def prefill(params, cfg: ModelConfig, tokens, chunk: int, progress=None,
     out = None
     for out in prefill_chunks(params, cfg, tokens, chunk, implementation):
         if progress is not None:
-            progress.update(out[2])
-    return out[:2]
+            progress.update(out[1])
+    return out[0]
+
+
+def decode_model(engine: EngineConfig) -> Transformer:
+    """The decode step's model: the method's stores, the engine's kernels."""
+    method = policy(engine)
+    return Transformer(engine.model, implementation=engine.implementation,
+                       kv_store=method.kv_store(), key_index=method.key_index(),
+                       hca_store=method.hca_store(), dsa_stores=method.dsa_stores())
+
+
+def step_selections(cfg: ModelConfig, sels) -> tuple:
+    """One slot's per-layer selections (T = 1) as the DecodeOutput fields they fill:
+    (selected [L_sparse, k], eligible, sources, key_sources, prefetched)."""
+    picked = [sels[i] for i in sparse_layers(cfg)]
+
+    def stack(field, shape):  # shape: one layer's entry; a field left None counts 0
+        rows = [jnp.zeros(shape, jnp.int32) if getattr(s, field) is None
+                else getattr(s, field)[0] for s in picked]
+        return jnp.stack(rows) if rows else jnp.zeros((0,) + shape, jnp.int32)
+
+    return (stack("positions", (cfg.indexer.top_k,)), stack("eligible", ()),
+            stack("sources", (NUM_SOURCES,)), stack("key_sources", (NUM_SOURCES,)),
+            stack("prefetched", ()))
+
+
+def sample_step(engine: EngineConfig, state: DecodeState, logits, caches, active, picked):
+    """A decode step's end: samples each slot's next token from logits [S, V] and advances
+    the state (caches, the active slots' lengths, the key) -> (state, DecodeOutput).
+    picked: the stacked ``step_selections`` [S, ...] of every slot."""
+    rng, key = jax.random.split(state.rng)
+    next_tokens = sample(logits, key, engine.sampling.temperature)
+    new = state.replace(caches=caches, lengths=state.lengths + active.astype(jnp.int32), rng=rng)
+    return new, DecodeOutput(logits, next_tokens, *picked)
 
 
 @functools.partial(jax.jit, static_argnames=("engine",), donate_argnames=("state",))
@@ -99,10 +162,7 @@ def decode_step(params, engine: EngineConfig, state: DecodeState, tokens, active
     What the method's controller runs between steps (paged methods: the writeback of completed
     pages, ``Controller.after_step``) is the caller's: ``Engine.step`` runs it.
     """
-    cfg, method = engine.model, policy(engine)
-    model = Transformer(cfg, implementation=engine.implementation, kv_store=method.kv_store(),
-                        key_index=method.key_index(), hca_store=method.hca_store(),
-                        dsa_stores=method.dsa_stores())
+    cfg, method, model = engine.model, policy(engine), decode_model(engine)
 
     def one(caches, rows, token, start, live):
         # the method's shared state (host pools, codebooks) is closed over, not mapped; its
@@ -110,27 +170,14 @@ def decode_step(params, engine: EngineConfig, state: DecodeState, tokens, active
         logits, caches, sels = model.apply({"params": params}, token[None], caches, start,
                                            live.astype(jnp.int32),
                                            method.contexts(state.tier, rows))
-        picked = [sels[i] for i in sparse_layers(cfg)]
-        k = cfg.indexer.top_k
-
-        def stack(field, shape):  # shape: one layer's entry; a field left None counts 0
-            rows = [jnp.zeros(shape, jnp.int32) if getattr(s, field) is None
-                    else getattr(s, field)[0] for s in picked]
-            return jnp.stack(rows) if rows else jnp.zeros((0,) + shape, jnp.int32)
-
-        return (logits[0], caches, stack("positions", (k,)), stack("eligible", ()),
-                stack("sources", (NUM_SOURCES,)), stack("key_sources", (NUM_SOURCES,)),
-                stack("prefetched", ()))
+        return logits[0], caches, step_selections(cfg, sels)
 
     with mesh_scope(engine_mesh(engine)):  # kernels per head shard (tp > 1)
-        logits, caches, positions, eligible, sources, key_sources, prefetched = jax.vmap(one)(
+        logits, caches, picked = jax.vmap(one)(
             state.caches, method.slot_rows(state.tier), tokens, state.lengths, active)
-    rng, key = jax.random.split(state.rng)
-    next_tokens = sample(logits, key, engine.sampling.temperature)
-    new = state.replace(caches=caches, lengths=state.lengths + active.astype(jnp.int32), rng=rng)
-    return new, DecodeOutput(logits, next_tokens, positions, eligible, sources, key_sources,
-                             prefetched)
+    return sample_step(engine, state, logits, caches, active, picked)
 
 
-__all__ = ["DecodeOutput", "decode_step", "forward", "forward_chunk", "prefill",
-           "prefill_chunks", "sparse_layers"]
+__all__ = ["DecodeOutput", "PrefillChunks", "decode_model", "decode_step", "forward",
+           "forward_chunk", "prefill", "prefill_chunks", "sample_step", "sparse_layers",
+           "step_selections"]
