@@ -37,6 +37,10 @@ def dsa_engine():
 def engine_for(name):
     if name == "dsa_shared":
         return dsa_engine()
+    if name == "adaptive":
+        return make_engine(name, page_size=4, optional_pages=4, refill_pages=2)
+    if name == "echo":
+        return make_engine(name, shared_pool_rows=64)
     return make_engine(name, lean=LEAN if name == "leansparse" else None)
 
 
@@ -53,8 +57,8 @@ def assert_trees_equal(want, got, what):
                                       err_msg=f"{what}{jax.tree_util.keystr(path)}")
 
 
-@pytest.mark.parametrize("name", ["resident", "hisparse", "leansparse",
-                                  pytest.param("dsa_shared", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["resident", "hisparse", "leansparse", *[
+    pytest.param(n, marks=pytest.mark.slow) for n in ("echo", "adaptive", "dsa_shared")]])
 def test_mixed_step_equals_decode_step_and_forward_chunk(name):
     """Two of three slots decoding (one idle) beside a prompt's second chunk (partial): the
     state, DecodeOutput (logits, tokens, selections, sources), chunk logits and caches equal
