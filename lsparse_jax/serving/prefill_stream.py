@@ -45,8 +45,8 @@ Each transfer moves a layer's whole state at its max_len capacity (the paper's b
 configured capacities), not a page plan of the rows the prefix has filled so far.
 
 Compilation does not grow with L: one jitted Block per layer role (kind, and for DSA whether the
-layer leads its share group), plus a jitted embedding and head. They apply the same Flax modules
-(``Block``, ``nn.Embed``, ``RMSNorm``, ``dense``) to the same parameters as ``Transformer``, so
+layer leads its share group), plus a jitted embedding and head. They are ``Transformer``'s own
+modules (``Transformer.embedding``, ``Transformer.block``, ``Head``) on its parameters, so
 the caches and logits equal ``steps.prefill``'s bit for bit (tested on CPU; on the GPU
 ``benchmarks/prefill_stream_gpu.py`` checks it, as XLA there may fuse the two differently).
 """
@@ -58,18 +58,15 @@ import functools
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
 from lsparse_jax.config import ModelConfig
 from lsparse_jax.memory.accounting import layer_state_bytes, stream_state_bytes
-from lsparse_jax.model.blocks import Block
 from lsparse_jax.model.cache import LayerCache, empty_layer_cache
-from lsparse_jax.model.layers import RMSNorm, dense, matmul_precision
 from lsparse_jax.model.store import Selection
-from lsparse_jax.model.transformer import Transformer
+from lsparse_jax.model.transformer import Head, Transformer
 
 HOST, DEVICE = "pinned_host", "device"
 
@@ -136,23 +133,21 @@ def _role(cfg: ModelConfig, layer: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _embed(embed_params, cfg: ModelConfig, tokens):
-    return nn.Embed(cfg.vocab_size, cfg.hidden).apply({"params": embed_params}, tokens)
+    return Transformer(cfg).embedding().apply({"params": embed_params}, tokens)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layer", "implementation"),
                    donate_argnames=("cache",))
 def _block(block_params, cfg: ModelConfig, layer: int, x, cache, start, num_valid,
            shared: Selection | None, implementation: str | None):
-    ref = Transformer(cfg)  # the settings steps.forward_chunk's Transformer gives its Blocks
-    block = Block(cfg, layer, ref.dense_selection, implementation)
+    # the Block steps.forward_chunk's Transformer builds
+    block = Transformer(cfg, implementation=implementation).block(layer)
     return block.apply({"params": block_params}, x, cache, start, num_valid, shared)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _head(norm_params, head_params, cfg: ModelConfig, x):
-    x = RMSNorm().apply({"params": norm_params}, x)
-    with matmul_precision(cfg.matmul_precision):
-        return dense(cfg.vocab_size, "lm_head").apply({"params": head_params}, x)
+def _head(params, cfg: ModelConfig, x):
+    return Head(cfg).apply({"params": params}, x)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "layer"))
@@ -241,7 +236,7 @@ def stream_prefix(params, cfg: ModelConfig, tokens, chunk: int, *,
                 on_layer(LayerEvent(start, layer, held))
             del cur, sel  # drop the device copy: its memory serves the load of layer + 2
         if offset + chunk >= n:
-            logits = _head(params["final_norm"], params["lm_head"], cfg, x)[valid - 1]
+            logits = _head({k: params[k] for k in ("final_norm", "lm_head")}, cfg, x)[valid - 1]
         if progress is not None:
             progress.update(valid)
     return StreamedPrefix(tuple(host), start0 + n, logits)
