@@ -32,9 +32,11 @@ groups' outputs is another: that is the cost of the structure.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import jax
+import jax.extend.core as jcore
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 from jax.experimental.compute_on import compute_on
@@ -83,13 +85,94 @@ def grouped(fn: Callable, groups: int) -> Callable:
 
 def on_stream(fn: Callable, stream: int | None) -> Callable:
     """``fn`` as an async call on GPU stream ``stream`` (>= 1; 0 is the main stream), outputs
-    in device memory; ``None``: ``fn`` unchanged (the main stream)."""
+    in device memory; ``None``: ``fn`` unchanged (the main stream).
+
+    ``fn``'s nested jitted calls (``jnp.where``, ``jnp.clip``, ... are jitted functions) are
+    inlined into its body first (``inlined``): inside ``compute_on`` each would lower as a
+    call of its own carrying the stream annotation and ``inlineable = false``, which XLA
+    turns into a second async call nested in the first; XLA's GPU stream assignment does not
+    reach such a call ("No ExecutionStreamId found for %call-start", session 19 on the H200)."""
     if stream is None:
         return fn
     if not isinstance(stream, int) or isinstance(stream, bool) or stream < 1:
         raise ValueError(f"on_stream: stream must be an int >= 1 or None, got {stream!r}")
-    return compute_on(fn, compute_type=f"gpu_stream:{stream}",
+    return compute_on(inlined(fn), compute_type=f"gpu_stream:{stream}",
                       out_memory_spaces=jax.memory.Space.Device)
 
 
-__all__ = ["check_groups", "grouped", "on_stream"]
+CALL_PRIMITIVES = ("pjit", "jit")  # a nested jitted call (its name differs across versions)
+DROP_VAR = getattr(jcore, "DropVar", ())  # an unused output (jax.extend.core's, if exported)
+CONTROL_FLOW = ("while", "cond", "scan")  # their bodies are jaxprs of the caller's program
+#   (a pallas_call's kernel jaxpr is not: it is left as it is)
+
+
+def inlined(fn: Callable) -> Callable:
+    """``fn`` (positional pytree arguments) traced with every nested jitted call, at any depth
+    (control-flow bodies included), replaced by its equations: the same primitives on the same
+    values, so the same results, with no call left in its trace."""
+    def run(*args):
+        flat, tree = jax.tree.flatten(args)
+        closed, out = jax.make_jaxpr(lambda *xs: fn(*jax.tree.unflatten(tree, xs)),
+                                     return_shape=True)(*flat)
+        return jax.tree.unflatten(jax.tree.structure(out),
+                                  _eval_inlined(closed.jaxpr, closed.consts, flat))
+
+    return run
+
+
+def _eval_inlined(jaxpr, consts, args) -> list:
+    """``core.eval_jaxpr`` that evaluates a nested call's equations in place (recursively) and
+    rewrites control-flow primitives' sub-jaxprs the same way."""
+    env = {}
+
+    def read(v):
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    def write(variables, values):
+        for v, x in zip(variables, values, strict=True):
+            if not isinstance(v, DROP_VAR):
+                env[v] = x
+
+    write(jaxpr.constvars, consts)
+    write(jaxpr.invars, args)
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        if eqn.primitive.name in CALL_PRIMITIVES:
+            inner = eqn.params["jaxpr"]
+            outs = _eval_inlined(inner.jaxpr, inner.consts, ins)
+        else:
+            params = eqn.params
+            if eqn.primitive.name in CONTROL_FLOW:
+                params = {k: _inlined_param(v) for k, v in params.items()}
+            subfuns, bind_params = _bind_params(eqn.primitive, params)
+            with getattr(eqn.ctx, "manager", contextlib.nullcontext()):
+                outs = eqn.primitive.bind(*subfuns, *ins, **bind_params)
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+        write(eqn.outvars, outs)
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _bind_params(primitive, params) -> tuple[list, dict]:
+    """(subfuns, params) ``primitive.bind`` takes, from an equation's params: jax up to 0.11
+    returns that pair from ``get_bind_params``, newer jax the params alone."""
+    got = primitive.get_bind_params(params)
+    if isinstance(got, dict):
+        return [], got
+    return list(got[0]), got[1]
+
+
+def _inlined_param(value):
+    """A primitive's parameter with its closed sub-jaxprs (a while loop's body, a cond's
+    branches, a scan's body) inlined; other values as they are."""
+    if isinstance(value, jcore.ClosedJaxpr):
+        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
+                 for a in value.in_avals]
+        return jax.make_jaxpr(lambda *xs: _eval_inlined(value.jaxpr, value.consts, xs))(*specs)
+    if isinstance(value, tuple) and value and all(isinstance(v, jcore.ClosedJaxpr)
+                                                  for v in value):
+        return tuple(_inlined_param(v) for v in value)
+    return value
+
+
+__all__ = ["check_groups", "grouped", "inlined", "on_stream"]

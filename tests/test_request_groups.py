@@ -195,3 +195,40 @@ def test_grouped_selection_lowers_for_cuda_with_async_key_fetches():
         body = body[:body.index("\n  }")]
         # the key fetch: hot_resolve's Triton kernels (api.TRITON_RUNS) inside the async call
         assert common.TRITON_CALL_TARGET in body and "hot_resolve" in body
+        # and no call nested in it (request_groups.inlined): XLA's GPU stream assignment
+        # does not reach an annotated call inside another (session 19's NOT_FOUND error)
+        assert re.findall(r"(?<![\w.])call @\w+", body) == []  # (custom calls are kernels)
+
+
+def test_inlined_leaves_no_nested_call_and_the_same_values():
+    """request_groups.inlined: a function whose nested jitted calls (jnp.where, jnp.clip, a
+    user jit) sit at the top, inside a fori_loop and inside a cond evaluates to the same bits
+    with no call equation left at any depth."""
+    from lsparse_jax.request_groups import CALL_PRIMITIVES, inlined
+
+    @jax.jit
+    def inner(x):
+        return jnp.clip(jnp.where(x > 0, x, -x), 0.1, 2.0)
+
+    def fn(x, n):
+        y = jax.lax.fori_loop(0, 3, lambda i, y: inner(y) * 1.5 + i, x)
+        y = jax.lax.cond(n > 2, lambda y: inner(y), lambda y: y - 1.0, y)
+        return {"y": y, "s": jnp.sum(inner(x))}
+
+    def calls(jaxpr):
+        found = 0
+        for eqn in jaxpr.eqns:
+            found += eqn.primitive.name in CALL_PRIMITIVES
+            for v in eqn.params.values():
+                for j in (v if isinstance(v, tuple) else (v,)):
+                    if isinstance(j, jax.extend.core.ClosedJaxpr):
+                        found += calls(j.jaxpr)
+        return found
+
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(5,)), jnp.float32)
+    for n in (1, 3):
+        want, got = fn(x, n), jax.jit(inlined(fn))(x, n)
+        for key in want:
+            np.testing.assert_array_equal(np.asarray(want[key]), np.asarray(got[key]))
+    assert calls(jax.make_jaxpr(fn)(x, 3).jaxpr) > 0
+    assert calls(jax.make_jaxpr(inlined(fn))(x, 3).jaxpr) == 0
