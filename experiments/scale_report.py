@@ -1,7 +1,8 @@
 """The scale study's table and plot from committed results (issue 13, deliver 6).
 
     python -m experiments.scale_report                       # print the tables
-    python -m experiments.scale_report --readme README.md --plot results/scale/scale_all.png
+    python -m experiments.scale_report --readme README.md --plot results/scale/scale_all.png \
+        --json results/scale/all_cells.json
 
 Reads ``<runs>/<name>/results.json`` for the runs of ``RUNS`` (newest first: a cell measured
 in several runs is taken from the newest), prints two markdown tables and optionally writes
@@ -12,6 +13,7 @@ and draws the plot:
   2. per request: device bytes of the 4-layer slice (measured allocation) and, for the whole
      43-layer V4-Flash pattern, device bytes (``memory.accounting``, exact for that pattern)
      and the step scaled by layer count (``scale.extrapolate``: an extrapolation, labelled).
+``--json`` writes the merged records (one per cell, each with its ``run``) as one file.
 Records without ``full_model`` get it from ``scale.extrapolate`` at scale.gin's settings
 (HiSparse B = 4096, page 64, LeanSparse C = 2048 with a 4096-row key cache).
 """
@@ -192,6 +194,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated run names (default: all)")
     ap.add_argument("--readme", default=None, help="README to rewrite the table block of")
     ap.add_argument("--plot", default=None, help="PNG to draw")
+    ap.add_argument("--json", default=None, help="JSON file of the merged records to write")
     args = ap.parse_args(argv)
     names = tuple(args.only.split(",")) if args.only else RUNS
     records = load(pathlib.Path(args.runs), names)
@@ -203,6 +206,10 @@ def main(argv=None) -> int:
         write_readme(pathlib.Path(args.readme), records)
     if args.plot:
         plot(records, pathlib.Path(args.plot))
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(
+            {"runs": [n for n in names if any(r["run"] == n for r in records)],
+             "records": records}, indent=1) + "\n")
     return 0
 
 

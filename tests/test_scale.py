@@ -165,7 +165,13 @@ def test_scale_report_tables_and_readme(tmp_path):
     assert got[("hisparse", 8)]["run"] == "scale_long"
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{BEGIN}\nold\n{END}\noutro\n")
-    assert main(["--runs", str(tmp_path), "--readme", str(readme)]) == 0
+    merged = tmp_path / "all_cells.json"
+    assert main(["--runs", str(tmp_path), "--readme", str(readme), "--json", str(merged)]) == 0
+    cells = json.loads(merged.read_text())
+    assert cells["runs"] == ["scale_batch", "scale_long"]
+    assert {(r["method"], r["batch"], r["step_ms"], r["run"]) for r in cells["records"]} == {
+        ("hisparse", 8, 8.0, "scale_long"), ("leansparse", 8, 7.0, "scale_batch"),
+        ("leansparse_g2", 8, 6.3, "scale_batch"), ("hisparse", 64, 20.0, "scale_batch")}
     text = readme.read_text()
     assert text.startswith("intro\n" + BEGIN) and text.endswith(END + "\noutro\n")
     assert "old" not in text and "EXTRAPOLATED" in text
