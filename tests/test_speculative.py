@@ -99,9 +99,19 @@ def test_greedy_speculative_equals_plain_greedy_with_a_feature_ring():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("method", ["resident", "hisparse", "leansparse", "adaptive"])
-def test_greedy_speculative_equals_plain_greedy_on_gpu(method):
-    """The same identity on the GPU (XLA kernels in both runs; hot_resolve reads pinned_host)."""
-    check_greedy_exact(method, 150, 40)
+@pytest.mark.parametrize("implementation", ["xla", "triton"])
+def test_greedy_speculative_equals_plain_greedy_on_gpu(method, implementation):
+    """The same identity on the GPU (hot_resolve reads pinned_host), with XLA ops in both runs
+    and with the Triton kernels in both (verification blocks attend through the
+    sparse_attention kernel query by query, plain steps one query at a time)."""
+    check_greedy_exact(method, 150, 40, implementation)
+
+
+def test_greedy_speculative_equals_plain_greedy_with_kernels():
+    """The identity with implementation "triton" (interpret mode): plain steps and
+    verification blocks attend through the sparse_attention kernel, select through the
+    top-k kernel."""
+    check_greedy_exact("hisparse", 70, 14, "triton")
 
 
 def check_greedy_exact(method, prompt, new, implementation="xla", dcfg=DCFG):

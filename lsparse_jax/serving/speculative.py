@@ -316,8 +316,10 @@ def verify_step(params, dparams, engine: EngineConfig, dcfg: DrafterConfig, stat
     dsa = method.dsa_stores()  # DSA leaders and members alike: one union per group
     dsa = DSAStores(UnionKV(dsa.kv), PerQueryIndex(dsa.keys or ExactIndex(cfg.indexer.top_k)),
                     UnionKV(dsa.member), dsa.location_reuse)
-    model = Transformer(cfg, implementation="xla", kv_store=kv_store, key_index=key_index,
-                        hidden_layers=dcfg.target_layers, dsa_stores=dsa)
+    # the engine's kernels, as its decode step: CSA attention of the block through the
+    # sparse_attention op query by query (blocks.KERNEL_QUERIES)
+    model = Transformer(cfg, implementation=engine.implementation, kv_store=kv_store,
+                        key_index=key_index, hidden_layers=dcfg.target_layers, dsa_stores=dsa)
     temperature = engine.sampling.temperature
     rng, key = jax.random.split(state.rng)
     keys = jax.random.split(key, state.num_slots)
