@@ -9,6 +9,8 @@
 #           does (blocks.KERNEL_QUERIES): session 18 saw 2 of 504 tokens depart at near ties
 #           with verification in XLA's attention. Still departing: bf16 GEMM rounding of a
 #           T = 5 block vs a T = 1 step (or the kernel's row order: ring vs banded window).
+#           Then the small model's greedy-exact GPU test with the Triton kernels in plain
+#           steps and verification alike (4 methods).
 #   STEP=b  issue 15: the same with f32 matmuls (SPEC_S, default 450 s: f32 with Triton is slow).
 source "$(dirname "$0")/gpu_lib.sh"
 STEP=${STEP:-a}
@@ -16,7 +18,9 @@ case "$STEP" in
   a)
     TAIL=6 part mixed 240 "python3 benchmarks/mixed_step.py --preset v4_flash --context 32768 \
       --batch 16 --chunk 4096 --page 64 --implementation triton --out \$OUT"
-    spec spec_bf16_kernel bf16 triton 200 ;;
+    spec spec_bf16_kernel bf16 triton 200
+    TAIL=6 part spec_gpu_tests 150 "python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/test_speculative.py -k 'on_gpu and triton'" ;;
   b)
     spec spec_f32_kernel highest triton "${SPEC_S:-450}" ;;
   *) echo "unknown STEP $STEP" >&2; exit 2 ;;
