@@ -16,9 +16,9 @@ source "$(dirname "$0")/gpu_lib.sh"
 STEP=${STEP:-a}
 case "$STEP" in
   a)
-    TAIL=6 part mixed 200 "python3 benchmarks/mixed_step.py --preset v4_flash --context 32768 \
+    TAIL=6 part mixed 240 "python3 benchmarks/mixed_step.py --preset v4_flash --context 32768 \
       --batch 16 --chunk 4096 --page 64 --implementation triton --out \$OUT"
-    spec spec_bf16_kernel bf16 triton 180
+    spec spec_bf16_kernel bf16 triton 160
     TAIL=6 part spec_gpu_tests 150 "python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/test_speculative.py -k 'on_gpu and triton'" ;;
   b)
