@@ -20,7 +20,6 @@ import jax.numpy as jnp
 from lsparse_jax.config import EngineConfig
 from lsparse_jax.methods import policy
 from lsparse_jax.model.transformer import Head, Transformer, shared_selection
-from lsparse_jax.parallel import engine_mesh, mesh_scope
 from lsparse_jax.serving.state import DecodeState
 from lsparse_jax.serving.steps import decode_model, sample_step, step_selections
 
@@ -38,7 +37,7 @@ def check_mixed(engine: EngineConfig) -> None:
 @functools.partial(jax.jit, static_argnames=("engine",), donate_argnames=("state",))
 def mixed_step(params, engine: EngineConfig, state: DecodeState, tokens, active, pre_caches,
                chunk_tokens, start, num_valid):
-    """``steps.decode_step(params, engine, state, tokens, active)`` and
+    """``steps.decode_step(params, engine, state, tokens, active)`` (tp = 1: no head mesh) and
     ``steps.forward_chunk(params, cfg, pre_caches, chunk_tokens, start, num_valid)`` in one
     program -> (state, DecodeOutput, (chunk logits [T, V], pre_caches))."""
     check_mixed(engine)
@@ -59,9 +58,8 @@ def mixed_step(params, engine: EngineConfig, state: DecodeState, tokens, active,
                                       None if contexts is None else contexts[i],
                                       method="attend")
 
-        with mesh_scope(engine_mesh(engine)):
-            x_d, c, sel = jax.vmap(attend_slot)(x_d, state.caches[i], state.lengths, active,
-                                                shared_selection(cfg, i, sels_d), rows)
+        x_d, c, sel = jax.vmap(attend_slot)(x_d, state.caches[i], state.lengths, active,
+                                            shared_selection(cfg, i, sels_d), rows)
         caches_d.append(c)
         sels_d.append(sel)
         x_c, c, sel = pre.block(i).apply(layer, x_c, pre_caches[i], start, num_valid,
