@@ -13,6 +13,8 @@
 #                 prefill of each context is cached in /tmp/lsparse_scale_prefill while the
 #                 machine stays warm. results.json's `pending` lists the cells left.
 #   STEP=both     profile (with a 170 s budget) then scale (budget cut to fit): one call.
+# RUN: the scale run (default scale_batch): configs/experiments/$RUN.gin, resumed from
+#   results/$RUN/ (e.g. RUN=scale_batch_short: 32K and 128K at batch 64 and 32).
 # SCALE_BUDGET: the scale step's budget in s (default 480; a call is <= 600 s).
 # SCALE_ARGS: extra gin bindings for the scale run, e.g.
 #   SCALE_ARGS="--gin.scale.methods=('hisparse','leansparse','leansparse_g2')"
@@ -28,6 +30,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 quiet() { tr '\r' '\n' | grep -v "it/s\]\|tok/s\]\|req/s\]\|Deprecation" ; }
 STEP=${STEP:-scale}
+export RUN=${RUN:-scale_batch}
 
 profile() {
   echo "== groups profile ($1 s)"
@@ -37,23 +40,24 @@ profile() {
 
 scale() {
   local budget=$1
-  echo "== scale_batch (budget $budget s)"
-  mkdir -p "$OUT/scale_batch" /tmp/lsparse_scale_batch
+  echo "== $RUN (budget $budget s)"
+  mkdir -p "$OUT/$RUN" "/tmp/lsparse_$RUN"
   python3 - <<'EOF'
 import json, os, pathlib, shutil
-cands = [pathlib.Path("results/scale_batch/results.json"),
-         pathlib.Path("/tmp/lsparse_scale_batch/results.json")]
+run = os.environ["RUN"]
+cands = [pathlib.Path(f"results/{run}/results.json"),
+         pathlib.Path(f"/tmp/lsparse_{run}/results.json")]
 count = lambda p: len(json.loads(p.read_text())["records"]) if p.exists() else -1
 best = max(cands, key=count)
 if count(best) >= 0:
-    shutil.copy(best, pathlib.Path(os.environ["OUT"]) / "scale_batch" / "results.json")
+    shutil.copy(best, pathlib.Path(os.environ["OUT"]) / run / "results.json")
     print(f"resuming from {best} ({count(best)} cells)")
 EOF
-  timeout "$(( budget + 45 ))" python3 -m experiments.cli run configs/experiments/scale_batch.gin \
+  timeout "$(( budget + 45 ))" python3 -m experiments.cli run "configs/experiments/$RUN.gin" \
     "--gin.scale.time_budget_s=$budget" ${SCALE_ARGS:-} 2>&1 | quiet | tail -40
   echo "-- scale exit ${PIPESTATUS[0]} (124: cut by its timeout)"
-  cp "$OUT/scale_batch/results.json" /tmp/lsparse_scale_batch/ 2>/dev/null
-  python3 -m experiments.scale_report --runs "$OUT" --only scale_batch 2>&1 | tail -30
+  cp "$OUT/$RUN/results.json" "/tmp/lsparse_$RUN/" 2>/dev/null
+  python3 -m experiments.scale_report --runs "$OUT" --only "$RUN" 2>&1 | tail -30
 }
 
 case "$STEP" in

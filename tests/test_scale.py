@@ -114,9 +114,13 @@ def test_scale_groups_variant_budget_and_prefill_cache(tmp_path, monkeypatch):
     assert {r["prefill_s"] for r in again} == {got["records"][0]["prefill_s"]}  # loaded
 
 
-def test_scale_batch_config_binds_the_batch_grid():
-    """configs/experiments/scale_batch.gin: 512K at batch 8/64/32/1 and 1M at 8/1, the
-    leansparse_g2 variant, a per-call budget and a prefill cache; the grid passes the checks."""
+@pytest.mark.parametrize("name, contexts, batches, by_context", [
+    ("scale_batch", (524288, 1048576), (8, 64, 32, 1), {1048576: (8, 1)}),
+    ("scale_batch_short", (32768, 131072), (64, 32), None)])
+def test_scale_batch_config_binds_the_batch_grid(name, contexts, batches, by_context):
+    """configs/experiments/scale_batch.gin (512K at batch 8/64/32/1, 1M at 8/1) and
+    scale_batch_short.gin (32K and 128K at 64/32): the leansparse_g2 variant, a per-call budget
+    and a prefill cache; the grid passes the checks."""
     import gin
 
     import experiments.registry  # noqa: F401  (the configurables)
@@ -126,15 +130,15 @@ def test_scale_batch_config_binds_the_batch_grid():
     gin.clear_config()
     try:
         gin.add_config_file_search_path(str(CONFIG_ROOT))
-        gin.parse_config_files_and_bindings([str(CONFIG_ROOT / "experiments/scale_batch.gin")],
+        gin.parse_config_files_and_bindings([str(CONFIG_ROOT / f"experiments/{name}.gin")],
                                             None, finalize_config=False)
         q = gin.query_parameter
         methods, contexts = q("scale.methods"), q("scale.contexts")
-        assert "leansparse_g2" in methods and contexts == (524288, 1048576)
-        assert q("scale.batches") == (8, 64, 32, 1)
-        assert q("scale.batches_by_context") == {1048576: (8, 1)}
+        assert "leansparse_g2" in methods and q("scale.contexts") == contexts
+        assert q("scale.batches") == batches
+        assert q("scale.batches_by_context") == by_context
         assert q("scale.time_budget_s") <= 500 and q("scale.prefill_cache")
-        assert q("run.name") == "scale_batch" and q("scale.implementation") == "triton"
+        assert q("run.name") == name and q("scale.implementation") == "triton"
         _check(methods, contexts, q("scale.batches"), q("scale.steps"),
                q("scale.batches_by_context"))
     finally:
