@@ -22,8 +22,9 @@
 #                  C8 at 8K prompts, replay of 4 sessions x 3 calls (echo, leansparse, then
 #                  hisparse if time is left). Results: $OUT/{capacity,loadstep,replay}_session
 # PRIOR=DIR: a folder holding earlier <run name>/results.json to resume from (copied into $OUT).
-# STEP=capacity: RUN_NAME (default capacity) names the run; extra arguments are gin overrides
-# (STEP=replay too, e.g. --gin.replay.sessions=24).
+# STEP=capacity / STEP=replay: RUN_NAME (default capacity / replay) names the run (and the
+# PRIOR results it resumes); extra arguments are gin overrides (e.g. --gin.replay.sessions=24,
+# --gin.replay.input_repeat=0.3).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
@@ -48,8 +49,9 @@ case "${STEP:-capacity}" in
   capacity) run "${RUN_NAME:-capacity}" configs/experiments/capacity.gin \
               "--gin.capacity.time_contexts=${CONTEXTS:-(204800,)}" \
               "--gin.run.name='${RUN_NAME:-capacity}'" "$@" ;;
-  replay)   run replay configs/experiments/replay.gin \
-              "--gin.replay.methods=${METHODS:-('${METHOD:-leansparse}',)}" "$@" ;;
+  replay)   run "${RUN_NAME:-replay}" configs/experiments/replay.gin \
+              "--gin.replay.methods=${METHODS:-('${METHOD:-leansparse}',)}" \
+              "--gin.run.name='${RUN_NAME:-replay}'" "$@" ;;
   loadstep) run loadstep configs/experiments/loadstep.gin ;;
   session)
     echo "== capacity (200K timed at 8 copies)"

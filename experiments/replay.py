@@ -57,7 +57,7 @@ from lsparse_jax.serving.engine import Engine
 from lsparse_jax.serving.metrics import percentiles, throughput
 from lsparse_jax.serving.request import Request
 from lsparse_jax.serving.scheduler import Clock, Scheduler
-from lsparse_jax.serving.workloads import MultiTurn, session_records
+from lsparse_jax.serving.workloads import MultiTurn, RepeatInputs, session_records
 from lsparse_jax.training import load_params
 
 PANELS = (("ttft_s", "TTFT (s)", 1.0), ("tpot_s", "TPOT (ms)", 1e3),
@@ -111,7 +111,7 @@ def replay(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
            implementation: str | None = "xla",
            step_s: float | None = None, prefill_token_s: float = 0.0, seed: int = 0,
            warmup_first: bool = False, memory_model: str | None = None,
-           mixed: bool = False):
+           mixed: bool = False, input_repeat: float | None = None):
     """Replays the same synthetic sessions on each method; returns {method: summary}.
     hot_cache_rows: {method: B} (the paper: LeanSparse 2048, ECHO 512, HiSparse 4096).
     warmup_first: every session's warmup call first, the measured window after them
@@ -119,7 +119,11 @@ def replay(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
     model with that preset's layer pattern (e.g. 'v4_flash': the 43 layers whose 4-layer slice
     runs; ``Scheduler(memory_model=)``); None: the served model. mixed: a prefill chunk of
     each iteration inside the decode step (``Scheduler(mixed=True)``; a layer-streamed
-    prefill, LeanSparse's, raises ValueError: run such methods without it)."""
+    prefill, LeanSparse's, raises ValueError: run such methods without it). input_repeat:
+    teacher-forced decode inputs from ``RepeatInputs(input_repeat)`` (``Scheduler(inputs=)``: a
+    step-to-step selection reuse like the trained model's where random weights give ~0.02;
+    each call's response, and so the next call's prompt, is then the inputs it was fed);
+    None: each request decodes its own samples."""
     hot = dict(hot_cache_rows or {"leansparse": 2048, "echo": 512, "hisparse": 4096})
     lean = leansparse or LeanSparseConfig()
     load = dict(sessions=sessions, calls=calls, first_prompt_tokens=tuple(first_prompt_tokens),
@@ -154,7 +158,9 @@ def replay(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
         sched = Scheduler(engine, device_budget_bytes, Clock(step_s, prefill_token_s),
                           workload=work, prefix_reuse=prefix_reuse,
                           prefill_memory=prefill_memory, memory_model=memory,
-                          prefill_token_budget=prefill_token_budget, mixed=mixed)
+                          prefill_token_budget=prefill_token_budget, mixed=mixed,
+                          inputs=None if input_repeat is None else RepeatInputs(
+                              input_repeat, cfg.vocab_size, seed))
         with tqdm(total=sessions * calls, desc=f"replay {method}", unit="call") as bar:
             sched.run(bar)
         records = sched.records()
@@ -173,7 +179,7 @@ def replay(name: str, model=gin.REQUIRED, checkpoint: str | None = None,
             prefill_chunk=prefill_chunk, echo_pool_rows=echo_pool_rows,
             prefix_reuse=prefix_reuse, prefill_memory=prefill_memory,
             prefill_token_budget=prefill_token_budget, mixed=mixed,
-            memory_model=memory_model,
+            input_repeat=input_repeat, memory_model=memory_model,
             memory_model_layers=None if memory is None else memory.model.num_layers,
             implementation=implementation,
             clock="measured wall time" if step_s is None else

@@ -252,6 +252,41 @@ def test_every_method_under_load_equals_alone(method, overlap):
         assert r.tokens == alone(engine, r), r.id
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_forced_inputs_feed_each_request_its_own_repeat(resident, overlap):
+    """Scheduler(inputs=RepeatInputs(1.0)): every step feeds each request the token its
+    admission sampled (a request new to its slot repeats its own token, not the slot's last
+    one), so its tokens equal those it gets alone with that token forced at every step:
+    the first one repeated, then the last step's sample."""
+    from lsparse_jax.serving.workloads import RepeatInputs
+
+    requests = workload(5, seed=12, arrivals=[0.0, 0.0, 0.0, 0.01, 0.02])
+    sched = serve(resident, requests, clock=Clock(step_s=0.01), overlap=overlap,
+                  inputs=RepeatInputs(1.0, CFG.vocab_size))
+    assert max(t["active"] for t in sched.trace) == 3  # slots were reused
+    for r in requests:
+        one = fresh(r)
+        slot = resident.admit(one)
+        first = int(resident.next_token[slot])
+        while not one.done:
+            resident.step(tokens=np.full(resident.active.size, first, np.int32))
+        want = resident.release(slot)
+        assert r.tokens == want and want[:-1] == [first] * (len(want) - 1), r.id
+
+
+def test_forced_inputs_refused_for_a_spec_engine_step():
+    """A step that takes no forced inputs (SpecEngine's) is refused at construction."""
+    from lsparse_jax.serving.workloads import RepeatInputs
+
+    class OwnStep(Engine):
+        def step(self, tokens=None):
+            raise AssertionError("not reached")
+
+    engine = OwnStep.__new__(OwnStep)
+    with pytest.raises(ValueError, match="inputs"):
+        Scheduler(engine, inputs=RepeatInputs(0.3, 8))
+
+
 # overlap: each step launched before the previous one is read (a stop token's request is
 # launched once more, its token dropped): the same tokens and finish reasons
 @pytest.mark.parametrize("overlap", [False, True])

@@ -289,6 +289,13 @@ def test_repeat_inputs_draws_and_errors():
     for bad in (dict(repeat=1.5, vocab=8), dict(repeat=0.5, vocab=0)):
         with pytest.raises(ValueError):
             RepeatInputs(**bad)
+    # fresh slots (a new request since the last call) repeat their own start token
+    keep(start)
+    later = np.array([7, 8, 9], np.int32)
+    assert np.array_equal(keep(later, fresh=np.array([False, True, False])), [3, 8, 200])
+    assert np.array_equal(keep(later), [3, 8, 200])
+    with pytest.raises(ValueError, match="fresh"):
+        keep(later, fresh=np.array([True]))
 
 
 @pytest.mark.slow  # ~16 s of compiles on 2 CPU cores

@@ -64,6 +64,13 @@ slot's extra row is freed with it); one that reaches max_new_tokens sits that st
 equal the non-overlapped schedule's (tested); selection statistics count the dropped steps.
 Not with prefix reuse (a detached context would hold the dropped step's row).
 
+Teacher-forced inputs (``inputs``, e.g. ``workloads.RepeatInputs``): each decode step feeds
+``inputs(engine.next_token, fresh)`` instead of the sampled tokens (``fresh`` [S]: slots whose
+request is new since the last step), as ``Engine.step(tokens=)`` / ``launch(forced=)`` take
+them; a request's tokens then hold the inputs it was given (the KV its context holds, so a
+detached prefix matches its text) and its last sampled token. What it is for: a tunable
+step-to-step selection reuse at V4 shapes, where random weights select almost independently.
+
 Time is the scheduler's ``Clock``, starting at 0: arrivals are read on it and every timestamp
 of a ``Request`` is restamped on it. It advances by each admission's and step's measured wall
 time, or by fixed costs (deterministic metrics), and jumps to the next arrival when idle.
@@ -76,6 +83,8 @@ import itertools
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
+
+import numpy as np
 
 from lsparse_jax.config import EngineConfig
 from lsparse_jax.memory.accounting import prefill_transient_bytes, request_bytes
@@ -133,18 +142,22 @@ class Scheduler:
     runs: every per-layer footprint, a monolithic prefill's whole history included, counts
     at the full depth, while a layer-streamed prefill still holds two layer buffers); None
     counts the engine's own. mixed: run a chunk of each iteration inside its decode step
-    (module docstring).
+    (module docstring). inputs: teacher-forced decode inputs (module docstring); None feeds
+    each request its sampled tokens.
     """
 
     def __init__(self, engine: Engine, device_budget_bytes: int | None = None,
                  clock: Clock | None = None, prefill_token_budget: int | None = None,
                  workload=None, prefix_reuse: bool = False, overlap: bool = False,
                  prefill_memory: bool = False, memory_model: EngineConfig | None = None,
-                 mixed: bool = False):
+                 mixed: bool = False, inputs=None):
         if mixed:
             _check_mixed(engine, prefill_token_budget)
         if memory_model is not None:
             _check_memory_model(engine, memory_model)
+        if inputs is not None and type(engine).step is not Engine.step:
+            raise ValueError(f"Scheduler: inputs force the decode step's inputs; "
+                             f"{type(engine).__name__} runs its own step, which takes none")
         if prefill_memory and device_budget_bytes is None:
             raise ValueError("Scheduler: prefill_memory charges prefills to the device budget; "
                              "set device_budget_bytes")
@@ -163,6 +176,7 @@ class Scheduler:
         self.clock = clock or Clock()
         self.prefill_token_budget = prefill_token_budget
         self.mixed, self._mixed = mixed, None  # the Prefill whose chunk rides on this step
+        self.inputs, self._fed = inputs, {}  # forced inputs; slot -> request last fed
         self.mixed_iterations = 0
         self.waiting: list[Request] = []  # by arrival time
         self.prefilling: list[Prefill] = []  # chunked mode: admitted, prompt not yet done
@@ -363,9 +377,17 @@ class Scheduler:
         for slot, job in entered:
             self._started(slot, job.request, job.started, now)
 
-    def _step_args(self) -> dict:
-        """The decode step's ``prefill`` (its chunk runs inside the step), if mixed."""
-        return {} if self._mixed is None else {"prefill": self._mixed.chunks}
+    def _step_args(self, forced: str = "tokens") -> dict:
+        """The decode step's ``prefill`` (its chunk runs inside the step), if mixed, and its
+        teacher-forced inputs under the keyword ``forced`` names, if ``inputs``."""
+        args = {} if self._mixed is None else {"prefill": self._mixed.chunks}
+        if self.inputs is not None:
+            slots = self.engine.active.size
+            fresh = np.array([self.running.get(s) is not self._fed.get(s)
+                              for s in range(slots)])
+            self._fed = dict(self.running)
+            args[forced] = self.inputs(self.engine.next_token, fresh)
+        return args
 
     def _after_mixed(self) -> None:
         """Counts this iteration's mixed chunk (run alone here if no step ran it: overlap,
@@ -439,7 +461,7 @@ class Scheduler:
         # limit - 2 samples: from there on it sits out (finished when that token is read)
         last = engine.lengths + 1 >= engine.limit
         room = engine.active & ~last
-        self._in_flight = (engine.launch(prev, skip=last, **self._step_args())
+        self._in_flight = (engine.launch(prev, skip=last, **self._step_args("forced"))
                            if room.any() else None)
         if prev is not None:
             before = {slot: len(r.tokens) for slot, r in self.running.items()}

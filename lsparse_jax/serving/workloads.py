@@ -245,9 +245,17 @@ class RepeatInputs:
         self._rng = np.random.default_rng(self.seed)
         self._last = None
 
-    def __call__(self, start: np.ndarray) -> np.ndarray:
-        """The next step's input per slot ([S] int32); ``start`` seeds the first call."""
-        prev = np.asarray(start if self._last is None else self._last, np.int32)
+    def __call__(self, start: np.ndarray, fresh: np.ndarray | None = None) -> np.ndarray:
+        """The next step's input per slot ([S] int32); ``start`` seeds the first call, and
+        later the slots in ``fresh`` ([S] bool: a new request since the last call, e.g.
+        ``Scheduler(inputs=...)``), which repeat their own token, not the slot's last one."""
+        start = np.asarray(start, np.int32)
+        if fresh is not None and np.shape(fresh) != start.shape:
+            raise ValueError(f"RepeatInputs: fresh {np.shape(fresh)} must match start "
+                             f"{start.shape}")
+        prev = start if self._last is None else self._last
+        if fresh is not None and self._last is not None:
+            prev = np.where(fresh, start, prev)
         new = self._rng.integers(0, self.vocab, prev.shape)
         self._last = np.where(self._rng.random(prev.shape) < self.repeat, prev,
                               new).astype(np.int32)
