@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 
 from experiments import validate as v
 from experiments.common import pyplot, run_dir, write_results
+from experiments.profiling import profile_program
 
 PEAK_FLOPS = 790e12  # measured dense bf16 on the H200 (benchmarks/RESULTS.md)
 PEAK_BYTES = 3.0e12  # measured HBM read+write bandwidth
@@ -189,7 +190,10 @@ def check_settings(batches, histories, implementations, repeats, topk_shapes, op
 
 
 def time_case(case: Case, impl: str, repeats: int, warmup: int = 2,
-              per_call: bool = False) -> float:
+              per_call: bool = False, profile: bool = False) -> dict:
+    """{"seconds": median seconds of one call} (module docstring), and with ``profile`` the
+    per-call kernels, busy_us, span_us and top_kernels_us of one traced run of the same
+    program (``experiments.profiling``; {"kernels": None} without GPU events)."""
     one = case.make(jax.random.key(0))
     size = sum(x.nbytes for x in jax.tree.leaves(one))
     rotate = int(min(32, max(8, math.ceil(2 * L2_BYTES / max(size, 1)))))
@@ -206,7 +210,10 @@ def time_case(case: Case, impl: str, repeats: int, warmup: int = 2,
         t0 = time.perf_counter()
         jax.block_until_ready(program(sets))
         times.append((time.perf_counter() - t0) / rotate)
-    return float(np.median(times))
+    out = {"seconds": float(np.median(times))}
+    if profile:
+        out["profile"] = profile_program(program, (sets,), rotate)
+    return out
 
 
 @gin.configurable
@@ -214,9 +221,14 @@ def kernel_compare(name: str, batches=(1, 8, 32, 64), histories=(51200, 131072, 
                    implementations=("xla", "triton", "jax_triton", "mosaic"), repeats: int = 20,
                    topk_shapes=((64, 262144, 2048), (64, 131072, 2048), (64, 262144, 512)),
                    ops=("pq_topc", "topk", "index_scores", "sparse_attention", "hot_resolve"),
-                   per_call: bool = False, budget_s: float | None = None):
+                   per_call: bool = False, budget_s: float | None = None,
+                   profile: bool = False):
+    """profile: each timed row also records its program's kernels per call, busy_us, span_us
+    and top_kernels_us from one profiled run (``experiments.profiling``): whether the kernels
+    or the gaps between them take the time."""
     check_settings(batches, histories, implementations, repeats, topk_shapes, ops, per_call,
                    budget_s)
+    v.flag("kernel_compare.profile", profile)
     start = time.monotonic()
     cases = []
     if "pq_topc" in ops:
@@ -250,8 +262,9 @@ def kernel_compare(name: str, batches=(1, 8, 32, 64), histories=(51200, 131072, 
                 row.update(skipped=f"budget_s={budget_s} spent")
                 continue
             try:
-                t = time_case(case, impl, repeats, per_call=per_call)
-                row.update(seconds=t, fraction_of_roofline=case.floor / t,
+                got = time_case(case, impl, repeats, per_call=per_call, profile=profile)
+                t = got["seconds"]
+                row.update(got, fraction_of_roofline=case.floor / t,
                            tflops=case.flops / t / 1e12, gbytes_per_s=case.bytes / t / 1e9)
             except Exception as err:  # an implementation not available for this op/device
                 row.update(error=f"{type(err).__name__}: {err}"[:300],
@@ -278,14 +291,19 @@ def add_speedups(rows) -> None:
 
 
 def format_table(rows) -> str:
-    head = f"{'op':13s} {'impl':18s} {'shape':28s} {'ms':>9s} {'xSpeed':>7s} {'%roof':>6s}"
+    head = (f"{'op':13s} {'impl':18s} {'shape':28s} {'ms':>9s} {'xSpeed':>7s} {'%roof':>6s}"
+            f" {'busy us':>8s} {'span us':>8s} {'kernels':>8s}")
     lines = [head, "-" * len(head)]
     for r in rows:
         shape = ",".join(f"{k}={r[k]}" for k in ("B", "N", "C", "k") if k in r)
         if "seconds" in r:
+            prof = r.get("profile") or {}
+            cols = ("busy_us", "span_us", "kernels")
+            traced = "".join(f" {prof[c]:8.1f}" if prof.get(c) is not None else f" {'-':>8s}"
+                             for c in cols)
             lines.append(f"{r['op']:13s} {r['implementation']:18s} {shape:28s} "
                          f"{r['seconds'] * 1e3:9.3f} {r.get('speedup_vs_xla', float('nan')):7.2f}"
-                         f" {100 * r['fraction_of_roofline']:6.1f}")
+                         f" {100 * r['fraction_of_roofline']:6.1f}{traced}")
         else:
             why = r.get("error") or r.get("skipped", "")
             lines.append(f"{r['op']:13s} {r['implementation']:18s} {shape:28s} "

@@ -1,0 +1,50 @@
+"""experiments.profiling: per-call kernel time from a trace (exact sums on synthetic events),
+GPU events read from a Perfetto trace file, and kernel_compare's profile column end to end
+on CPU (no GPU process in the trace: recorded as no kernels, never as zero)."""
+
+import gzip
+import json
+
+import pytest
+
+from experiments.profiling import gpu_events, per_call
+
+
+def test_per_call_sums_busy_and_span_and_drops_memsets():
+    events = [("gemm", 0.0, 10.0), ("Memset (Device)", 5.0, 1.0), ("topk", 12.0, 4.0),
+              ("gemm", 100.0, 10.0), ("topk", 112.0, 4.0)]
+    got = per_call(events, calls=2)
+    assert got["kernels"] == 2.0
+    assert got["busy_us"] == pytest.approx((10 + 4 + 10 + 4) / 2)
+    assert got["span_us"] == pytest.approx((116.0 - 0.0) / 2)
+    assert got["by_name"] == {"gemm": 10.0, "topk": 4.0}
+    assert per_call([("memset", 0.0, 1.0)], 1) == {}
+
+
+def test_gpu_events_reads_only_the_gpu_process_of_the_newest_trace(tmp_path):
+    trace = {"traceEvents": [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+        {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
+        {"ph": "X", "pid": 1, "name": "python", "ts": 0.0, "dur": 50.0},
+        {"ph": "X", "pid": 7, "name": "late", "ts": 30.0, "dur": 2.0},
+        {"ph": "X", "pid": 7, "name": "early", "ts": 10.0, "dur": 3.0}]}
+    run = tmp_path / "plugins" / "profile" / "run"
+    run.mkdir(parents=True)
+    with gzip.open(run / "host.trace.json.gz", "wt") as f:
+        json.dump(trace, f)
+    assert gpu_events(tmp_path) == [("early", 10.0, 3.0), ("late", 30.0, 2.0)]
+    assert gpu_events(tmp_path / "plugins" / "none") == []
+
+
+def test_kernel_compare_profile_on_cpu_records_no_kernels(tmp_path, monkeypatch):
+    from experiments.cli import main
+
+    monkeypatch.setenv("LSPARSE_RUNS", str(tmp_path))
+    assert main(["run", "configs/experiments/kernel_compare.gin", "--gin.run.name='kc'",
+                 "--gin.kernel_compare.ops=('topk',)", "--gin.kernel_compare.repeats=1",
+                 "--gin.kernel_compare.topk_shapes=((2, 64, 4),)",
+                 "--gin.kernel_compare.implementations=('xla',)",
+                 "--gin.kernel_compare.profile=True"]) == 0
+    rows = json.loads((tmp_path / "kc" / "results.json").read_text())["rows"]
+    assert len(rows) == 1 and rows[0]["seconds"] > 0
+    assert rows[0]["profile"] == {"kernels": None}
