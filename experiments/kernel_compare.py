@@ -212,7 +212,10 @@ def time_case(case: Case, impl: str, repeats: int, warmup: int = 2,
         times.append((time.perf_counter() - t0) / rotate)
     out = {"seconds": float(np.median(times))}
     if profile:
-        out["profile"] = profile_program(program, (sets,), rotate)
+        try:
+            out["profile"] = profile_program(program, (sets,), rotate)
+        except Exception as err:  # noqa: BLE001  (a profiler problem must not cost the timing)
+            out["profile"] = {"kernels": None, "error": f"{type(err).__name__}: {err}"[:300]}
     return out
 
 
