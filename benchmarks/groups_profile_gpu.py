@@ -1,8 +1,11 @@
 """LeanSparse request groups on the GPU: what overlap XLA gives (issue 13, deliver 4).
 
-One bounded call: per XLA flag setting ("default", and "lhs" = the latency-hiding scheduler,
+One bounded call: per XLA flag setting ("default"; "lhs" = the latency-hiding scheduler,
 ``--xla_gpu_enable_latency_hiding_scheduler=true``, with the stream annotation forced on,
-``--xla_gpu_experimental_stream_annotation=true``) a child process runs leansparse at one
+``--xla_gpu_experimental_stream_annotation=true``; "nocb" = "lhs" with XLA's command buffers
+(CUDA graphs) off, ``--xla_gpu_enable_command_buffer=``: session 21 saw every kernel of g2
+on one stream under "default" and "lhs", and a graph replays its nodes on the stream it is
+launched on) a child process runs leansparse at one
 context and batch as variants g1 (groups=1, today's step), g2 (2 groups, each group's key
 fetch an async call on GPU stream 1), g2_main (2 groups, fetch on the main stream) and, if
 asked, g4 (--variants).
@@ -12,7 +15,9 @@ Per variant: the decode step's wall time (mean of --steps after --warm), then
     many instructions XLA placed between each start and its done (0 = nothing can overlap);
   - a profile of 3 steps (jax.profiler): the GPU streams that ran kernels, kernel time off
     the main stream (the fetches), how much of it overlapped kernels on the main stream, and
-    how much overlapped the coarse pass (kernels named pq_*), per step.
+    how much overlapped the coarse pass (kernels named pq_*), per step; and, whatever stream
+    the trace names, ``concurrent_us``: summed kernel time minus the union of kernel
+    intervals (the time two kernels ran at once; 0 = strictly one after another).
 Writes groups_profile.json under --out as it goes (one record per variant and flag setting)
 and prints a table last. The prefill is cached in --prefill-cache (shared with the scale
 study's cache), so the second child and later calls skip it.
@@ -39,8 +44,9 @@ import time
 import numpy as np
 
 VARIANTS = {"g1": (1, None), "g2": (2, 1), "g2_main": (2, None), "g4": (4, 1)}
-FLAGS = {"default": "", "lhs": "--xla_gpu_enable_latency_hiding_scheduler=true "
-                               "--xla_gpu_experimental_stream_annotation=true"}
+LHS = ("--xla_gpu_enable_latency_hiding_scheduler=true "
+       "--xla_gpu_experimental_stream_annotation=true")
+FLAGS = {"default": "", "lhs": LHS, "nocb": LHS + " --xla_gpu_enable_command_buffer="}
 
 
 # ------------------------------------------------------------------------- what XLA compiled
@@ -95,7 +101,9 @@ def _overlap(xs, ys) -> float:
 def stream_overlap(trace_file: pathlib.Path, steps: int) -> dict:
     """Per-step GPU figures of a Perfetto trace (us): kernel time per stream, busy time, and
     the time kernels off the main stream (the one with most kernel time) overlapped main-stream
-    kernels and main-stream pq_* kernels (the coarse pass). None fields: no GPU in the trace."""
+    kernels and main-stream pq_* kernels (the coarse pass), and ``concurrent_us``, summed
+    kernel time minus busy time (any two kernels at once, on whatever streams). None fields:
+    no GPU in the trace."""
     data = json.load(gzip.open(trace_file))
     events = data["traceEvents"] if isinstance(data, dict) else data
     procs = {e["pid"]: e["args"].get("name", "") for e in events
@@ -113,16 +121,17 @@ def stream_overlap(trace_file: pathlib.Path, steps: int) -> dict:
         kernels.setdefault(stream, []).append((e["ts"], e["ts"] + e.get("dur", 0), e["name"]))
     if not kernels:
         return {"streams": {}, "busy_us": None, "side_us": None, "side_overlap_us": None,
-                "side_overlap_coarse_us": None}
+                "side_overlap_coarse_us": None, "concurrent_us": None}
     per = {s: sum(b - a for a, b, _ in ks) / steps for s, ks in kernels.items()}
     main = max(per, key=per.get)
     side = _union([(a, b) for s, ks in kernels.items() if s != main for a, b, _ in ks])
     main_all = _union([(a, b) for a, b, _ in kernels[main]])
     coarse = _union([(a, b) for a, b, n in kernels[main] if n.startswith("pq_")])
     names = sorted({n for s, ks in kernels.items() if s != main for _, _, n in ks})
+    busy = sum(b - a for a, b in _union([(a, b) for ks in kernels.values()
+                                         for a, b, _ in ks])) / steps
     return {"streams": {s: round(v, 1) for s, v in per.items()}, "main_stream": main,
-            "busy_us": sum(b - a for a, b in _union([(a, b) for ks in kernels.values()
-                                                     for a, b, _ in ks])) / steps,
+            "busy_us": busy, "concurrent_us": sum(per.values()) - busy,
             "side_us": sum(b - a for a, b in side) / steps,
             "side_overlap_us": _overlap(side, main_all) / steps,
             "side_overlap_coarse_us": _overlap(side, coarse) / steps,
@@ -211,7 +220,7 @@ def child(args) -> None:
 def table(records) -> str:
     rows = ["| flags | variant | step ms | async calls | instrs between start/done | "
             "side-stream kernels us/step | overlapped us | of it with pq_* | GPU busy us | "
-            "tokens = g1 |", "|---|---|---:|---:|---|---:|---:|---:|---:|---|"]
+            "concurrent us | tokens = g1 |", "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---|"]
     fmt = lambda v: "" if v is None else f"{v:.1f}" if isinstance(v, float) else str(v)  # noqa: E731
     for r in records:
         if "error" in r:
@@ -222,7 +231,7 @@ def table(records) -> str:
             r["flags"], r["variant"], r.get("step_ms"), r.get("async_calls"),
             f"{min(between)}-{max(between)}" if between else "-", r.get("side_us"),
             r.get("side_overlap_us"), r.get("side_overlap_coarse_us"), r.get("busy_us"),
-            r.get("same_tokens_as_g1"))) + " |")
+            r.get("concurrent_us"), r.get("same_tokens_as_g1"))) + " |")
     return "\n".join(rows)
 
 
@@ -233,6 +242,8 @@ def main() -> int:
     ap.add_argument("--variants", default="g1,g2,g2_main", help=f"of {list(VARIANTS)}")
     ap.add_argument("--lhs-variants", default="g2,g1", help="variants also run with the "
                     "latency-hiding scheduler ('' = none)")
+    ap.add_argument("--nocb-variants", default="", help="variants also run with the "
+                    "latency-hiding scheduler and command buffers off (e.g. 'g2,g1')")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warm", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=230.0)
@@ -252,7 +263,8 @@ def main() -> int:
     log = out / "groups_profile.jsonl"
     log.unlink(missing_ok=True)
     started = time.perf_counter()
-    for flags, variants in (("default", args.variants), ("lhs", args.lhs_variants)):
+    for flags, variants in (("default", args.variants), ("lhs", args.lhs_variants),
+                            ("nocb", args.nocb_variants)):
         left = args.budget_s - (time.perf_counter() - started)
         if not variants or left < 30:
             print(f"[{flags}] not run ({left:.0f} s left)", flush=True)

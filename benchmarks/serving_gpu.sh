@@ -22,9 +22,9 @@
 #                  C8 at 8K prompts, replay of 4 sessions x 3 calls (echo, leansparse, then
 #                  hisparse if time is left). Results: $OUT/{capacity,loadstep,replay}_session
 # PRIOR=DIR: a folder holding earlier <run name>/results.json to resume from (copied into $OUT).
-# STEP=capacity / STEP=replay: RUN_NAME (default capacity / replay) names the run (and the
+# STEP=capacity / STEP=replay / STEP=loadstep: RUN_NAME (default: the step) names the run (and the
 # PRIOR results it resumes); extra arguments are gin overrides (e.g. --gin.replay.sessions=24,
-# --gin.replay.input_repeat=0.3).
+# --gin.replay.input_repeat=0.3, --gin.residency.input_repeat=0.3).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
@@ -52,7 +52,8 @@ case "${STEP:-capacity}" in
   replay)   run "${RUN_NAME:-replay}" configs/experiments/replay.gin \
               "--gin.replay.methods=${METHODS:-('${METHOD:-leansparse}',)}" \
               "--gin.run.name='${RUN_NAME:-replay}'" "$@" ;;
-  loadstep) run loadstep configs/experiments/loadstep.gin ;;
+  loadstep) run "${RUN_NAME:-loadstep}" configs/experiments/loadstep.gin \
+              "--gin.run.name='${RUN_NAME:-loadstep}'" "$@" ;;
   session)
     echo "== capacity (200K timed at 8 copies)"
     LIMIT=105 run capacity_session configs/experiments/capacity.gin \

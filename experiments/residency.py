@@ -31,6 +31,7 @@ from experiments.common import pyplot, run_dir, write_results
 from lsparse_jax.config import CacheConfig, EngineConfig, SamplingConfig, method_storage
 from lsparse_jax.model import init_params
 from lsparse_jax.serving.engine import Engine
+from lsparse_jax.serving.workloads import RepeatInputs
 from lsparse_jax.training.data import task_example
 
 
@@ -80,13 +81,21 @@ def residency(name: str, model=gin.REQUIRED, checkpoint: str | None = gin.REQUIR
               hot_cache_rows: int = 64, page_size: int = 16, optional_pages: int = 64,
               refill_pages: int = 4, host_pages: int | None = None,
               implementation: str | None = "xla", shared_budget_bytes: int | None = None,
-              seed: int = 0):
+              input_repeat: float | None = None, seed: int = 0):
     """Runs the schedule on resident, hisparse and adaptive; returns the per-step series.
     host_pages: CacheConfig.host_pages (None = enough for every slot). checkpoint None:
     random weights from ``seed``. shared_budget_bytes: adaptive's required state and lent
     pages share this budget (``CacheConfig.shared_budget_bytes``; None: separate pools); it
     must hold num_slots requests' required bytes (this schedule never waits), so it bounds
-    only what is lent."""
+    only what is lent. input_repeat: teacher-forced decode inputs from
+    ``RepeatInputs(input_repeat)`` (a tunable step-to-step selection reuse, as the capacity
+    and replay studies' p; a newly admitted request repeats its own first token), the same
+    inputs for every method; None: each slot feeds what it sampled. With it the methods'
+    sampled tokens are compared step by step (the fed inputs alone would agree trivially)."""
+    if input_repeat is not None and not (isinstance(input_repeat, (int, float))
+                                         and 0.0 <= input_repeat <= 1.0):
+        raise ValueError(f"residency.input_repeat must be None or in [0, 1], got "
+                         f"{input_repeat!r}")
     cfg, path = check_settings(model, checkpoint, prompt_tokens, requests, arrival_steps,
                                decode_tokens, num_slots, prefill_chunk, hot_cache_rows,
                                page_size, optional_pages, refill_pages, host_pages,
@@ -106,16 +115,23 @@ def residency(name: str, model=gin.REQUIRED, checkpoint: str | None = gin.REQUIR
     slots = {m: {} for m in methods}  # request -> slot
     left = {}  # request -> tokens still to decode
     texts = {m: {} for m in methods}
+    inputs = None if input_repeat is None else {
+        m: RepeatInputs(float(input_repeat), cfg.vocab_size, seed) for m in methods}
+    sampled = {m: [] for m in methods}  # per step: the active slots' sampled tokens
     step, admitted = 0, 0
     with tqdm(desc="residency", unit="step") as bar:
         while admitted < requests or left:
+            fresh = {m: np.zeros(num_slots, bool) for m in methods}
             if admitted < requests and step % arrival_steps == 0 and len(left) < num_slots:
                 for m, e in engines.items():
                     slots[m][admitted] = e.admit(prompts[admitted], decode_tokens + 1)
+                    fresh[m][slots[m][admitted]] = True
                 left[admitted] = decode_tokens
                 admitted += 1
             for m, e in engines.items():
-                out = e.step()
+                feed = None if inputs is None else inputs[m](e.next_token, fresh=fresh[m])
+                out = e.step(feed)
+                sampled[m].append(np.asarray(out.tokens)[e.active])
                 src = np.asarray(out.sources)[e.active].sum(axis=(0, 1))
                 series[m]["active"].append(int(e.active.sum()))
                 for key, i in (("step1_fraction", 0), ("step2_fraction", 1),
@@ -132,7 +148,9 @@ def residency(name: str, model=gin.REQUIRED, checkpoint: str | None = gin.REQUIR
             step += 1
             bar.update(1)
     for m in ("hisparse", "adaptive"):
-        if texts[m] != texts["resident"]:
+        if texts[m] != texts["resident"] or not all(
+                np.array_equal(a, b) for a, b in zip(sampled[m], sampled["resident"],
+                                                     strict=True)):
             raise AssertionError(f"residency: {m} generated different tokens than resident "
                                  "(exact methods must agree)")
     summary = {m: {"host_fraction_mean": float(np.mean(series[m]["host_fraction"])),
@@ -144,6 +162,7 @@ def residency(name: str, model=gin.REQUIRED, checkpoint: str | None = gin.REQUIR
     write_results(out, {"model": dataclasses.asdict(cfg), "checkpoint": checkpoint,
                         "weights": "random (seeded)" if path is None else "checkpoint",
                         "implementation": implementation, "steps": step,
+                        "input_repeat": input_repeat,
                         "tokens_identical_to_resident": True, "summary": summary,
                         "series": series})
     plot(series, cfg, out / "residency.png")

@@ -30,7 +30,8 @@ from experiments.scale import PROFILED_STEPS, extrapolate
 from lsparse_jax.config import LeanSparseConfig
 from lsparse_jax.model import preset
 
-RUNS = ("scale_batch_short", "scale_batch", "scale_long", "scale_v2", "scale")  # newest first
+RUNS = ("scale_batch_1m", "scale_batch_short", "scale_batch", "scale_long", "scale_v2",
+        "scale")  # newest first
 METHODS = ("resident", "hisparse", "leansparse", "leansparse_g2", "adaptive")
 FULL_PATTERN = ("swa", "swa") + ("csa", "hca") * 20 + ("csa",)  # V4-Flash: 43 layers
 BEGIN, END = "<!-- scale-table:begin -->", "<!-- scale-table:end -->"

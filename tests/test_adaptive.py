@@ -196,6 +196,42 @@ def test_residency_experiment_cli(tmp_path, monkeypatch):
         assert by["1"]["host"] == out["summary"][m]["host_fraction_by_load"]["1"]
 
 
+def test_residency_input_repeat_feeds_every_method_the_same_inputs(tmp_path, monkeypatch):
+    """``residency.input_repeat``: every method is fed the same teacher-forced inputs each
+    step (so their sampled tokens can be compared step by step, which the run asserts), and
+    with repeat 1.0 a request's input never changes after its first step."""
+    import json
+
+    from experiments.cli import main
+
+    fed = []  # (method, inputs [S], active [S]) per step
+    step = Engine.step
+
+    def recording(self, tokens=None, prefill=None):
+        fed.append((self.config.method, np.asarray(tokens).copy(), self.active.copy()))
+        return step(self, tokens, prefill)
+
+    monkeypatch.setattr(Engine, "step", recording)
+    monkeypatch.setenv("LSPARSE_RUNS", str(tmp_path))
+    rc = main(["run", "configs/experiments/residency.gin", "--gin.residency.prompt_tokens=512",
+               "--gin.residency.requests=3", "--gin.residency.arrival_steps=2",
+               "--gin.residency.decode_tokens=5", "--gin.residency.num_slots=2",
+               "--gin.residency.optional_pages=8", "--gin.residency.input_repeat=1.0",
+               "--gin.run.name='rep'"])
+    assert rc == 0
+    out = json.loads((tmp_path / "rep" / "results.json").read_text())
+    assert out["input_repeat"] == 1.0 and out["tokens_identical_to_resident"]
+    by = {m: [(t, a) for mm, t, a in fed if mm == m] for m in ("resident", "hisparse",
+                                                              "adaptive")}
+    assert len(by["resident"]) == out["steps"] > 0
+    for m in ("hisparse", "adaptive"):
+        for (t, a), (t0, a0) in zip(by[m], by["resident"], strict=True):
+            assert (a == a0).all() and (t[a] == t0[a0]).all()
+    for (t, a), (prev, was) in zip(by["resident"][1:], by["resident"], strict=False):
+        kept = a & was  # the same request as the step before: in this schedule a slot is
+        assert (t[kept] == prev[kept]).all()  # idle for a step between two requests
+
+
 @pytest.mark.slow
 def test_shared_budget_reclaims_whole_requests_or_waits():
     """Required state and lent pages share ``shared_budget_bytes`` (3 requests' required

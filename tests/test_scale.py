@@ -114,13 +114,15 @@ def test_scale_groups_variant_budget_and_prefill_cache(tmp_path, monkeypatch):
     assert {r["prefill_s"] for r in again} == {got["records"][0]["prefill_s"]}  # loaded
 
 
-@pytest.mark.parametrize("name, contexts, batches, by_context", [
-    ("scale_batch", (524288, 1048576), (8, 64, 32, 1), {1048576: (8, 1)}),
-    ("scale_batch_short", (32768, 131072), (64, 32), None)])
-def test_scale_batch_config_binds_the_batch_grid(name, contexts, batches, by_context):
-    """configs/experiments/scale_batch.gin (512K at batch 8/64/32/1, 1M at 8/1) and
-    scale_batch_short.gin (32K and 128K at 64/32): the leansparse_g2 variant, a per-call budget
-    and a prefill cache; the grid passes the checks."""
+@pytest.mark.parametrize("name, contexts, batches, by_context, g2", [
+    ("scale_batch", (524288, 1048576), (8, 64, 32, 1), {1048576: (8, 1)}, True),
+    ("scale_batch_short", (32768, 131072), (64, 32), None, True),
+    ("scale_batch_1m", (1048576,), (64, 32), None, False)])
+def test_scale_batch_config_binds_the_batch_grid(name, contexts, batches, by_context, g2):
+    """configs/experiments/scale_batch.gin (512K at batch 8/64/32/1, 1M at 8/1),
+    scale_batch_short.gin (32K and 128K at 64/32) and scale_batch_1m.gin (1M at 64/32, the
+    four methods issue 13 names): the leansparse_g2 variant where asked, a per-call budget and
+    a prefill cache; the grid passes the checks."""
     import gin
 
     import experiments.registry  # noqa: F401  (the configurables)
@@ -133,8 +135,9 @@ def test_scale_batch_config_binds_the_batch_grid(name, contexts, batches, by_con
         gin.parse_config_files_and_bindings([str(CONFIG_ROOT / f"experiments/{name}.gin")],
                                             None, finalize_config=False)
         q = gin.query_parameter
-        methods, contexts = q("scale.methods"), q("scale.contexts")
-        assert "leansparse_g2" in methods and q("scale.contexts") == contexts
+        methods = q("scale.methods")
+        assert ("leansparse_g2" in methods) == g2 and q("scale.contexts") == contexts
+        assert {"resident", "hisparse", "leansparse", "adaptive"} <= set(methods)
         assert q("scale.batches") == batches
         assert q("scale.batches_by_context") == by_context
         assert q("scale.time_budget_s") <= 500 and q("scale.prefill_cache")
