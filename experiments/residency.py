@@ -54,9 +54,12 @@ IMPLEMENTATIONS = ("xla", "triton", "jax_triton", "mosaic", None)
 
 def check_settings(model, checkpoint, prompt_tokens, requests, arrival_steps, decode_tokens,
                    num_slots, prefill_chunk, hot_cache_rows, page_size, optional_pages,
-                   refill_pages, host_pages, implementation):
+                   refill_pages, host_pages, implementation, input_repeat=None):
     """Validates every setting and the checkpoint path before any work; returns (the model with
     max_len fitted, the checkpoint directory)."""
+    if v.number("residency.input_repeat", input_repeat, lo=0.0, none_ok=True) is not None \
+            and input_repeat > 1:
+        v.fail("residency.input_repeat", input_repeat, "must be a number in [0, 1] or None")
     for setting, value in (("prompt_tokens", prompt_tokens), ("requests", requests),
                            ("arrival_steps", arrival_steps), ("decode_tokens", decode_tokens),
                            ("num_slots", num_slots), ("prefill_chunk", prefill_chunk),
@@ -92,14 +95,10 @@ def residency(name: str, model=gin.REQUIRED, checkpoint: str | None = gin.REQUIR
     and replay studies' p; a newly admitted request repeats its own first token), the same
     inputs for every method; None: each slot feeds what it sampled. With it the methods'
     sampled tokens are compared step by step (the fed inputs alone would agree trivially)."""
-    if input_repeat is not None and not (isinstance(input_repeat, (int, float))
-                                         and 0.0 <= input_repeat <= 1.0):
-        raise ValueError(f"residency.input_repeat must be None or in [0, 1], got "
-                         f"{input_repeat!r}")
     cfg, path = check_settings(model, checkpoint, prompt_tokens, requests, arrival_steps,
                                decode_tokens, num_slots, prefill_chunk, hot_cache_rows,
                                page_size, optional_pages, refill_pages, host_pages,
-                               implementation)
+                               implementation, input_repeat)
     params = (init_params(cfg, seed) if path is None
               else v.load_checkpoint("residency.checkpoint", path, cfg))
     prompts = [task_example("niah", prompt_tokens, seed).prompt for seed in range(requests)]
