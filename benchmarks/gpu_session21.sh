@@ -27,7 +27,7 @@ case "$STEP" in
   replay_long)
     for m in ${METHODS:-echo leansparse}; do
       TAIL=8 part replay_long ${REPLAY_S:-290} "PRIOR=$ROOT/results LIMIT=$(( ${REPLAY_S:-290} - 10 )) \
-        RUN_NAME=replay_long_out_p0.3 STEP=replay METHOD=$m bash $ROOT/benchmarks/serving_gpu.sh \
+        RUN_NAME=replay_long_out_p0.3 STEP=replay METHODS= METHOD=$m bash $ROOT/benchmarks/serving_gpu.sh \
         --gin.replay.input_repeat=0.3 '--gin.replay.output_tokens=(512, 2048)'"
       mkdir -p "$ROOT/results/replay_long_out_p0.3"  # the next method resumes from this one
       cp "$OUT/replay_long/replay_long_out_p0.3/results.json" \
