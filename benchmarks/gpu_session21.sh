@@ -16,6 +16,10 @@
 #                run name loadstep_p0.3.
 #   STEP=spec_c  issue 15: as benchmarks/gpu_session20.sh STEP=spec_c (C1-C64, resumed from
 #                results/speculative/results.json).
+#   STEP=spec_lean issue 15: leansparse alone at C8, C16, C32 with the block coarse pass of
+#                session 23 (CoarseToFineIndex.select_block), into results/speculative_lean_block/
+#                (not resumed from results/speculative/, whose leansparse cells predate it;
+#                ~300 s).
 # Issue 13's 1M cells at batch 64 and 32 are a scale run:
 #   RUN=scale_batch_1m SCALE_BUDGET=550 STEP=scale bash benchmarks/gpu_scale_batch.sh
 source "$(dirname "$0")/gpu_lib.sh"
@@ -37,6 +41,11 @@ case "$STEP" in
     TAIL=12 part loadstep 300 "LIMIT=290 RUN_NAME=loadstep_p0.3 STEP=loadstep \
       bash $ROOT/benchmarks/serving_gpu.sh --gin.residency.input_repeat=0.3" ;;
   spec_c) STEP=spec_c bash "$(dirname "$0")/gpu_session20.sh"; exit ;;
+  spec_lean)
+    TAIL=12 part spec_lean 400 "python3 -m experiments.cli run configs/experiments/speculative.gin \
+      \"--gin.run.name='speculative_lean_block'\" \"--gin.speculative.methods=('leansparse',)\" \
+      \"--gin.speculative.concurrencies=(8, 16, 32)\" --gin.speculative.time_limit_s=360 \
+      \"--gin.speculative.results_dir='$ROOT/results/speculative_lean_block'\"" ;;
   *) echo "unknown STEP $STEP" >&2; exit 2 ;;
 esac
 pack "$STEP"

@@ -477,3 +477,36 @@ def test_union_gather_fetches_each_missing_row_once():
     np.testing.assert_array_equal(src[:, 2], ((s >= 0) & (s < page * (pages - 1))).sum(-1))
     _, again = store.gather(new, completed, sel, view)
     assert np.asarray(again.sources)[:, 2:].sum() == 0
+
+
+@pytest.mark.parametrize("filter_offset", [1.0, None])
+def test_block_selection_equals_query_by_query_bit_for_bit(filter_offset):
+    """LeanSparse's verification-block selection (``CoarseToFineIndex.select_block``: the
+    coarse pass for the block's T = 5 queries at once) equals T ``select`` calls in order
+    (``model.store.select_each``) for S = 4 slots: positions, eligible counts, key sources and
+    the key cache after the block, bit for bit, with the miss filter on (later queries read the
+    key cache the earlier ones filled) and off."""
+    from lsparse_jax.memory.key_store import KeyPageView
+    from lsparse_jax.methods.leansparse import CoarseToFineIndex
+    from lsparse_jax.model.store import IndexerQuery, select_each
+    from tests.test_request_groups import BK, C, D, H, K, M, N, P, S, assert_same, random_slots
+
+    state, completed, _, _, tables, pool, books = random_slots(1)
+    rng, t_len = np.random.default_rng(11), 5
+    query = IndexerQuery(jnp.asarray(rng.normal(size=(S, t_len, H, D)), jnp.float32),
+                         jnp.asarray(rng.uniform(0.1, 1.0, (S, t_len, H)), jnp.float32))
+    ends = np.asarray(completed)[:, None, None] + 1 + np.arange(t_len)[None, :, None]
+    eligible = jnp.asarray(np.arange(N)[None, None, :] < ends)  # causal within the block
+    index = CoarseToFineIndex(LeanSparseConfig(C, filter_offset, BK, pq_subspace_dim=D // M),
+                              K, P, M, "xla")
+
+    def run(select):
+        def one(st, c, q, e, t):
+            return select(st, c, q, e, KeyPageView(pool, t, books))
+
+        return jax.tree.map(np.asarray, jax.jit(jax.vmap(one))(
+            state, completed, query, eligible, tables))
+
+    want = run(functools.partial(select_each, index))
+    assert (want[1].key_sources[..., 2] > 0).any()  # keys were fetched from host
+    assert_same(want, run(index.select_block))

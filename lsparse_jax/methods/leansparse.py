@@ -36,7 +36,7 @@ from lsparse_jax.memory.paged_kv import PageView, paged_rows
 from lsparse_jax.memory.paging import CompletedPages, page_out
 from lsparse_jax.methods.base import register
 from lsparse_jax.methods.hisparse import HiSparse
-from lsparse_jax.model.store import NUM_SOURCES, IndexerQuery, Selection
+from lsparse_jax.model.store import NUM_SOURCES, IndexerQuery, Selection, select_each
 from lsparse_jax.model.traces import indexer_traces
 from lsparse_jax.parallel import current_mesh, head_sum
 from lsparse_jax.quant import dequantize_index_keys
@@ -116,27 +116,63 @@ class CoarseToFineIndex:
         Notation: N history rows, P page rows, C candidates, Bk key-cache rows.
           query [1, H, D]; eligible [1, N] bool (causal); the tail holds rows paged ..
           paged+P-1, every earlier row is in host pages with its PQ code on the GPU.
-        Steps: (1) coarse scores of the paged rows from PQ codes and their top-C; (2) the miss
-          filter (a candidate is cached if the key cache holds it; while the cache is cold,
-          its first ``warm_steps`` decode steps, every candidate counts as cached, so all are
-          fetched and fill it); (3) the kept candidates
-          and the eligible tail rows go through the key cache (tail, hit, or host copy into
-          LRU victims: the key fetch, run on GPU stream ``fetch_stream`` when given); (4)
-          exact scores of their FP8 keys and top-k.
+        Steps: (1) coarse scores of the paged rows from PQ codes and their top-C (``coarse``);
+          (2) the miss filter (a candidate is cached if the key cache holds it; while the cache
+          is cold, its first ``warm_steps`` decode steps, every candidate counts as cached, so
+          all are fetched and fill it); (3) the kept candidates and the eligible tail rows go
+          through the key cache (tail, hit, or host copy into LRU victims: the key fetch, run
+          on GPU stream ``fetch_stream`` when given); (4) exact scores of their FP8 keys and
+          top-k (steps 2-4: ``fine``).
         """
         if query.q.shape[0] != 1:
             raise ValueError("CoarseToFineIndex serves decode (one query per slot); prefill "
                              "selects on the resident layout")
-        q, w, n = query.q[0], query.weights[0], eligible.shape[-1]
+        cand, cand_scores = self.coarse(state, completed, query, eligible.shape[-1], context)
+        return self.fine(state, completed, query, eligible, context, cand[0], cand_scores[0],
+                         fetch_stream)
+
+    def select_block(self, state: PagedKeys, completed, query: IndexerQuery, eligible,
+                     context: KeyPageView):
+        """A verification block's T queries, each with its own causal top-k, equal to T
+        ``select`` calls in order: step 1 for the T queries at once (they see the same paged
+        rows: a block never crosses a page end), steps 2-4 query by query with the key cache
+        threaded through them. query [T, H, D]; eligible [T, N]. Request groups
+        (``groups`` > 1) select query by query (``model.store.select_each``)."""
+        if self.settings.groups != 1:
+            return select_each(self, state, completed, query, eligible, context)
+        cand, cand_scores = self.coarse(state, completed, query, eligible.shape[-1], context)
+
+        def one(st, xs):
+            q, w, ok, c, c_scores = xs
+            st, sel = self.fine(st, completed, IndexerQuery(q[None], w[None]), ok[None],
+                                context, c, c_scores)
+            return st, jax.tree.map(lambda a: a[0], sel)
+
+        # unrolled: T is small, and a GPU while loop would copy its predicate to the host
+        return jax.lax.scan(one, state, (query.q, query.weights, eligible, cand, cand_scores),
+                            unroll=True)
+
+    def coarse(self, state: PagedKeys, completed, query: IndexerQuery, n: int,
+               context: KeyPageView):
+        """Step 1 for the Q queries of one slot (query [Q, H, D]): the top-C of its paged rows
+        by PQ coarse score, positions and scores [Q, C] (n: the slot's history rows N)."""
         paged = paged_rows(self.page_size, completed)
         codes = state.codes if context.codes is None else gather_slot_rows(
             context.codes, jnp.arange(n), None, paged, self.page_size)  # one gather
-        cand, cand_scores = coarse_topc(q[None], w[None], codes[None], context.codebooks,
-                                        jnp.reshape(paged, (1,)).astype(jnp.int32),
-                                        self.settings.num_candidates,
-                                        self.settings.coarse_implementation
-                                        or self.implementation,
-                                        self.settings.coarse_precision)
+        count = query.q.shape[0]
+        return coarse_topc(query.q, query.weights, jnp.broadcast_to(codes, (count,) + codes.shape),
+                           context.codebooks,
+                           jnp.broadcast_to(jnp.asarray(paged, jnp.int32), (count,)),
+                           self.settings.num_candidates,
+                           self.settings.coarse_implementation or self.implementation,
+                           self.settings.coarse_precision)
+
+    def fine(self, state: PagedKeys, completed, query: IndexerQuery, eligible,
+             context: KeyPageView, cand, cand_scores, fetch_stream: int | None = None):
+        """Steps 2-4 of ``select_one`` for one query (query [1, H, D], eligible [1, N]) from
+        its top-C candidates ``cand`` [C] with coarse scores ``cand_scores`` [C]."""
+        q, w, n = query.q[0], query.weights[0], eligible.shape[-1]
+        paged = paged_rows(self.page_size, completed)
         held = state.cache.positions
         cached = jnp.zeros((n,), bool).at[jnp.where(held >= 0, held, n)].set(True, mode="drop")
         tail = paged + jnp.arange(self.page_size)
@@ -155,7 +191,7 @@ class CoarseToFineIndex:
 
         cold = state.cache.clock < self.settings.warm_steps  # decode steps it has served
         selected, _, (cache, key_sources) = coarse_to_fine(
-            cand[0], cand_scores[0], cached[jnp.maximum(cand[0], 0)] | cold, tail, exact_scores,
+            cand, cand_scores, cached[jnp.maximum(cand, 0)] | cold, tail, exact_scores,
             top_k=self.top_k, filter_offset=self.settings.miss_filter_offset)
         selection = Selection(selected[None], jnp.sum(eligible, -1).astype(jnp.int32),
                               jnp.zeros((1, NUM_SOURCES), jnp.int32), key_sources[None])

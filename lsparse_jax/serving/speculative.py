@@ -50,6 +50,7 @@ from lsparse_jax.model.store import (
     IndexerQuery,
     Locations,
     RowView,
+    select_block,
     write_rows,
 )
 from lsparse_jax.model.transformer import Transformer
@@ -123,8 +124,9 @@ class UnionKV:
 
 @dataclasses.dataclass(frozen=True)
 class PerQueryIndex:
-    """``KeyIndex`` for a verification block: the method's index, one query at a time (each
-    with its own causal top-k; the key cache is threaded through them in order)."""
+    """``KeyIndex`` for a verification block: the method's index, the results of one query at a
+    time (each with its own causal top-k; the key cache is threaded through them in order),
+    batched where the index knows how (``model.store.select_block``)."""
 
     inner: Any
 
@@ -135,16 +137,7 @@ class PerQueryIndex:
         return self.inner.write(state, completed, ids, values, scales, ok)
 
     def select(self, state, completed, query: IndexerQuery, eligible, context):
-        def one(st, xs):
-            q, w, ok = xs
-            st, sel = self.inner.select(st, completed, IndexerQuery(q[None], w[None]), ok[None],
-                                        context)
-            return st, jax.tree.map(lambda a: a[0], sel)
-
-        # unrolled: T is small, and a GPU while loop would copy its predicate to the host
-        state, sels = jax.lax.scan(one, state, (query.q, query.weights, eligible),
-                                   unroll=True)
-        return state, sels
+        return select_block(self.inner, state, completed, query, eligible, context)
 
 
 # ---------------------------------------------------------------------------------- the state
