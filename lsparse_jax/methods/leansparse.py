@@ -139,18 +139,9 @@ class CoarseToFineIndex:
         threaded through them. query [T, H, D]; eligible [T, N]. Request groups
         (``groups`` > 1) select query by query (``model.store.select_each``)."""
         if self.settings.groups != 1:
-            return select_each(self, state, completed, query, eligible, context)
-        cand, cand_scores = self.coarse(state, completed, query, eligible.shape[-1], context)
-
-        def one(st, xs):
-            q, w, ok, c, c_scores = xs
-            st, sel = self.fine(st, completed, IndexerQuery(q[None], w[None]), ok[None],
-                                context, c, c_scores)
-            return st, jax.tree.map(lambda a: a[0], sel)
-
-        # unrolled: T is small, and a GPU while loop would copy its predicate to the host
-        return jax.lax.scan(one, state, (query.q, query.weights, eligible, cand, cand_scores),
-                            unroll=True)
+            return select_each(self.select, state, completed, query, eligible, context)
+        cand = self.coarse(state, completed, query, eligible.shape[-1], context)
+        return select_each(self.fine, state, completed, query, eligible, context, cand)
 
     def coarse(self, state: PagedKeys, completed, query: IndexerQuery, n: int,
                context: KeyPageView):

@@ -132,26 +132,32 @@ class KeyIndex(Protocol):
                context) -> tuple[Any, Selection]: ...
 
 
-def select_each(index: KeyIndex, state, completed, query: IndexerQuery, eligible, context):
+def select_each(select, state, completed, query: IndexerQuery, eligible, context,
+                per_query: tuple = ()):
     """A block of T queries' selections (query [T, H, D], eligible [T, N]: a verification
-    block, each query with its own causal top-k) as T ``index.select`` calls in order, the
-    index state threaded through them; (state, Selection with a leading T axis)."""
+    block, each query with its own causal top-k) as T ``select`` calls in order (a
+    ``KeyIndex.select``, given each query's entries of ``per_query`` arrays [T, ...] as extra
+    arguments), the index state threaded through them; (state, Selection with a leading T
+    axis)."""
     def one(st, xs):
-        q, w, ok = xs
-        st, sel = index.select(st, completed, IndexerQuery(q[None], w[None]), ok[None], context)
+        q, w, ok, *extra = xs
+        st, sel = select(st, completed, IndexerQuery(q[None], w[None]), ok[None], context,
+                         *extra)
         return st, jax.tree.map(lambda a: a[0], sel)
 
     # unrolled: T is small, and a GPU while loop would copy its predicate to the host
-    return jax.lax.scan(one, state, (query.q, query.weights, eligible), unroll=True)
+    return jax.lax.scan(one, state, (query.q, query.weights, eligible, *per_query),
+                        unroll=True)
 
 
 def select_block(index: KeyIndex, state, completed, query: IndexerQuery, eligible, context):
-    """``select_each``'s result, through ``index.select_block`` where the index has one (a
-    batched form, e.g. LeanSparse's coarse pass over the block at once)."""
+    """``select_each`` of ``index.select``, through ``index.select_block`` where the index has
+    one (a batched form with the same results, e.g. LeanSparse's coarse pass over the block
+    at once)."""
     own = getattr(index, "select_block", None)
     if own is not None:
         return own(state, completed, query, eligible, context)
-    return select_each(index, state, completed, query, eligible, context)
+    return select_each(index.select, state, completed, query, eligible, context)
 
 
 def write_rows(table, ids: jnp.ndarray, rows, ok: jnp.ndarray):
