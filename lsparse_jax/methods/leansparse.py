@@ -134,10 +134,11 @@ class CoarseToFineIndex:
     def select_block(self, state: PagedKeys, completed, query: IndexerQuery, eligible,
                      context: KeyPageView):
         """A verification block's T queries, each with its own causal top-k, equal to T
-        ``select`` calls in order: step 1 for the T queries at once (they see the same paged
-        rows: a block never crosses a page end), steps 2-4 query by query with the key cache
-        threaded through them. query [T, H, D]; eligible [T, N]. Request groups
-        (``groups`` > 1) select query by query (``model.store.select_each``)."""
+        ``select`` calls in order: step 1 for the T queries at once (step 1 reads only the
+        state's PQ codes and the block's one ``completed``, which no query changes), steps 2-4
+        query by query with the key cache threaded through them. query [T, H, D]; eligible
+        [T, N]. Request groups (``groups`` > 1) select query by query
+        (``model.store.select_each``)."""
         if self.settings.groups != 1:
             return select_each(self.select, state, completed, query, eligible, context)
         cand = self.coarse(state, completed, query, eligible.shape[-1], context)
