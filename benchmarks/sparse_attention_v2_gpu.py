@@ -196,6 +196,10 @@ def main():
     ap.add_argument("--only-mosaic", action="store_true",
                     help="(the child process) the Mosaic variants of bf16 rows only")
     ap.add_argument("--mosaic-timeout-s", type=float, default=200.0)
+    ap.add_argument("--no-mosaic", action="store_true", help="skip the Mosaic child process")
+    ap.add_argument("--sweep", default=None,
+                    help="Triton v2 variants instead of SWEEP, e.g. 'block_k=64;block_k=64,"
+                    "num_stages=3' (integers; an empty variant '' is the default config)")
     args = ap.parse_args()
     if args.only_mosaic:
         args.rows = "bfloat16"
@@ -247,12 +251,16 @@ def main():
             del slot_sets
             if (rows, batch) in sweeps or (args.dry and not args.quick):
                 kept[(rows, batch)] = (sets, want, xla_ms)
-    if on_gpu and not args.only_mosaic and "bfloat16" in args.rows.split(","):
+    if (on_gpu and not args.only_mosaic and not args.no_mosaic
+            and "bfloat16" in args.rows.split(",")):
         records.extend(run_mosaic_child(args, shape, out, start))
         save()
     if args.only_mosaic:
         sweeps = [] if args.quick else [(r, b) for r, b in sweeps if r == "bfloat16"]
         kept = {key: kept[key] for key in sweeps if key in kept}
+    sweep = SWEEP if args.sweep is None else [
+        {k: int(v) for k, v in (kv.split("=") for kv in part.split(",") if kv)}
+        for part in args.sweep.split(";")]
     order = sweeps + [key for key in kept if key not in sweeps]
     for rows, batch in [key for key in order if key in kept]:  # launch parameters
         sets, want, xla_ms = kept[(rows, batch)]
@@ -261,10 +269,11 @@ def main():
                 label = "mosaic " + " ".join(f"{k}={v}" for k, v in kw.items())
                 run(label, variant_fn("mosaic", kw), sets, want, batch, rows, xla_ms)
             continue
-        for kw in SWEEP if rows != "float32" else F32_SWEEP:
+        for kw in sweep if rows != "float32" else F32_SWEEP:
             if kw.get("dense") and rows == "fp8":
                 continue
-            label = "triton " + " ".join(f"{k}={v}" for k, v in kw.items() if k != "dense")
+            label = "triton " + (" ".join(f"{k}={v}" for k, v in kw.items() if k != "dense")
+                                 or "default")
             run(label, variant_fn("triton", kw), sets, want, batch, rows, xla_ms)
     print("\nsparse_attention v2: H=%d D=%d K=%d W=%d R=%d" % (
         shape["heads"], shape["dim"], shape["k"], shape["window"], shape["rows"]))

@@ -235,6 +235,7 @@ def speculative(name: str, model=gin.REQUIRED, checkpoint: str | None = gin.REQU
                         "union_miss_ratio": sm["union_miss_ratio"],
                         "union_miss_rows": sm["union_miss_rows"],
                         "query_miss_rows": sm["query_miss_rows"],
+                        "selection_union_ratio": sm["selection_union_ratio"],
                         "drafter_time_share": sm["drafter_time_share"], "ttft_s": ttft,
                         "spec_state_bytes_per_request": sm["spec_state_bytes_per_request"],
                         "decode_tokens": sm["decode_tokens"],
@@ -282,18 +283,19 @@ def save(out, results_dir, records, complete: bool, meta: dict):
 
 def table(records) -> str:
     """Per method and concurrency: plain and speculative tok/s, speed-up, acceptance."""
-    rows = ["    method   C  plain_tok_s  spec_tok_s  speedup  acceptance  union/sum  identical"
-            "  first_divergence"]
+    rows = ["    method   C  plain_tok_s  spec_tok_s  speedup  acceptance  union/sum  sel_u/s"
+            "  identical  first_divergence"]
     plain = {(r["method"], r["concurrency"]): r for r in records if not r["speculative"]}
     for r in records:
         if not r["speculative"]:
             continue
         p = plain[(r["method"], r["concurrency"])]
-        ratio = r["union_miss_ratio"]
+        ratio, sel = r["union_miss_ratio"], r.get("selection_union_ratio")  # sel: session 24+
         rows.append(f"{r['method']:>10} {r['concurrency']:>3} {p['output_tok_s']:12.1f} "
                     f"{r['output_tok_s']:11.1f} {r['output_tok_s'] / p['output_tok_s']:8.2f} "
                     f"{r['acceptance_length']:11.2f} "
                     f"{'n/a' if ratio is None else f'{ratio:.2f}':>10} "
+                    f"{'n/a' if sel is None else f'{sel:.2f}':>8} "
                     f"{str(r['greedy_identical']):>10}  {r.get('first_divergence')}"
                     + _gaps(r.get("divergences")))
     return "\n".join(rows)

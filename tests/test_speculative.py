@@ -30,6 +30,7 @@ from lsparse_jax.serving.speculative import (
     accept_sampled,
     commit_ring,
     empty_spec_state,
+    selection_overlap,
 )
 from tests.helpers import model_and_tokens
 from tests.test_leansparse import setup as _setup
@@ -477,6 +478,22 @@ def test_union_gather_fetches_each_missing_row_once():
     np.testing.assert_array_equal(src[:, 2], ((s >= 0) & (s < page * (pages - 1))).sum(-1))
     _, again = store.gather(new, completed, sel, view)
     assert np.asarray(again.sources)[:, 2:].sum() == 0
+
+
+@pytest.mark.parametrize("valid", [0, 1, 3, 5])
+def test_selection_overlap_counts_distinct_positions_per_layer(valid):
+    """selection_overlap against Python sets: per layer the distinct positions the first
+    ``valid`` queries select (-1 never counts; queries past ``valid`` hold positions that must
+    not count), and their selections query by query."""
+    rng = np.random.default_rng(valid)
+    t_len, layers, k = 5, 3, 7
+    sel = rng.integers(0, 12, size=(t_len, layers, k)).astype(np.int32)  # many repeats
+    sel[rng.random(sel.shape) < 0.3] = -1
+    union, total = selection_overlap(jnp.asarray(sel), jnp.int32(valid))
+    live = sel[:valid]
+    want_union = sum(len({int(p) for p in live[:, layer].ravel() if p >= 0})
+                     for layer in range(layers))
+    assert (int(union), int(total)) == (want_union, int((live >= 0).sum()))
 
 
 @pytest.mark.parametrize("filter_offset", [1.0, None])

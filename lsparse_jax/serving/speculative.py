@@ -165,6 +165,25 @@ class VerifyOutput:
     union_misses: jnp.ndarray  # [S] int32 host rows fetched for the block (all CSA layers)
     query_misses: jnp.ndarray  # [S] int32 sum over queries of each query's own misses
     selected: jnp.ndarray  # [S, gamma + 1, L_sparse, k] int32 positions each query selected
+    union_selected: jnp.ndarray  # [S] int32 distinct (layer, position) the block's queries select
+    query_selected: jnp.ndarray  # [S] int32 the same summed query by query
+
+
+def selection_overlap(selected, valid):
+    """How much a verification block's queries select in common, before any cache: the
+    union/sum of the selections themselves, beside the union/sum of their misses.
+
+    Notation: T block queries (the first ``valid`` verified), L sparse layers, k selected.
+    selected [T, L, k] int32 positions (-1 = none) -> (union, total) int32: per layer the
+    distinct positions the valid queries select, and their selections counted query by query,
+    each summed over layers."""
+    t_len, layers, k = selected.shape
+    big = jnp.iinfo(jnp.int32).max
+    live = (jnp.arange(t_len) < valid)[:, None, None] & (selected >= 0)
+    flat = jnp.sort(jnp.where(live, selected, big).transpose(1, 0, 2).reshape(layers, -1), -1)
+    first = (flat < big) & jnp.concatenate(
+        [jnp.ones((layers, 1), bool), flat[:, 1:] != flat[:, :-1]], axis=-1)
+    return jnp.sum(first).astype(jnp.int32), jnp.sum(live).astype(jnp.int32)
 
 
 # ---------------------------------------------------------------------------------- commit
@@ -340,14 +359,15 @@ def verify_step(params, dparams, engine: EngineConfig, dcfg: DrafterConfig, stat
         per_query = sum((jnp.sum(s[:, 2]) for s in srcs), jnp.zeros((), jnp.int32))
         selected = (jnp.stack([s.positions for s in picked], axis=1) if picked else
                     jnp.zeros((t_len, 0, cfg.indexer.top_k), jnp.int32))
-        return new, window, out, emitted, bonus, logits, union, per_query, selected
+        return (new, window, out, emitted, bonus, logits, union, per_query, selected,
+                *selection_overlap(selected, valid))
 
-    caches, windows, out, emitted, bonus, logits, union, per_query, selected = jax.vmap(one)(
+    caches, windows, out, emitted, bonus, logits, *rest = jax.vmap(one)(
         state.caches, method.slot_rows(state.tier), spec.windows, tokens, drafts, draft_probs,
         state.lengths, num_valid, keys)
     state = state.replace(caches=caches, lengths=state.lengths + emitted, rng=rng)
     return state, spec.replace(windows=windows), VerifyOutput(
-        out, emitted, bonus, logits, union, per_query, selected)
+        out, emitted, bonus, logits, *rest)
 
 
 @functools.partial(jax.jit, static_argnames=("dcfg",), donate_argnames=("spec",))
@@ -455,6 +475,8 @@ class SpecEngine(Engine):
         self.acceptance: list[int] = []  # tokens emitted per slot per verification
         self.union_misses = 0
         self.query_misses = 0
+        self.union_selected = 0  # selection_overlap, summed over verifications
+        self.query_selected = 0
         self.draft_seconds = 0.0
         self.verifications = 0
         self.steps = 0  # verification steps with an active slot
@@ -541,8 +563,9 @@ class SpecEngine(Engine):
             self.state = update(self.state)
         valid = self.block_lengths()
         out = self._verify(valid, drafts)
-        emitted, emitted_tokens, next_token, union, per_query = jax.device_get(
-            (out.emitted, out.tokens, out.next_token, out.union_misses, out.query_misses))
+        emitted, emitted_tokens, next_token, union, per_query, u_sel, q_sel = jax.device_get(
+            (out.emitted, out.tokens, out.next_token, out.union_misses, out.query_misses,
+             out.union_selected, out.query_selected))
         now = time.perf_counter()
         for s in np.flatnonzero(self.active):
             new = self._emit(s, emitted_tokens[s, :emitted[s]].tolist())
@@ -556,6 +579,8 @@ class SpecEngine(Engine):
         self.lengths = self.lengths + emitted
         self.union_misses += int(union.sum())
         self.query_misses += int(per_query.sum())
+        self.union_selected += int(u_sel.sum())
+        self.query_selected += int(q_sel.sum())
         self.verifications += int(self.active.sum())
         return out
 
@@ -630,6 +655,8 @@ class SpecEngine(Engine):
             "query_miss_rows": self.query_misses,
             "union_miss_ratio": (self.union_misses / self.query_misses if self.query_misses
                                  else None),  # None: no query missed (nothing to share)
+            "selection_union_ratio": (self.union_selected / self.query_selected
+                                      if self.query_selected else None),  # None: no sparse layer
             "device_bytes_per_request": self.slot_bytes,
             "spec_state_bytes_per_request": sum(
                 a.nbytes for a in jax.tree.leaves(self.spec)) // self.active.size,
@@ -640,4 +667,4 @@ class SpecEngine(Engine):
 __all__ = ["PerQueryIndex", "SpecEngine", "SpecPrefill", "SpecState", "UnionKV",
            "VerifyOutput", "accept_greedy", "accept_sampled", "check_spec", "commit",
            "commit_ring", "draft_step", "empty_spec_state", "feature_chunks", "fill_window",
-           "prefill_features", "verify_step"]
+           "prefill_features", "selection_overlap", "verify_step"]
