@@ -1,0 +1,130 @@
+"""Hardware counters of the issue-16 kernels at their target shapes (Nsight Compute), to measure
+what bounds each one where timing alone could not (benchmarks/RESULTS.md "Issue 16: where each
+kernel target stands": the pq_topc score kernel, topk's select kernel, index_scores and
+sparse_attention v2 have no measured bound).
+
+Two modes:
+  --op OP --impl IMPL   (the child, run under ncu) builds the kernel_compare case at its
+                        headline shape, calls the op once to compile and once more, and exits;
+                        ncu's kernel-name filter keeps only the op's own kernels.
+  --summarize CSV...    reads ncu's `--csv --page raw` output and prints / writes one row per
+                        kernel: duration, DRAM and SM throughput (% of peak), tensor-pipe
+                        activity, achieved occupancy, registers, shared memory, and the two
+                        largest warp-stall reasons (cycles per issued instruction).
+Run by benchmarks/kernel_ncu_gpu.sh on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import pathlib
+import sys
+
+OPS = {  # op -> (implementation, ncu kernel-name regex)
+    "pq_topc": ("jax_triton", "pq_scores|topk_select|topk_finish"),
+    "topk": ("triton_fused", "topk_fused"),
+    "index_scores": ("triton_fp8", "index_scores"),
+    "sparse_attention": ("triton", "sparse_attention"),
+}
+METRICS = {  # column -> ncu raw metric
+    "duration_us": "gpu__time_duration.sum",
+    "dram_pct": "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+    "sm_pct": "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+    "tensor_pct": "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+    "occupancy_pct": "sm__warps_active.avg.pct_of_peak_sustained_active",
+    "registers": "launch__registers_per_thread",
+    "smem_static": "launch__shared_mem_per_block_static",
+    "smem_dynamic": "launch__shared_mem_per_block_dynamic",
+    "grid": "launch__grid_size",
+    "block": "launch__block_size",
+}
+STALL_PREFIX = "smsp__average_warps_issue_stalled_"  # ..._<reason>_per_issue_active.ratio
+STALL_SUFFIX = "_per_issue_active.ratio"
+
+
+def child(op: str, impl: str) -> None:
+    import jax
+
+    from experiments import kernel_compare as kc
+    from experiments.cases.sparse_attention import sparse_attention_case
+
+    case = {"pq_topc": lambda: kc.pq_topc_case(64, 131072),
+            "topk": lambda: kc.topk_case(64, 262144, 2048),
+            "index_scores": lambda: kc.index_scores_case(64),
+            "sparse_attention": lambda: sparse_attention_case(64)}[op]()
+    args = jax.block_until_ready(case.make(jax.random.key(0)))
+    fn = jax.jit(lambda *a: case.call(impl, *a))
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    print(f"{op} ({impl}) at {case.params}: called twice", flush=True)
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def summarize(paths: list[str]) -> list[dict]:
+    """One row per profiled kernel launch of ncu's raw CSV (header row, units row, data)."""
+    rows = []
+    for path in paths:
+        lines = [ln for ln in pathlib.Path(path).read_text().splitlines() if ln.startswith('"')]
+        if len(lines) < 3:
+            print(f"{path}: no kernel rows (ncu could not profile; see its log)")
+            continue
+        table = list(csv.reader(lines))
+        head, units = table[0], table[1]
+        for values in table[2:]:
+            rec = dict(zip(head, values))
+            unit = dict(zip(head, units))
+            row = {"file": pathlib.Path(path).name, "kernel": rec.get("Kernel Name", "?")[:60]}
+            for col, metric in METRICS.items():
+                val = _number(rec.get(metric, ""))
+                if col == "duration_us" and val is not None:  # ncu reports ns, us or ms
+                    val *= {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(
+                        unit.get(metric, "nsecond"), 1e-3)
+                row[col] = val
+            stalls = {k[len(STALL_PREFIX):-len(STALL_SUFFIX)]: _number(v)
+                      for k, v in rec.items()
+                      if k.startswith(STALL_PREFIX) and k.endswith(STALL_SUFFIX)
+                      and "not_issued" not in k}
+            stalls = {k: v for k, v in stalls.items() if v is not None}
+            row["top_stalls"] = sorted(stalls.items(), key=lambda kv: -kv[1])[:3]
+            rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--op", choices=sorted(OPS))
+    ap.add_argument("--impl", default=None, help="default: the op's entry in OPS")
+    ap.add_argument("--summarize", nargs="*", default=None, metavar="CSV")
+    ap.add_argument("--json", default=None, help="with --summarize: write the rows here")
+    ap.add_argument("--regex", action="store_true", help="print the op's kernel regex and exit")
+    args = ap.parse_args()
+    if args.summarize is not None:
+        rows = summarize(args.summarize)
+        for r in rows:
+            stalls = ", ".join(f"{k} {v:.1f}" for k, v in r["top_stalls"])
+            smem = (r["smem_static"] or 0) + (r["smem_dynamic"] or 0)
+            print(f"{r['kernel'][:32]:32} {r['duration_us'] or 0:9.1f} us  dram "
+                  f"{r['dram_pct'] or 0:5.1f}%  sm {r['sm_pct'] or 0:5.1f}%  tensor "
+                  f"{r['tensor_pct'] or 0:5.1f}%  occ {r['occupancy_pct'] or 0:5.1f}%  regs "
+                  f"{r['registers'] or 0:.0f}  smem {smem:.0f}  stalls: {stalls}")
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
+        return
+    if args.op is None:
+        sys.exit("give --op or --summarize")
+    if args.regex:
+        print(OPS[args.op][1])
+        return
+    child(args.op, args.impl or OPS[args.op][0])
+
+
+if __name__ == "__main__":
+    main()

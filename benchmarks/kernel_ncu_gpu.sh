@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Issue 16's missing bounds: Nsight Compute counters of the pq_topc score kernel, topk's three
+# kernels, index_scores (fp8) and sparse_attention v2 at their target shapes (B = 64), one ncu
+# process per op (benchmarks/kernel_ncu_gpu.py), then a summary table. One device call (carry
+# [".whl"]), ~200 s. ncu reads counters only on a Firecracker machine (KINDS.md: on gVisor it
+# fails with LibraryNotLoaded); the first line printed is `uname -r` (fc = Firecracker), and a
+# failing ncu leaves its log in $OUT/ncu_<op>.log. --clock-control none: leave the clocks alone.
+# Command buffers off so each kernel launches on its own (ncu does not see into CUDA graphs).
+source "$(dirname "$0")/gpu_lib.sh"
+uname -r
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+echo "ncu: ${NCU:-not found}"; [ -n "$NCU" ] || { pack kernel_ncu; exit 1; }
+export XLA_FLAGS="--xla_gpu_enable_command_buffer="
+SECTIONS="--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats"
+METRICS="--metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"
+for op in ${OPS:-pq_topc topk index_scores sparse_attention}; do
+  re=$(python3 benchmarks/kernel_ncu_gpu.py --op "$op" --regex)
+  echo "== $op (kernels: $re)"
+  timeout "${NCU_S:-120}" "$NCU" --clock-control none --target-processes all \
+    -k "regex:$re" -c "${LAUNCHES:-6}" $SECTIONS $METRICS --csv --page raw \
+    python3 benchmarks/kernel_ncu_gpu.py --op "$op" > "$OUT/ncu_$op.csv" 2> "$OUT/ncu_$op.log"
+  echo "-- $op exit $? ($(grep -c '^"' "$OUT/ncu_$op.csv") csv lines)"
+  tail -3 "$OUT/ncu_$op.log"
+done
+python3 benchmarks/kernel_ncu_gpu.py --summarize "$OUT"/ncu_*.csv --json "$OUT/summary.json"
+pack kernel_ncu
