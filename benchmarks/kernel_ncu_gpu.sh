@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
-# Issue 16's missing bounds: Nsight Compute counters of the pq_topc score kernel, topk's three
-# kernels, index_scores (fp8) and sparse_attention v2 at their target shapes (B = 64), one ncu
-# process per op (benchmarks/kernel_ncu_gpu.py), then a summary table. One device call (carry
-# [".whl"]), ~200 s. ncu reads counters only on a Firecracker machine (KINDS.md: on gVisor it
-# fails with LibraryNotLoaded); the first line printed is `uname -r` (fc = Firecracker), and a
-# failing ncu leaves its log in $OUT/ncu_<op>.log. --clock-control none: leave the clocks alone.
-# Command buffers off so each kernel launches on its own (ncu does not see into CUDA graphs).
+# Issue 16's missing bounds, two ways in one device call (carry [".whl"], ~350 s):
+# 1. input ablations timed without counters (benchmarks/kernel_ablation_gpu.py, ~150 s): the
+#    slope and intercept of each kernel's time in its size, and pq_topc with conflict-free
+#    codebook gathers;
+# 2. Nsight Compute counters of the pq_topc score kernel, topk's three kernels, index_scores
+#    (fp8) and sparse_attention v2 at their target shapes (B = 64), one ncu process per op
+#    (benchmarks/kernel_ncu_gpu.py), then a summary table. ncu reads counters only on a
+#    Firecracker machine (KINDS.md: on gVisor it fails with LibraryNotLoaded); `uname -r` is
+#    printed before it (fc = Firecracker), and a failing ncu leaves its log in
+#    $OUT/ncu_<op>.log. --clock-control none: leave the clocks alone. Command buffers off, so
+#    each kernel launches on its own (ncu does not see into CUDA graphs).
 source "$(dirname "$0")/gpu_lib.sh"
+echo "== ablations"
+timeout 200 python3 benchmarks/kernel_ablation_gpu.py --out "$OUT" --budget-s 150 2>&1 \
+  | quiet | tail -14
 uname -r
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 echo "ncu: ${NCU:-not found}"; [ -n "$NCU" ] || { pack kernel_ncu; exit 1; }

@@ -1,0 +1,111 @@
+"""Where the issue-16 kernels spend their time, by input ablations (no hardware counters
+needed): each op timed at its target shape and at variants that change one thing, interleaved
+over --rounds rounds so the run-to-run spread is measured beside the differences.
+
+- sparse_attention (triton v2, bf16, B 64, W 128): K = 512 (target) vs K = 256 and K = 16. Time
+  against K + W is a line: its slope is the cost of a selected row, its intercept the fixed part
+  (launch, q load, combine).
+- pq_topc (jax_triton, B 64, C 2048): N = 131072 (target) vs N = 65536 (slope and intercept),
+  and N = 131072 with every code 0 (every lane's codebook gather reads one shared-memory word:
+  no bank conflicts; if this is much faster, the gather's bank conflicts bound the kernel).
+- topk (triton_fused, 64 rows, k 2048): N = 262144 (target) vs N = 131072.
+- index_scores (triton_fp8, B 64): C = 2048 (target) vs C = 1024.
+
+Times as kernel_compare does (benchmarks/timing.py::program_time: one jitted program over 4
+input sets, median of 10 programs). Writes kernel_ablation.json to --out after every variant.
+Run on the GPU machine: PYTHONPATH=$PWD python3 benchmarks/kernel_ablation_gpu.py --out $OUT
+(--dry: tiny shapes with the XLA implementations on CPU, checks the script runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from timing import program_time  # benchmarks/timing.py
+
+from experiments import kernel_compare as kc
+from experiments.cases.sparse_attention import sparse_attention_case
+
+
+def zero_codes(args):
+    q, w, codes, books, lengths = args
+    return q, w, jnp.zeros_like(codes), books, lengths
+
+
+def variants(dry: bool):
+    """(op, label, case, implementation, transform of the made arguments or None)."""
+    if dry:
+        return [("sparse_attention", "K=16", sparse_attention_case(2, k=16, window=8, heads=16,
+                                                                   dim=128, rows=64), "xla", None),
+                ("pq_topc", "N=1024 zero codes", kc.pq_topc_case(2, 1024, c=64), "xla",
+                 zero_codes),
+                ("topk", "N=4096", kc.topk_case(2, 4096, 64), "xla", None),
+                ("index_scores", "C=256", kc.index_scores_case(2, c=256), "xla", None)]
+    out = []
+    for k in (512, 256, 16):
+        out.append(("sparse_attention", f"K={k}", sparse_attention_case(64, k=k), "triton",
+                    None))
+    out += [("pq_topc", "N=131072", kc.pq_topc_case(64, 131072), "jax_triton", None),
+            ("pq_topc", "N=65536", kc.pq_topc_case(64, 65536), "jax_triton", None),
+            ("pq_topc", "N=131072 zero codes", kc.pq_topc_case(64, 131072), "jax_triton",
+             zero_codes),
+            ("topk", "N=262144", kc.topk_case(64, 262144, 2048), "triton_fused", None),
+            ("topk", "N=131072", kc.topk_case(64, 131072, 2048), "triton_fused", None),
+            ("index_scores", "C=2048", kc.index_scores_case(64, c=2048), "triton_fp8", None),
+            ("index_scores", "C=1024", kc.index_scores_case(64, c=1024), "triton_fp8", None)]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="results/kernel_ablation")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--budget-s", type=float, default=250.0,
+                    help="start no new round after this many seconds")
+    ap.add_argument("--dry", action="store_true")
+    args = ap.parse_args()
+    start = time.perf_counter()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sets_n, repeats = (2, 2) if args.dry else (4, 10)
+    todo = variants(args.dry)
+    inputs = {}
+    for op, label, case, _impl, transform in todo:
+        sets = [case.make(jax.random.key(i)) for i in range(sets_n)]
+        inputs[(op, label)] = [transform(s) if transform else s for s in sets]
+    records = {(op, label): dict(op=op, variant=label, implementation=impl, params=case.params,
+                                 ms=[]) for op, label, case, impl, _ in todo}
+    for r in range(args.rounds):
+        if time.perf_counter() - start > args.budget_s:
+            print(f"budget: {args.rounds - r} rounds not run")
+            break
+        for op, label, case, impl, _ in todo:
+            rec = records[(op, label)]
+            try:
+                sec = program_time(lambda *a, c=case, i=impl: c.call(i, *a),
+                                   inputs[(op, label)], repeats=repeats)
+                rec["ms"].append(sec * 1e3)
+            except Exception as err:  # report it and go on with the other variants
+                rec["error"] = f"{type(err).__name__}: {err}"[:300]
+            print(f"round {r}: {op:16s} {label:22s} "
+                  f"{rec['ms'][-1] if rec['ms'] and 'error' not in rec else float('nan'):9.4f} ms"
+                  + (f"  {rec['error']}" if "error" in rec else ""), flush=True)
+            (out / "kernel_ablation.json").write_text(json.dumps(dict(
+                device=jax.devices()[0].device_kind, jax=jax.__version__, dry=args.dry,
+                records=list(records.values())), indent=1))
+    print(f"\n{'op':16s} {'variant':22s} {'median ms':>10s} {'min':>8s} {'max':>8s}")
+    for rec in records.values():
+        ms = rec["ms"] or [float("nan")]
+        print(f"{rec['op']:16s} {rec['variant']:22s} {np.median(ms):10.4f} {min(ms):8.4f} "
+              f"{max(ms):8.4f}")
+    print(f"wrote {out / 'kernel_ablation.json'}")
+
+
+if __name__ == "__main__":
+    main()
