@@ -145,7 +145,7 @@ def speculative(name: str, model=gin.REQUIRED, checkpoint: str | None = gin.REQU
                 implementation: str | None = None, codebook_tokens: int = 4096,
                 results_dir: str | None = "results/speculative",
                 time_limit_s: float | None = None, resume_from: str | None = None,
-                record_margins: bool = False):
+                record_margins: bool = False, repeats: int = 1):
     """checkpoint: the target's checkpoint; None = random weights (seed 0: the cost side at
     shapes no checkpoint exists for). drafter_checkpoint: a trained drafter
     (experiments/train_drafter.py); None = an untrained one of config ``drafter``.
@@ -158,11 +158,15 @@ def speculative(name: str, model=gin.REQUIRED, checkpoint: str | None = gin.REQU
     records of one method and concurrency) are kept and not run again; each record carries the
     ``session`` (run name @ UTC start) that measured it. record_margins: keep the plain run's
     top logits each step and record, where speculative tokens depart, the plain logit gap
-    there (``divergences``; the top-k after each step adds a little to the plain run)."""
+    there (``divergences``; the top-k after each step adds a little to the plain run).
+    repeats: serving runs of a cell's prompts per engine, plain and speculative alternating on
+    the same (warm) engines: tok/s of each run in ``output_tok_s_runs``, their median in
+    ``output_tok_s``, each pair's ratio in the speculative record's ``speedup_runs``, and
+    ``runs_identical`` (every rerun emitted the first plain run's tokens)."""
     for setting, value in (("prompt_tokens", prompt_tokens), ("decode_tokens", decode_tokens),
                            ("prefill_chunk", prefill_chunk), ("page_size", page_size),
                            ("optional_pages", optional_pages),
-                           ("codebook_tokens", codebook_tokens)):
+                           ("codebook_tokens", codebook_tokens), ("repeats", repeats)):
         v.integer(f"speculative.{setting}", value)
     methods = v.names("speculative.methods", methods, METHODS)
     concurrencies = v.integers("speculative.concurrencies", concurrencies)
@@ -201,7 +205,7 @@ def speculative(name: str, model=gin.REQUIRED, checkpoint: str | None = gin.REQU
     meta = {"model": dataclasses.asdict(cfg), "checkpoint": checkpoint,
             "drafter_checkpoint": drafter_checkpoint, "drafter": dataclasses.asdict(dcfg),
             "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens,
-            "implementation": implementation}
+            "implementation": implementation, "repeats": repeats}
     cells = [(m, c) for c in concurrencies for m in methods]
     records = [] if resume_from is None else resumed(resume_from, meta, cells)
     done = {(r["method"], r["concurrency"]) for r in records}
@@ -216,14 +220,23 @@ def speculative(name: str, model=gin.REQUIRED, checkpoint: str | None = gin.REQU
                          optional_pages, implementation, lean)
         plain = Engine(config, params, books)
         want, ttft, tops = serve_prompts(plain, prompts, decode_tokens, record_margins)
+        spec = SpecEngine(config, params, (dparams, dcfg), books)
+        got, spec_ttft, _ = serve_prompts(spec, prompts, decode_tokens)
+        plain_runs, spec_runs = [rate(plain, (0, 0.0))], [rate(spec, (0, 0.0))]
+        same = True
+        for _ in range(repeats - 1):
+            for engine, runs in ((plain, plain_runs), (spec, spec_runs)):
+                before = (engine.decode_tokens, engine.decode_seconds)
+                again, _, _ = serve_prompts(engine, prompts, decode_tokens)
+                runs.append(rate(engine, before))
+                same = same and again == want
         pm = plain.metrics()
         records.append({"method": method, "concurrency": c, "speculative": False,
                         "acceptance_length": 1.0,
-                        "output_tok_s": pm["decode_tokens_per_second"],
+                        "output_tok_s": float(np.median(plain_runs)),
+                        "output_tok_s_runs": plain_runs,
                         "union_miss_ratio": None, "ttft_s": ttft,
                         "decode_tokens": pm["decode_tokens"], "session": session})
-        spec = SpecEngine(config, params, (dparams, dcfg), books)
-        got, ttft, _ = serve_prompts(spec, prompts, decode_tokens)
         sm = spec.metrics()
         # the drafter timed apart (the served run queues verification behind drafting)
         sm["drafter_time_share"] = spec.drafter_seconds() * sm["steps"] / max(
@@ -231,12 +244,15 @@ def speculative(name: str, model=gin.REQUIRED, checkpoint: str | None = gin.REQU
         records.append({"method": method, "concurrency": c, "speculative": True,
                         "acceptance_length": sm["acceptance_length"],
                         "acceptance_histogram": sm["acceptance_histogram"],
-                        "output_tok_s": sm["decode_tokens_per_second"],
+                        "output_tok_s": float(np.median(spec_runs)),
+                        "output_tok_s_runs": spec_runs,
+                        "speedup_runs": [a / b for a, b in zip(spec_runs, plain_runs)],
+                        "runs_identical": same,
                         "union_miss_ratio": sm["union_miss_ratio"],
                         "union_miss_rows": sm["union_miss_rows"],
                         "query_miss_rows": sm["query_miss_rows"],
                         "selection_union_ratio": sm["selection_union_ratio"],
-                        "drafter_time_share": sm["drafter_time_share"], "ttft_s": ttft,
+                        "drafter_time_share": sm["drafter_time_share"], "ttft_s": spec_ttft,
                         "spec_state_bytes_per_request": sm["spec_state_bytes_per_request"],
                         "decode_tokens": sm["decode_tokens"],
                         "greedy_identical": got == want,
@@ -251,12 +267,18 @@ def speculative(name: str, model=gin.REQUIRED, checkpoint: str | None = gin.REQU
     return records
 
 
+def rate(engine, before: tuple[int, float]) -> float:
+    """Decode tok/s of ``engine`` since ``before`` = (decode_tokens, decode_seconds)."""
+    return (engine.decode_tokens - before[0]) / max(engine.decode_seconds - before[1], 1e-9)
+
+
 def resumed(resume_from: str, meta: dict, cells) -> list[dict]:
     """The finished cells' records of an earlier results.json among ``cells``; a ConfigError
     when it was run with another setting of ``meta``."""
     path = v.resolve_path("speculative.resume_from", resume_from)
     prev = json.loads(path.read_text())
     now = json.loads(json.dumps(meta))
+    prev.setdefault("repeats", 1)  # results written before repeats existed ran one each
     for key, cls in (("model", ModelConfig), ("drafter", DrafterConfig)):
         if isinstance(prev.get(key), dict):  # fields added since count at their default
             prev[key] = fill_added_fields(prev[key], now[key], cls)
@@ -283,16 +305,19 @@ def save(out, results_dir, records, complete: bool, meta: dict):
 
 def table(records) -> str:
     """Per method and concurrency: plain and speculative tok/s, speed-up, acceptance."""
-    rows = ["    method   C  plain_tok_s  spec_tok_s  speedup  acceptance  union/sum  sel_u/s"
-            "  identical  first_divergence"]
+    rows = ["    method   C  plain_tok_s  spec_tok_s  speedup  runs_range  acceptance  union/sum"
+            "  sel_u/s  identical  first_divergence"]
     plain = {(r["method"], r["concurrency"]): r for r in records if not r["speculative"]}
     for r in records:
         if not r["speculative"]:
             continue
         p = plain[(r["method"], r["concurrency"])]
         ratio, sel = r["union_miss_ratio"], r.get("selection_union_ratio")  # sel: session 24+
+        runs = r.get("speedup_runs") or []  # repeats > 1: the pairs' lowest and highest ratio
+        spread = f"{min(runs):.2f}-{max(runs):.2f}" if len(runs) > 1 else "-"
         rows.append(f"{r['method']:>10} {r['concurrency']:>3} {p['output_tok_s']:12.1f} "
                     f"{r['output_tok_s']:11.1f} {r['output_tok_s'] / p['output_tok_s']:8.2f} "
+                    f"{spread:>11} "
                     f"{r['acceptance_length']:11.2f} "
                     f"{'n/a' if ratio is None else f'{ratio:.2f}':>10} "
                     f"{'n/a' if sel is None else f'{sel:.2f}':>8} "

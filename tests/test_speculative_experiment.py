@@ -35,6 +35,46 @@ def test_v4_cost_side_config_runs_greedy_exact_without_checkpoints(tmp_path):
     assert 0.0 <= spec["union_miss_ratio"] <= 1.0
 
 
+def test_repeats_rerun_each_cell_on_warm_engines_with_the_same_tokens(tmp_path):
+    """repeats = 2: two serving runs per engine, plain and speculative alternating; the
+    reported tok/s is the runs' median, each pair's ratio is kept, and every rerun emits the
+    first plain run's tokens (greedy decoding is deterministic on warm engines)."""
+    import numpy as np
+
+    out = run(tmp_path, "configs/experiments/speculative_v4.gin", "speculative_v4",
+              "--gin.model_preset.name='tiny'", "--gin.speculative.results_dir=None",
+              "--gin.speculative.methods=('hisparse',)", "--gin.speculative.prompt_tokens=256",
+              "--gin.speculative.decode_tokens=6", "--gin.speculative.prefill_chunk=128",
+              "--gin.speculative.hot_cache_rows=96", "--gin.speculative.page_size=16",
+              "--gin.speculative.concurrencies=(2,)", "--gin.speculative.repeats=2",
+              "--gin.speculative.implementation='xla'", "--gin.DrafterConfig.target_layers=(0, 1)")
+    assert out["repeats"] == 2
+    plain, spec = out["records"]
+    for r in (plain, spec):
+        assert len(r["output_tok_s_runs"]) == 2
+        assert r["output_tok_s"] == float(np.median(r["output_tok_s_runs"]))
+    assert spec["speedup_runs"] == [a / b for a, b in zip(spec["output_tok_s_runs"],
+                                                          plain["output_tok_s_runs"])]
+    assert spec["runs_identical"] is True and spec["greedy_identical"] is True
+
+
+def test_resume_keeps_finished_cells_and_reads_old_results_as_one_run_each(tmp_path):
+    """``resumed``: a results.json written before ``repeats`` existed resumes a repeats = 1 run
+    (its cells kept, a half-finished cell dropped) and is refused by a repeats = 2 run."""
+    from experiments.speculative import resumed
+    from experiments.validate import ConfigError
+
+    cell = [{"method": "hisparse", "concurrency": 2, "speculative": s} for s in (False, True)]
+    half = [{"method": "resident", "concurrency": 2, "speculative": False}]
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"model": None, "checkpoint": None, "records": cell + half}))
+    meta = {"model": None, "checkpoint": None, "repeats": 1}
+    cells = [("hisparse", 2), ("resident", 2)]
+    assert resumed(str(path), meta, cells) == cell
+    with pytest.raises(ConfigError, match="repeats"):
+        resumed(str(path), {**meta, "repeats": 2}, cells)
+
+
 def test_first_divergence_is_the_first_differing_index():
     from experiments.speculative import first_divergence
 
