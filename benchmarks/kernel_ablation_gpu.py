@@ -5,9 +5,11 @@ over --rounds rounds so the run-to-run spread is measured beside the differences
 - sparse_attention (triton v2, bf16, B 64, W 128): K = 512 (target) vs K = 256 and K = 16. Time
   against K + W is a line: its slope is the cost of a selected row, its intercept the fixed part
   (launch, q load, combine).
-- pq_topc (jax_triton, B 64, C 2048): N = 131072 (target) vs N = 65536 (slope and intercept),
-  and N = 131072 with every code 0 (every lane's codebook gather reads one shared-memory word:
-  no bank conflicts; if this is much faster, the gather's bank conflicts bound the kernel).
+- pq_topc's score kernel alone (jax_triton ``coarse_scores_jax_triton``, B 64; 94% of the op
+  in session 21's profile): N = 131072 (target) vs N = 65536 (slope and intercept), and
+  N = 131072 with every code 0 (every lane's codebook gather reads one shared-memory word: no
+  bank conflicts; if this is much faster, the gather's bank conflicts bound the kernel). The
+  score kernel alone, because with one code every score ties, which would change top-C's work.
 - topk (triton_fused, 64 rows, k 2048): N = 262144 (target) vs N = 131072.
 - index_scores (triton_fp8, B 64): C = 2048 (target) vs C = 1024.
 
@@ -38,27 +40,44 @@ def zero_codes(args):
     return q, w, jnp.zeros_like(codes), books, lengths
 
 
+def pq_scores(impl):
+    """The op of the pq_topc rows: the score kernel alone (jax_triton) or, for --dry, the XLA
+    op whole (the kernel needs a CUDA GPU)."""
+    if impl == "xla":
+        return lambda case, *a: case.call("xla", *a)
+    from pallas_kernels.pq_topc.jax_triton import coarse_scores_jax_triton
+
+    return lambda case, *a: coarse_scores_jax_triton(*a)
+
+
 def variants(dry: bool):
-    """(op, label, case, implementation, transform of the made arguments or None)."""
+    """(op, label, case, fn(case, *args), transform of the made arguments or None)."""
+    def op_of(impl):
+        return lambda case, *a: case.call(impl, *a)
+
     if dry:
         return [("sparse_attention", "K=16", sparse_attention_case(2, k=16, window=8, heads=16,
-                                                                   dim=128, rows=64), "xla", None),
-                ("pq_topc", "N=1024 zero codes", kc.pq_topc_case(2, 1024, c=64), "xla",
-                 zero_codes),
-                ("topk", "N=4096", kc.topk_case(2, 4096, 64), "xla", None),
-                ("index_scores", "C=256", kc.index_scores_case(2, c=256), "xla", None)]
+                                                                   dim=128, rows=64),
+                 op_of("xla"), None),
+                ("pq_topc", "N=1024 zero codes", kc.pq_topc_case(2, 1024, c=64),
+                 pq_scores("xla"), zero_codes),
+                ("topk", "N=4096", kc.topk_case(2, 4096, 64), op_of("xla"), None),
+                ("index_scores", "C=256", kc.index_scores_case(2, c=256), op_of("xla"), None)]
     out = []
     for k in (512, 256, 16):
-        out.append(("sparse_attention", f"K={k}", sparse_attention_case(64, k=k), "triton",
-                    None))
-    out += [("pq_topc", "N=131072", kc.pq_topc_case(64, 131072), "jax_triton", None),
-            ("pq_topc", "N=65536", kc.pq_topc_case(64, 65536), "jax_triton", None),
-            ("pq_topc", "N=131072 zero codes", kc.pq_topc_case(64, 131072), "jax_triton",
+        out.append(("sparse_attention", f"K={k}", sparse_attention_case(64, k=k),
+                    op_of("triton"), None))
+    scores = pq_scores("jax_triton")
+    out += [("pq_scores", "N=131072", kc.pq_topc_case(64, 131072), scores, None),
+            ("pq_scores", "N=65536", kc.pq_topc_case(64, 65536), scores, None),
+            ("pq_scores", "N=131072 zero codes", kc.pq_topc_case(64, 131072), scores,
              zero_codes),
-            ("topk", "N=262144", kc.topk_case(64, 262144, 2048), "triton_fused", None),
-            ("topk", "N=131072", kc.topk_case(64, 131072, 2048), "triton_fused", None),
-            ("index_scores", "C=2048", kc.index_scores_case(64, c=2048), "triton_fp8", None),
-            ("index_scores", "C=1024", kc.index_scores_case(64, c=1024), "triton_fp8", None)]
+            ("topk", "N=262144", kc.topk_case(64, 262144, 2048), op_of("triton_fused"), None),
+            ("topk", "N=131072", kc.topk_case(64, 131072, 2048), op_of("triton_fused"), None),
+            ("index_scores", "C=2048", kc.index_scores_case(64, c=2048), op_of("triton_fp8"),
+             None),
+            ("index_scores", "C=1024", kc.index_scores_case(64, c=1024), op_of("triton_fp8"),
+             None)]
     return out
 
 
@@ -76,20 +95,20 @@ def main() -> None:
     sets_n, repeats = (2, 2) if args.dry else (4, 10)
     todo = variants(args.dry)
     inputs = {}
-    for op, label, case, _impl, transform in todo:
+    for op, label, case, _, transform in todo:
         sets = [case.make(jax.random.key(i)) for i in range(sets_n)]
         inputs[(op, label)] = [transform(s) if transform else s for s in sets]
-    records = {(op, label): dict(op=op, variant=label, implementation=impl, params=case.params,
-                                 ms=[]) for op, label, case, impl, _ in todo}
+    records = {(op, label): dict(op=op, variant=label, params=case.params, ms=[])
+               for op, label, case, _, _ in todo}
     for r in range(args.rounds):
         if time.perf_counter() - start > args.budget_s:
             print(f"budget: {args.rounds - r} rounds not run")
             break
-        for op, label, case, impl, _ in todo:
+        for op, label, case, fn, _ in todo:
             rec = records[(op, label)]
             try:
-                sec = program_time(lambda *a, c=case, i=impl: c.call(i, *a),
-                                   inputs[(op, label)], repeats=repeats)
+                sec = program_time(lambda *a, c=case, f=fn: f(c, *a), inputs[(op, label)],
+                                   repeats=repeats)
                 rec["ms"].append(sec * 1e3)
             except Exception as err:  # report it and go on with the other variants
                 rec["error"] = f"{type(err).__name__}: {err}"[:300]

@@ -9,7 +9,7 @@ Two modes:
                         ncu's kernel-name filter keeps only the op's own kernels.
   --summarize CSV...    reads ncu's `--csv --page raw` output and prints / writes one row per
                         kernel: duration, DRAM and SM throughput (% of peak), tensor-pipe
-                        activity, achieved occupancy, registers, shared memory, and the two
+                        activity, achieved occupancy, registers, shared memory, and the three
                         largest warp-stall reasons (cycles per issued instruction).
 Run by benchmarks/kernel_ncu_gpu.sh on the GPU machine.
 """
