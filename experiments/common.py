@@ -10,12 +10,14 @@ import time
 
 import gin
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from experiments import validate
 from lsparse_jax.config import LeanSparseConfig, ModelConfig
 from lsparse_jax.model import preset
 from lsparse_jax.model.presets import fit_max_len  # noqa: F401  (experiments import it here)
+from lsparse_jax.serving.steps import decode_step
 from lsparse_jax.serving.workloads import RepeatInputs
 
 gin.external_configurable(LeanSparseConfig)
@@ -90,6 +92,27 @@ def selection_recall(got, want) -> float:
         found += len(set(a[a >= 0].tolist()) & ref)
         total += len(ref)
     return found / max(total, 1)
+
+
+MEMORY_FIELDS = ("argument", "output", "alias", "temp", "host_argument", "host_output",
+                 "host_alias", "host_temp")
+
+
+def decode_step_memory(engine) -> dict:
+    """XLA's buffer sizes for ``engine``'s decode step at its current state (a fresh compile):
+    ``<field>_bytes`` for each of ``MEMORY_FIELDS`` (``host_*``: pinned_host buffers), and the
+    state's own bytes on the device and in pinned_host memory. With the state donated, every
+    state buffer should be aliased: alias_bytes + host_alias_bytes == the state's bytes; any
+    output or temp beyond that is what a step allocates besides the state."""
+    slots = engine.config.cache.num_slots
+    compiled = decode_step.lower(engine.params, engine.config, engine.state,
+                                 jnp.zeros((slots,), jnp.int32),
+                                 jnp.ones((slots,), jnp.bool_)).compile()
+    stats = compiled.memory_analysis()
+    leaves = jax.tree.leaves(engine.state)
+    host = sum(a.nbytes for a in leaves if a.sharding.memory_kind == "pinned_host")
+    return {**{f"{f}_bytes": int(getattr(stats, f"{f}_size_in_bytes")) for f in MEMORY_FIELDS},
+            "state_bytes": sum(a.nbytes for a in leaves) - host, "state_host_bytes": host}
 
 
 def timed_steps(engine, warm_steps: int, steps: int, pipelined: bool = True,

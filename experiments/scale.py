@@ -51,7 +51,14 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from experiments.common import fit_max_len, pyplot, run_dir, timed_steps, write_results
+from experiments.common import (
+    decode_step_memory,
+    fit_max_len,
+    pyplot,
+    run_dir,
+    timed_steps,
+    write_results,
+)
 from lsparse_jax.config import (
     CacheConfig,
     EngineConfig,
@@ -113,7 +120,8 @@ def scale(name: str, model=gin.REQUIRED, methods=("resident", "hisparse", "leans
           profile: tuple = (), full_pattern: tuple | None = None, seed: int = 0,
           batches_by_context: dict | None = None, time_budget_s: float | None = None,
           prefill_cache: str | None = None, pipelined: bool = True,
-          input_repeat: float | None = None, time_both_modes: bool = False):
+          input_repeat: float | None = None, time_both_modes: bool = False,
+          memory_analysis: bool = False):
     """Runs the grid; returns the records. ``lent_fraction``: adaptive's optional pages as a
     fraction of the batch's complete prompt pages. ``profile``: (method, context, batch) cells
     whose timed steps are also traced (jax.profiler; a Perfetto trace per cell is copied to
@@ -122,7 +130,10 @@ def scale(name: str, model=gin.REQUIRED, methods=("resident", "hisparse", "leans
     ``batches_by_context``, ``time_budget_s``, ``prefill_cache``: the module docstring.
     ``pipelined``, ``input_repeat``: how the steps run (``common.timed_steps``);
     ``time_both_modes``: each cell also times ``steps`` steps the other way (pipelined or
-    one step at a time), recorded as ``step_ms_pipelined`` / ``step_ms_stepwise``."""
+    one step at a time), recorded as ``step_ms_pipelined`` / ``step_ms_stepwise``.
+    ``memory_analysis``: each cell also records its decode step's compiled buffer sizes
+    (``common.decode_step_memory``) as ``decode_memory``, taken after admission, before the
+    timed steps."""
     _check(methods, contexts, batches, steps, batches_by_context)
     lean = leansparse or LeanSparseConfig()
     started = time.perf_counter()
@@ -184,7 +195,8 @@ def scale(name: str, model=gin.REQUIRED, methods=("resident", "hisparse", "leans
                                       warm_steps, prefill_chunk, hot_cache_rows, page_size,
                                       settings, lent_fraction, device_budget_gb,
                                       implementation, trace, pipelined=pipelined,
-                                      input_repeat=input_repeat, both=time_both_modes)
+                                      input_repeat=input_repeat, both=time_both_modes,
+                                      memory=memory_analysis)
                 except Exception as err:  # noqa: BLE001  (recorded, the grid goes on)
                     rec = {"error": f"{type(err).__name__}: "
                                     f"{str(err).splitlines()[0][:300]}"}
@@ -297,7 +309,8 @@ class _Estimates:
 def decode_cell(cfg, params, books, pre, prompt, method, batch, steps, warm_steps, chunk,
                 hot_rows, page, lean, lent_fraction, budget_gb, implementation,
                 trace=None, *, pipelined: bool = True,
-                input_repeat: float | None = None, both: bool = False) -> dict:
+                input_repeat: float | None = None, both: bool = False,
+                memory: bool = False) -> dict:
     """``batch`` copies of one prefill (``pre`` of ``prompt``) decoded by ``method``: the
     mean of ``steps`` decode steps after ``warm_steps`` (``common.timed_steps``), with the
     selection statistics (also the capacity experiment's timing)."""
@@ -322,6 +335,7 @@ def decode_cell(cfg, params, books, pre, prompt, method, batch, steps, warm_step
         eng.admit(Request(prompt, max_new_tokens=(2 if both else 1) * steps + warm_steps
                           + PROFILED_STEPS + 1), prefilled=pre)
     admit_s = time.perf_counter() - t0
+    extra = {"decode_memory": decode_step_memory(eng)} if memory else {}
     step_ms = timed_steps(eng, warm_steps, steps, pipelined, input_repeat)
     modes = {}
     if both:  # the same engine, the other way (its first steps compile nothing new)
@@ -336,7 +350,7 @@ def decode_cell(cfg, params, books, pre, prompt, method, batch, steps, warm_step
         shutil.rmtree(trace)
     m = eng.metrics()
     sel = m["selection"]
-    return {"step_ms": step_ms, **modes, "warmup_s": warmup_s, "admit_s": admit_s,
+    return {"step_ms": step_ms, **modes, **extra, "warmup_s": warmup_s, "admit_s": admit_s,
             "device_bytes_per_request": m["device_bytes_per_request"],
             "host_bytes_per_request": per.host_total,
             "host_bytes_per_token": m["host_bytes_per_token"],

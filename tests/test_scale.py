@@ -20,7 +20,8 @@ def test_scale_study_runs_every_cell_and_resumes(tmp_path, monkeypatch):
             "--gin.LeanSparseConfig.num_candidates=32", "--gin.LeanSparseConfig.key_cache_rows=48",
             "--gin.scale.calibration_tokens=256", "--gin.run.name='scale'",
             "--gin.scale.time_both_modes=True", "--gin.scale.input_repeat=0.5",
-            "--gin.scale.methods=('resident','hisparse','leansparse')"]
+            "--gin.scale.methods=('resident','hisparse','leansparse')",
+            "--gin.scale.memory_analysis=True"]
     assert main(args) == 0
     records = json.loads((tmp_path / "scale" / "results.json").read_text())["records"]
     cells = {(r["method"], r["context"], r["batch"]) for r in records}
@@ -29,6 +30,10 @@ def test_scale_study_runs_every_cell_and_resumes(tmp_path, monkeypatch):
         assert r["step_ms"] > 0 and r["layers"] == 4
         assert r["step_ms"] == r["step_ms_pipelined"] and r["step_ms_stepwise"] > 0
         assert r["pipelined"] and r["input_repeat"] == 0.5
+        # the donated state is aliased whole: a step allocates no second copy of it
+        mem = r["decode_memory"]
+        assert mem["alias_bytes"] + mem["host_alias_bytes"] == \
+            mem["state_bytes"] + mem["state_host_bytes"] > 0, r["method"]
     by = {(r["method"], r["batch"]): r for r in records}
     # paged methods keep less per request on the device than resident
     assert by[("hisparse", 2)]["device_bytes_per_request"] < \
@@ -117,12 +122,14 @@ def test_scale_groups_variant_budget_and_prefill_cache(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name, contexts, batches, by_context, g2", [
     ("scale_batch", (524288, 1048576), (8, 64, 32, 1), {1048576: (8, 1)}, True),
     ("scale_batch_short", (32768, 131072), (64, 32), None, True),
-    ("scale_batch_1m", (1048576,), (64, 32), None, False)])
+    ("scale_batch_1m", (1048576,), (64, 32), None, False),
+    ("scale_batch_1m_fp8", (1048576,), (64,), None, False)])
 def test_scale_batch_config_binds_the_batch_grid(name, contexts, batches, by_context, g2):
     """configs/experiments/scale_batch.gin (512K at batch 8/64/32/1, 1M at 8/1),
     scale_batch_short.gin (32K and 128K at 64/32) and scale_batch_1m.gin (1M at 64/32, the
-    four methods issue 13 names): the leansparse_g2 variant where asked, a per-call budget and
-    a prefill cache; the grid passes the checks."""
+    four methods issue 13 names; scale_batch_1m_fp8.gin: batch 64 with FP8 rows): the
+    leansparse_g2 variant where asked, a per-call budget and a prefill cache; the grid passes
+    the checks; the _fp8 run stores FP8 rows."""
     import gin
 
     import experiments.registry  # noqa: F401  (the configurables)
@@ -142,6 +149,8 @@ def test_scale_batch_config_binds_the_batch_grid(name, contexts, batches, by_con
         assert q("scale.batches_by_context") == by_context
         assert q("scale.time_budget_s") <= 500 and q("scale.prefill_cache")
         assert q("run.name") == name and q("scale.implementation") == "triton"
+        if name.endswith("_fp8"):
+            assert q("model_preset.kv_dtype") == "fp8_v4"
         _check(methods, contexts, q("scale.batches"), q("scale.steps"),
                q("scale.batches_by_context"))
     finally:
