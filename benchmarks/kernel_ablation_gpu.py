@@ -7,8 +7,9 @@ over --rounds rounds so the run-to-run spread is measured beside the differences
   (launch, q load, combine).
 - pq_topc's score kernel alone (jax_triton ``coarse_scores_jax_triton``, B 64; 94% of the op
   in session 21's profile): N = 131072 (target) vs N = 65536 (slope and intercept), and
-  N = 131072 with every code 0 (every lane's codebook gather reads one shared-memory word: no
-  bank conflicts; if this is much faster, the gather's bank conflicts bound the kernel). The
+  N = 131072 with every code 0 (every key decodes from codebook row 0; written to test for
+  bank conflicts in the gather, but the kernel's PTX shows lane l gathers word l of its row,
+  conflict-free for any codes: session 25 measured 2.4x faster and the cause is open). The
   score kernel alone, because with one code every score ties, which would change top-C's work.
 - topk (triton_fused, 64 rows, k 2048): N = 262144 (target) vs N = 131072.
 - index_scores (triton_fp8, B 64): C = 2048 (target) vs C = 1024.
