@@ -27,6 +27,9 @@ OPS = {  # op -> (implementation, ncu kernel-name regex)
     "topk": ("triton_fused", "topk_fused"),
     "index_scores": ("triton_fp8", "index_scores"),
     "sparse_attention": ("triton", "sparse_attention"),
+    # Mosaic GPU names a kernel after its body's __name__, "anonymous" for mosaic.py's
+    # functools.partial (jax/_src/pallas/mosaic_gpu/core.py::kernel)
+    "sparse_attention_mosaic": ("mosaic", "anonymous|body|mosaic"),
 }
 METRICS = {  # column -> ncu raw metric
     "duration_us": "gpu__time_duration.sum",
@@ -53,7 +56,8 @@ def child(op: str, impl: str) -> None:
     case = {"pq_topc": lambda: kc.pq_topc_case(64, 131072),
             "topk": lambda: kc.topk_case(64, 262144, 2048),
             "index_scores": lambda: kc.index_scores_case(64),
-            "sparse_attention": lambda: sparse_attention_case(64)}[op]()
+            "sparse_attention": lambda: sparse_attention_case(64),
+            "sparse_attention_mosaic": lambda: sparse_attention_case(64)}[op]()
     args = jax.block_until_ready(case.make(jax.random.key(0)))
     fn = jax.jit(lambda *a: case.call(impl, *a))
     for _ in range(2):

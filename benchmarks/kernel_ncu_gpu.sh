@@ -10,10 +10,14 @@
 #    printed before it (fc = Firecracker), and a failing ncu leaves its log in
 #    $OUT/ncu_<op>.log. --clock-control none: leave the clocks alone. Command buffers off, so
 #    each kernel launches on its own (ncu does not see into CUDA graphs).
+# OPS: the ops profiled (default the four above; also sparse_attention_mosaic, the Mosaic GPU
+# kernel); ABLATE=0 skips step 1. Session 25 ran the default (80 s wall, results/kernel_ncu/).
 source "$(dirname "$0")/gpu_lib.sh"
-echo "== ablations"
-timeout 200 python3 benchmarks/kernel_ablation_gpu.py --out "$OUT" --budget-s 150 2>&1 \
-  | quiet | tail -14
+if [ "${ABLATE:-1}" = 1 ]; then
+  echo "== ablations"
+  timeout 200 python3 benchmarks/kernel_ablation_gpu.py --out "$OUT" --budget-s 150 2>&1 \
+    | quiet | tail -14
+fi
 uname -r
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 echo "ncu: ${NCU:-not found}"; [ -n "$NCU" ] || { pack kernel_ncu; exit 1; }
