@@ -5,14 +5,15 @@
 # compiled decode step (device and pinned_host: argument, output, alias, temp) beside the
 # state's own bytes. A state aliased whole gives alias + host_alias == state bytes; a host
 # temp or unaliased host output the size of a pool is the second copy. Then the same with
-# fp8_v4 rows (hisparse). One device call (carry [".whl"], ~250 s); results under $OUT.
+# fp8_v4 rows (hisparse). One device call (carry [".whl"]; session 25: 153.6 s wall,
+# results/decode_memory/); results under $OUT.
 source "$(dirname "$0")/gpu_lib.sh"
 grid() {  # NAME SECONDS EXTRA-GIN...
   local name=$1 secs=$2; shift 2
   timeout "$secs" python3 -m experiments.cli run configs/experiments/scale_batch.gin \
     "--gin.run.name='$name'" "--gin.scale.contexts=(65536,)" "--gin.scale.batches=(8,)" \
     --gin.scale.batches_by_context=None --gin.scale.memory_analysis=True \
-    --gin.scale.prefill_cache=None --gin.scale.steps=4 "$@" 2>&1 | quiet | grep '^{' 
+    --gin.scale.prefill_cache=None --gin.scale.steps=4 "$@" 2>&1 | quiet | grep '^{'
   python3 - "$OUT/$name/results.json" <<'PY'
 import json, sys
 for r in json.load(open(sys.argv[1]))["records"]:

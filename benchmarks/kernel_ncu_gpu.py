@@ -53,11 +53,11 @@ def child(op: str, impl: str) -> None:
     from experiments import kernel_compare as kc
     from experiments.cases.sparse_attention import sparse_attention_case
 
+    # sparse_attention_mosaic profiles the Mosaic kernel at the Triton kernel's case
     case = {"pq_topc": lambda: kc.pq_topc_case(64, 131072),
             "topk": lambda: kc.topk_case(64, 262144, 2048),
             "index_scores": lambda: kc.index_scores_case(64),
-            "sparse_attention": lambda: sparse_attention_case(64),
-            "sparse_attention_mosaic": lambda: sparse_attention_case(64)}[op]()
+            "sparse_attention": lambda: sparse_attention_case(64)}[op.removesuffix("_mosaic")]()
     args = jax.block_until_ready(case.make(jax.random.key(0)))
     fn = jax.jit(lambda *a: case.call(impl, *a))
     for _ in range(2):
