@@ -11,6 +11,10 @@ over --rounds rounds so the run-to-run spread is measured beside the differences
   bank conflicts in the gather, but the kernel's PTX shows lane l gathers word l of its row,
   conflict-free for any codes: session 25 measured 2.4x faster and the cause is open). The
   score kernel alone, because with one code every score ties, which would change top-C's work.
+  Two variants split that difference: codes per key (a key's subspaces all take its first
+  code: keys differ) and codes per subspace (every key takes the first key's codes: keys
+  alike). If only the second is fast, the slow part comes from different keys' gathers
+  meeting in one warp instruction; if only the first, from a key's own subspaces.
 - topk (triton_fused, 64 rows, k 2048): N = 262144 (target) vs N = 131072.
 - index_scores (triton_fp8, B 64): C = 2048 (target) vs C = 1024.
 
@@ -41,6 +45,19 @@ def zero_codes(args):
     return q, w, jnp.zeros_like(codes), books, lengths
 
 
+def codes_per_key(args):
+    """Every subspace of a key takes the key's first code: keys differ, a key's subspaces
+    gather the same book row."""
+    q, w, codes, books, lengths = args
+    return q, w, jnp.broadcast_to(codes[:, :, :1], codes.shape), books, lengths
+
+
+def codes_per_subspace(args):
+    """Every key takes the first key's codes: subspaces differ, all keys decode alike."""
+    q, w, codes, books, lengths = args
+    return q, w, jnp.broadcast_to(codes[:, :1, :], codes.shape), books, lengths
+
+
 def pq_scores(impl):
     """The op of the pq_topc rows: the score kernel alone (jax_triton) or, for --dry, the XLA
     op whole (the kernel needs a CUDA GPU)."""
@@ -62,6 +79,10 @@ def variants(dry: bool):
                  op_of("xla"), None),
                 ("pq_topc", "N=1024 zero codes", kc.pq_topc_case(2, 1024, c=64),
                  pq_scores("xla"), zero_codes),
+                ("pq_topc", "N=1024 codes per key", kc.pq_topc_case(2, 1024, c=64),
+                 pq_scores("xla"), codes_per_key),
+                ("pq_topc", "N=1024 codes per subspace", kc.pq_topc_case(2, 1024, c=64),
+                 pq_scores("xla"), codes_per_subspace),
                 ("topk", "N=4096", kc.topk_case(2, 4096, 64), op_of("xla"), None),
                 ("index_scores", "C=256", kc.index_scores_case(2, c=256), op_of("xla"), None)]
     out = []
@@ -73,6 +94,10 @@ def variants(dry: bool):
             ("pq_scores", "N=65536", kc.pq_topc_case(64, 65536), scores, None),
             ("pq_scores", "N=131072 zero codes", kc.pq_topc_case(64, 131072), scores,
              zero_codes),
+            ("pq_scores", "N=131072 codes per key", kc.pq_topc_case(64, 131072), scores,
+             codes_per_key),
+            ("pq_scores", "N=131072 codes per subspace", kc.pq_topc_case(64, 131072), scores,
+             codes_per_subspace),
             ("topk", "N=262144", kc.topk_case(64, 262144, 2048), op_of("triton_fused"), None),
             ("topk", "N=131072", kc.topk_case(64, 131072, 2048), op_of("triton_fused"), None),
             ("index_scores", "C=2048", kc.index_scores_case(64, c=2048), op_of("triton_fp8"),
@@ -113,16 +138,16 @@ def main() -> None:
                 rec["ms"].append(sec * 1e3)
             except Exception as err:  # report it and go on with the other variants
                 rec["error"] = f"{type(err).__name__}: {err}"[:300]
-            print(f"round {r}: {op:16s} {label:22s} "
+            print(f"round {r}: {op:16s} {label:28s} "
                   f"{rec['ms'][-1] if rec['ms'] and 'error' not in rec else float('nan'):9.4f} ms"
                   + (f"  {rec['error']}" if "error" in rec else ""), flush=True)
             (out / "kernel_ablation.json").write_text(json.dumps(dict(
                 device=jax.devices()[0].device_kind, jax=jax.__version__, dry=args.dry,
                 records=list(records.values())), indent=1))
-    print(f"\n{'op':16s} {'variant':22s} {'median ms':>10s} {'min':>8s} {'max':>8s}")
+    print(f"\n{'op':16s} {'variant':28s} {'median ms':>10s} {'min':>8s} {'max':>8s}")
     for rec in records.values():
         ms = rec["ms"] or [float("nan")]
-        print(f"{rec['op']:16s} {rec['variant']:22s} {np.median(ms):10.4f} {min(ms):8.4f} "
+        print(f"{rec['op']:16s} {rec['variant']:28s} {np.median(ms):10.4f} {min(ms):8.4f} "
               f"{max(ms):8.4f}")
     print(f"wrote {out / 'kernel_ablation.json'}")
 

@@ -24,12 +24,16 @@ import sys
 
 OPS = {  # op -> (implementation, ncu kernel-name regex)
     "pq_topc": ("jax_triton", "pq_scores|topk_select|topk_finish"),
+    # the score kernel with every code 0 (2.4x faster in session 25's ablation, cause open)
+    "pq_topc_zero_codes": ("jax_triton", "pq_scores"),
     "topk": ("triton_fused", "topk_fused"),
     "index_scores": ("triton_fp8", "index_scores"),
     "sparse_attention": ("triton", "sparse_attention"),
     # Mosaic GPU names a kernel after its body's __name__, "anonymous" for mosaic.py's
     # functools.partial (jax/_src/pallas/mosaic_gpu/core.py::kernel)
     "sparse_attention_mosaic": ("mosaic", "anonymous|body|mosaic"),
+    # the same kernel with its row copies issued by a loop (mosaic.default_config's row_loop)
+    "sparse_attention_mosaic_loop": ("mosaic_loop", "anonymous|body|mosaic"),
 }
 METRICS = {  # column -> ncu raw metric
     "duration_us": "gpu__time_duration.sum",
@@ -42,6 +46,14 @@ METRICS = {  # column -> ncu raw metric
     "smem_dynamic": "launch__shared_mem_per_block_dynamic",
     "grid": "launch__grid_size",
     "block": "launch__block_size",
+    # shared memory: wavefronts (the data pipe's work, bank-conflict replays included) and the
+    # conflicts among them, loads and stores apart
+    "smem_ld_wavefronts": "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum",
+    "smem_ld_conflicts": "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",
+    "smem_st_wavefronts": "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum",
+    "smem_st_conflicts": "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum",
+    "smem_ld_inst": "smsp__inst_executed_op_shared_ld.sum",
+    "smem_st_inst": "smsp__inst_executed_op_shared_st.sum",
 }
 STALL_PREFIX = "smsp__average_warps_issue_stalled_"  # ..._<reason>_per_issue_active.ratio
 STALL_SUFFIX = "_per_issue_active.ratio"
@@ -53,13 +65,21 @@ def child(op: str, impl: str) -> None:
     from experiments import kernel_compare as kc
     from experiments.cases.sparse_attention import sparse_attention_case
 
-    # sparse_attention_mosaic profiles the Mosaic kernel at the Triton kernel's case
+    # sparse_attention_mosaic(_loop) profiles the Mosaic kernel at the Triton kernel's case
     case = {"pq_topc": lambda: kc.pq_topc_case(64, 131072),
             "topk": lambda: kc.topk_case(64, 262144, 2048),
             "index_scores": lambda: kc.index_scores_case(64),
-            "sparse_attention": lambda: sparse_attention_case(64)}[op.removesuffix("_mosaic")]()
-    args = jax.block_until_ready(case.make(jax.random.key(0)))
-    fn = jax.jit(lambda *a: case.call(impl, *a))
+            "sparse_attention": lambda: sparse_attention_case(64)}[
+        op.split("_mosaic")[0].removesuffix("_zero_codes")]()
+    args = case.make(jax.random.key(0))
+    if op.endswith("_zero_codes"):  # q, w, codes, books, lengths
+        args = (*args[:2], jax.numpy.zeros_like(args[2]), *args[3:])
+    args = jax.block_until_ready(args)
+    if impl == "mosaic_loop":
+        from pallas_kernels.sparse_attention.mosaic import sparse_attention_mosaic
+        fn = jax.jit(lambda *a: sparse_attention_mosaic(*a, row_loop=True))
+    else:
+        fn = jax.jit(lambda *a: case.call(impl, *a))
     for _ in range(2):
         jax.block_until_ready(fn(*args))
     print(f"{op} ({impl}) at {case.params}: called twice", flush=True)
@@ -119,6 +139,11 @@ def main() -> None:
                   f"{r['dram_pct'] or 0:5.1f}%  sm {r['sm_pct'] or 0:5.1f}%  tensor "
                   f"{r['tensor_pct'] or 0:5.1f}%  occ {r['occupancy_pct'] or 0:5.1f}%  regs "
                   f"{r['registers'] or 0:.0f}  smem {smem:.0f}  stalls: {stalls}")
+            if r.get("smem_ld_wavefronts") is not None:  # the shared-memory counters
+                print("    shared ld: %.3g inst %.3g wavefronts %.3g conflicts | st: %.3g inst "
+                      "%.3g wavefronts %.3g conflicts" % tuple(r.get(k) or 0 for k in (
+                          "smem_ld_inst", "smem_ld_wavefronts", "smem_ld_conflicts",
+                          "smem_st_inst", "smem_st_wavefronts", "smem_st_conflicts")))
         if args.json:
             pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
         return

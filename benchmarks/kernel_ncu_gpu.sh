@@ -10,8 +10,11 @@
 #    printed before it (fc = Firecracker), and a failing ncu leaves its log in
 #    $OUT/ncu_<op>.log. --clock-control none: leave the clocks alone. Command buffers off, so
 #    each kernel launches on its own (ncu does not see into CUDA graphs).
-# OPS: the ops profiled (default the four above; also sparse_attention_mosaic, the Mosaic GPU
-# kernel); ABLATE=0 skips step 1. Session 25 ran the default (80 s wall, results/kernel_ncu/).
+# OPS: the ops profiled (default the four above; also sparse_attention_mosaic(_loop), the
+# Mosaic GPU kernel, and pq_topc_zero_codes, the score kernel with every code 0); ABLATE=0
+# skips step 1. Session 25 ran the default (80 s wall, results/kernel_ncu/). Shared-memory
+# wavefronts and bank conflicts (loads, stores) are in the CSVs and summary.json since
+# session 26.
 source "$(dirname "$0")/gpu_lib.sh"
 if [ "${ABLATE:-1}" = 1 ]; then
   echo "== ablations"
@@ -24,6 +27,11 @@ echo "ncu: ${NCU:-not found}"; [ -n "$NCU" ] || { pack kernel_ncu; exit 1; }
 export XLA_FLAGS="--xla_gpu_enable_command_buffer="
 SECTIONS="--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats"
 METRICS="--metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"
+METRICS+=",l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum"
+METRICS+=",l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum"
+METRICS+=",l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum"
+METRICS+=",l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum"
+METRICS+=",smsp__inst_executed_op_shared_ld.sum,smsp__inst_executed_op_shared_st.sum"
 for op in ${OPS:-pq_topc topk index_scores sparse_attention}; do
   re=$(python3 benchmarks/kernel_ncu_gpu.py --op "$op" --regex)
   echo "== $op (kernels: $re)"

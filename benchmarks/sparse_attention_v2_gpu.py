@@ -58,7 +58,8 @@ SWEEP = [  # kwargs of triton.sparse_attention_triton (v2); "dense" ones skip FP
 F32_SWEEP = [dict(block_h=32, block_k=16), dict(block_h=16, block_k=32),
              dict(block_h=64, block_k=16, col_splits=2)]
 
-MOSAIC_SWEEP = [dict(splits=1), dict(splits=2), dict(splits=4), dict(splits=8)]  # bf16 rows
+MOSAIC_SWEEP = [dict(row_loop=1), dict(splits=1), dict(splits=2), dict(splits=4),  # bf16 rows
+                dict(splits=8), dict(splits=2, row_loop=1), dict(splits=4, row_loop=1)]
 
 
 def make_inputs(key, batch, shape, rows):

@@ -9,7 +9,8 @@ in several runs is taken from the newest), prints two markdown tables and option
 them into the README between ``<!-- scale-table:begin -->`` and ``<!-- scale-table:end -->``
 and draws the plot:
   1. decode step (ms) per method at each (context, batch), LeanSparse / HiSparse, request
-     groups / LeanSparse, prefill seconds, the run it came from;
+     groups / LeanSparse, prefill seconds (with the matmul precision and, where not f32, the
+     KV row format), the run it came from;
   2. per request: device bytes of the 4-layer slice (measured allocation) and, for the whole
      43-layer V4-Flash pattern, device bytes (``memory.accounting``, exact for that pattern)
      and the step scaled by layer count (``scale.extrapolate``: an extrapolation, labelled).
@@ -30,8 +31,8 @@ from experiments.scale import PROFILED_STEPS, extrapolate
 from lsparse_jax.config import LeanSparseConfig
 from lsparse_jax.model import preset
 
-RUNS = ("scale_batch_1m", "scale_batch_short", "scale_batch", "scale_long", "scale_v2",
-        "scale")  # newest first
+RUNS = ("scale_batch_1m_fp8", "scale_batch_1m", "scale_batch_short", "scale_batch",
+        "scale_long", "scale_v2", "scale")  # newest first
 METHODS = ("resident", "hisparse", "leansparse", "leansparse_g2", "adaptive")
 FULL_PATTERN = ("swa", "swa") + ("csa", "hca") * 20 + ("csa",)  # V4-Flash: 43 layers
 BEGIN, END = "<!-- scale-table:begin -->", "<!-- scale-table:end -->"
@@ -50,7 +51,8 @@ def load(root: pathlib.Path, names=RUNS) -> list[dict]:
             key = (rec["method"], rec["context"], rec["batch"])
             if "step_ms" in rec and key not in cells:
                 rec = dict(rec, run=name, precision=results["model"].get(
-                    "matmul_precision", "highest"))
+                    "matmul_precision", "highest"), kv_dtype=results["model"].get(
+                    "kv_dtype", "f32"))
                 if "full_model" not in rec:
                     rec["full_model"] = _full_model(results["model"], rec)
                 cells[key] = rec
@@ -81,7 +83,7 @@ def step_table(records) -> str:
     head = ["context", "batch", *methods, "lean / his"]
     if "leansparse_g2" in methods:
         head.append("g2 / lean")
-    head += ["prefill s (matmuls)", "run"]
+    head += ["prefill s (matmuls; KV rows if not f32)", "run"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---:|" * (len(head) - 1) + "---|"]
     for context, batch in sorted({(r["context"], r["batch"]) for r in records}):
         cell = {r["method"]: r for r in records
@@ -95,7 +97,8 @@ def step_table(records) -> str:
         if "leansparse_g2" in methods:
             line.append(ratio("leansparse_g2", "leansparse"))
         pre = max(cell.values(), key=lambda r: r["prefill_s"])
-        line.append(f"{pre['prefill_s']:.1f} ({pre['precision']})")
+        rows_fmt = sorted({r["kv_dtype"] for r in cell.values()} - {"f32"})
+        line.append(f"{pre['prefill_s']:.1f} ({', '.join([pre['precision'], *rows_fmt])})")
         line.append(", ".join(sorted({r["run"] for r in cell.values()})))
         rows.append("| " + " | ".join(line) + " |")
     return "\n".join(rows)

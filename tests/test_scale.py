@@ -169,13 +169,15 @@ def test_scale_report_tables_and_readme(tmp_path):
                     device_bytes_per_request=run_bytes,
                     full_model={"device_bytes_per_request": 2e9, "step_ms_extrapolated": 99.0})
 
-    for name, records in (("scale_long", [rec("hisparse", 8, 8.0), rec("leansparse", 8, 9.0)]),
-                          ("scale_batch", [rec("leansparse", 8, 7.0),
-                                           rec("leansparse_g2", 8, 6.3),
-                                           rec("hisparse", 64, 20.0)])):
+    fp8 = dict(model, kv_dtype="fp8_v4")
+    for name, rows, records in (
+            ("scale_long", model, [rec("hisparse", 8, 8.0), rec("leansparse", 8, 9.0)]),
+            ("scale_batch", model, [rec("leansparse", 8, 7.0), rec("leansparse_g2", 8, 6.3),
+                                    rec("hisparse", 64, 20.0)]),
+            ("scale_batch_1m_fp8", fp8, [dict(rec("hisparse", 64, 30.0), context=1 << 20)])):
         (tmp_path / name).mkdir()
         (tmp_path / name / "results.json").write_text(json.dumps(
-            {"model": model, "records": records}))
+            {"model": rows, "records": records}))
     got = {(r["method"], r["batch"]): r for r in load(tmp_path)}
     assert got[("leansparse", 8)]["step_ms"] == 7.0  # the newest run's cell
     assert got[("hisparse", 8)]["run"] == "scale_long"
@@ -184,10 +186,11 @@ def test_scale_report_tables_and_readme(tmp_path):
     merged = tmp_path / "all_cells.json"
     assert main(["--runs", str(tmp_path), "--readme", str(readme), "--json", str(merged)]) == 0
     cells = json.loads(merged.read_text())
-    assert cells["runs"] == ["scale_batch", "scale_long"]
+    assert cells["runs"] == ["scale_batch_1m_fp8", "scale_batch", "scale_long"]
     assert {(r["method"], r["batch"], r["step_ms"], r["run"]) for r in cells["records"]} == {
         ("hisparse", 8, 8.0, "scale_long"), ("leansparse", 8, 7.0, "scale_batch"),
-        ("leansparse_g2", 8, 6.3, "scale_batch"), ("hisparse", 64, 20.0, "scale_batch")}
+        ("leansparse_g2", 8, 6.3, "scale_batch"), ("hisparse", 64, 20.0, "scale_batch"),
+        ("hisparse", 64, 30.0, "scale_batch_1m_fp8")}
     text = readme.read_text()
     assert text.startswith("intro\n" + BEGIN) and text.endswith(END + "\noutro\n")
     assert "old" not in text and "EXTRAPOLATED" in text
@@ -195,3 +198,5 @@ def test_scale_report_tables_and_readme(tmp_path):
     assert "| 512K | 8 | 8.00 | 7.00 | 6.30 | 0.88 | 0.90 | 70.0 (bf16) | " \
            "scale_batch, scale_long |" in text
     assert "| 512K | 64 | 20.00 |  |  |  |  | 70.0 (bf16) | scale_batch |" in text
+    # a run with FP8 rows says so beside its prefill time
+    assert "| 1M | 64 | 30.00 |  |  |  |  | 70.0 (bf16, fp8_v4) | scale_batch_1m_fp8 |" in text

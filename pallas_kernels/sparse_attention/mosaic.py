@@ -85,9 +85,12 @@ def row_codes(slots, window_mask, block_k: int, splits: int):
 
 
 def default_config(s: int, h: int, k: int, w: int, *, block_k: int | None = None,
-                   splits: int | None = None, num_slots: int | None = None) -> dict:
+                   splits: int | None = None, num_slots: int | None = None,
+                   row_loop: bool = False) -> dict:
     """BK = 64 rows a block (a [64, 512] bf16 buffer is 64 KB: q, staging and wgmma buffers
-    are 192 KB of the 227 KB), one staging buffer, P about one wave of programs."""
+    are 192 KB of the 227 KB), one staging buffer, P about one wave of programs. row_loop:
+    a block's row copies are issued by a loop over its BK rows instead of BK unrolled copies
+    (session 26's Nsight Compute run found the kernel waiting on instruction fetch most)."""
     block_k = 64 if block_k is None else block_k
     if block_k % 64 or block_k > 256:
         raise ValueError(f"sparse_attention: mosaic block_k={block_k} must be a multiple of 64 "
@@ -97,11 +100,13 @@ def default_config(s: int, h: int, k: int, w: int, *, block_k: int | None = None
         programs = s * 2 * -(-h // WG_M)
         splits = max(1, min(blocks, TARGET_PROGRAMS // max(programs, 1)))
     num_slots = 1 if num_slots is None else num_slots
-    return dict(block_k=block_k, splits=max(1, min(splits, blocks)), num_slots=num_slots)
+    return dict(block_k=block_k, splits=max(1, min(splits, blocks)), num_slots=num_slots,
+                row_loop=bool(row_loop))
 
 
 def _body(q_ref, sink_ref, codes_ref, table_ref, window_ref, zero_ref,
-          acc_ref, m_ref, den_ref, *, bk: int, nb: int, nslot: int, d: int, qk_scale: float):
+          acc_ref, m_ref, den_ref, *, bk: int, nb: int, nslot: int, d: int, qk_scale: float,
+          row_loop: bool = False):
     # inputs (GMEM): q [S, HP, D] bf16, sink [S, HP] f32, codes [S, P, T] int32,
     #   table [S, R, D] bf16, window [S, W', D] bf16, zero [1, D] bf16 (a zero row)
     # outputs (GMEM): acc [S, P, HP, D] f32, m [S, P, HP] f32 (log2 units), den [S, P, HP] f32
@@ -133,13 +138,20 @@ def _body(q_ref, sink_ref, codes_ref, table_ref, window_ref, zero_ref,
         def fetch(b):  # block b's rows, one TMA copy each, into staging buffer b % NSLOT
             slot = lax.rem(b, nslot)
             bar = stage_bar.at[slot]
-            for r in range(bk):  # a row is `parts` rows of <= 256 values (a TMA box limit)
+            def row(r, carry):  # a row is `parts` rows of <= 256 values (a TMA box limit)
                 code = codes_smem[b * bk + r]
                 t_row, w_row = jnp.maximum(code, 0) * parts, jnp.maximum(-code - 2, 0) * parts
                 dst = stage_smem.at[slot, pl.ds(r * parts, parts)]
                 copy(table_ref.at[s, pl.ds(t_row, parts)], dst, bar, code >= 0)
                 copy(window_ref.at[s, pl.ds(w_row, parts)], dst, bar, code <= -2)
                 copy(zero_ref.at[pl.ds(0, parts)], dst, bar, code == NONE_CODE)
+                return carry
+
+            if row_loop:
+                lax.fori_loop(0, bk, row, 0)
+            else:
+                for r in range(bk):
+                    row(r, 0)
 
         for b in range(min(nslot, nb)):
             fetch(b)
@@ -217,20 +229,22 @@ def _body(q_ref, sink_ref, codes_ref, table_ref, window_ref, zero_ref,
                   plgpu.SMEM((2, WG_M), jnp.float32))
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "splits", "num_slots"))
+@functools.partial(jax.jit, static_argnames=("block_k", "splits", "num_slots", "row_loop"))
 def sparse_attention_mosaic(q, table, slots, window, window_mask, sink, *,
                             block_k: int | None = None, splits: int | None = None,
-                            num_slots: int | None = None) -> jnp.ndarray:
+                            num_slots: int | None = None, row_loop: bool = False) -> jnp.ndarray:
     """Mosaic GPU ``sparse_attention`` (runs on a GPU only; lowers for CUDA anywhere).
 
     Inputs as ``api.sparse_attention`` (bf16 table and window; q cast to bf16; sink [H] or
-    [S, H]). Output out [S, H, D] f32. Tuning: block_k (BK), splits (P), num_slots.
+    [S, H]). Output out [S, H, D] f32. Tuning: block_k (BK), splits (P), num_slots, row_loop
+    (``default_config``).
     """
     plgpu = _plgpu()
     check_shapes("sparse_attention", table)
     s, h, d = q.shape
     k, w = slots.shape[1], window.shape[1]
-    cfg = default_config(s, h, k, w, block_k=block_k, splits=splits, num_slots=num_slots)
+    cfg = default_config(s, h, k, w, block_k=block_k, splits=splits, num_slots=num_slots,
+                         row_loop=row_loop)
     bk, p = cfg["block_k"], cfg["splits"]
     hp = -(-h // WG_M) * WG_M
     codes = row_codes(slots, window_mask, bk, p)                  # [S, P, T]
@@ -247,7 +261,7 @@ def sparse_attention_mosaic(q, table, slots, window, window_mask, sink, *,
                          "GPU interpreter has no wgmma); lowering it for CUDA works without one "
                          "(common.lower_for_cuda)")
     body = functools.partial(_body, bk=bk, nb=nb, nslot=cfg["num_slots"], d=d,
-                             qk_scale=LOG2E / math.sqrt(d))
+                             qk_scale=LOG2E / math.sqrt(d), row_loop=cfg["row_loop"])
     f32 = jnp.float32
     acc, m, den = plgpu.kernel(
         body,
