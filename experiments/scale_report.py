@@ -31,9 +31,10 @@ from experiments.scale import PROFILED_STEPS, extrapolate
 from lsparse_jax.config import LeanSparseConfig
 from lsparse_jax.model import preset
 
-RUNS = ("scale_batch_1m_fp8", "scale_batch_1m", "scale_batch_short", "scale_batch",
+RUNS = ("scale_lean_jt", "scale_batch_1m_fp8", "scale_batch_1m", "scale_batch_short", "scale_batch",
         "scale_long", "scale_v2", "scale")  # newest first
-METHODS = ("resident", "hisparse", "leansparse", "leansparse_g2", "adaptive")
+METHODS = ("resident", "hisparse", "leansparse", "leansparse_g2", "leansparse_fp8_jt",
+           "adaptive")
 FULL_PATTERN = ("swa", "swa") + ("csa", "hca") * 20 + ("csa",)  # V4-Flash: 43 layers
 BEGIN, END = "<!-- scale-table:begin -->", "<!-- scale-table:end -->"
 
@@ -83,6 +84,8 @@ def step_table(records) -> str:
     head = ["context", "batch", *methods, "lean / his"]
     if "leansparse_g2" in methods:
         head.append("g2 / lean")
+    if "leansparse_fp8_jt" in methods:
+        head.append("fp8_jt / his")
     head += ["prefill s (matmuls; KV rows if not f32)", "run"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---:|" * (len(head) - 1) + "---|"]
     for context, batch in sorted({(r["context"], r["batch"]) for r in records}):
@@ -96,6 +99,8 @@ def step_table(records) -> str:
         line.append(ratio("leansparse", "hisparse"))
         if "leansparse_g2" in methods:
             line.append(ratio("leansparse_g2", "leansparse"))
+        if "leansparse_fp8_jt" in methods:
+            line.append(ratio("leansparse_fp8_jt", "hisparse"))
         pre = max(cell.values(), key=lambda r: r["prefill_s"])
         rows_fmt = sorted({r["kv_dtype"] for r in cell.values()} - {"f32"})
         line.append(f"{pre['prefill_s']:.1f} ({', '.join([pre['precision'], *rows_fmt])})")
@@ -176,7 +181,8 @@ def readme_block(records) -> str:
             f"` from {runs}; do not edit by hand -->\n"
             "Decode step (ms; wall time of `Engine.step`, mean of 16 steps after 4 warm ones; "
             "4-layer V4-Flash slice, random weights, Triton kernels; leansparse_g2 = "
-            "`LeanSparseConfig.groups = 2`):\n\n" + step_table(records) + "\n\n"
+            "`LeanSparseConfig.groups = 2`; leansparse_fp8_jt = its FP8 coarse pass through "
+            "the jax-triton kernel):\n\n" + step_table(records) + "\n\n"
             "Per request, at the largest batch measured. The 43-layer step is an "
             "extrapolation (the slice's step scaled by layer count, fixed per-step costs "
             "scaled too), not a measurement; the 43-layer bytes are the accounting of the "

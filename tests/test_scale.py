@@ -62,6 +62,11 @@ def test_variants_estimates_and_grid_checks():
     assert method_variant("leansparse_g2_fp8", lean) == ("leansparse", LeanSparseConfig(
         num_candidates=32, key_cache_rows=48, groups=2, coarse_precision="fp8"))
     assert method_variant("leansparse_fp8", lean)[1].groups == lean.groups
+    assert method_variant("leansparse_fp8_jt", lean) == ("leansparse", LeanSparseConfig(
+        num_candidates=32, key_cache_rows=48, coarse_precision="fp8",
+        coarse_implementation="jax_triton"))
+    with pytest.raises(ValueError, match="unknown method 'leansparse_jt_fp8'"):
+        _check(("leansparse_jt_fp8",), (256,), (1,), 2)
     assert method_variant("hisparse", lean) == ("hisparse", lean)
     with pytest.raises(ValueError, match="unknown method 'leansparse_fp16'"):
         _check(("leansparse_fp16",), (256,), (1,), 2)
@@ -123,11 +128,13 @@ def test_scale_groups_variant_budget_and_prefill_cache(tmp_path, monkeypatch):
     ("scale_batch", (524288, 1048576), (8, 64, 32, 1), {1048576: (8, 1)}, True),
     ("scale_batch_short", (32768, 131072), (64, 32), None, True),
     ("scale_batch_1m", (1048576,), (64, 32), None, False),
-    ("scale_batch_1m_fp8", (1048576,), (64,), None, False)])
+    ("scale_batch_1m_fp8", (1048576,), (64,), None, False),
+    ("scale_lean_jt", (131072, 524288), (32, 64), None, False)])
 def test_scale_batch_config_binds_the_batch_grid(name, contexts, batches, by_context, g2):
     """configs/experiments/scale_batch.gin (512K at batch 8/64/32/1, 1M at 8/1),
     scale_batch_short.gin (32K and 128K at 64/32) and scale_batch_1m.gin (1M at 64/32, the
-    four methods issue 13 names; scale_batch_1m_fp8.gin: batch 64 with FP8 rows): the
+    four methods issue 13 names; scale_batch_1m_fp8.gin: batch 64 with FP8 rows;
+    scale_lean_jt.gin: hisparse and LeanSparse's FP8 jax-triton coarse pass): the
     leansparse_g2 variant where asked, a per-call budget and a prefill cache; the grid passes
     the checks; the _fp8 run stores FP8 rows."""
     import gin
@@ -144,7 +151,10 @@ def test_scale_batch_config_binds_the_batch_grid(name, contexts, batches, by_con
         q = gin.query_parameter
         methods = q("scale.methods")
         assert ("leansparse_g2" in methods) == g2 and q("scale.contexts") == contexts
-        assert {"resident", "hisparse", "leansparse", "adaptive"} <= set(methods)
+        if name == "scale_lean_jt":  # LeanSparse's fastest coarse pass beside HiSparse
+            assert methods == ("hisparse", "leansparse_fp8_jt")
+        else:
+            assert {"resident", "hisparse", "leansparse", "adaptive"} <= set(methods)
         assert q("scale.batches") == batches
         assert q("scale.batches_by_context") == by_context
         assert q("scale.time_budget_s") <= 500 and q("scale.prefill_cache")
@@ -174,7 +184,8 @@ def test_scale_report_tables_and_readme(tmp_path):
             ("scale_long", model, [rec("hisparse", 8, 8.0), rec("leansparse", 8, 9.0)]),
             ("scale_batch", model, [rec("leansparse", 8, 7.0), rec("leansparse_g2", 8, 6.3),
                                     rec("hisparse", 64, 20.0)]),
-            ("scale_batch_1m_fp8", fp8, [dict(rec("hisparse", 64, 30.0), context=1 << 20)])):
+            ("scale_batch_1m_fp8", fp8, [dict(rec("hisparse", 64, 30.0), context=1 << 20)]),
+            ("scale_lean_jt", model, [rec("leansparse_fp8_jt", 8, 7.2)])):
         (tmp_path / name).mkdir()
         (tmp_path / name / "results.json").write_text(json.dumps(
             {"model": rows, "records": records}))
@@ -186,17 +197,20 @@ def test_scale_report_tables_and_readme(tmp_path):
     merged = tmp_path / "all_cells.json"
     assert main(["--runs", str(tmp_path), "--readme", str(readme), "--json", str(merged)]) == 0
     cells = json.loads(merged.read_text())
-    assert cells["runs"] == ["scale_batch_1m_fp8", "scale_batch", "scale_long"]
+    assert cells["runs"] == ["scale_lean_jt", "scale_batch_1m_fp8", "scale_batch", "scale_long"]
     assert {(r["method"], r["batch"], r["step_ms"], r["run"]) for r in cells["records"]} == {
         ("hisparse", 8, 8.0, "scale_long"), ("leansparse", 8, 7.0, "scale_batch"),
         ("leansparse_g2", 8, 6.3, "scale_batch"), ("hisparse", 64, 20.0, "scale_batch"),
-        ("hisparse", 64, 30.0, "scale_batch_1m_fp8")}
+        ("hisparse", 64, 30.0, "scale_batch_1m_fp8"),
+        ("leansparse_fp8_jt", 8, 7.2, "scale_lean_jt")}
     text = readme.read_text()
     assert text.startswith("intro\n" + BEGIN) and text.endswith(END + "\noutro\n")
     assert "old" not in text and "EXTRAPOLATED" in text
-    # columns: the methods present (hisparse, leansparse, leansparse_g2), lean / his, g2 / lean
-    assert "| 512K | 8 | 8.00 | 7.00 | 6.30 | 0.88 | 0.90 | 70.0 (bf16) | " \
-           "scale_batch, scale_long |" in text
-    assert "| 512K | 64 | 20.00 |  |  |  |  | 70.0 (bf16) | scale_batch |" in text
+    # columns: the methods present (hisparse, leansparse, leansparse_g2, leansparse_fp8_jt),
+    # lean / his, g2 / lean, fp8_jt / his
+    assert "| 512K | 8 | 8.00 | 7.00 | 6.30 | 7.20 | 0.88 | 0.90 | 0.90 | 70.0 (bf16) | " \
+           "scale_batch, scale_lean_jt, scale_long |" in text
+    assert "| 512K | 64 | 20.00 |  |  |  |  |  |  | 70.0 (bf16) | scale_batch |" in text
     # a run with FP8 rows says so beside its prefill time
-    assert "| 1M | 64 | 30.00 |  |  |  |  | 70.0 (bf16, fp8_v4) | scale_batch_1m_fp8 |" in text
+    assert "| 1M | 64 | 30.00 |  |  |  |  |  |  | 70.0 (bf16, fp8_v4) | scale_batch_1m_fp8 |" \
+        in text
