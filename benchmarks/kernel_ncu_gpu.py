@@ -9,8 +9,13 @@ Two modes:
                         ncu's kernel-name filter keeps only the op's own kernels.
   --summarize CSV...    reads ncu's `--csv --page raw` output and prints / writes one row per
                         kernel: duration, DRAM and SM throughput (% of peak), tensor-pipe
-                        activity, achieved occupancy, registers, shared memory, and the three
-                        largest warp-stall reasons (cycles per issued instruction).
+                        activity, achieved occupancy, registers, shared memory, the three
+                        largest warp-stall reasons (cycles per issued instruction), and
+                        shared-memory instructions, wavefronts and bank conflicts (loads and
+                        stores apart) where the CSV has them.
+Ops beyond the four targets: pq_topc_zero_codes (the score kernel with every code 0),
+sparse_attention_mosaic and sparse_attention_mosaic_loop (the Mosaic GPU kernel, its row copies
+unrolled or issued by a loop).
 Run by benchmarks/kernel_ncu_gpu.sh on the GPU machine.
 """
 
