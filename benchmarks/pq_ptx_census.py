@@ -4,7 +4,7 @@
 
 Compiles ``pallas_kernels.pq_topc.jax_triton``'s score kernel for sm_90 at the target shape
 (H 64, D 128, M 32 subspaces of 4 dims, K 256, N 131072) for each launch variant below and
-counts, per thread, its shared-memory loads and stores by width, ldmatrix and wgmma (static
+counts, per thread, its loads and stores (shared and global) by width, ldmatrix and wgmma (static
 counts of the whole kernel: the tile loop appears once in the PTX, so its instructions count
 once per tile of BN keys; the prologue's are there too: at the default launch its 32
 st.shared.b16 stage q^T for the dot, before the loop), and, where
@@ -17,51 +17,16 @@ tile, the gather, the relay to the dot's operand layout); the GPU's counters say
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import pathlib
-import re
-import subprocess
-import tempfile
+
+from pallas_ptx import census, ptxas_resources  # benchmarks/pallas_ptx.py
 
 from pallas_kernels.pq_topc import jax_triton as jt
 
 VARIANTS = {"default (BN 256, 8 warps)": jt.Params(),
             "BN 512, 4 steps": jt.Params(block_n=512, steps=4),
             "BN 128, 16 steps, 4 warps": jt.Params(block_n=128, steps=16, num_warps=4)}
-
-
-def census(ptx: str) -> dict:
-    """{instruction: count} of the shared-memory, ldmatrix and wgmma.mma_async instructions."""
-    counts: collections.Counter = collections.Counter()
-    for line in ptx.splitlines():
-        words = line.split()
-        if not words or words[0][0] in ".{}/$":
-            continue
-        op = words[1] if words[0].startswith("@") else words[0]
-        if op.startswith(("ld.shared", "st.shared", "ldmatrix", "stmatrix", "wgmma.mma_async")):
-            counts[op.replace(".sync.aligned", "")] += 1
-    return dict(sorted(counts.items()))
-
-
-def ptxas_resources(ptx: str) -> dict | None:
-    """Registers and spill bytes from triton's bundled ptxas for sm_90a (None without it)."""
-    import triton
-
-    ptxas = pathlib.Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
-    if not ptxas.exists():
-        return None
-    with tempfile.TemporaryDirectory() as tmp:
-        src = pathlib.Path(tmp) / "k.ptx"
-        src.write_text(ptx)
-        log = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(src), "-o",
-                              str(pathlib.Path(tmp) / "k.cubin")],
-                             capture_output=True, text=True, check=True).stderr
-    regs = re.search(r"Used (\d+) registers", log)
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    return {"registers": int(regs[1]) if regs else None,
-            "spill_store_bytes": int(spills[1]) if spills else None,
-            "spill_load_bytes": int(spills[2]) if spills else None}
 
 
 def main(argv=None) -> int:

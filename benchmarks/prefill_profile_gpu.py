@@ -4,6 +4,8 @@ GPU time of one chunk is printed (op, ms, share). Writes --out/prefill_trace.jso
 --out/prefill_ops.json.
 
   python3 benchmarks/prefill_profile_gpu.py --context 131072 --out $OUT
+  (--implementation triton: the chunk's kernels, with --precision bf16 the indexer's scores
+  through the index_logits kernel; default xla)
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ def main():
     ap.add_argument("--chunk", type=int, default=4096)
     ap.add_argument("--precision", choices=("highest", "tf32", "bf16"), default="highest",
                     help="ModelConfig.matmul_precision")
+    ap.add_argument("--implementation", choices=("xla", "triton"), default="xla",
+                    help="the chunk's kernels (forward_chunk's implementation)")
     ap.add_argument("--out", default="/tmp/prefill_profile")
     args = ap.parse_args()
     out = pathlib.Path(args.out)
@@ -45,14 +49,14 @@ def main():
     t0 = time.perf_counter()
     for start in starts[:-2]:
         _, caches, _ = forward_chunk(params, cfg, caches, tokens[start:start + chunk], start,
-                                     chunk)
+                                     chunk, implementation=args.implementation)
     jax.block_until_ready(caches)
     print(f"prefill of {starts[-2]} tokens: {time.perf_counter() - t0:.1f} s (incl. compile)")
     trace = out / "prefill_trace_dir"  # its own folder: rglob must find only this trace
     with jax.profiler.trace(str(trace), create_perfetto_trace=True):
         for start in starts[-2:]:
             _, caches, _ = forward_chunk(params, cfg, caches, tokens[start:start + chunk],
-                                         start, chunk)
+                                         start, chunk, implementation=args.implementation)
         jax.block_until_ready(caches)
     f = next(trace.rglob("*.trace.json.gz"))
     shutil.copy(f, out / "prefill_trace.json.gz")
@@ -67,6 +71,8 @@ def main():
     total = sum(dur.values())
     rows = [{"op": k, "ms_per_chunk": v, "share": v / total} for k, v in dur.most_common(30)]
     (out / "prefill_ops.json").write_text(json.dumps({"context": args.context, "chunk": chunk,
+                                                      "precision": args.precision,
+                                                      "implementation": args.implementation,
                                                       "gpu_ms_per_chunk": total,
                                                       "ops": rows}, indent=1))
     print(f"GPU time per chunk at the end of {args.context} tokens: {total:.1f} ms")

@@ -181,3 +181,19 @@ def from_words(x: jax.Array, like) -> jax.Array:
         return x
     b = jax.lax.bitcast_convert_type(x, like.dtype)  # [..., D/w, w]
     return b.reshape(*b.shape[:-2], b.shape[-2] * b.shape[-1])
+
+
+def each_block(steps: int, size: int, block) -> None:
+    """Inside a Pallas kernel: ``block(start)`` for start = 0, size, ..., (steps - 1) size;
+    straight-line code for one step, else a loop (which Triton can software-pipeline)."""
+    from jax.experimental import pallas as pl
+
+    if steps == 1:
+        block(0)
+        return
+
+    def body(i, carry):
+        block(pl.multiple_of(i * size, size))
+        return carry
+
+    jax.lax.fori_loop(0, steps, body, 0)

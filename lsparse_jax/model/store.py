@@ -36,9 +36,11 @@ import jax.numpy as jnp
 from flax import struct
 
 from lsparse_jax.indexing.topk import select_topk
-from lsparse_jax.model.layers import precision
+from lsparse_jax.model.layers import PRECISIONS, precision
 from lsparse_jax.parallel import head_sum
 from lsparse_jax.quant import KVRowFormat, dequantize_index_keys
+from pallas_kernels.common import on_gpu
+from pallas_kernels.index_logits import index_logits
 from pallas_kernels.index_scores.reference import exact_index_scores
 
 NUM_SOURCES = 3  # a selected row was found in: 0 tail / resident (or lent) map, 1 cache, 2 host
@@ -174,7 +176,31 @@ def resident_counts(selected) -> jnp.ndarray:
     return counts.at[:, 0].set(jnp.sum(selected >= 0, axis=-1))
 
 
-SCORE_TILE_BYTES = 1 << 30  # most bytes of f32 head-by-key dot products [t, H, N] at once
+SCORE_TILE_BYTES = 1 << 30  # most bytes of f32 scores (or head-by-key products) at once
+# EngineConfig.implementation -> the index_logits op's (one kernel family: Pallas-Triton)
+LOGITS_KERNEL = {"xla": "xla", None: None, "triton": "triton", "jax_triton": "triton",
+                 "mosaic": "triton"}
+FUSED_MIN_QUERIES = 16  # fewer queries (a decode step's one) stay in XLA's fused reduction
+
+
+def logits_of_queries(num_queries: int, implementation: str | None):
+    """(fn(q [T, H, D], weights [T, H], keys [N, D]) -> scores [T, N] f32, per_head).
+
+    The ``index_logits`` kernel (products and head sum in registers) when the engine asks for
+    kernels, the model's matmuls are bf16 (``ModelConfig.matmul_precision="bf16"``, the
+    kernel's numerics) and there are at least ``FUSED_MIN_QUERIES`` queries (a prefill chunk);
+    else ``exact_index_scores`` at the model's matmul precision, which materializes the
+    [T, H, N] products (per_head True: a caller sizes its query tiles by them)."""
+    if implementation not in LOGITS_KERNEL:
+        raise ValueError(f"exact_selection: implementation={implementation!r} is unknown; "
+                         f"allowed: {tuple(LOGITS_KERNEL)}")
+    kernel = LOGITS_KERNEL[implementation]
+    if kernel is None:
+        kernel = "triton" if on_gpu() else "xla"
+    if kernel == "triton" and precision() == PRECISIONS["bf16"] \
+            and num_queries >= FUSED_MIN_QUERIES:
+        return functools.partial(index_logits, implementation="triton"), False
+    return functools.partial(exact_index_scores, precision=precision()), True
 
 
 def query_tile(num_queries: int, bytes_per_query: int, budget: int) -> int:
@@ -197,10 +223,12 @@ def exact_selection(query: IndexerQuery, values, scales, eligible, top_k: int,
       query.q [T, H, D], query.weights [T, H]; values [N, D] e4m3, scales [N, D/b] f32;
       eligible [T, N] bool.
     Math: I(t, n) = sum_h w_h ReLU(q_h . k_n) with k_n the dequantized key; top-k by I.
-    Memory: the per-head dot products [t, H, N] f32 are computed for tiles of t queries at a
-    time, t the largest power of two within ``tile_bytes`` (a prefill chunk of 4096 queries
-    over 256K keys with 64 heads would otherwise need 256 GiB). Each query's selection does
-    not depend on the tiling.
+    Scores: ``logits_of_queries`` (the ``index_logits`` kernel for a prefill chunk with
+    kernels and bf16 matmuls; else the XLA form).
+    Memory: the scores (XLA form: the per-head dot products [t, H, N] f32) are computed for
+    tiles of t queries at a time, t the largest power of two within ``tile_bytes`` (a prefill
+    chunk of 4096 queries over 256K keys with 64 heads would otherwise need 256 GiB in the XLA
+    form). Each query's selection does not depend on the tiling.
     Top-k: ``indexing.select_topk`` through the ``topk`` op's ``implementation`` (the same
     positions in the same order as "xla"). band > 0: the top-(k + band) is taken and split,
     the first k the selection (best first, so exactly the top-k) and the next ``band`` its
@@ -208,17 +236,17 @@ def exact_selection(query: IndexerQuery, values, scales, eligible, top_k: int,
     """
     keys = dequantize_index_keys(values, scales)  # [N, D] f32
 
+    num, heads = query.q.shape[:2]
+    logits, per_head = logits_of_queries(num, implementation)
     # tp > 1: each device scores with its heads; the partial scores are summed before top-k
-    scores = head_sum(functools.partial(exact_index_scores, precision=precision()),
-                               (1, 1, None))
+    scores = head_sum(logits, (1, 1, None))
 
     take = top_k + band
 
     def select(q, w, ok):
         return select_topk(scores(q, w, keys), ok, take, implementation)[0]
 
-    num, heads = query.q.shape[:2]
-    tile = query_tile(num, heads * keys.shape[0] * 4, tile_bytes)
+    tile = query_tile(num, (heads if per_head else 1) * keys.shape[0] * 4, tile_bytes)
     if tile >= num:
         positions = select(query.q, query.weights, eligible)
     else:  # pad to whole tiles (padding selects nothing), map over them, drop the padding

@@ -40,7 +40,8 @@ def sparse_layers(cfg: ModelConfig) -> tuple[int, ...]:
 def forward_chunk(params, cfg: ModelConfig, caches, tokens, start, num_valid,
                   dense_selection: bool = False, implementation: str | None = "xla"):
     """One slot, one chunk: tokens [T] at positions start.. -> (logits [T, V], caches, sels).
-    ``implementation``: the kernels of the chunk's exact top-k selections (``topk`` op)."""
+    ``implementation``: the kernels of the chunk's exact selections (the ``topk`` op, and with
+    bf16 matmuls the ``index_logits`` op: ``model.store.logits_of_queries``)."""
     model = Transformer(cfg, dense_selection, implementation=implementation)
     return model.apply({"params": params}, tokens, caches, start, num_valid)
 

@@ -138,14 +138,7 @@ def _kernel(q_ref, w_ref, kv_ref, ks_ref, valid_ref, out_ref, *, nb: int, bs: in
         scores = jnp.sum(jnp.maximum(dots, 0.0) * w[None, :], axis=1)  # [BC]
         out_ref[rows] = jnp.where(valid_ref[rows], scores, -jnp.inf)   # drops NaN poison
 
-    if steps == 1:
-        score_block(0)
-    else:
-        def body(t, carry):
-            score_block(pl.multiple_of(t * bc, bc))
-            return carry
-
-        jax.lax.fori_loop(0, steps, body, 0)
+    common.each_block(steps, bc, score_block)
 
 
 @functools.partial(jax.jit, static_argnames=("block_c", "steps", "num_warps", "num_stages",

@@ -1,0 +1,124 @@
+"""A Pallas-Triton kernel compiled for sm_90 on a CPU: its PTX instruction census and ptxas's
+registers and spills (issue 16's CPU-side checks; no GPU needed).
+
+    PYTHONPATH=<triton 3.6 site>:$PWD python benchmarks/pallas_ptx.py [--out results/pallas_ptx]
+
+Lowers each kernel below for CUDA (``pallas_kernels.common.lower_for_cuda``), takes the Triton
+IR that Pallas embeds in the custom call (MLIR bytecode), prints it as text through jax's MLIR
+bindings with the Triton dialect (``jax._src.lib``: internal, a jax upgrade may break this
+script, not the kernels), compiles it with the triton package for sm_90 (num_warps and
+num_stages as the kernel's defaults) and runs triton's bundled ptxas for sm_90a. Counts, not
+timings: whether the dots became wgmma, what goes through shared memory, register pressure.
+Kernels: index_logits at a V4 prefill tile (1024 queries x 64 heads x 128, 32768 keys).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import pathlib
+import re
+import subprocess
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import common
+from pallas_kernels.index_logits import index_logits
+from pallas_kernels.index_logits.triton import default_config
+
+KERNELS = {
+    "index_logits": (functools.partial(index_logits, implementation="triton"),
+                     ((1024, 64, 128), (1024, 64), (32768, 128)),
+                     default_config(1024, 64, 32768)),
+}
+
+
+def triton_ir_text(stablehlo: str) -> str:
+    """The Triton IR of the (single) Pallas-Triton custom call in ``stablehlo``, as text."""
+    from jax._src.lib import triton as jax_triton_dialect
+    from jax._src.lib.mlir import ir
+
+    raw = re.search(r'ir = "((?:[^"\\]|\\.)*)"', stablehlo).group(1)
+    data = re.sub(rb"\\([0-9A-Fa-f]{2}|.)", lambda m: bytes([int(m[1], 16)])
+                  if len(m[1]) == 2 else m[1], raw.encode("latin-1"))
+    with ir.Context() as ctx, ir.Location.unknown():
+        jax_triton_dialect.dialect.register_dialect(ctx)
+        return ir.Module.parse(data).operation.get_asm()
+
+
+def compile_sm90(ttir: str, num_warps: int, num_stages: int) -> str:
+    """PTX of Triton IR text for sm_90."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = pathlib.Path(tmp) / "kernel.ttir"
+        src.write_text(ttir)
+        return triton.compile(str(src), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=num_warps,
+                                           num_stages=num_stages)).asm["ptx"]
+
+
+def ptxas_resources(ptx: str) -> dict | None:
+    """Registers and spill bytes from triton's bundled ptxas for sm_90a (None without it)."""
+    import triton
+
+    ptxas = pathlib.Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
+    if not ptxas.exists():
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        src = pathlib.Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        log = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(src), "-o",
+                              str(pathlib.Path(tmp) / "k.cubin")],
+                             capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return {"registers": int(regs[1]) if regs else None,
+            "spill_store_bytes": int(spills[1]) if spills else None,
+            "spill_load_bytes": int(spills[2]) if spills else None}
+
+
+def census(ptx: str) -> dict:
+    """{instruction: static count} of PTX's loads, stores, ldmatrix / stmatrix and MMAs."""
+    counts: collections.Counter = collections.Counter()
+    for line in ptx.splitlines():
+        words = line.split()
+        if not words or words[0][0] in ".{}/$":
+            continue
+        op = words[1] if words[0].startswith("@") else words[0]
+        if op.startswith(("ld.", "st.", "ldmatrix", "stmatrix", "wgmma.mma_async", "mma.")):
+            counts[op.replace(".sync.aligned", "")] += 1
+    return dict(sorted(counts.items()))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="results/pallas_ptx")
+    args = ap.parse_args(argv)
+    import triton
+
+    records = []
+    for name, (fn, shapes, cfg) in KERNELS.items():
+        specs = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+        ptx = compile_sm90(triton_ir_text(common.lower_for_cuda(fn, *specs)),
+                           cfg["num_warps"], cfg["num_stages"])
+        rec = dict(kernel=name, shapes=shapes, config=cfg, instructions=census(ptx),
+                   ptxas=ptxas_resources(ptx))
+        records.append(rec)
+        print(f"{name} {shapes}: ptxas {rec['ptxas']}\n  {rec['instructions']}")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(
+        {"arch": "sm_90", "triton": triton.__version__, "jax": jax.__version__,
+         "records": records}, indent=1) + "\n")
+    print(f"wrote {out / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,147 @@
+"""index_logits (pallas_kernels/index_logits): the Pallas-Triton kernel against its XLA twin and a
+float64 numpy oracle, and its use in the prefill's exact selection.
+
+Notation: T queries, H heads, D head dim, N keys. Keys past a history hold NaN poison (as a
+slot's unwritten rows do); it must stay in its own column. "triton" runs in Pallas interpret
+mode on CPU; the V4-shape comparison needs a GPU (``gpu`` marker).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from kernel_helpers import assert_close
+
+from lsparse_jax.model.layers import matmul_precision
+from lsparse_jax.model.store import (
+    FUSED_MIN_QUERIES,
+    IndexerQuery,
+    exact_selection,
+    logits_of_queries,
+)
+from pallas_kernels import common
+from pallas_kernels.index_logits import index_logits
+from pallas_kernels.index_logits.triton import index_logits_triton
+from pallas_kernels.index_scores.reference import exact_index_scores
+
+
+def _inputs(t, h, d, n, poison=(), integers=False, seed=0):
+    rng = np.random.default_rng(seed)
+    if integers:  # bf16-exact values whose products and sums are exact in f32
+        q = rng.integers(-3, 4, (t, h, d)).astype(np.float32)
+        w = rng.integers(-2, 3, (t, h)).astype(np.float32)
+        k = rng.integers(-3, 4, (n, d)).astype(np.float32)
+    else:
+        q = rng.standard_normal((t, h, d), np.float32)
+        w = rng.standard_normal((t, h), np.float32)
+        k = rng.standard_normal((n, d), np.float32)
+    k[list(poison)] = np.nan
+    return q, w, k
+
+
+def _oracle(q, w, k):
+    """float64 scores of the bf16-rounded operands."""
+    def bf16(x):
+        return np.asarray(jnp.asarray(x).astype(jnp.bfloat16), np.float64)
+    dots = np.einsum("thd,nd->thn", bf16(q), bf16(k))
+    return np.einsum("th,thn->tn", w.astype(np.float64), np.maximum(dots, 0.0))
+
+
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+@pytest.mark.parametrize("shape", [(5, 6, 32, 200), (33, 64, 16, 70), (1, 1, 64, 1)],
+                         ids=["ragged", "v4_heads", "one"])
+def test_random_against_oracle_poison_stays_in_its_column(impl, shape):
+    """Random inputs with NaN-poisoned keys: every unpoisoned column within f32 rounding of the
+    oracle (bf16 operands, as the kernel takes them)."""
+    t, h, d, n = shape
+    poison = [n // 2, n - 1] if n > 2 else []
+    q, w, k = _inputs(t, h, d, n, poison)
+    got = np.asarray(index_logits(q, w, k, implementation=impl))
+    ok = np.ones(n, bool)
+    ok[poison] = False
+    assert_close(got[:, ok], _oracle(q, w, np.nan_to_num(k))[:, ok], "float32")
+
+
+def test_kernel_equals_twin_bit_for_bit_on_exact_values():
+    """Integer inputs (exact in bf16, exact sums in f32): the kernel equals its XLA twin bit for
+    bit, whatever its tiling (BT, BN, STEPS)."""
+    q, w, k = _inputs(37, 12, 32, 300, integers=True, seed=1)
+    want = np.asarray(index_logits(q, w, k, implementation="xla"))
+    np.testing.assert_array_equal(want, _oracle(q, w, k))
+    for kw in ({}, dict(block_t=4, block_n=16, steps=2), dict(block_t=1, block_n=32, steps=1)):
+        np.testing.assert_array_equal(np.asarray(index_logits_triton(q, w, k, **kw)), want)
+
+
+def test_bad_inputs_raise():
+    q, w, k = _inputs(4, 2, 32, 8)
+    with pytest.raises(ValueError, match="index_logits: q must be"):
+        index_logits(q[0], w, k, implementation="xla")
+    with pytest.raises(ValueError, match="index_logits: weights must be"):
+        index_logits(q, w[:, :1], k, implementation="xla")
+    with pytest.raises(ValueError, match="index_logits: keys must be"):
+        index_logits(q, w, k[:, :16], implementation="xla")
+    with pytest.raises(ValueError, match="D a power of two"):
+        index_logits(q[..., :24], w, k[:, :24], implementation="triton")
+    with pytest.raises(ValueError, match="not available"):
+        index_logits(q, w, k, implementation="triton_fp8")
+    with pytest.raises(ValueError, match="block_n=24 must be a power of two"):
+        index_logits_triton(q, w, k, block_n=24)
+
+
+def test_lowers_for_cuda_at_the_v4_prefill_shape():
+    """One Triton kernel for a prefill tile of 1024 queries x 64 heads x 128 against 32768 keys
+    (the XLA form would write 8 GiB of products for it)."""
+    specs = (jax.ShapeDtypeStruct((1024, 64, 128), jnp.float32),
+             jax.ShapeDtypeStruct((1024, 64), jnp.float32),
+             jax.ShapeDtypeStruct((32768, 128), jnp.float32))
+    text = common.lower_for_cuda(functools.partial(index_logits, implementation="triton"), *specs)
+    assert text.count(common.TRITON_CALL_TARGET) == 1
+
+
+def test_exact_selection_takes_the_kernel_for_a_bf16_prefill_chunk():
+    """``logits_of_queries``: the kernel for >= FUSED_MIN_QUERIES queries with kernels and bf16
+    matmuls, the XLA form otherwise (a decode step, f32 / tf32 matmuls, implementation "xla");
+    and the prefill's selection through it equals the XLA selection on exact values, with
+    NaN-poisoned keys never selected."""
+    with matmul_precision("bf16"):
+        fn, per_head = logits_of_queries(FUSED_MIN_QUERIES, "triton")
+        assert fn.func is index_logits and not per_head
+        for num, impl in ((FUSED_MIN_QUERIES - 1, "triton"), (64, "xla")):
+            fn, per_head = logits_of_queries(num, impl)
+            assert fn.func is exact_index_scores and per_head
+    for name in ("highest", "tf32"):
+        with matmul_precision(name):
+            assert logits_of_queries(64, "triton")[0].func is exact_index_scores
+    with pytest.raises(ValueError, match="implementation='cuda' is unknown"):
+        logits_of_queries(64, "cuda")
+
+    t, h, d, n, k = 40, 8, 32, 96, 8
+    q, w, keys = _inputs(t, h, d, n, integers=True, seed=2)
+    # stored FP8 keys holding the small integers exactly, scale 1: exact dequantized keys
+    values = jnp.asarray(keys).astype(jnp.float8_e4m3fn)
+    scales = jnp.ones((n, 1), jnp.float32)
+    values = values.at[n - 5:].set(jnp.nan)  # unwritten rows
+    scales = scales.at[n - 5:].set(jnp.nan)
+    eligible = np.arange(n)[None, :] <= np.arange(t)[:, None] + 50  # causal-like, ragged
+    eligible &= np.arange(n)[None, :] < n - 5
+    query = IndexerQuery(jnp.asarray(q), jnp.asarray(w))
+    with matmul_precision("bf16"):
+        # tiles of 16 queries (3 tiles, the last padded) in the kernel's form
+        got = exact_selection(query, values, scales, jnp.asarray(eligible), k,
+                              tile_bytes=16 * n * 4, implementation="triton")
+        want = exact_selection(query, values, scales, jnp.asarray(eligible), k,
+                               implementation="xla")
+    np.testing.assert_array_equal(np.asarray(got.positions), np.asarray(want.positions))
+    assert np.asarray(got.positions).max() < n - 5
+
+
+@pytest.mark.gpu
+def test_gpu_v4_prefill_tile_matches_twin():
+    """On the GPU at a V4 prefill tile (1024 queries, 64 heads x 128, 32768 keys, NaN-poisoned
+    tail): within f32 rounding of the XLA twin at every unpoisoned column."""
+    q, w, k = _inputs(1024, 64, 128, 32768, poison=range(30000, 32768), seed=3)
+    want = np.asarray(index_logits(q, w, k, implementation="xla"))
+    got = np.asarray(index_logits(q, w, k, implementation="triton"))
+    assert_close(got[:, :30000], want[:, :30000], "float32")
