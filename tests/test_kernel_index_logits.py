@@ -24,7 +24,6 @@ from lsparse_jax.model.store import (
 from pallas_kernels import common
 from pallas_kernels.index_logits import index_logits
 from pallas_kernels.index_logits.triton import index_logits_triton
-from pallas_kernels.index_scores.reference import exact_index_scores
 
 
 def _inputs(t, h, d, n, poison=(), integers=False, seed=0):
@@ -74,6 +73,24 @@ def test_kernel_equals_twin_bit_for_bit_on_exact_values():
         np.testing.assert_array_equal(np.asarray(index_logits_triton(q, w, k, **kw)), want)
 
 
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+def test_keys_past_num_keys_are_minus_inf(impl):
+    """num_keys (traced): -inf at n >= num_keys, the others as without it, for a num_keys
+    inside a program's key range, at a program boundary, 0 and N; NaN-poisoned keys past it
+    never matter."""
+    q, w, k = _inputs(9, 4, 32, 300, poison=[250, 299], integers=True, seed=4)
+    full = np.asarray(index_logits(q, w, np.nan_to_num(k), implementation="xla"))
+    fns = [jax.jit(functools.partial(index_logits, implementation=impl))]
+    if impl == "triton":  # 32 keys a program: whole programs past num_keys are skipped
+        fns.append(jax.jit(functools.partial(index_logits_triton, block_n=16, steps=2)))
+    for fn in fns:
+        for num_keys in (0, 77, 64, 200, 300):
+            got = np.asarray(fn(q, w, k if num_keys <= 250 else np.nan_to_num(k),
+                                jnp.int32(num_keys)))
+            assert np.all(got[:, num_keys:] == -np.inf)
+            np.testing.assert_array_equal(got[:, :num_keys], full[:, :num_keys])
+
+
 def test_bad_inputs_raise():
     q, w, k = _inputs(4, 2, 32, 8)
     with pytest.raises(ValueError, match="index_logits: q must be"):
@@ -86,6 +103,8 @@ def test_bad_inputs_raise():
         index_logits(q[..., :24], w, k[:, :24], implementation="triton")
     with pytest.raises(ValueError, match="not available"):
         index_logits(q, w, k, implementation="triton_fp8")
+    with pytest.raises(ValueError, match="num_keys must be an integer scalar"):
+        index_logits(q, w, k, 2.5, implementation="xla")
     with pytest.raises(ValueError, match="block_n=24 must be a power of two"):
         index_logits_triton(q, w, k, block_n=24)
 
@@ -110,10 +129,10 @@ def test_exact_selection_takes_the_kernel_for_a_bf16_prefill_chunk():
         assert fn.func is index_logits and not per_head
         for num, impl in ((FUSED_MIN_QUERIES - 1, "triton"), (64, "xla")):
             fn, per_head = logits_of_queries(num, impl)
-            assert fn.func is exact_index_scores and per_head
+            assert not isinstance(fn, functools.partial) and per_head  # the XLA form
     for name in ("highest", "tf32"):
         with matmul_precision(name):
-            assert logits_of_queries(64, "triton")[0].func is exact_index_scores
+            assert logits_of_queries(64, "triton")[1]
     with pytest.raises(ValueError, match="implementation='cuda' is unknown"):
         logits_of_queries(64, "cuda")
 

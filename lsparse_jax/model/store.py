@@ -184,13 +184,15 @@ FUSED_MIN_QUERIES = 16  # fewer queries (a decode step's one) stay in XLA's fuse
 
 
 def logits_of_queries(num_queries: int, implementation: str | None):
-    """(fn(q [T, H, D], weights [T, H], keys [N, D]) -> scores [T, N] f32, per_head).
+    """(fn(q [T, H, D], weights [T, H], keys [N, D], num_keys) -> scores [T, N] f32, per_head);
+    scores at n >= num_keys (an int32 scalar) are not to be used (a caller masks them).
 
-    The ``index_logits`` kernel (products and head sum in registers) when the engine asks for
-    kernels, the model's matmuls are bf16 (``ModelConfig.matmul_precision="bf16"``, the
-    kernel's numerics) and there are at least ``FUSED_MIN_QUERIES`` queries (a prefill chunk);
-    else ``exact_index_scores`` at the model's matmul precision, which materializes the
-    [T, H, N] products (per_head True: a caller sizes its query tiles by them)."""
+    The ``index_logits`` kernel (products and head sum in registers; the key blocks past
+    num_keys skipped) when the engine asks for kernels, the model's matmuls are bf16
+    (``ModelConfig.matmul_precision="bf16"``, the kernel's numerics) and there are at least
+    ``FUSED_MIN_QUERIES`` queries (a prefill chunk); else ``exact_index_scores`` of all N keys
+    at the model's matmul precision, which materializes the [T, H, N] products (per_head True:
+    a caller sizes its query tiles by them)."""
     if implementation not in LOGITS_KERNEL:
         raise ValueError(f"exact_selection: implementation={implementation!r} is unknown; "
                          f"allowed: {tuple(LOGITS_KERNEL)}")
@@ -200,7 +202,8 @@ def logits_of_queries(num_queries: int, implementation: str | None):
     if kernel == "triton" and precision() == PRECISIONS["bf16"] \
             and num_queries >= FUSED_MIN_QUERIES:
         return functools.partial(index_logits, implementation="triton"), False
-    return functools.partial(exact_index_scores, precision=precision()), True
+    scores = functools.partial(exact_index_scores, precision=precision())
+    return (lambda q, weights, keys, num_keys: scores(q, weights, keys)), True
 
 
 def query_tile(num_queries: int, bytes_per_query: int, budget: int) -> int:
@@ -239,12 +242,14 @@ def exact_selection(query: IndexerQuery, values, scales, eligible, top_k: int,
     num, heads = query.q.shape[:2]
     logits, per_head = logits_of_queries(num, implementation)
     # tp > 1: each device scores with its heads; the partial scores are summed before top-k
-    scores = head_sum(logits, (1, 1, None))
+    scores = head_sum(logits, (1, 1, None, None))
 
     take = top_k + band
 
     def select(q, w, ok):
-        return select_topk(scores(q, w, keys), ok, take, implementation)[0]
+        # the keys any of these queries may select: past the last eligible one, none counts
+        num_keys = jnp.max(jnp.where(jnp.any(ok, axis=0), jnp.arange(ok.shape[1]) + 1, 0))
+        return select_topk(scores(q, w, keys, num_keys), ok, take, implementation)[0]
 
     tile = query_tile(num, (heads if per_head else 1) * keys.shape[0] * 4, tile_bytes)
     if tile >= num:
