@@ -4,7 +4,7 @@ N in {32768, 131072, 262144} keys (1M tokens compress to 262144 CSA positions).
 
     PYTHONPATH=$PWD python3 benchmarks/index_logits_gpu.py --out $OUT [--dry]
 
-Each variant: max error relative to max |twin| (unpoisoned columns), then ms per call timed as
+Each variant: max error relative to max |twin|, then ms per call timed as
 kernel_compare does (benchmarks/timing.py::program_time, 2 input sets), TFLOP/s = 2 T H N D /
 time, and the twin / kernel ratio. The twin writes and reads back the [T, H, N] f32 products
 (8 GiB at N 32768, 64 GiB at N 262144); where it runs out of memory its error is recorded and

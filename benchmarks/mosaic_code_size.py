@@ -21,22 +21,15 @@ import collections
 import functools
 import json
 import pathlib
-import re
 
 import jax
+from pallas_ptx import attribute_bytes  # benchmarks/pallas_ptx.py
 
 from experiments.cases.sparse_attention import make_inputs
 from pallas_kernels import common
 from pallas_kernels.sparse_attention.mosaic import sparse_attention_mosaic
 
 KINDS = ("scf.index_switch", "scf.for", "llvm.inline_asm")
-
-
-def module_bytes(stablehlo: str) -> bytes:
-    """The serialized Mosaic GPU module in the custom call's ``module = "..."`` attribute."""
-    raw = re.search(r'module = "((?:[^"\\]|\\.)*)"', stablehlo).group(1)
-    return re.sub(rb"\\([0-9A-Fa-f]{2}|.)", lambda m: bytes([int(m[1], 16)]) if len(m[1]) == 2
-                  else m[1], raw.encode("latin-1"))
 
 
 def op_counts(module: bytes) -> collections.Counter:
@@ -68,7 +61,7 @@ def main(argv=None) -> int:
     for row_loop in (False, True):
         text = common.lower_for_cuda(functools.partial(sparse_attention_mosaic,
                                                        row_loop=row_loop), *specs)
-        counts = op_counts(module_bytes(text))
+        counts = op_counts(attribute_bytes(text, "module"))  # the serialized Mosaic module
         records.append(dict(row_loop=row_loop, ops=sum(counts.values()),
                             **{k: counts[k] for k in KINDS}))
     print("| row_loop | ops | " + " | ".join(KINDS) + " |")

@@ -37,14 +37,20 @@ KERNELS = {
 }
 
 
+def attribute_bytes(stablehlo: str, name: str) -> bytes:
+    """The bytes of the first custom-call string attribute ``name = "..."`` in ``stablehlo``
+    (MLIR prints non-printable bytes as \\XX escapes)."""
+    raw = re.search(name + r' = "((?:[^"\\]|\\.)*)"', stablehlo).group(1)
+    return re.sub(rb"\\([0-9A-Fa-f]{2}|.)", lambda m: bytes([int(m[1], 16)])
+                  if len(m[1]) == 2 else m[1], raw.encode("latin-1"))
+
+
 def triton_ir_text(stablehlo: str) -> str:
     """The Triton IR of the (single) Pallas-Triton custom call in ``stablehlo``, as text."""
     from jax._src.lib import triton as jax_triton_dialect
     from jax._src.lib.mlir import ir
 
-    raw = re.search(r'ir = "((?:[^"\\]|\\.)*)"', stablehlo).group(1)
-    data = re.sub(rb"\\([0-9A-Fa-f]{2}|.)", lambda m: bytes([int(m[1], 16)])
-                  if len(m[1]) == 2 else m[1], raw.encode("latin-1"))
+    data = attribute_bytes(stablehlo, "ir")
     with ir.Context() as ctx, ir.Location.unknown():
         jax_triton_dialect.dialect.register_dialect(ctx)
         return ir.Module.parse(data).operation.get_asm()

@@ -106,7 +106,7 @@ def default_config(s: int, h: int, k: int, w: int, *, block_k: int | None = None
 
 def _body(q_ref, sink_ref, codes_ref, table_ref, window_ref, zero_ref,
           acc_ref, m_ref, den_ref, *, bk: int, nb: int, nslot: int, d: int, qk_scale: float,
-          row_loop: bool = False):
+          row_loop: bool):
     # inputs (GMEM): q [S, HP, D] bf16, sink [S, HP] f32, codes [S, P, T] int32,
     #   table [S, R, D] bf16, window [S, W', D] bf16, zero [1, D] bf16 (a zero row)
     # outputs (GMEM): acc [S, P, HP, D] f32, m [S, P, HP] f32 (log2 units), den [S, P, HP] f32
