@@ -7,14 +7,15 @@ over --rounds rounds so the run-to-run spread is measured beside the differences
   (launch, q load, combine).
 - pq_topc's score kernel alone (jax_triton ``coarse_scores_jax_triton``, B 64; 94% of the op
   in session 21's profile): N = 131072 (target) vs N = 65536 (slope and intercept), and
-  N = 131072 with every code 0 (every key decodes from codebook row 0; written to test for
-  bank conflicts in the gather, but the kernel's PTX shows lane l gathers word l of its row,
-  conflict-free for any codes: session 25 measured 2.4x faster and the cause is open). The
-  score kernel alone, because with one code every score ties, which would change top-C's work.
-  Two variants split that difference: codes per key (a key's subspaces all take its first
-  code: keys differ) and codes per subspace (every key takes the first key's codes: keys
-  alike). If only the second is fast, the slow part comes from different keys' gathers
-  meeting in one warp instruction; if only the first, from a key's own subspaces.
+  N = 131072 with every code 0 (every key decodes from codebook row 0; session 25 measured
+  2.4x faster). The score kernel alone, because with one code every score ties, which would
+  change top-C's work. Two variants split that difference: codes per key (a key's subspaces
+  all take its first code: keys differ) and codes per subspace (every key takes the first
+  key's codes: keys alike). Session 26: only the second is fast, so the slow part is
+  different keys' gathers meeting in one warp instruction: with the row-major book all lanes
+  of a gather hit one bank (``pq_topc.jax_triton``'s module docstring). Session 27: the bank
+  swizzle ("smem", the default) against the row-major book ("smem_linear") and the shuffle
+  decode, random and zero codes, bf16 and fp8 books.
 - topk (triton_fused, 64 rows, k 2048): N = 262144 (target) vs N = 131072.
 - index_scores (triton_fp8, B 64): C = 2048 (target) vs C = 1024.
 
@@ -58,14 +59,15 @@ def codes_per_subspace(args):
     return q, w, jnp.broadcast_to(codes[:, :1, :], codes.shape), books, lengths
 
 
-def pq_scores(impl):
-    """The op of the pq_topc rows: the score kernel alone (jax_triton) or, for --dry, the XLA
-    op whole (the kernel needs a CUDA GPU)."""
+def pq_scores(impl, decode: str = "smem", precision: str = "bf16"):
+    """The op of the pq_topc rows: the score kernel alone (jax_triton, with this gather
+    lowering and book precision) or, for --dry, the XLA op whole (the kernel needs a GPU)."""
     if impl == "xla":
         return lambda case, *a: case.call("xla", *a)
-    from pallas_kernels.pq_topc.jax_triton import coarse_scores_jax_triton
+    from pallas_kernels.pq_topc.jax_triton import Params, coarse_scores_jax_triton
 
-    return lambda case, *a: coarse_scores_jax_triton(*a)
+    params = Params(decode=decode)
+    return lambda case, *a: coarse_scores_jax_triton(*a, params=params, precision=precision)
 
 
 def variants(dry: bool):
@@ -98,6 +100,18 @@ def variants(dry: bool):
              codes_per_key),
             ("pq_scores", "N=131072 codes per subspace", kc.pq_topc_case(64, 131072), scores,
              codes_per_subspace),
+            ("pq_scores", "N=131072 smem_linear", kc.pq_topc_case(64, 131072),
+             pq_scores("jax_triton", "smem_linear"), None),
+            ("pq_scores", "N=131072 smem_linear zero", kc.pq_topc_case(64, 131072),
+             pq_scores("jax_triton", "smem_linear"), zero_codes),
+            ("pq_scores", "N=131072 shuffle", kc.pq_topc_case(64, 131072),
+             pq_scores("jax_triton", "shuffle"), None),
+            ("pq_scores", "N=131072 fp8", kc.pq_topc_case(64, 131072),
+             pq_scores("jax_triton", precision="fp8"), None),
+            ("pq_scores", "N=131072 fp8 zero codes", kc.pq_topc_case(64, 131072),
+             pq_scores("jax_triton", precision="fp8"), zero_codes),
+            ("pq_scores", "N=131072 fp8 smem_linear", kc.pq_topc_case(64, 131072),
+             pq_scores("jax_triton", "smem_linear", "fp8"), None),
             ("topk", "N=262144", kc.topk_case(64, 262144, 2048), op_of("triton_fused"), None),
             ("topk", "N=131072", kc.topk_case(64, 131072, 2048), op_of("triton_fused"), None),
             ("index_scores", "C=2048", kc.index_scores_case(64, c=2048), op_of("triton_fp8"),
@@ -114,12 +128,16 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=250.0,
                     help="start no new round after this many seconds")
     ap.add_argument("--dry", action="store_true")
+    ap.add_argument("--only", default=None,
+                    help="run only the variants whose 'op variant' contains this text")
     args = ap.parse_args()
     start = time.perf_counter()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sets_n, repeats = (2, 2) if args.dry else (4, 10)
-    todo = variants(args.dry)
+    todo = [v for v in variants(args.dry) if args.only is None or args.only in f"{v[0]} {v[1]}"]
+    if not todo:
+        raise SystemExit(f"--only {args.only!r} matches no variant")
     inputs = {}
     for op, label, case, _, transform in todo:
         sets = [case.make(jax.random.key(i)) for i in range(sets_n)]

@@ -29,8 +29,11 @@ import sys
 
 OPS = {  # op -> (implementation, ncu kernel-name regex)
     "pq_topc": ("jax_triton", "pq_scores|topk_select|topk_finish"),
-    # the score kernel with every code 0 (2.4x faster in session 25's ablation, cause open)
+    # the score kernel with every code 0 (2.4x faster in session 25's ablation: bank
+    # conflicts of the row-major book, session 26's counters)
     "pq_topc_zero_codes": ("jax_triton", "pq_scores"),
+    # the score kernel with the row-major book (decode "smem_linear"; default: bank swizzle)
+    "pq_topc_linear": ("jax_triton_linear", "pq_scores"),
     "topk": ("triton_fused", "topk_fused"),
     "index_scores": ("triton_fp8", "index_scores"),
     "sparse_attention": ("triton", "sparse_attention"),
@@ -75,7 +78,7 @@ def child(op: str, impl: str) -> None:
             "topk": lambda: kc.topk_case(64, 262144, 2048),
             "index_scores": lambda: kc.index_scores_case(64),
             "sparse_attention": lambda: sparse_attention_case(64)}[
-        op.split("_mosaic")[0].removesuffix("_zero_codes")]()
+        op.split("_mosaic")[0].removesuffix("_zero_codes").removesuffix("_linear")]()
     args = case.make(jax.random.key(0))
     if op.endswith("_zero_codes"):  # q, w, codes, books, lengths
         args = (*args[:2], jax.numpy.zeros_like(args[2]), *args[3:])

@@ -15,9 +15,10 @@ skipped (``SUPPORTED``); the new variants of issue 16: hot_resolve "triton_fused
 in-kernel), index_scores "triton_fp8" (fp8 x fp8) and "xla_top512" / "triton_fp8_top512" (scores
 plus the top-512: XLA, and the fused one-kernel form), topk "triton_oneread" and "triton_fused"
 (two or three launches, ``pallas_kernels/topk/fused.py``), pq_topc
-"jax_triton" (plain Triton, codebook on chip, smem gather) and "jax_triton_shuffle" (its
-warp-shuffle gather lowering), hot_resolve "triton_copy" (XLA control + the copy kernel, what
-"triton" ran before ``api.TRITON_RUNS`` moved to the fused kernel).
+"jax_triton" (plain Triton, codebook on chip, bank-swizzled smem gather), "jax_triton_shuffle"
+(its warp-shuffle gather lowering) and "jax_triton_linear" (the smem gather without the
+swizzle), hot_resolve "triton_copy" (XLA control + the copy kernel, what "triton" ran before
+``api.TRITON_RUNS`` moved to the fused kernel).
 ``per_call=True`` instead times separate jitted calls (what a caller dispatching one op pays).
 
 Order and budget: each op's issue-16 target shape runs first (pq_topc B=64 N=131072, the first
@@ -88,10 +89,12 @@ def pq_topc_case(batch, history, heads=64, dim=128, subspaces=32, centroids=256,
             from pallas_kernels.pq_topc.triton import pq_topc_triton
 
             return pq_topc_triton(*args, num_candidates=c, fused=False)
-        if impl == "jax_triton_shuffle":  # the plain Triton kernel, warp-shuffle gather
+        if impl in ("jax_triton_shuffle", "jax_triton_linear"):  # other gather lowerings:
+            # warp shuffles, or the shared-memory book without its bank swizzle
             from pallas_kernels.pq_topc.jax_triton import Params, pq_topc_jax_triton
 
-            return pq_topc_jax_triton(*args, num_candidates=c, params=Params(decode="shuffle"))
+            decode = "shuffle" if impl.endswith("shuffle") else "smem_linear"
+            return pq_topc_jax_triton(*args, num_candidates=c, params=Params(decode=decode))
         return pq_topc(*args, num_candidates=c, implementation=impl)
 
     return Case("pq_topc", dict(B=batch, N=history, H=heads, D=dim, M=subspaces, C=c),
@@ -149,9 +152,11 @@ def index_scores_case(batch, c=2048, heads=64, dim=128, top=512):
 OPS = ("pq_topc", "topk", "index_scores", "sparse_attention", "hot_resolve")
 IMPLEMENTATIONS = ("xla", "triton", "jax_triton", "mosaic", "triton_unfused", "triton_fused",
                    "triton_fp8", "triton_oneread", "xla_top512", "triton_fp8_top512",
-                   "triton_fp8_split_top512", "jax_triton_shuffle", "triton_copy")
+                   "triton_fp8_split_top512", "jax_triton_shuffle", "jax_triton_linear",
+                   "triton_copy")
 SUPPORTED = {  # the implementations each op has (others are skipped, not timed)
-    "pq_topc": ("xla", "triton", "triton_unfused", "jax_triton", "jax_triton_shuffle"),
+    "pq_topc": ("xla", "triton", "triton_unfused", "jax_triton", "jax_triton_shuffle",
+                "jax_triton_linear"),
     "topk": ("xla", "triton", "triton_oneread", "triton_fused"),
     "index_scores": ("xla", "triton", "jax_triton", "triton_fp8", "xla_top512",
                      "triton_fp8_top512", "triton_fp8_split_top512"),

@@ -29,11 +29,22 @@ lengths[b] only store -inf):
   s[n]        = sum_h w[h] * ReLU((keys @ q^T)[n, h])        bf16 operands, f32 accumulation
 and stores s (-inf at n >= lengths[b]) to scores [B, N] f32. ``decode`` picks how Triton lowers
 the gather: "smem" (a 1-D gather over the flattened book: Triton stages the book in shared
-memory and each output is one 64-bit shared load) or "shuffle" (the 2-D gather along the K
-axis, which Triton makes warp-local: K / 32 register shuffles of each 64-bit word per output;
-no shared memory, but 16 shuffles per (key, subspace) at K = 256). Neither can keep the book in
-shared memory across tiles (Triton has no explicit shared allocation): "smem" re-stages it per
-tile (64 KiB of shared stores per BN keys, amortised by a large BN).
+memory and each output is one 64-bit shared load), "smem_linear" (the same without the
+swizzle below, kept to measure it) or "shuffle" (the 2-D gather along the K axis, which Triton
+makes warp-local: K / 32 register shuffles of each 64-bit word per output; no shared memory,
+but 16 shuffles per (key, subspace) at K = 256). Neither can keep the book in shared memory
+across tiles (Triton has no explicit shared allocation): "smem" re-stages it per tile (64 KiB of
+shared stores per BN keys, amortised by a large BN).
+
+Bank swizzle ("smem"). Shared memory serves one 128-byte row of its 32 banks per wavefront, so
+S = 128 / word bytes words (16 at bf16, 32 at fp8) have distinct bank slots. Row-major, word
+(c, w) of the book sits at c W + w, whose slot is w alone when S divides W (the V4 shape: W =
+32): the lanes of one gather instruction, which Triton gives to different keys at one word,
+then all hit one slot with different addresses, a ~32-way conflict unless their codes agree
+(Nsight Compute, H200: 2.5e8 conflicts for 8.7e6 shared loads with random codes, 1.76 ms,
+against 0.68 ms with all codes 0; results/kernel_ncu_session27/). "smem" stores word w of row
+c at column w ^ (c & X), X = min(W, S) - 1, and gathers from c W + (w ^ (c & X)): for one w the
+slot is (w ^ c) mod S, spread by the codes themselves.
 
 Top-C: ``pallas_kernels.topk`` ("triton": one read of the score row, its own kernels) on the
 [B, N] scores. The Pallas kernel (``triton.py``) fuses topk's first counting pass into its
@@ -72,13 +83,14 @@ from pallas_kernels.topk import topk
 MIN_DOT_DIM = 16  # tl.dot needs every operand dim >= 16
 MIN_DOT_K_FP8 = 32  # an fp8 tl.dot needs a contraction dim >= 32
 WORD_VALUES = 4  # values per codebook word: 4 bf16 in 64 bits, or 4 e4m3 in 32 bits (fp8)
-DECODES = ("smem", "shuffle")
+DECODES = ("smem", "smem_linear", "shuffle")
+BANK_BYTES = 128  # one shared-memory wavefront: 32 banks of 4 bytes
 
 
 @dataclasses.dataclass(frozen=True)
 class Params:
     """Launch parameters (powers of two): block_n keys per tile, steps tiles per program,
-    decode "smem" | "shuffle" (see the module docstring)."""
+    decode "smem" | "smem_linear" | "shuffle" (see the module docstring)."""
 
     block_n: int = 256
     steps: int = 8
@@ -131,11 +143,28 @@ def layout(h: int, m: int, k: int, ds: int, fp8: bool = False) -> Layout:
                   kp=_pow2(k), fp8=fp8)
 
 
-def packed_codebook(codebooks, lay: Layout) -> jnp.ndarray:
+def swizzle_mask(lay: Layout, decode: str) -> int:
+    """X of the bank swizzle (module docstring) for ``decode``: min(W, S) - 1 for "smem", else
+    0 (row-major)."""
+    if decode != "smem":
+        return 0
+    return min(lay.words, BANK_BYTES // (4 if lay.fp8 else 8)) - 1
+
+
+def packed_codebook(codebooks, lay: Layout, swizzle: int = 0) -> jnp.ndarray:
     """Codebooks [M, K, d] -> the kernel's book [KP, W, 2] uint32 (little-endian halves of the
-    int64 word): word j * WPS + g of row c = bf16 bits of C_j[c, 4g + f] at bits 16 f.
+    int64 word): word j * WPS + g of row c = bf16 bits of C_j[c, 4g + f] at bits 16 f, stored
+    at column (j * WPS + g) ^ (c & swizzle).
     fp8 (codebooks already e4m3): [KP, W] uint32, e4m3 bits of C_j[c, 4g + f] at bits 8 f.
     Padded subspaces, dims and rows are zero."""
+    book = _row_major_book(codebooks, lay)
+    # out[c, v] = in[c, v ^ (c & X)]: XOR is its own inverse, so word w lands at w ^ (c & X)
+    cols = jnp.arange(lay.words)[None, :] ^ (jnp.arange(lay.kp)[:, None] & swizzle)
+    return jnp.take_along_axis(book, cols if lay.fp8 else cols[..., None], axis=1)
+
+
+def _row_major_book(codebooks, lay: Layout) -> jnp.ndarray:
+    """``packed_codebook`` without the swizzle."""
     pad = ((0, lay.mp - lay.m), (0, lay.kp - lay.k), (0, lay.dsp - lay.ds))
     if lay.fp8:
         if codebooks.dtype != jnp.float8_e4m3fn:
@@ -151,14 +180,14 @@ def packed_codebook(codebooks, lay: Layout) -> jnp.ndarray:
     return halves.transpose(1, 0, 2, 3).reshape(lay.kp, lay.words, 2)
 
 
-def decode_packed(book, codes, lay: Layout) -> jnp.ndarray:
-    """The kernel's decode in jnp: book [KP, W, 2] uint32, codes [..., N, M] uint8 ->
-    keys [..., N, DP] bf16 (column 4 w + f = field f of word w), codes clamped to K - 1.
-    fp8: book [KP, W] uint32 -> keys [..., N, DP] e4m3."""
+def decode_packed(book, codes, lay: Layout, swizzle: int = 0) -> jnp.ndarray:
+    """The kernel's decode in jnp: book [KP, W, 2] uint32 (``packed_codebook`` with this
+    ``swizzle``), codes [..., N, M] uint8 -> keys [..., N, DP] bf16 (column 4 w + f = field f
+    of word w), codes clamped to K - 1. fp8: book [KP, W] uint32 -> keys [..., N, DP] e4m3."""
     sub = jnp.arange(lay.words) // lay.wps  # [W] subspace of each word
     ids = jnp.minimum(codes.astype(jnp.int32), lay.k - 1)
     ids = jnp.where(sub < lay.m, ids[..., jnp.minimum(sub, lay.m - 1)], 0)  # [..., N, W]
-    words = book[ids, jnp.arange(lay.words)]  # [..., N, W, 2] ([..., N, W] fp8)
+    words = book[ids, jnp.arange(lay.words) ^ (ids & swizzle)]  # [..., N, W, 2] ([.., W] fp8)
     if lay.fp8:
         fields = jnp.stack([(words >> (8 * f)) & 0xFF for f in range(WORD_VALUES)], axis=-1)
         keys = lax.bitcast_convert_type(fields.astype(jnp.uint8), jnp.float8_e4m3fn)
@@ -201,7 +230,8 @@ def emulated_scores(q, weights, codes, codebooks, lengths, precision: str = "bf1
     q, weights, codebooks = _quantized(q, weights, codebooks, precision)
     h, (m, k, ds) = q.shape[1], codebooks.shape
     lay = layout(h, m, k, ds, fp8=precision == "fp8")
-    keys = decode_packed(packed_codebook(codebooks, lay), codes, lay)  # [B, N, DP]
+    swz = swizzle_mask(lay, DEFAULT_PARAMS.decode)
+    keys = decode_packed(packed_codebook(codebooks, lay, swz), codes, lay, swz)  # [B, N, DP]
     qp = padded_query(q, lay)
     if lay.fp8:  # e4m3 products are exact in f32
         dots = jnp.einsum("bnd,bhd->bnh", keys.astype(jnp.float32), qp.astype(jnp.float32),
@@ -233,6 +263,7 @@ def _kernel():
         N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
         W: tl.constexpr, WPS: tl.constexpr, DP: tl.constexpr, HP: tl.constexpr,
         BN: tl.constexpr, STEPS: tl.constexpr, FLAT: tl.constexpr, FP8: tl.constexpr,
+        SWZ: tl.constexpr,  # X of the bank swizzle (0: row-major book)
     ):
         b = tl.program_id(0).to(tl.int64)
         first = tl.program_id(1) * (BN * STEPS)
@@ -263,7 +294,7 @@ def _kernel():
                               mask=ok, other=0, eviction_policy="evict_first")
                 idx = tl.minimum(idx.to(tl.int32), K - 1)  # [BN, W]
                 if FLAT:
-                    flat = tl.reshape(idx * W + words[None, :], (BN * W,))
+                    flat = tl.reshape(idx * W + (words[None, :] ^ (idx & SWZ)), (BN * W,))
                     packed = tl.reshape(tl.gather(book, flat, 0), (BN, W))
                 else:
                     packed = tl.gather(book, idx, 0)  # [BN, W] int64 (FP8: int32)
@@ -302,7 +333,8 @@ def compile_ptx(lay: Layout, n: int, params: Params | None = None, arch: int = 9
     p = params or DEFAULT_PARAMS
     block_n, steps = _tile(n, p)
     consts = dict(N=n, M=lay.m, K=lay.k, KP=lay.kp, W=lay.words, WPS=lay.wps, DP=lay.dp,
-                  HP=lay.hp, BN=block_n, STEPS=steps, FLAT=p.decode == "smem", FP8=lay.fp8)
+                  HP=lay.hp, BN=block_n, STEPS=steps, FLAT=p.decode != "shuffle", FP8=lay.fp8,
+                  SWZ=swizzle_mask(lay, p.decode))
     sig = dict(len_ptr="*i32", qt_ptr="*u8" if lay.fp8 else "*bf16", w_ptr="*fp32",
                codes_ptr="*u8", book_ptr="*u32", out_ptr="*fp32")
     sig.update(dict.fromkeys(consts, "constexpr"))
@@ -339,14 +371,15 @@ def coarse_scores_jax_triton(q, weights, codes, codebooks, lengths, *,
     qt = padded_query(q, lay)
     if lay.fp8:  # passed as raw bytes, bitcast back in the kernel
         qt = lax.bitcast_convert_type(qt, jnp.uint8)
+    swz = swizzle_mask(lay, p.decode)
     return jax_triton.triton_call(
-        lens, qt, w, codes, packed_codebook(codebooks, lay),
+        lens, qt, w, codes, packed_codebook(codebooks, lay, swz),
         kernel=_kernel(),
         out_shape=jax.ShapeDtypeStruct((b, n), jnp.float32),
         grid=(b, -(-n // (block_n * steps))),
         num_warps=p.num_warps, num_stages=p.num_stages,
         N=n, M=m, K=k, KP=lay.kp, W=lay.words, WPS=lay.wps, DP=lay.dp, HP=lay.hp,
-        BN=block_n, STEPS=steps, FLAT=p.decode == "smem", FP8=lay.fp8,
+        BN=block_n, STEPS=steps, FLAT=p.decode != "shuffle", FP8=lay.fp8, SWZ=swz,
     )
 
 
