@@ -30,7 +30,7 @@ case "${STEP:-ncu}" in
     part mosaic_tests 150 "python3 -m pytest -q -p no:cacheprovider -m gpu \
       tests/test_kernel_sparse_attention.py -k mosaic"
     mkdir -p "$OUT/ncu"
-    OPS="pq_topc pq_topc_zero_codes sparse_attention_mosaic sparse_attention_mosaic_loop" \
+    OPS="pq_topc pq_topc_zero_codes sparse_attention_mosaic sparse_attention_mosaic_unrolled" \
       OUT=$OUT/ncu bash "$ROOT/benchmarks/kernel_ncu_gpu.sh" 2>&1 | tail -30
     pack session26_next ;;
   *) echo "STEP=${STEP}: unknown (ncu | index_logits)"; exit 2 ;;

@@ -14,8 +14,9 @@ Two modes:
                         shared-memory instructions, wavefronts and bank conflicts (loads and
                         stores apart) where the CSV has them.
 Ops beyond the four targets: pq_topc_zero_codes (the score kernel with every code 0),
-sparse_attention_mosaic and sparse_attention_mosaic_loop (the Mosaic GPU kernel, its row copies
-unrolled or issued by a loop).
+pq_topc_linear (with the row-major codebook, no bank swizzle), sparse_attention_mosaic and
+sparse_attention_mosaic_unrolled (the Mosaic GPU kernel, its row copies issued by a loop or
+unrolled).
 Run by benchmarks/kernel_ncu_gpu.sh on the GPU machine.
 """
 
@@ -40,8 +41,9 @@ OPS = {  # op -> (implementation, ncu kernel-name regex)
     # Mosaic GPU names a kernel after its body's __name__, "anonymous" for mosaic.py's
     # functools.partial (jax/_src/pallas/mosaic_gpu/core.py::kernel)
     "sparse_attention_mosaic": ("mosaic", "anonymous|body|mosaic"),
-    # the same kernel with its row copies issued by a loop (mosaic.default_config's row_loop)
-    "sparse_attention_mosaic_loop": ("mosaic_loop", "anonymous|body|mosaic"),
+    # the same kernel with its 64 row copies unrolled (mosaic.default_config's row_loop=False;
+    # the default issues them from a loop since session 27)
+    "sparse_attention_mosaic_unrolled": ("mosaic_unrolled", "anonymous|body|mosaic"),
 }
 METRICS = {  # column -> ncu raw metric
     "duration_us": "gpu__time_duration.sum",
@@ -83,9 +85,9 @@ def child(op: str, impl: str) -> None:
     if op.endswith("_zero_codes"):  # q, w, codes, books, lengths
         args = (*args[:2], jax.numpy.zeros_like(args[2]), *args[3:])
     args = jax.block_until_ready(args)
-    if impl == "mosaic_loop":
+    if impl == "mosaic_unrolled":
         from pallas_kernels.sparse_attention.mosaic import sparse_attention_mosaic
-        fn = jax.jit(lambda *a: sparse_attention_mosaic(*a, row_loop=True))
+        fn = jax.jit(lambda *a: sparse_attention_mosaic(*a, row_loop=False))
     else:
         fn = jax.jit(lambda *a: case.call(impl, *a))
     for _ in range(2):

@@ -298,13 +298,13 @@ def test_mosaic_lowers_for_cuda_at_v4_shape(s):
     assert mapped.count("stablehlo.custom_call @mosaic_gpu") == 1
 
 
-def test_mosaic_row_loop_lowers_for_cuda():
-    """The Mosaic kernel with its row copies issued by a loop (``row_loop``) lowers for CUDA as
-    one kernel at the V4 shape (its outputs are checked on the GPU by
-    ``test_gpu_mosaic_v4_shape_matches_reference``)."""
+def test_mosaic_unrolled_rows_lower_for_cuda():
+    """The Mosaic kernel with its row copies unrolled (``row_loop=False``; the default issues
+    them from a loop) lowers for CUDA as one kernel at the V4 shape (its outputs are checked on
+    the GPU by ``test_gpu_mosaic_v4_shape_matches_reference``)."""
     from pallas_kernels.sparse_attention.mosaic import sparse_attention_mosaic
 
-    fn = functools.partial(sparse_attention_mosaic, row_loop=True)
+    fn = functools.partial(sparse_attention_mosaic, row_loop=False)
     text = common.lower_for_cuda(fn, *_specs(8, **V4))
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
 
@@ -446,7 +446,7 @@ def test_gpu_v4_shape_row_formats(rows):
 @pytest.mark.parametrize("s", [2, 64])
 def test_gpu_mosaic_v4_shape_matches_reference(s):
     """The Mosaic GPU kernel at the V4-Flash shape (bf16) vs XLA, direct and vmapped; and with
-    its row copies issued by a loop (``row_loop``)."""
+    its row copies unrolled (``row_loop=False``; the default loops)."""
     from pallas_kernels.sparse_attention.mosaic import sparse_attention_mosaic
 
     args = tuple(map(jnp.asarray, _inputs(s, **V4, seed=9)))
@@ -454,8 +454,8 @@ def test_gpu_mosaic_v4_shape_matches_reference(s):
     got = np.asarray(sparse_attention(*args, implementation="mosaic"))
     assert np.all(got[1] == 0.0)
     assert_close(got, want, "bfloat16")
-    looped = np.asarray(sparse_attention_mosaic(*args, row_loop=True))
-    assert_close(looped, want, "bfloat16")
+    unrolled = np.asarray(sparse_attention_mosaic(*args, row_loop=False))
+    assert_close(unrolled, want, "bfloat16")
     mapped = jax.vmap(functools.partial(sparse_attention, implementation="mosaic"),
                       in_axes=(0, 0, 0, 0, 0, None))(*(a[:, None] for a in args[:5]), args[5])
     assert_close(np.asarray(mapped[:, 0]), want, "bfloat16")

@@ -46,11 +46,13 @@ def check_triton_shapes(d: int) -> None:
 
 
 def default_config(t: int, h: int, n: int) -> dict:
-    """BM = BT HP = 128 GEMM rows (BT = 2 queries at H = 64), BN = 64 keys a block, STEPS = 16
-    blocks a program (fewer for short N), 4 warps: a [128, 64] f32 accumulator is 64 registers
-    a thread."""
+    """BM = BT HP = 256 GEMM rows (BT = 4 queries at H = 64), BN = 64 keys a block, STEPS = 16
+    blocks a program (fewer for short N), 4 warps: a [256, 64] f32 accumulator is 128
+    registers a thread. H200, T 1024, H 64, D 128 (session 27, benchmarks/index_logits_gpu.py):
+    BT 4 took 2.93 / 11.05 / 21.56 ms at N 32768 / 131072 / 262144 against BT 2's 3.19 /
+    12.22 / 24.10 (187-204 TFLOP/s)."""
     hp = max(MIN_DOT, _pow2(h))
-    bt = max(1, min(_pow2(t), 128 // hp))
+    bt = max(1, min(_pow2(t), 256 // hp))
     bn = 64
     steps = max(1, min(16, _pow2(-(-n // bn))))
     return dict(block_t=bt, block_n=bn, steps=steps, num_warps=4, num_stages=2)
