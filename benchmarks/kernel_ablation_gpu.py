@@ -15,7 +15,8 @@ over --rounds rounds so the run-to-run spread is measured beside the differences
   different keys' gathers meeting in one warp instruction: with the row-major book all lanes
   of a gather hit one bank (``pq_topc.jax_triton``'s module docstring). Session 27: the bank
   swizzle ("smem", the default) against the row-major book ("smem_linear") and the shuffle
-  decode, random and zero codes, bf16 and fp8 books.
+  decode, random and zero codes, bf16 and fp8 books; and 512-key tiles (the book's per-tile
+  re-staging, now the kernel's largest shared-memory cost, halved per key).
 - topk (triton_fused, 64 rows, k 2048): N = 262144 (target) vs N = 131072.
 - index_scores (triton_fp8, B 64): C = 2048 (target) vs C = 1024.
 
@@ -59,14 +60,15 @@ def codes_per_subspace(args):
     return q, w, jnp.broadcast_to(codes[:, :1, :], codes.shape), books, lengths
 
 
-def pq_scores(impl, decode: str = "smem", precision: str = "bf16"):
+def pq_scores(impl, decode: str = "smem", precision: str = "bf16", **launch):
     """The op of the pq_topc rows: the score kernel alone (jax_triton, with this gather
-    lowering and book precision) or, for --dry, the XLA op whole (the kernel needs a GPU)."""
+    lowering, book precision and launch parameters) or, for --dry, the XLA op whole (the
+    kernel needs a GPU)."""
     if impl == "xla":
         return lambda case, *a: case.call("xla", *a)
     from pallas_kernels.pq_topc.jax_triton import Params, coarse_scores_jax_triton
 
-    params = Params(decode=decode)
+    params = Params(decode=decode, **launch)
     return lambda case, *a: coarse_scores_jax_triton(*a, params=params, precision=precision)
 
 
@@ -112,6 +114,12 @@ def variants(dry: bool):
              pq_scores("jax_triton", precision="fp8"), zero_codes),
             ("pq_scores", "N=131072 fp8 smem_linear", kc.pq_topc_case(64, 131072),
              pq_scores("jax_triton", "smem_linear", "fp8"), None),
+            # 512 keys a tile: the book re-staged half as often a key (ptxas: 242 registers,
+            # no spills bf16; 255 and 16 spilled bytes fp8)
+            ("pq_scores", "N=131072 BN 512", kc.pq_topc_case(64, 131072),
+             pq_scores("jax_triton", block_n=512, steps=4), None),
+            ("pq_scores", "N=131072 fp8 BN 512", kc.pq_topc_case(64, 131072),
+             pq_scores("jax_triton", precision="fp8", block_n=512, steps=4), None),
             ("topk", "N=262144", kc.topk_case(64, 262144, 2048), op_of("triton_fused"), None),
             ("topk", "N=131072", kc.topk_case(64, 131072, 2048), op_of("triton_fused"), None),
             ("index_scores", "C=2048", kc.index_scores_case(64, c=2048), op_of("triton_fp8"),

@@ -3,7 +3,8 @@
     PYTHONPATH=<triton 3.6 site> python benchmarks/pq_ptx_census.py [--out results/pq_ptx_census]
 
 Compiles ``pallas_kernels.pq_topc.jax_triton``'s score kernel for sm_90 at the target shape
-(H 64, D 128, M 32 subspaces of 4 dims, K 256, N 131072) for each launch variant below and
+(H 64, D 128, M 32 subspaces of 4 dims, K 256, N 131072), bf16 and fp8 books, for each
+launch variant below and
 counts, per thread, its loads and stores (shared and global) by width, ldmatrix and wgmma (static
 counts of the whole kernel: the tile loop appears once in the PTX, so its instructions count
 once per tile of BN keys; the prologue's are there too: at the default launch its 32
@@ -24,8 +25,10 @@ from pallas_ptx import census, ptxas_resources  # benchmarks/pallas_ptx.py
 
 from pallas_kernels.pq_topc import jax_triton as jt
 
-VARIANTS = {"default (BN 256, 8 warps)": jt.Params(),
+VARIANTS = {"default (BN 256, 8 warps; bank-swizzled book)": jt.Params(),
+            "row-major book (smem_linear)": jt.Params(decode="smem_linear"),
             "BN 512, 4 steps": jt.Params(block_n=512, steps=4),
+            "BN 512, 4 steps, 16 warps": jt.Params(block_n=512, steps=4, num_warps=16),
             "BN 128, 16 steps, 4 warps": jt.Params(block_n=128, steps=16, num_warps=4)}
 
 
@@ -35,14 +38,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import triton
 
-    lay = jt.layout(64, 32, 256, 4)
     records = []
-    for name, params in VARIANTS.items():
-        ptx = jt.compile_ptx(lay, 131072, params)
-        rec = dict(variant=name, block_n=params.block_n, num_warps=params.num_warps,
-                   per_thread_per_tile=census(ptx), ptxas=ptxas_resources(ptx))
-        records.append(rec)
-        print(f"{name}: {rec['per_thread_per_tile']}  ptxas: {rec['ptxas']}")
+    for precision in ("bf16", "fp8"):
+        lay = jt.layout(64, 32, 256, 4, fp8=precision == "fp8")
+        for name, params in VARIANTS.items():
+            ptx = jt.compile_ptx(lay, 131072, params)
+            rec = dict(variant=name, precision=precision, block_n=params.block_n,
+                       num_warps=params.num_warps, decode=params.decode,
+                       per_thread_per_tile=census(ptx), ptxas=ptxas_resources(ptx))
+            records.append(rec)
+            print(f"{precision} {name}: {rec['per_thread_per_tile']}  ptxas: {rec['ptxas']}")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(
