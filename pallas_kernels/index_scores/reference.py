@@ -79,11 +79,15 @@ def quantize_queries(q: jnp.ndarray, weights: jnp.ndarray):
     row). Returns (q8 [B, H, D] float8_e4m3fn = round(q / s), w8 [B, H] f32 = weights * s).
     Since s > 0, w * ReLU(q . k) ~= w8 * ReLU(q8 . k): the query scale moves into the head
     weight and the dot runs on FP8 operands. q8 carries e4m3's 3 mantissa bits (~3% per value).
+    q8 comes out of an optimization barrier so that the twin, which widens it back to f32 in
+    the same jitted program, keeps the rounding on the GPU too (see
+    ``pallas_kernels.pq_topc.reference._to_e4m3``).
     """
     q = q.astype(jnp.float32)
     amax = jnp.max(jnp.abs(q), axis=-1)
     s = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
-    q8 = jnp.clip(q / s[..., None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    q8 = jax.lax.optimization_barrier(
+        jnp.clip(q / s[..., None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn))
     return q8, weights.astype(jnp.float32) * s
 
 
