@@ -56,9 +56,13 @@ if count(best) >= 0:
     shutil.copy(best, pathlib.Path(os.environ["OUT"]) / run / "results.json")
     print(f"resuming from {best} ({count(best)} cells)")
 EOF
+  # the whole log (progress bars dropped, first 4 MB) comes back as $OUT/$RUN/run.log: where
+  # a cell runs out of host memory, XLA's allocator prints its live-buffer summary there
   timeout "$(( budget + 45 ))" python3 -m experiments.cli run "configs/experiments/$RUN.gin" \
-    "--gin.scale.time_budget_s=$budget" ${SCALE_ARGS:-} 2>&1 | quiet | tail -40
+    "--gin.scale.time_budget_s=$budget" ${SCALE_ARGS:-} 2>&1 | quiet \
+    | tee "$OUT/$RUN/run.log" | tail -40
   echo "-- scale exit ${PIPESTATUS[0]} (124: cut by its timeout)"
+  truncate -s '<4000000' "$OUT/$RUN/run.log"
   cp "$OUT/$RUN/results.json" "/tmp/lsparse_$RUN/" 2>/dev/null
   python3 -m experiments.scale_report --runs "$OUT" --only "$RUN" 2>&1 | tail -30
 }

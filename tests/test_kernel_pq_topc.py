@@ -403,6 +403,23 @@ def test_jax_triton_emulated_random_within_bf16():
     assert_close(got, ref, "bfloat16", mask=np.isfinite(ref))
 
 
+def test_boundary_swap_check():
+    """``assert_swaps_at_boundary`` (the fp8 GPU tests' comparison with the XLA twin): equal
+    sets pass; a swap of the C-th and (C+1)-th positions passes when their reference scores are
+    within tol of the C-th and fails when the swapped-in one is far below; padding counts
+    must agree."""
+    scores = np.array([[9.0, 8.0, 5.0, 4.99, 1.0, -np.inf]])
+    c = 3  # top-3 = {0, 1, 2}; the 3rd score is 5.0
+    assert_swaps_at_boundary([[0, 1, 2]], [[2, 0, 1]], scores, c, 0.0)
+    assert_swaps_at_boundary([[0, 1, 3]], [[0, 1, 2]], scores, c, 0.02)
+    with pytest.raises(AssertionError, match="away from the boundary"):
+        assert_swaps_at_boundary([[0, 1, 3]], [[0, 1, 2]], scores, c, 0.001)
+    with pytest.raises(AssertionError, match="away from the boundary"):
+        assert_swaps_at_boundary([[0, 1, 4]], [[0, 1, 2]], scores, c, 0.02)
+    with pytest.raises(AssertionError, match="positions"):
+        assert_swaps_at_boundary([[0, 1, -1]], [[0, 1, 2]], scores, c, 10.0)
+
+
 def test_jax_triton_refused_without_gpu():
     """The module imports without triton / jax-triton (lazy imports); the api refuses the
     implementation on a machine without a GPU, naming what to use instead."""
