@@ -42,9 +42,11 @@ S = 128 / word bytes words (16 at bf16, 32 at fp8) have distinct bank slots. Row
 32): the lanes of one gather instruction, which Triton gives to different keys at one word,
 then all hit one slot with different addresses, a ~32-way conflict unless their codes agree
 (Nsight Compute, H200: 2.5e8 conflicts for 8.7e6 shared loads with random codes, 1.76 ms,
-against 0.68 ms with all codes 0; results/kernel_ncu_session27/). "smem" stores word w of row
-c at column w ^ (c & X), X = min(W, S) - 1, and gathers from c W + (w ^ (c & X)): for one w the
-slot is (w ^ c) mod S, spread by the codes themselves.
+against 0.68 ms with all codes 0; results/kernel_ncu_session26_next/). "smem" stores word w of
+row c at column w ^ (c & X), X = min(W, S) - 1, and gathers from c W + (w ^ (c & X)): for one w
+the slot is (w ^ c) mod S, spread by the codes themselves (3.4e7 conflicts, 0.85 ms under
+Nsight Compute; 1.92x bf16, 1.74x fp8 per call at B 64, N 131072; results/kernel_ncu_session27/,
+results/kernel_ablation_session27/).
 
 Top-C: ``pallas_kernels.topk`` ("triton": one read of the score row, its own kernels) on the
 [B, N] scores. The Pallas kernel (``triton.py``) fuses topk's first counting pass into its
