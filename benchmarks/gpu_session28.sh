@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # What session 27 left for the next GPU calls (device tool, carry [".whl"]); everything under
 # $OUT comes back in one tar.
-# STEP=check (default; ~330 s, one call):
+# STEP=check (default; ~480 s, one call):
 #   1. the kernels' GPU tests: pq_topc (the fp8 twin now rounds behind an optimization barrier;
 #      its top-C compared up to swaps at the boundary; the swizzle bit for bit), index_scores
 #      (its fp8 twin likewise), sparse_attention (Mosaic's row loop now the default),
 #      index_logits (4 queries a program now the default);
-#   2. the pq score kernel's ablation with 512-key tiles (kernel_ablation_gpu.py --only);
+#   2. LeanSparse's decode step with each coarse pass (Pallas bf16, jax-triton bf16 and fp8:
+#      the scale study's leansparse_fp8_jt) against XLA (test_gpu_hierarchy.py), the gate
+#      before the fp8 jax-triton pass can be LeanSparse's GPU default;
+#      then the pq score kernel's ablation with 512-key tiles (kernel_ablation_gpu.py --only);
 #   3. kernel_compare's pq_topc at the target shape (B 64, N 131072): the whole op (score
 #      kernel + top-C) with the swizzled book, the row-major one, the Pallas kernels and XLA
 #      (issue 16, deliver 5: one H200 run per variant).
@@ -18,6 +21,8 @@ case "${STEP:-check}" in
     part tests 240 "python3 -m pytest -q -p no:cacheprovider -m gpu \
       tests/test_kernel_pq_topc.py tests/test_kernel_index_scores.py \
       tests/test_kernel_sparse_attention.py tests/test_kernel_index_logits.py"
+    part engine_lean 150 "python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/test_gpu_hierarchy.py -k leansparse_kernels"
     part pq_ablation 100 "python3 benchmarks/kernel_ablation_gpu.py \
       --only 'pq_scores N=131072' --out \$OUT --budget-s 60 --rounds 3"
     TAIL=12 part kc_pq 150 "python3 -m experiments.cli run configs/experiments/kernel_compare.gin \

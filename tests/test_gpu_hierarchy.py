@@ -40,15 +40,25 @@ def test_hisparse_bit_identical_on_gpu(kv_dtype):
     test_hisparse_with_pallas_host_gather_is_bit_identical(kv_dtype)  # zero-copy, for real
 
 
-def test_leansparse_kernels_match_xla_on_gpu():
-    """The decode step with the Pallas kernels (bf16 tensor-core scores) selects what the XLA
-    reference selects up to boundary ties, and its logits agree where selections agree."""
+@pytest.mark.parametrize("coarse", [{}, {"coarse_implementation": "jax_triton"},
+                                    {"coarse_implementation": "jax_triton",
+                                     "coarse_precision": "fp8"}],
+                         ids=["pallas", "jax_triton", "jax_triton_fp8"])
+def test_leansparse_kernels_match_xla_on_gpu(coarse):
+    """The decode step with the kernels (bf16 tensor-core scores; the coarse pass by the Pallas
+    kernel, or the jax-triton one in bf16 or fp8: leansparse_fp8_jt of the scale study) selects
+    what the XLA reference (fp8: its fp8 twin) selects up to boundary ties, and its logits
+    agree where selections agree."""
+    import dataclasses
+
     from lsparse_jax.config import LeanSparseConfig
     from tests.test_leansparse import make
 
-    lean = LeanSparseConfig(num_candidates=64, miss_filter_offset=1.0, key_cache_rows=96)
-    engines = {impl: make("leansparse", lean, slots=1, implementation=impl)
-               for impl in ("xla", "triton")}
+    lean = LeanSparseConfig(num_candidates=64, miss_filter_offset=1.0, key_cache_rows=96,
+                            coarse_precision=coarse.get("coarse_precision", "bf16"))
+    kernels = dataclasses.replace(lean, **coarse)
+    engines = {impl: make("leansparse", cfg, slots=1, implementation=impl)
+               for impl, cfg in (("xla", lean), ("triton", kernels))}
     rng = np.random.default_rng(3)
     prompt = rng.integers(0, 256, 150).astype(np.int32)
     for e in engines.values():
