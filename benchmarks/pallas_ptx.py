@@ -28,12 +28,22 @@ import jax.numpy as jnp
 
 from pallas_kernels import common
 from pallas_kernels.index_logits import index_logits
-from pallas_kernels.index_logits.triton import default_config
+from pallas_kernels.index_logits.triton import default_config, index_logits_triton
+
+IL_SHAPES = ((1024, 64, 128), (1024, 64), (32768, 128))
+
+
+def _index_logits_variant(**launch):
+    """index_logits' Triton kernel with launch parameters changed from the default."""
+    return (functools.partial(index_logits_triton, **launch), IL_SHAPES,
+            default_config(*IL_SHAPES[0][:2], IL_SHAPES[2][0]) | launch)
+
 
 KERNELS = {
-    "index_logits": (functools.partial(index_logits, implementation="triton"),
-                     ((1024, 64, 128), (1024, 64), (32768, 128)),
+    "index_logits": (functools.partial(index_logits, implementation="triton"), IL_SHAPES,
                      default_config(1024, 64, 32768)),
+    "index_logits BT 2": _index_logits_variant(block_t=2),
+    "index_logits BT 8, 8 warps": _index_logits_variant(block_t=8, num_warps=8),
 }
 
 
