@@ -37,16 +37,20 @@ across tiles (Triton has no explicit shared allocation): "smem" re-stages it per
 shared stores per BN keys, amortised by a large BN).
 
 Bank swizzle ("smem"). Shared memory serves one 128-byte row of its 32 banks per wavefront, so
-S = 128 / word bytes words (16 at bf16, 32 at fp8) have distinct bank slots. Row-major, word
-(c, w) of the book sits at c W + w, whose slot is w alone when S divides W (the V4 shape: W =
-32): the lanes of one gather instruction, which Triton gives to different keys at one word,
-then all hit one slot with different addresses, a ~32-way conflict unless their codes agree
-(Nsight Compute, H200: 2.5e8 conflicts for 8.7e6 shared loads with random codes, 1.76 ms,
-against 0.68 ms with all codes 0; results/kernel_ncu_session26_next/). "smem" stores word w of
-row c at column w ^ (c & X), X = min(W, S) - 1, and gathers from c W + (w ^ (c & X)): for one w
-the slot is (w ^ c) mod S, spread by the codes themselves (3.4e7 conflicts, 0.85 ms under
-Nsight Compute; 1.92x bf16, 1.74x fp8 per call at B 64, N 131072; results/kernel_ncu_session27/,
-results/kernel_ablation_session27/).
+S = 128 / word bytes words (16 at bf16, 32 at fp8) have distinct bank slots; in the row-major
+book word (c, w) sits at c W + w, whose slot is w alone when S divides W (the V4 shape: W = 32).
+Measured with the row-major book (H200, B 64, N 131072; results/kernel_ncu_session26_next/):
+~29 bank conflicts per shared load (2.5e8 for 8.7e6) and 1.76 ms with random codes, 0.68 ms
+with all codes 0, and fast exactly when all keys decode alike (every key with the first key's
+codes) but slow when keys differ even if a key's subspaces share one code. A model that fits
+all of it: the lanes of one gather instruction serve different keys at one word w, all in slot
+w. "smem", built on that model, stores word w of row c at column w ^ (c & X), X = min(W, S) -
+1, and gathers from c W + (w ^ (c & X)), so one word's slot is (w ^ c) mod S, spread by the
+codes: 3.4e7 conflicts, 0.85 ms under Nsight Compute, 1.92x (bf16) and 1.74x (fp8) per call
+(results/kernel_ncu_session27/, results/kernel_ablation_session27/). Not established: the
+kernel's PTX (triton 3.6, sm_90) gives each gather instruction one key with lane l at word l
+(address 256 c + 8 l before the swizzle), under which the row-major gather would not conflict;
+what the hardware serialises there is not known.
 
 Top-C: ``pallas_kernels.topk`` ("triton": one read of the score row, its own kernels) on the
 [B, N] scores. The Pallas kernel (``triton.py``) fuses topk's first counting pass into its
