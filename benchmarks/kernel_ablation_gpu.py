@@ -114,8 +114,8 @@ def variants(dry: bool):
              pq_scores("jax_triton", precision="fp8"), zero_codes),
             ("pq_scores", "N=131072 fp8 smem_linear", kc.pq_topc_case(64, 131072),
              pq_scores("jax_triton", "smem_linear", "fp8"), None),
-            # 512 keys a tile: the book re-staged half as often a key (ptxas: 242 registers,
-            # no spills bf16; 255 and 16 spilled bytes fp8)
+            # 512 keys a tile: the book re-staged half as often a key (ptxas: 244 registers,
+            # no spills bf16; 255 and 4 spilled bytes fp8)
             ("pq_scores", "N=131072 BN 512", kc.pq_topc_case(64, 131072),
              pq_scores("jax_triton", block_n=512, steps=4), None),
             ("pq_scores", "N=131072 fp8 BN 512", kc.pq_topc_case(64, 131072),

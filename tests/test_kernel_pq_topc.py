@@ -546,8 +546,8 @@ def test_jax_triton_fp8_packed_decode(shape, decode):
 def test_jax_triton_swizzle_spreads_one_word_over_all_banks(fp8):
     """At the V4 shape the "smem" book puts word w of rows c = 0 .. S - 1 (S words of one
     128-byte bank row) in S distinct bank slots, for every w; the row-major book ("smem_linear")
-    puts them all in one slot (the conflict of a gather whose lanes share w: the model in
-    ``pq_topc.jax_triton``'s docstring)."""
+    puts them all in one slot (the conflict of a gather whose lanes share w, which is how
+    Triton lays the gather out under jax-triton's 16-byte alignment: the module docstring)."""
     lay = pq_jt.layout(64, 32, 256, 4, fp8=fp8)
     slots = pq_jt.BANK_BYTES // (4 if fp8 else 8)
     rows = np.arange(slots)[:, None]

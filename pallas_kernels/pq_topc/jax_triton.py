@@ -38,19 +38,20 @@ shared stores per BN keys, amortised by a large BN).
 
 Bank swizzle ("smem"). Shared memory serves one 128-byte row of its 32 banks per wavefront, so
 S = 128 / word bytes words (16 at bf16, 32 at fp8) have distinct bank slots; in the row-major
-book word (c, w) sits at c W + w, whose slot is w alone when S divides W (the V4 shape: W = 32).
-Measured with the row-major book (H200, B 64, N 131072; results/kernel_ncu_session26_next/):
-~29 bank conflicts per shared load (2.5e8 for 8.7e6) and 1.76 ms with random codes, 0.68 ms
-with all codes 0, and fast exactly when all keys decode alike (every key with the first key's
-codes) but slow when keys differ even if a key's subspaces share one code. A model that fits
-all of it: the lanes of one gather instruction serve different keys at one word w, all in slot
-w. "smem", built on that model, stores word w of row c at column w ^ (c & X), X = min(W, S) -
-1, and gathers from c W + (w ^ (c & X)), so one word's slot is (w ^ c) mod S, spread by the
-codes: 3.4e7 conflicts, 0.85 ms under Nsight Compute, 1.92x (bf16) and 1.74x (fp8) per call
-(results/kernel_ncu_session27/, results/kernel_ablation_session27/). Not established: the
-kernel's PTX (triton 3.6, sm_90) gives each gather instruction one key with lane l at word l
-(address 256 c + 8 l before the swizzle), under which the row-major gather would not conflict;
-what the hardware serialises there is not known.
+book word (c, w) sits at c W + w, whose slot is w mod S alone (the V4 shape: W = 32). jax-triton
+passes 16-byte-aligned arrays, so Triton loads the codes 16 bytes a thread ([1, 16] codes a
+thread, 16 keys x 2 halves of the words a warp) and the gather takes that layout: one gather
+instruction reads word w (and w + 16) of 16 keys, all in slot w mod 16, a ~32-way conflict
+unless the keys' codes agree. Measured with the row-major book (H200, B 64, N 131072;
+results/kernel_ncu_session26_next/): ~29 conflicts per shared load (2.5e8 for 8.7e6) and 1.76
+ms with random codes, 0.68 ms with all codes 0; fast when all keys decode alike, slow when keys
+differ even if a key's subspaces share one code. "smem" stores word w of row c at column
+w ^ (c & X), X = min(W, S) - 1, and gathers from c W + (w ^ (c & X)), so one word's slot is
+(w ^ c) mod S, spread by the codes: 3.4e7 conflicts, 0.85 ms under Nsight Compute, 1.92x (bf16)
+and 1.74x (fp8) per call (results/kernel_ncu_session27/, results/kernel_ablation_session27/).
+(Compiled without the alignment, as sessions 25-26 read the PTX, Triton loads one code a
+thread and lane l gathers word l of one key, which would not conflict: ``compile_ptx`` marks
+the pointers aligned.)
 
 Top-C: ``pallas_kernels.topk`` ("triton": one read of the score row, its own kernels) on the
 [B, N] scores. The Pallas kernel (``triton.py``) fuses topk's first counting pass into its
@@ -331,7 +332,9 @@ def _kernel():
 
 def compile_ptx(lay: Layout, n: int, params: Params | None = None, arch: int = 90) -> str:
     """PTX of the score kernel for CUDA sm_``arch`` (needs only the triton package, no GPU):
-    for tests that the fp8 path lowers to e4m3 tensor-core MMAs."""
+    for tests that the fp8 path lowers to e4m3 tensor-core MMAs. Every pointer is marked
+    16-byte aligned, as jax-triton marks the arrays it passes: the alignment changes Triton's
+    layouts (16 codes a thread instead of 1), hence which lanes share a gather instruction."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -344,7 +347,10 @@ def compile_ptx(lay: Layout, n: int, params: Params | None = None, arch: int = 9
     sig = dict(len_ptr="*i32", qt_ptr="*u8" if lay.fp8 else "*bf16", w_ptr="*fp32",
                codes_ptr="*u8", book_ptr="*u32", out_ptr="*fp32")
     sig.update(dict.fromkeys(consts, "constexpr"))
-    out = triton.compile(ASTSource(fn=_kernel(), signature=sig, constexprs=consts),
+    aligned = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values())
+               if t.startswith("*")}
+    out = triton.compile(ASTSource(fn=_kernel(), signature=sig, constexprs=consts,
+                                   attrs=aligned),
                          target=GPUTarget("cuda", arch, 32),
                          options=dict(num_warps=p.num_warps, num_stages=p.num_stages))
     return out.asm["ptx"]
