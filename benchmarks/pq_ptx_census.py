@@ -27,6 +27,7 @@ from pallas_kernels.pq_topc import jax_triton as jt
 
 VARIANTS = {"default (BN 256, 8 warps; bank-swizzled book)": jt.Params(),
             "row-major book (smem_linear)": jt.Params(decode="smem_linear"),
+            "codes one a thread (smem_lanes)": jt.Params(decode="smem_lanes"),
             "BN 512, 4 steps": jt.Params(block_n=512, steps=4),
             "BN 512, 4 steps, 16 warps": jt.Params(block_n=512, steps=4, num_warps=16),
             "BN 128, 16 steps, 4 warps": jt.Params(block_n=128, steps=16, num_warps=4)}

@@ -30,11 +30,13 @@ lengths[b] only store -inf):
 and stores s (-inf at n >= lengths[b]) to scores [B, N] f32. ``decode`` picks how Triton lowers
 the gather: "smem" (a 1-D gather over the flattened book: Triton stages the book in shared
 memory and each output is one 64-bit shared load), "smem_linear" (the same without the
-swizzle below, kept to measure it) or "shuffle" (the 2-D gather along the K axis, which Triton
-makes warp-local: K / 32 register shuffles of each 64-bit word per output; no shared memory,
-but 16 shuffles per (key, subspace) at K = 256). Neither can keep the book in shared memory
-across tiles (Triton has no explicit shared allocation): "smem" re-stages it per tile (64 KiB of
-shared stores per BN keys, amortised by a large BN).
+swizzle below, kept to measure it), "smem_lanes" (the row-major book with the codes read one
+a thread, so that lane l gathers word l of one key: no conflict whatever the codes, at the
+price of byte-wide code loads; not yet timed) or "shuffle" (the 2-D gather along the K axis,
+which Triton makes warp-local: K / 32 register shuffles of each 64-bit word per output; no
+shared memory, but 16 shuffles per (key, subspace) at K = 256). None can keep the book in
+shared memory across tiles (Triton has no explicit shared allocation): the smem lowerings
+re-stage it per tile (64 KiB of shared stores per BN keys, amortised by a large BN).
 
 Bank swizzle ("smem"). Shared memory serves one 128-byte row of its 32 banks per wavefront, so
 S = 128 / word bytes words (16 at bf16, 32 at fp8) have distinct bank slots; in the row-major
@@ -90,14 +92,14 @@ from pallas_kernels.topk import topk
 MIN_DOT_DIM = 16  # tl.dot needs every operand dim >= 16
 MIN_DOT_K_FP8 = 32  # an fp8 tl.dot needs a contraction dim >= 32
 WORD_VALUES = 4  # values per codebook word: 4 bf16 in 64 bits, or 4 e4m3 in 32 bits (fp8)
-DECODES = ("smem", "smem_linear", "shuffle")
+DECODES = ("smem", "smem_linear", "smem_lanes", "shuffle")
 BANK_BYTES = 128  # one shared-memory wavefront: 32 banks of 4 bytes
 
 
 @dataclasses.dataclass(frozen=True)
 class Params:
     """Launch parameters (powers of two): block_n keys per tile, steps tiles per program,
-    decode "smem" | "smem_linear" | "shuffle" (see the module docstring)."""
+    decode "smem" | "smem_linear" | "smem_lanes" | "shuffle" (see the module docstring)."""
 
     block_n: int = 256
     steps: int = 8
@@ -271,6 +273,7 @@ def _kernel():
         W: tl.constexpr, WPS: tl.constexpr, DP: tl.constexpr, HP: tl.constexpr,
         BN: tl.constexpr, STEPS: tl.constexpr, FLAT: tl.constexpr, FP8: tl.constexpr,
         SWZ: tl.constexpr,  # X of the bank swizzle (0: row-major book)
+        LANES: tl.constexpr,  # codes read through a pointer of unknown alignment ("smem_lanes")
     ):
         b = tl.program_id(0).to(tl.int64)
         first = tl.program_id(1) * (BN * STEPS)
@@ -297,7 +300,11 @@ def _kernel():
             rows = start + tl.arange(0, BN)  # [BN] positions
             if start < length:
                 ok = (rows[:, None] < N) & (sub[None, :] < M)
-                idx = tl.load(codes_ptr + b * (N * M) + rows[:, None] * M + sub[None, :],
+                # LANES: an offset of unknown divisibility (0 at run time: lengths are
+                # clipped to [0, N]) hides the 16-byte alignment, so Triton reads one code a
+                # thread, lane l at word l of one key
+                base = codes_ptr + ((length < 0).to(tl.int32) if LANES else 0)
+                idx = tl.load(base + b * (N * M) + rows[:, None] * M + sub[None, :],
                               mask=ok, other=0, eviction_policy="evict_first")
                 idx = tl.minimum(idx.to(tl.int32), K - 1)  # [BN, W]
                 if FLAT:
@@ -343,7 +350,7 @@ def compile_ptx(lay: Layout, n: int, params: Params | None = None, arch: int = 9
     block_n, steps = _tile(n, p)
     consts = dict(N=n, M=lay.m, K=lay.k, KP=lay.kp, W=lay.words, WPS=lay.wps, DP=lay.dp,
                   HP=lay.hp, BN=block_n, STEPS=steps, FLAT=p.decode != "shuffle", FP8=lay.fp8,
-                  SWZ=swizzle_mask(lay, p.decode))
+                  SWZ=swizzle_mask(lay, p.decode), LANES=p.decode == "smem_lanes")
     sig = dict(len_ptr="*i32", qt_ptr="*u8" if lay.fp8 else "*bf16", w_ptr="*fp32",
                codes_ptr="*u8", book_ptr="*u32", out_ptr="*fp32")
     sig.update(dict.fromkeys(consts, "constexpr"))
@@ -392,6 +399,7 @@ def coarse_scores_jax_triton(q, weights, codes, codebooks, lengths, *,
         num_warps=p.num_warps, num_stages=p.num_stages,
         N=n, M=m, K=k, KP=lay.kp, W=lay.words, WPS=lay.wps, DP=lay.dp, HP=lay.hp,
         BN=block_n, STEPS=steps, FLAT=p.decode != "shuffle", FP8=lay.fp8, SWZ=swz,
+        LANES=p.decode == "smem_lanes",
     )
 
 
