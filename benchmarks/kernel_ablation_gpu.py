@@ -102,36 +102,30 @@ def variants(dry: bool):
              codes_per_key),
             ("pq_scores", "N=131072 codes per subspace", kc.pq_topc_case(64, 131072), scores,
              codes_per_subspace),
-            ("pq_scores", "N=131072 smem_linear", kc.pq_topc_case(64, 131072),
-             pq_scores("jax_triton", "smem_linear"), None),
-            ("pq_scores", "N=131072 smem_linear zero", kc.pq_topc_case(64, 131072),
-             pq_scores("jax_triton", "smem_linear"), zero_codes),
-            ("pq_scores", "N=131072 shuffle", kc.pq_topc_case(64, 131072),
-             pq_scores("jax_triton", "shuffle"), None),
-            ("pq_scores", "N=131072 fp8", kc.pq_topc_case(64, 131072),
-             pq_scores("jax_triton", precision="fp8"), None),
-            ("pq_scores", "N=131072 fp8 zero codes", kc.pq_topc_case(64, 131072),
-             pq_scores("jax_triton", precision="fp8"), zero_codes),
-            ("pq_scores", "N=131072 fp8 smem_linear", kc.pq_topc_case(64, 131072),
-             pq_scores("jax_triton", "smem_linear", "fp8"), None),
-            # lane l at word l of one key (codes read one a thread), row-major book: no bank
-            # conflict whatever the codes (ptxas: 234 registers bf16, 168 fp8; no spills)
-            ("pq_scores", "N=131072 smem_lanes", kc.pq_topc_case(64, 131072),
-             pq_scores("jax_triton", "smem_lanes"), None),
-            ("pq_scores", "N=131072 fp8 smem_lanes", kc.pq_topc_case(64, 131072),
-             pq_scores("jax_triton", "smem_lanes", "fp8"), None),
-            # 512 keys a tile: the book re-staged half as often a key (ptxas: 244 registers,
-            # no spills bf16; 255 and 4 spilled bytes fp8)
-            ("pq_scores", "N=131072 BN 512", kc.pq_topc_case(64, 131072),
-             pq_scores("jax_triton", block_n=512, steps=4), None),
-            ("pq_scores", "N=131072 fp8 BN 512", kc.pq_topc_case(64, 131072),
-             pq_scores("jax_triton", precision="fp8", block_n=512, steps=4), None),
             ("topk", "N=262144", kc.topk_case(64, 262144, 2048), op_of("triton_fused"), None),
             ("topk", "N=131072", kc.topk_case(64, 131072, 2048), op_of("triton_fused"), None),
             ("index_scores", "C=2048", kc.index_scores_case(64, c=2048), op_of("triton_fp8"),
              None),
             ("index_scores", "C=1024", kc.index_scores_case(64, c=1024), op_of("triton_fp8"),
              None)]
+    # the score kernel's gather lowerings and tiles at N 131072: (label, decode, precision,
+    # launch, transform). smem_lanes: lane l at word l of one key (codes read one a thread),
+    # row-major book, no bank conflict whatever the codes (ptxas: 234 registers bf16, 168
+    # fp8; no spills). BN 512: the book re-staged half as often a key (244 registers bf16, no
+    # spills; 255 and 4 spilled bytes fp8).
+    for label, decode, precision, launch, transform in (
+            ("smem_linear", "smem_linear", "bf16", {}, None),
+            ("smem_linear zero", "smem_linear", "bf16", {}, zero_codes),
+            ("shuffle", "shuffle", "bf16", {}, None),
+            ("fp8", "smem", "fp8", {}, None),
+            ("fp8 zero codes", "smem", "fp8", {}, zero_codes),
+            ("fp8 smem_linear", "smem_linear", "fp8", {}, None),
+            ("smem_lanes", "smem_lanes", "bf16", {}, None),
+            ("fp8 smem_lanes", "smem_lanes", "fp8", {}, None),
+            ("BN 512", "smem", "bf16", dict(block_n=512, steps=4), None),
+            ("fp8 BN 512", "smem", "fp8", dict(block_n=512, steps=4), None)):
+        out.append(("pq_scores", f"N=131072 {label}", kc.pq_topc_case(64, 131072),
+                    pq_scores("jax_triton", decode, precision, **launch), transform))
     return out
 
 

@@ -347,10 +347,7 @@ def compile_ptx(lay: Layout, n: int, params: Params | None = None, arch: int = 9
     from triton.compiler import ASTSource
 
     p = params or DEFAULT_PARAMS
-    block_n, steps = _tile(n, p)
-    consts = dict(N=n, M=lay.m, K=lay.k, KP=lay.kp, W=lay.words, WPS=lay.wps, DP=lay.dp,
-                  HP=lay.hp, BN=block_n, STEPS=steps, FLAT=p.decode != "shuffle", FP8=lay.fp8,
-                  SWZ=swizzle_mask(lay, p.decode), LANES=p.decode == "smem_lanes")
+    consts = _constexprs(lay, n, p)
     sig = dict(len_ptr="*i32", qt_ptr="*u8" if lay.fp8 else "*bf16", w_ptr="*fp32",
                codes_ptr="*u8", book_ptr="*u32", out_ptr="*fp32")
     sig.update(dict.fromkeys(consts, "constexpr"))
@@ -361,6 +358,15 @@ def compile_ptx(lay: Layout, n: int, params: Params | None = None, arch: int = 9
                          target=GPUTarget("cuda", arch, 32),
                          options=dict(num_warps=p.num_warps, num_stages=p.num_stages))
     return out.asm["ptx"]
+
+
+def _constexprs(lay: Layout, n: int, p: Params) -> dict:
+    """The kernel's compile-time arguments for N = n positions (shared by the launch and
+    ``compile_ptx``)."""
+    block_n, steps = _tile(n, p)
+    return dict(N=n, M=lay.m, K=lay.k, KP=lay.kp, W=lay.words, WPS=lay.wps, DP=lay.dp,
+                HP=lay.hp, BN=block_n, STEPS=steps, FLAT=p.decode != "shuffle", FP8=lay.fp8,
+                SWZ=swizzle_mask(lay, p.decode), LANES=p.decode == "smem_lanes")
 
 
 def _tile(n: int, params: Params) -> tuple[int, int]:
@@ -384,23 +390,18 @@ def coarse_scores_jax_triton(q, weights, codes, codebooks, lengths, *,
     q, weights, codebooks = _quantized(q, weights, codebooks, precision)
     (b, h, _), (n, m), (k, ds) = q.shape, codes.shape[1:], codebooks.shape[1:]
     lay = layout(h, m, k, ds, fp8=precision == "fp8")
-    block_n, steps = _tile(n, p)
+    consts = _constexprs(lay, n, p)
     w = jnp.pad(weights.astype(jnp.float32), ((0, 0), (0, lay.hp - h)))
     lens = jnp.clip(lengths.astype(jnp.int32), 0, n)
     qt = padded_query(q, lay)
     if lay.fp8:  # passed as raw bytes, bitcast back in the kernel
         qt = lax.bitcast_convert_type(qt, jnp.uint8)
-    swz = swizzle_mask(lay, p.decode)
     return jax_triton.triton_call(
-        lens, qt, w, codes, packed_codebook(codebooks, lay, swz),
+        lens, qt, w, codes, packed_codebook(codebooks, lay, consts["SWZ"]),
         kernel=_kernel(),
         out_shape=jax.ShapeDtypeStruct((b, n), jnp.float32),
-        grid=(b, -(-n // (block_n * steps))),
-        num_warps=p.num_warps, num_stages=p.num_stages,
-        N=n, M=m, K=k, KP=lay.kp, W=lay.words, WPS=lay.wps, DP=lay.dp, HP=lay.hp,
-        BN=block_n, STEPS=steps, FLAT=p.decode != "shuffle", FP8=lay.fp8, SWZ=swz,
-        LANES=p.decode == "smem_lanes",
-    )
+        grid=(b, -(-n // (consts["BN"] * consts["STEPS"]))),
+        num_warps=p.num_warps, num_stages=p.num_stages, **consts)
 
 
 @functools.partial(jax.jit, static_argnames=("num_candidates", "params",
