@@ -9,7 +9,7 @@ in several runs is taken from the newest), prints two markdown tables and option
 them into the README between ``<!-- scale-table:begin -->`` and ``<!-- scale-table:end -->``
 and draws the plot:
   1. decode step (ms) per method at each (context, batch), LeanSparse / HiSparse, request
-     groups / LeanSparse, prefill seconds (with the matmul precision and, where not f32, the
+     groups / LeanSparse (each ratio from one run: the numerator's), prefill seconds (with the matmul precision and, where not f32, the
      KV row format), the run it came from;
   2. per request: device bytes of the 4-layer slice (measured allocation) and, for the whole
      43-layer V4-Flash pattern, device bytes (``memory.accounting``, exact for that pattern)
@@ -49,12 +49,17 @@ def load(root: pathlib.Path, names=RUNS) -> list[dict]:
         if not path.exists():
             continue
         results = json.loads(path.read_text())
+        peers: dict[tuple, dict] = {}  # this run's step times per (context, batch) by method
+        for rec in results["records"]:
+            if "step_ms" in rec:
+                peers.setdefault((rec["context"], rec["batch"]), {})[rec["method"]] = (
+                    rec["step_ms"])
         for rec in results["records"]:
             key = (rec["method"], rec["context"], rec["batch"])
             if "step_ms" in rec and key not in cells:
-                rec = dict(rec, run=name, precision=results["model"].get(
-                    "matmul_precision", "highest"), kv_dtype=results["model"].get(
-                    "kv_dtype", "f32"))
+                rec = dict(rec, run=name, peers=peers[key[1:]],
+                           precision=results["model"].get("matmul_precision", "highest"),
+                           kv_dtype=results["model"].get("kv_dtype", "f32"))
                 if "full_model" not in rec:
                     rec["full_model"] = _full_model(results["model"], rec)
                 cells[key] = rec
@@ -93,8 +98,11 @@ def step_table(records) -> str:
         cell = {r["method"]: r for r in records
                 if r["context"] == context and r["batch"] == batch}
         ms = {m: cell[m]["step_ms"] for m in cell}
-        ratio = lambda a, b, ms=ms: (  # noqa: E731
-            f"{ms[a] / ms[b]:.2f}" if a in ms and b in ms else "")
+        # a ratio takes both methods from the numerator's run (runs of other sessions ran
+        # other code: HiSparse at 512K batch 8 took 5.75 ms in scale_batch, 3.91 in session 28)
+        ratio = lambda a, b, cell=cell: (  # noqa: E731
+            f"{cell[a]['step_ms'] / cell[a]['peers'][b]:.2f}"
+            if a in cell and b in cell[a]["peers"] else "")
         line = [_label(context), str(batch)] + [f"{ms[m]:.2f}" if m in ms else ""
                                                 for m in methods]
         line.append(ratio("leansparse", "hisparse"))
@@ -186,7 +194,8 @@ def readme_block(records) -> str:
             "Decode step (ms; wall time of `Engine.step`, mean of 16 steps after 4 warm ones; "
             "4-layer V4-Flash slice, random weights, Triton kernels; leansparse_g2 = "
             "`LeanSparseConfig.groups = 2`; leansparse_fp8_jt = its FP8 coarse pass through "
-            "the jax-triton kernel):\n\n" + step_table(records) + "\n\n"
+            "the jax-triton kernel; each cell from the newest run holding it, each ratio from "
+            "one run, the numerator's):\n\n" + step_table(records) + "\n\n"
             "Per request, at the largest batch measured. The 43-layer step is an "
             "extrapolation (the slice's step scaled by layer count, fixed per-step costs "
             "scaled too), not a measurement; the 43-layer bytes are the accounting of the "

@@ -171,7 +171,8 @@ def test_scale_batch_config_binds_the_batch_grid(name, contexts, batches, by_con
 
 
 def test_scale_report_tables_and_readme(tmp_path):
-    """The report takes each cell from the newest run holding it, prints step ms and ratios,
+    """The report takes each cell from the newest run holding it, prints step ms and ratios
+    (both methods from the numerator's run, blank where that run lacks the denominator),
     labels the 43-layer step as extrapolated, and rewrites only the README's block."""
     from experiments.scale_report import BEGIN, END, load, main
 
@@ -184,17 +185,19 @@ def test_scale_report_tables_and_readme(tmp_path):
 
     fp8 = dict(model, kv_dtype="fp8_v4")
     for name, rows, records in (
-            ("scale_long", model, [rec("hisparse", 8, 8.0), rec("leansparse", 8, 9.0)]),
+            ("scale_long", model, [rec("hisparse", 8, 9.5), rec("leansparse", 8, 9.0),
+                                   rec("leansparse", 64, 21.0)]),
             ("scale_batch", model, [rec("leansparse", 8, 7.0), rec("leansparse_g2", 8, 6.3),
-                                    rec("hisparse", 64, 20.0)]),
+                                    rec("hisparse", 8, 7.7), rec("hisparse", 64, 20.0)]),
             ("scale_batch_1m_fp8", fp8, [dict(rec("hisparse", 64, 30.0), context=1 << 20)]),
-            ("scale_lean_jt", model, [rec("leansparse_fp8_jt", 8, 7.2)])):
+            ("scale_lean_jt", model, [rec("leansparse_fp8_jt", 8, 7.2),
+                                      rec("hisparse", 8, 8.0)])):
         (tmp_path / name).mkdir()
         (tmp_path / name / "results.json").write_text(json.dumps(
             {"model": rows, "records": records}))
     got = {(r["method"], r["batch"]): r for r in load(tmp_path)}
     assert got[("leansparse", 8)]["step_ms"] == 7.0  # the newest run's cell
-    assert got[("hisparse", 8)]["run"] == "scale_long"
+    assert got[("hisparse", 8)]["run"] == "scale_lean_jt"
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{BEGIN}\nold\n{END}\noutro\n")
     merged = tmp_path / "all_cells.json"
@@ -202,18 +205,21 @@ def test_scale_report_tables_and_readme(tmp_path):
     cells = json.loads(merged.read_text())
     assert cells["runs"] == ["scale_lean_jt", "scale_batch_1m_fp8", "scale_batch", "scale_long"]
     assert {(r["method"], r["batch"], r["step_ms"], r["run"]) for r in cells["records"]} == {
-        ("hisparse", 8, 8.0, "scale_long"), ("leansparse", 8, 7.0, "scale_batch"),
+        ("hisparse", 8, 8.0, "scale_lean_jt"), ("leansparse", 8, 7.0, "scale_batch"),
+        ("leansparse", 64, 21.0, "scale_long"),
         ("leansparse_g2", 8, 6.3, "scale_batch"), ("hisparse", 64, 20.0, "scale_batch"),
         ("hisparse", 64, 30.0, "scale_batch_1m_fp8"),
         ("leansparse_fp8_jt", 8, 7.2, "scale_lean_jt")}
     text = readme.read_text()
     assert text.startswith("intro\n" + BEGIN) and text.endswith(END + "\noutro\n")
-    assert "old" not in text and "EXTRAPOLATED" in text
+    assert "\nold\n" not in text and "EXTRAPOLATED" in text
     # columns: the methods present (hisparse, leansparse, leansparse_g2, leansparse_fp8_jt),
-    # lean / his, g2 / lean, fp8_jt / his
-    assert "| 512K | 8 | 8.00 | 7.00 | 6.30 | 7.20 | 0.88 | 0.90 | 0.90 | 70.0 (bf16) | " \
-           "scale_batch, scale_lean_jt, scale_long |" in text
-    assert "| 512K | 64 | 20.00 |  |  |  |  |  |  | 70.0 (bf16) | scale_batch |" in text
+    # lean / his, g2 / lean, fp8_jt / his; lean / his is scale_batch's 7.0 / 7.7, not the
+    # newest HiSparse cell's 7.0 / 8.0; at batch 64 scale_long has no HiSparse cell
+    assert "| 512K | 8 | 8.00 | 7.00 | 6.30 | 7.20 | 0.91 | 0.90 | 0.90 | 70.0 (bf16) | " \
+           "scale_batch, scale_lean_jt |" in text
+    assert "| 512K | 64 | 20.00 | 21.00 |  |  |  |  |  | 70.0 (bf16) | scale_batch, scale_long |" \
+        in text
     # a run with FP8 rows says so beside its prefill time
     assert "| 1M | 64 | 30.00 |  |  |  |  |  |  | 70.0 (bf16, fp8_v4) | scale_batch_1m_fp8 |" \
         in text

@@ -40,6 +40,11 @@ class Compressor(nn.Module):
         """
         m, parts, d = self.ratio, self.parts, self.dim
         proj = dense(2 * parts * d, "proj")(x)  # values and gate logits of every part
+        # At decode with one request XLA rewrites this matrix-vector product as a reduce and
+        # fuses it into extend_window's concatenate, where each output element reduces the
+        # hidden axis alone: 2.4 + 1.2 ms of a 6.9 ms step (H200, 128K, batch 1, session 28).
+        # The barrier keeps the product its own kernel; values are unchanged.
+        proj = jax.lax.optimization_barrier(proj)
         bias = self.param("pos_bias", nn.initializers.zeros, (parts * m, d))
         ext, ext_pos, ring = extend_window(ring, proj, start, num_valid)
 
