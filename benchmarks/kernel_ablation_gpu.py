@@ -14,9 +14,9 @@ over --rounds rounds so the run-to-run spread is measured beside the differences
   key's codes: keys alike). Session 26: only the second is fast, so the slow part is
   different keys' gathers meeting in one warp instruction: with the row-major book all lanes
   of a gather hit one bank (``pq_topc.jax_triton``'s module docstring). Session 27: the bank
-  swizzle ("smem", the default) against the row-major book ("smem_linear") and the shuffle
-  decode, random and zero codes, bf16 and fp8 books; and 512-key tiles (the book's per-tile
-  re-staging, now the kernel's largest shared-memory cost, halved per key).
+  swizzle ("smem", the default until session 28's "smem_lanes") against the row-major book
+  ("smem_linear") and the shuffle decode, random and zero codes, bf16 and fp8 books; and
+  512-key tiles (the book's per-tile re-staging halved per key).
 - topk (triton_fused, 64 rows, k 2048): N = 262144 (target) vs N = 131072.
 - index_scores (triton_fp8, B 64): C = 2048 (target) vs C = 1024.
 

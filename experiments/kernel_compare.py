@@ -15,9 +15,10 @@ skipped (``SUPPORTED``); the new variants of issue 16: hot_resolve "triton_fused
 in-kernel), index_scores "triton_fp8" (fp8 x fp8) and "xla_top512" / "triton_fp8_top512" (scores
 plus the top-512: XLA, and the fused one-kernel form), topk "triton_oneread" and "triton_fused"
 (two or three launches, ``pallas_kernels/topk/fused.py``), pq_topc
-"jax_triton" (plain Triton, codebook on chip, bank-swizzled smem gather), "jax_triton_shuffle"
-(its warp-shuffle gather lowering) and "jax_triton_linear" (the smem gather without the
-swizzle), hot_resolve "triton_copy" (XLA control + the copy kernel, what "triton" ran before
+"jax_triton" (plain Triton, codebook on chip, its default smem gather: lane l reads word l of
+one key), "jax_triton_smem" (the bank-swizzled book), "jax_triton_shuffle" (its warp-shuffle
+gather lowering) and "jax_triton_linear" (the smem gather without the swizzle), hot_resolve
+"triton_copy" (XLA control + the copy kernel, what "triton" ran before
 ``api.TRITON_RUNS`` moved to the fused kernel).
 ``per_call=True`` instead times separate jitted calls (what a caller dispatching one op pays).
 
@@ -89,11 +90,11 @@ def pq_topc_case(batch, history, heads=64, dim=128, subspaces=32, centroids=256,
             from pallas_kernels.pq_topc.triton import pq_topc_triton
 
             return pq_topc_triton(*args, num_candidates=c, fused=False)
-        if impl in ("jax_triton_shuffle", "jax_triton_linear"):  # other gather lowerings:
-            # warp shuffles, or the shared-memory book without its bank swizzle
+        if impl in PQ_DECODES:  # other gather lowerings: warp shuffles, the swizzled
+            # shared-memory book, or the book without its bank swizzle
             from pallas_kernels.pq_topc.jax_triton import Params, pq_topc_jax_triton
 
-            decode = "shuffle" if impl.endswith("shuffle") else "smem_linear"
+            decode = PQ_DECODES[impl]
             return pq_topc_jax_triton(*args, num_candidates=c, params=Params(decode=decode))
         return pq_topc(*args, num_candidates=c, implementation=impl)
 
@@ -153,10 +154,11 @@ OPS = ("pq_topc", "topk", "index_scores", "sparse_attention", "hot_resolve")
 IMPLEMENTATIONS = ("xla", "triton", "jax_triton", "mosaic", "triton_unfused", "triton_fused",
                    "triton_fp8", "triton_oneread", "xla_top512", "triton_fp8_top512",
                    "triton_fp8_split_top512", "jax_triton_shuffle", "jax_triton_linear",
-                   "triton_copy")
+                   "jax_triton_smem", "triton_copy")
+PQ_DECODES = {"jax_triton_shuffle": "shuffle", "jax_triton_linear": "smem_linear",
+              "jax_triton_smem": "smem"}  # pq_topc's jax-triton lowerings other than default
 SUPPORTED = {  # the implementations each op has (others are skipped, not timed)
-    "pq_topc": ("xla", "triton", "triton_unfused", "jax_triton", "jax_triton_shuffle",
-                "jax_triton_linear"),
+    "pq_topc": ("xla", "triton", "triton_unfused", "jax_triton", *PQ_DECODES),
     "topk": ("xla", "triton", "triton_oneread", "triton_fused"),
     "index_scores": ("xla", "triton", "jax_triton", "triton_fp8", "xla_top512",
                      "triton_fp8_top512", "triton_fp8_split_top512"),

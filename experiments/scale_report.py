@@ -9,8 +9,8 @@ in several runs is taken from the newest), prints two markdown tables and option
 them into the README between ``<!-- scale-table:begin -->`` and ``<!-- scale-table:end -->``
 and draws the plot:
   1. decode step (ms) per method at each (context, batch), LeanSparse / HiSparse, request
-     groups / LeanSparse (each ratio from one run: the numerator's), prefill seconds (with the matmul precision and, where not f32, the
-     KV row format), the run it came from;
+     groups / LeanSparse (each ratio from one run: the numerator's), prefill seconds (with the
+     matmul precision and, where not f32, the KV row format), the run it came from;
   2. per request: device bytes of the 4-layer slice (measured allocation) and, for the whole
      43-layer V4-Flash pattern, device bytes (``memory.accounting``, exact for that pattern)
      and the step scaled by layer count (``scale.extrapolate``: an extrapolation, labelled).

@@ -709,9 +709,10 @@ def test_gpu_v4_flash_shape_matches_xla(implementation):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("implementation", ["triton", "jax_triton"])
+@pytest.mark.parametrize("implementation", ["triton", "jax_triton", "jax_triton_smem"])
 def test_gpu_fp8_against_its_reference(implementation):
-    """precision="fp8" compiled: scores within accumulation error of the fp8 reference
+    """precision="fp8" compiled (jax_triton: its default decode, "smem_lanes"; jax_triton_smem:
+    the swizzled book): scores within accumulation error of the fp8 reference
     (same e4m3 values; Hopper fp8 MMAs accumulate with reduced precision, hence tf32's
     tolerance), -inf exactly past each length, top-C sets those of the kernel's own scores,
     and the top-C set of the xla fp8 twin up to swaps at the boundary (positions whose fp8
@@ -721,16 +722,19 @@ def test_gpu_fp8_against_its_reference(implementation):
     lengths = [n, 0, 100, 2048, 30000, n - 1, 5000, 17]
     args = [jnp.asarray(a) for a in make_inputs(rng, b, h, d, m, k, n, lengths, exact=False,
                                                 q_dtype=jnp.bfloat16)]
-    if implementation == "jax_triton":
-        own = pq_jt.coarse_scores_jax_triton(*args, precision="fp8")
+    if implementation.startswith("jax_triton"):
+        params = pq_jt.Params(decode="smem") if implementation == "jax_triton_smem" else None
+        own = pq_jt.coarse_scores_jax_triton(*args, params=params, precision="fp8")
     else:
         own = pq_triton.coarse_scores_triton(*args, precision="fp8")
     own = np.asarray(own)
     ref8 = np.asarray(reference.masked_coarse_scores_fp8(*args))
     assert np.array_equal(np.isneginf(own), np.isneginf(ref8)), "mask differs"
     assert_close(own, ref8, "tf32", mask=np.isfinite(ref8))
-    pos, vals = pq_topc(*args, num_candidates=c, implementation=implementation,
-                        precision="fp8")
+    # jax_triton_smem: the op's top-C (default decode) against the swizzled book's scores, so
+    # the two lowerings must also score bit for bit alike
+    pos, vals = pq_topc(*args, num_candidates=c, implementation=implementation.removesuffix(
+        "_smem"), precision="fp8")
     want_pos, _ = numpy_top_c(own.astype(np.float64), c)
     assert_same_sets(pos, want_pos)
     got, want = values_at(pos, vals, own)
