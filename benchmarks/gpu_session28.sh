@@ -32,8 +32,8 @@ case "${STEP:-check}" in
     part pq_ablation 220 "python3 benchmarks/kernel_ablation_gpu.py \
       --only 'pq_scores N=131072' --out \$OUT --budget-s 170 --rounds 3"
     TAIL=12 part kc_pq 170 "python3 -m experiments.cli run configs/experiments/kernel_compare.gin \
-      \"--gin.kernel_compare.ops=('pq_topc',)\" --gin.kernel_compare.batches=(64,) \
-      --gin.kernel_compare.histories=(131072,) \
+      \"--gin.kernel_compare.ops=('pq_topc',)\" \"--gin.kernel_compare.batches=(64,)\" \
+      \"--gin.kernel_compare.histories=(131072,)\" \
       \"--gin.kernel_compare.implementations=('xla','triton','jax_triton','jax_triton_linear')\" \
       --gin.kernel_compare.budget_s=140 \"--gin.run.name='kernel_compare_pq'\""
     pack session28_kernels ;;

@@ -131,13 +131,16 @@ def test_scale_groups_variant_budget_and_prefill_cache(tmp_path, monkeypatch):
     ("scale_batch_1m_fp8", (1048576,), (64,), None, False),
     ("scale_lean_jt", (131072, 524288), (32, 64), None, False),
     ("scale_lean_jt_swizzle", (524288,), (32, 64), None, False),
-    ("scale_batch_1m_fp8_swizzle", (1048576,), (64,), None, False)])
+    ("scale_batch_1m_fp8_swizzle", (1048576,), (64,), None, False),
+    ("scale_small_batch", (524288,), (1, 8), None, False),
+    ("scale_small_batch_1m", (1048576,), (1, 8), None, False)])
 def test_scale_batch_config_binds_the_batch_grid(name, contexts, batches, by_context, g2):
     """configs/experiments/scale_batch.gin (512K at batch 8/64/32/1, 1M at 8/1),
     scale_batch_short.gin (32K and 128K at 64/32) and scale_batch_1m.gin (1M at 64/32, the
     four methods issue 13 names; scale_batch_1m_fp8.gin: batch 64 with FP8 rows;
     scale_lean_jt.gin: hisparse and LeanSparse's FP8 jax-triton coarse pass; the _swizzle
-    runs: the same cells again after the coarse kernel's bank swizzle): the leansparse_g2
+    runs: the same cells again after the coarse kernel's bank swizzle; the _small_batch runs:
+    batches 1 and 8 after the batch-1 fix of session 28): the leansparse_g2
     variant where asked, a per-call budget and a prefill cache; the grid passes the checks;
     the _fp8 runs store FP8 rows."""
     import gin
@@ -154,7 +157,7 @@ def test_scale_batch_config_binds_the_batch_grid(name, contexts, batches, by_con
         q = gin.query_parameter
         methods = q("scale.methods")
         assert ("leansparse_g2" in methods) == g2 and q("scale.contexts") == contexts
-        if "lean_jt" in name or "swizzle" in name:  # the fastest coarse pass beside HiSparse
+        if "lean_jt" in name or "swizzle" in name or "small_batch" in name:  # the fastest coarse pass beside HiSparse
             assert methods == ("hisparse", "leansparse_fp8_jt")
         else:
             assert {"resident", "hisparse", "leansparse", "adaptive"} <= set(methods)
@@ -162,7 +165,7 @@ def test_scale_batch_config_binds_the_batch_grid(name, contexts, batches, by_con
         assert q("scale.batches_by_context") == by_context
         assert q("scale.time_budget_s") <= 500 and q("scale.prefill_cache")
         assert q("run.name") == name and q("scale.implementation") == "triton"
-        if "_fp8" in name:
+        if "_fp8" in name or name == "scale_small_batch_1m":
             assert q("model_preset.kv_dtype") == "fp8_v4"
         _check(methods, contexts, q("scale.batches"), q("scale.steps"),
                q("scale.batches_by_context"))
