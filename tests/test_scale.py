@@ -157,7 +157,8 @@ def test_scale_batch_config_binds_the_batch_grid(name, contexts, batches, by_con
         q = gin.query_parameter
         methods = q("scale.methods")
         assert ("leansparse_g2" in methods) == g2 and q("scale.contexts") == contexts
-        if "lean_jt" in name or "swizzle" in name or "small_batch" in name:  # the fastest coarse pass beside HiSparse
+        # the fastest coarse pass beside HiSparse
+        if "lean_jt" in name or "swizzle" in name or "small_batch" in name:
             assert methods == ("hisparse", "leansparse_fp8_jt")
         else:
             assert {"resident", "hisparse", "leansparse", "adaptive"} <= set(methods)
