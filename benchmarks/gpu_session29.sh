@@ -5,7 +5,9 @@
 #   1. the decode step at 128K, batch 1 and 8, HiSparse and LeanSparse's FP8 jax-triton coarse
 #      pass, profiled (decode_profile_gpu.py): does the compressor's optimization barrier
 #      (session 28) remove the two concatenate fusions that took 3.5 of HiSparse's 6.9 ms at
-#      batch 1 (results/decode_profile_b1_b8/), and where does LeanSparse's extra time at
+#      batch 1 (results/decode_profile_b1_b8/); does the one-program launch
+#      (steps.launch_step) close the 1.5-1.9 ms the device idled at each step's start at
+#      batch 8 waiting for the host's dispatches; and where does LeanSparse's extra time at
 #      small batches go (512K: 1.12x HiSparse at batch 1, 1.07x at batch 8);
 #   2. pq_topc's GPU tests with "smem_lanes" now the jax-triton default (the fp8 test over
 #      both lowerings: the new default and the swizzled book);

@@ -101,3 +101,18 @@ def test_timed_steps_feed_repeat_inputs_alike_pipelined_or_not():
     source = RepeatInputs(0.5, a.config.model.vocab_size, 0)
     want = np.concatenate([source.block(2, start), source.block(3, start)])
     assert a.generated[1][-6:-1] == want[:, 1].tolist()
+
+
+def test_steps_share_one_launch_program():
+    """step(), the pipelined decode (its first step has none in flight, the rest feed the
+    previous step's tokens on the device) and a teacher-forced decode all dispatch one
+    compiled ``launch_step``: no recompilation per call or per kind of step."""
+    from lsparse_jax.serving.steps import launch_step
+
+    engine = make("hisparse")
+    engine.warmup()
+    before = launch_step._cache_size()
+    engine.step()
+    engine.decode(3)
+    engine.decode(2, inputs=np.ones((2, 3), np.int32))
+    assert launch_step._cache_size() == before

@@ -38,7 +38,8 @@ from lsparse_jax.serving.state import (
 from lsparse_jax.serving.steps import (
     DecodeOutput,
     PrefillChunks,
-    decode_step,
+    choose_feed,
+    launch_step,
     prefill,
     prefill_chunks,
     sparse_layers,
@@ -82,6 +83,7 @@ class Engine:
         self.active = np.zeros(slots, bool)
         self.limit = np.zeros(slots, np.int64)  # tokens each slot may hold (its reservation)
         self.next_token = np.zeros(slots, np.int32)
+        self._zero_feed: jax.Array | None = None  # see _no_feed
         self.generated: list[list[int]] = [[] for _ in range(slots)]
         self.requests: dict[int, Request] = {}  # slot -> the request it serves
         self.lengths = np.zeros(slots, np.int64)  # host mirror of state.lengths (no reads)
@@ -120,14 +122,13 @@ class Engine:
         tokens = np.zeros(min(chunk + 1, cfg.max_len), np.int32)  # a full and a partial chunk
         jax.block_until_ready(prefill(self.params, cfg, tokens, chunk,
                                       implementation=self.config.implementation))
-        # An all-idle step writes nothing and selects nothing (only the sampling key moves).
-        idle = jnp.zeros(self.active.shape, bool)
-        self.state, out = decode_step(self.params, self.config, self.state,
-                                      jnp.asarray(self.next_token), idle)
-        # the statistics updates (an idle step adds nothing) and the controller's updates
-        self.stats = stats.admitted(stats.record(self.stats, out.selected, out.eligible,
-                                                 out.sources, out.key_sources, idle,
-                                                 out.prefetched), 0)
+        # An all-idle step writes nothing and selects nothing (only the sampling key moves;
+        # the statistics add nothing); then the statistics' and the controller's updates.
+        idle = np.zeros(self.active.shape, bool)
+        self.state, self.stats, _, _ = launch_step(
+            self.params, self.config, self.state, self.stats, self.next_token.copy(),
+            self._no_feed(), idle, self.next_token.copy(), idle, idle)
+        self.stats = stats.admitted(self.stats, 0)
         self.state = self.control.warmup(self.state, writeback)
         jax.block_until_ready(self.state)
 
@@ -334,8 +335,7 @@ class Engine:
             self.next_token = np.where(self.active, tokens, self.next_token)
         self._check_room(1)
         t0 = time.perf_counter()
-        out = self._launch(jnp.asarray(self.next_token), jnp.asarray(self.active), self.active,
-                           prefill)
+        out, _ = self._launch(self.active.copy(), prefill=prefill)
         sampled = np.asarray(out.tokens)
         now = time.perf_counter()
         self.decode_seconds += now - t0
@@ -398,16 +398,11 @@ class Engine:
         live = self.active & (self.lengths < self.limit)
         if skip is not None:
             live &= ~skip
-        feed = jnp.asarray(self.next_token)
-        if prev is not None:
-            feed = jnp.where(jnp.asarray(self._serving(prev.requests)), prev.feed, feed)
         if forced is not None:
             forced = self._forced(forced)
-            feed = jnp.where(jnp.asarray(live), jnp.asarray(forced), feed)
         requests = {s: self.requests[s] for s in np.flatnonzero(live)}
-        active = jnp.asarray(live)
-        out = self._launch(feed, active, live, prefill)
-        return InFlight(out, jnp.where(active, out.tokens, feed), requests, forced)
+        out, feed = self._launch(live, prev, forced, prefill)
+        return InFlight(out, feed, requests, forced)
 
     def collect(self, step: InFlight) -> np.ndarray:
         """Reads a launched step's tokens back (waiting for that step only) and hands each
@@ -438,28 +433,49 @@ class Engine:
                                f"reserved length (max_new_tokens or max_len): room for fewer "
                                f"than {n} more tokens; release them")
 
-    def _launch(self, feed, active, live: np.ndarray,
-                prefill: PrefillChunks | None = None) -> DecodeOutput:
-        """Dispatches one decode step (feed [S] on the device; active: ``live`` on the device)
-        and the updates around it, fused with ``prefill``'s next chunk if given; waits for
-        nothing on the device. The host mirrors (lengths) advance here."""
+    def _no_feed(self) -> jax.Array:
+        """[S] int32 zeros on the device: ``launch_step``'s prev_feed when no step is in
+        flight (a device array, as a launched step's feed is, so that both calls share one
+        compilation)."""
+        if self._zero_feed is None:
+            self._zero_feed = jax.device_put(np.zeros(self.active.shape, np.int32),
+                                             self.state.lengths.sharding)
+        return self._zero_feed
+
+    def _launch(self, live: np.ndarray, prev: InFlight | None = None,
+                forced: np.ndarray | None = None,
+                prefill: PrefillChunks | None = None) -> tuple[DecodeOutput, jax.Array]:
+        """Dispatches one decode step of the ``live`` slots [S] and the updates around it,
+        fused with ``prefill``'s next chunk if given; waits for nothing on the device. Each
+        live slot feeds ``forced`` if given, else prev's sampled token where it still serves
+        prev's request, else ``next_token``. Returns (the step's output, the next step's feed
+        [S] on the device). The host mirrors (lengths) advance here."""
         for update in self.control.before_step():  # e.g. adaptive's refill of lent pages
             self.state = update(self.state)
+        # host arrays are copied: the host mutates next_token and active in place later
+        nothing = np.zeros(live.shape, bool)
+        inputs = (self.next_token.copy(), self._no_feed() if prev is None else prev.feed,
+                  nothing if prev is None else self._serving(prev.requests),
+                  self.next_token.copy() if forced is None else forced.copy(),
+                  nothing if forced is None else live.copy(), live.copy())
         if prefill is None:
-            self.state, out = decode_step(self.params, self.config, self.state, feed, active)
+            self.state, self.stats, out, feed = launch_step(self.params, self.config,
+                                                            self.state, self.stats, *inputs)
         else:  # inputs committed to the state's device: one compilation (jit keys on it)
             tokens, start, valid = prefill.pending()
             feed, active, caches, tokens = jax.device_put(
-                (feed, active, prefill.caches, tokens), self.state.lengths.sharding)
+                (choose_feed(*map(jnp.asarray, inputs[:5])), inputs[5], prefill.caches,
+                 tokens), self.state.lengths.sharding)
             self.state, out, chunk = mixed_step(self.params, self.config, self.state, feed,
                                                 active, caches, tokens, start, valid)
             prefill.advance(*chunk)
+            self.stats = stats.record(self.stats, out.selected, out.eligible, out.sources,
+                                      out.key_sources, active, out.prefetched)
+            feed = jnp.where(active, out.tokens, feed)
         for update in self.control.after_step(self.lengths, live):  # page writeback
             self.state = update(self.state)
         self.lengths += live
-        self.stats = stats.record(self.stats, out.selected, out.eligible, out.sources,
-                                  out.key_sources, active, out.prefetched)
-        return out
+        return out, feed
 
     def _collect(self, sampled: np.ndarray, forced, now: float, mine: np.ndarray) -> None:
         """The host bookkeeping of one finished step: its tokens [S] into the requests of

@@ -14,6 +14,7 @@ from lsparse_jax.model.cache import empty_cache
 from lsparse_jax.model.store import NUM_SOURCES
 from lsparse_jax.model.transformer import Transformer, serving_params
 from lsparse_jax.parallel import engine_mesh, mesh_scope
+from lsparse_jax.serving import stats as selection_stats
 from lsparse_jax.serving.sampling import sample
 from lsparse_jax.serving.state import DecodeState
 
@@ -179,6 +180,31 @@ def decode_step(params, engine: EngineConfig, state: DecodeState, tokens, active
     return sample_step(engine, state, logits, caches, active, picked)
 
 
-__all__ = ["DecodeOutput", "PrefillChunks", "decode_model", "decode_step", "forward",
-           "forward_chunk", "prefill", "prefill_chunks", "sample_step", "sparse_layers",
-           "step_selections"]
+def choose_feed(tokens, prev_feed, use_prev, forced, use_forced):
+    """Each slot's input of a step [S]: ``forced`` where use_forced, else ``prev_feed`` (a
+    launched step's sampled tokens, on the device) where use_prev, else ``tokens``."""
+    return jnp.where(use_forced, forced, jnp.where(use_prev, prev_feed, tokens))
+
+
+@functools.partial(jax.jit, static_argnames=("engine",), donate_argnames=("state", "stats"))
+def launch_step(params, engine: EngineConfig, state: DecodeState, stats, tokens, prev_feed,
+                use_prev, forced, use_forced, active):
+    """What ``Engine.launch`` dispatches for one decode step, as one program: the inputs
+    chosen on the device (``choose_feed``; tokens, use_prev, forced, use_forced and active
+    [S] may be host arrays), ``decode_step``, the selection statistics
+    (``stats.record``), and the next step's feed (each active slot's sampled token).
+    Returns (state, stats, DecodeOutput, feed [S]). It replaces three ``jnp.asarray`` copies
+    and four dispatches a step (two ``where``, ``decode_step``, ``record``): at batch 8 the
+    H200 idled 1.5-1.9 ms at each step's start waiting for the host (session 28,
+    ``results/decode_profile_b1_b8/``); on a 2-core CPU with the tiny model, 0.82 -> 0.62 ms
+    a step (hisparse), 1.04 -> 0.85 (leansparse) (``benchmarks/launch_overhead.py``)."""
+    feed = choose_feed(tokens, prev_feed, use_prev, forced, use_forced)
+    state, out = decode_step(params, engine, state, feed, active)
+    stats = selection_stats.record(stats, out.selected, out.eligible, out.sources,
+                                   out.key_sources, active, out.prefetched)
+    return state, stats, out, jnp.where(active, out.tokens, feed)
+
+
+__all__ = ["DecodeOutput", "PrefillChunks", "choose_feed", "decode_model", "decode_step",
+           "forward", "forward_chunk", "launch_step", "prefill", "prefill_chunks",
+           "sample_step", "sparse_layers", "step_selections"]
