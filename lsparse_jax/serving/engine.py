@@ -43,6 +43,7 @@ from lsparse_jax.serving.steps import (
     prefill,
     prefill_chunks,
     sparse_layers,
+    step_tail,
 )
 
 
@@ -469,9 +470,7 @@ class Engine:
             self.state, out, chunk = mixed_step(self.params, self.config, self.state, feed,
                                                 active, caches, tokens, start, valid)
             prefill.advance(*chunk)
-            self.stats = stats.record(self.stats, out.selected, out.eligible, out.sources,
-                                      out.key_sources, active, out.prefetched)
-            feed = jnp.where(active, out.tokens, feed)
+            self.stats, out, feed = step_tail(self.stats, out, feed, active)
         for update in self.control.after_step(self.lengths, live):  # page writeback
             self.state = update(self.state)
         self.lengths += live

@@ -200,11 +200,17 @@ def launch_step(params, engine: EngineConfig, state: DecodeState, stats, tokens,
     a step (hisparse), 1.04 -> 0.85 (leansparse) (``benchmarks/launch_overhead.py``)."""
     feed = choose_feed(tokens, prev_feed, use_prev, forced, use_forced)
     state, out = decode_step(params, engine, state, feed, active)
+    return state, *step_tail(stats, out, feed, active)
+
+
+def step_tail(stats, out: DecodeOutput, feed, active):
+    """A step's end on the device: -> (stats with the step recorded, out, the next feed [S]:
+    each active slot's sampled token, else its feed)."""
     stats = selection_stats.record(stats, out.selected, out.eligible, out.sources,
                                    out.key_sources, active, out.prefetched)
-    return state, stats, out, jnp.where(active, out.tokens, feed)
+    return stats, out, jnp.where(active, out.tokens, feed)
 
 
 __all__ = ["DecodeOutput", "PrefillChunks", "choose_feed", "decode_model", "decode_step",
            "forward", "forward_chunk", "launch_step", "prefill", "prefill_chunks",
-           "sample_step", "sparse_layers", "step_selections"]
+           "sample_step", "sparse_layers", "step_selections", "step_tail"]
