@@ -125,10 +125,10 @@ class Engine:
                                       implementation=self.config.implementation))
         # An all-idle step writes nothing and selects nothing (only the sampling key moves;
         # the statistics add nothing); then the statistics' and the controller's updates.
-        idle = np.zeros(self.active.shape, bool)
+        idle, tokens = np.zeros(self.active.shape, bool), self.next_token.copy()
         self.state, self.stats, _, _ = launch_step(
-            self.params, self.config, self.state, self.stats, self.next_token.copy(),
-            self._no_feed(), idle, self.next_token.copy(), idle, idle)
+            self.params, self.config, self.state, self.stats, tokens, self._no_feed(), idle,
+            tokens, idle, idle)
         self.stats = stats.admitted(self.stats, 0)
         self.state = self.control.warmup(self.state, writeback)
         jax.block_until_ready(self.state)
@@ -336,7 +336,7 @@ class Engine:
             self.next_token = np.where(self.active, tokens, self.next_token)
         self._check_room(1)
         t0 = time.perf_counter()
-        out, _ = self._launch(self.active.copy(), prefill=prefill)
+        out, _ = self._launch(self.active, prefill=prefill)
         sampled = np.asarray(out.tokens)
         now = time.perf_counter()
         self.decode_seconds += now - t0
@@ -454,21 +454,21 @@ class Engine:
         for update in self.control.before_step():  # e.g. adaptive's refill of lent pages
             self.state = update(self.state)
         # host arrays are copied: the host mutates next_token and active in place later
-        nothing = np.zeros(live.shape, bool)
-        inputs = (self.next_token.copy(), self._no_feed() if prev is None else prev.feed,
+        nothing, tokens, live = np.zeros(live.shape, bool), self.next_token.copy(), live.copy()
+        inputs = (tokens, self._no_feed() if prev is None else prev.feed,
                   nothing if prev is None else self._serving(prev.requests),
-                  self.next_token.copy() if forced is None else forced.copy(),
-                  nothing if forced is None else live.copy(), live.copy())
+                  tokens if forced is None else forced.copy(), nothing if forced is None else live,
+                  live)
         if prefill is None:
             self.state, self.stats, out, feed = launch_step(self.params, self.config,
                                                             self.state, self.stats, *inputs)
         else:  # inputs committed to the state's device: one compilation (jit keys on it)
-            tokens, start, valid = prefill.pending()
-            feed, active, caches, tokens = jax.device_put(
-                (choose_feed(*map(jnp.asarray, inputs[:5])), inputs[5], prefill.caches,
-                 tokens), self.state.lengths.sharding)
+            chunk_tokens, start, valid = prefill.pending()
+            feed, active, caches, chunk_tokens = jax.device_put(
+                (choose_feed(*map(jnp.asarray, inputs[:5])), live, prefill.caches,
+                 chunk_tokens), self.state.lengths.sharding)
             self.state, out, chunk = mixed_step(self.params, self.config, self.state, feed,
-                                                active, caches, tokens, start, valid)
+                                                active, caches, chunk_tokens, start, valid)
             prefill.advance(*chunk)
             self.stats, out, feed = step_tail(self.stats, out, feed, active)
         for update in self.control.after_step(self.lengths, live):  # page writeback
