@@ -4,17 +4,17 @@ Run on the GPU machine: python3 benchmarks/hot_resolve_gpu.py [--out DIR]
 Shape: batch 64 requests (vmapped), k = 512 selected positions, B = 2048 hot rows of D = 512
 f32 (2 KiB), a 1 GiB pinned_host pool of 64-row pages shared by all requests; 5% of the
 selection misses (26 rows a request, 1664 rows = 3.4 MB a call), and a hit-only run (0%).
-Implementations (IMPLS): xla, triton_copy (XLA control + copy kernel), triton_fused (4 launches,
-control in-kernel), triton_fused2 (2 launches: map, control and order in one program a
-request). Every one is first checked equal to xla (every output, bit for bit) and the copied
-rows checked against the pool. Timing: one jitted program runs SETS distinct input sets with the
-hot rows donated (the op then writes them in place, as in the decode step), fresh copies made
-outside the timing; median over REPEATS programs / SETS. GB/s counts the missed rows; % is of
-the ~48 GB/s measured pinned_host -> device link. "control" times the XLA hit scan + victim
-choice + stamps alone (triton_copy's control). Profile: for each Triton implementation one
-jax.profiler trace of its program: GPU kernels per call (busy us by kernel name) and the span
-per call (first kernel start to last end / SETS; memsets left out). ~40 s of GPU time; writes
-hot_resolve_gpu.json to --out.
+Implementations (IMPLS): xla, triton_copy (XLA control + copy kernel), triton_fused (3 launches
+since session 29, 4 before: control in-kernel), triton_fused2 (2 launches: map and control (and
+before session 29 the victims' order) in one program a request). Every one is first checked equal
+to xla (every output, bit for bit) and the copied rows checked against the pool. Timing: one jitted
+program runs SETS distinct input sets with the hot rows donated (the op then writes them in place,
+as in the decode step), fresh copies made outside the timing; median over REPEATS programs / SETS.
+GB/s counts the missed rows; % is of the ~48 GB/s measured pinned_host -> device link. "control"
+times the XLA hit scan + victim choice + stamps alone (triton_copy's control). Profile: for each
+Triton implementation one jax.profiler trace of its program: GPU kernels per call (busy us by
+kernel name) and the span per call (first kernel start to last end / SETS; memsets left out). ~40 s
+of GPU time; writes hot_resolve_gpu.json to --out.
 """
 
 import argparse

@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 
 from lsparse_jax.config import CacheConfig, EngineConfig, LeanSparseConfig
-from lsparse_jax.indexing.coarse_to_fine import miss_filter
+from lsparse_jax.indexing.coarse_to_fine import miss_filter, rerank
 from lsparse_jax.memory.invariant import hierarchy_violations
 from lsparse_jax.methods import policy
 from lsparse_jax.methods.leansparse import calibrate_codebooks
 from lsparse_jax.quant import dequantize_index_keys
 from lsparse_jax.quant.pq import encode
 from lsparse_jax.serving.engine import Engine
+from pallas_kernels.topk.reference import canonical_scores, topk_positions
 from tests.helpers import model_and_tokens, tiny
 
 
@@ -116,6 +117,28 @@ def test_miss_filter_keeps_cached_and_applies_threshold():
         assert not keep[~valid].any()
         assert np.array_equal(np.asarray(miss_filter(jnp.asarray(scores), jnp.asarray(valid),
                                                      jnp.asarray(cached), k, None)), valid)
+
+
+@pytest.mark.parametrize("r, k", [(40, 8), (6, 8), (64, 64)])
+def test_rerank_equals_topk_of_candidates_in_position_order(r, k):
+    """rerank's one sort equals ``topk_positions`` of the canonical scores (``select_topk``'s
+    rule) over the given candidates laid out in position order: candidates in random order with
+    -1 poison, tied scores, -0.0 beside +0.0, -inf and NaN (given -inf candidates are kept,
+    after the finite ones); fewer candidates than k pad with -1 / -inf."""
+    rng = np.random.default_rng(r * 31 + k)
+    for _ in range(10):
+        pos = rng.choice(200, r, replace=False).astype(np.int32)
+        scores = rng.choice(np.array([1.5, 0.0, -0.0, -2.0, -np.inf, np.nan], np.float32), r)
+        scores = np.where(rng.random(r) < 0.5, rng.normal(size=r), scores).astype(np.float32)
+        pos[rng.random(r) < 0.2] = -1
+        got_pos, got_val = (np.asarray(x) for x in rerank(jnp.asarray(pos), jnp.asarray(scores), k))
+        order = np.argsort(np.where(pos >= 0, pos, 2**31 - 1), kind="stable")
+        picked, want_val = topk_positions(canonical_scores(jnp.asarray(scores[order])),
+                                          jnp.asarray(pos[order] >= 0), k)
+        picked = np.asarray(picked)
+        want_pos = np.where(picked >= 0, pos[order][np.maximum(picked, 0)], -1)
+        np.testing.assert_array_equal(got_pos, want_pos)
+        np.testing.assert_array_equal(got_val, np.asarray(want_val))
 
 
 def test_page_writeback_keeps_cache_contents_and_encodes_codes():

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lsparse_jax.indexing.topk import topk_positions
+from pallas_kernels.topk.reference import canonical_scores
 
 
 def miss_filter(scores, valid, cached, top_k: int, offset: float | None):
@@ -43,15 +43,23 @@ def rerank(positions, scores, top_k: int):
     """Exact top-k among scored candidate positions.
 
     positions [R] int32 (-1 = none, any order, no duplicates); scores [R] their exact scores.
-    Candidates are put in position order first so that equal scores go to the lower position,
-    as in exact top-k over the whole history.
+    Rule (``select_topk``'s, as exact top-k over the whole history): higher canonical score
+    first (NaN -> -inf, -0.0 -> +0.0), equal scores to the lower position (given candidates
+    of score -inf included, after the finite ones), -1 (value -inf) where fewer than top_k
+    positions are given. One two-key sort of the R entries on (score
+    descending, position ascending); before session 29 an argsort by position and a
+    ``lax.top_k``, two sorts on the GPU.
     Returns (positions [top_k] best first, -1 padded; their scores).
     """
     big = jnp.iinfo(jnp.int32).max
-    order = jnp.argsort(jnp.where(positions >= 0, positions, big), stable=True)
-    positions, scores = positions[order], scores[order]
-    picked, values = topk_positions(scores, positions >= 0, top_k)
-    return jnp.where(picked >= 0, positions[jnp.maximum(picked, 0)], -1), values
+    valid = positions >= 0
+    key = jnp.where(valid, -canonical_scores(scores.astype(jnp.float32)), jnp.inf)
+    neg, ordered = jax.lax.sort((key, jnp.where(valid, positions, big)), num_keys=2)
+    pad = max(0, top_k - positions.shape[0])
+    neg = jnp.pad(neg[:top_k], (0, pad), constant_values=jnp.inf)
+    ordered = jnp.pad(ordered[:top_k], (0, pad), constant_values=big)
+    taken = ordered != big
+    return jnp.where(taken, ordered, -1), jnp.where(taken, -neg, -jnp.inf)
 
 
 def coarse_to_fine(candidates, candidate_scores, cached, tail,

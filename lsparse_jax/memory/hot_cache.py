@@ -104,9 +104,9 @@ def resolve_plan(hot: HotCache, selected, tail, paged, page_table, pool,
          place, the hot cache is not touched).
       2. the other positions go through ``pallas_kernels.hot_resolve``: hot hits by a [k, B]
          compare with hot.positions; misses take the LRU rows among those not hit this step
-         (empty rows first), the j-th miss the j-th victim, and their rows are copied from the
-         host pool; every touched row gets stamp clock * k + rank, so the LRU order is the
-         order of use.
+         (empty rows first), the m-th miss the m-th victim in row order, and their rows are
+         copied from the host pool; every touched row gets stamp clock * k + rank, so the LRU
+         order is the order of use.
       3. when k > B (leansparse: C candidates plus the P tail rows), the non-tail positions
          are first compacted, in order, into B entries (callers keep at most B of them); the
          stamps are then clock * B + rank among them, which keeps the same LRU order.

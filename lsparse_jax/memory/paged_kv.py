@@ -78,8 +78,9 @@ class PagedKVStore:
     def gather_band(self, state: PagedKV, completed, selected, band, context: PageView):
         """``gather`` that also loads ``band`` [1, P] (the positions ranked just below the
         selection: echo's prefetch) into the hot cache, in the same resolve: the request is
-        [selected; band], so band rows take LRU victims after the selection's, are stamped
-        as used after them, and the attention reads only the selection's rows (lossless).
+        [selected; band], so band rows are misses ranked after the selection's (all of them
+        take the LRU rows), are stamped as used after them, and the attention reads only the
+        selection's rows (lossless).
 
         Returns (state, RowView of the selection (its sources count the selection alone),
         band rows copied from the host [] int32)."""

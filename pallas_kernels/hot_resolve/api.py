@@ -5,9 +5,10 @@ row, P = page_size rows per host page, MP logical pages, N = NP * P rows of the 
 
 Math (an LRU cache of B rows, one step):
   1. hits: a bounded [k, B] scan of hot_positions for each selected position;
-  2. misses take the least-recently-used rows among the rows not hit this step (empty rows
-     first, ties by lowest row index), the m-th miss (in selection order) the m-th victim, and
-     their rows are copied from pool row page_table[p // P] * P + p % P;
+  2. the M misses take the M least-recently-used rows among the rows not hit this step
+     (empty rows first, ties by lowest row index), the m-th miss (in selection order) the m-th
+     victim in row order, and their rows are copied from pool row page_table[p // P] * P +
+     p % P;
   3. every touched row gets stamp clock * k + rank (rank = index in ``selected``), so the LRU
      order is the order of use; victims get their new position.
 Positions in ``selected`` must be distinct (a selection gives distinct positions; a repeat
@@ -18,10 +19,11 @@ Implementations: "xla" (``reference.py``: one ``dynamic_slice`` + ``device_put``
 row), "triton_copy" (``triton.py``: XLA control, then one Pallas-Triton kernel per leaf reads
 each missed row from the pinned_host pool in place and writes it into its victim row, aliased;
 interpret mode without a GPU; leaves with D not a power of two and e8m0 leaves use the XLA
-loop), "triton_fused" (``fused.py``: the control in-kernel too, four launches for all requests
-and leaves, no XLA ops around them; any leaf dtype of ``DTYPES``, any D), "triton_fused2"
-(the same kernels in two launches: map, control and order of a request in one program, ordered
-by block barriers, then apply), and "triton", the decode steps' switch, which runs
+loop), "triton_fused" (``fused.py``: the control in-kernel too, three launches for all
+requests and leaves, no XLA ops around them; any leaf dtype of ``DTYPES``, any D),
+"triton_fused2" (the same kernels in two launches: map and control of a request in one
+program, ordered by a block barrier, then apply), and "triton", the decode steps' switch, which
+runs
 ``TRITON_RUNS``. None picks "triton" on a GPU and "xla"
 elsewhere. Both are vmappable over requests (the pool shared: in_axes=None); under vmap
 every request's misses go through one loop / one kernel launch.
@@ -131,7 +133,7 @@ def hot_resolve(selected, hot_rows, hot_positions, hot_stamps, clock, page_table
         from pallas_kernels.hot_resolve.fused import hot_resolve_fused
 
         return hot_resolve_fused(*args, page_size=page_size, interpret=common.interpret(),
-                                 launches=2 if impl == "triton_fused2" else 4)
+                                 launches=2 if impl == "triton_fused2" else 3)
     if impl == "triton_copy":
         from pallas_kernels.hot_resolve.triton import hot_resolve_triton
 

@@ -2,7 +2,7 @@
 
 The "triton" implementation computes the control in XLA (a [k, B] compare, an argsort of the B
 stamps, scatters) and then copies rows with one program per selection slot; at batch 64 that
-control is a fixed ~0.2-0.4 ms. Here the whole op is four small kernels over all S requests
+control is a fixed ~0.2-0.4 ms. Here the whole op is three small kernels over all S requests
 (vmap folds the request axis into S), no XLA ops between them and no host round trip:
 
 Notation: S requests, k selected positions (KP = next pow2), B hot rows (BP = next pow2),
@@ -15,18 +15,20 @@ Notation: S requests, k selected positions (KP = next pow2), B hot rows (BP = ne
      the [k, B] scan.
   2. control, grid (S,): hit_j via pos_map, row_hit_i via sel_map, key_i; M and each miss's
      rank m (prefix sum); when M > 0 the M-th smallest (key, i) by a 2-bit radix select over
-     the 32 key bits (16 counting steps of 4 thresholds over the B keys), then the M victim rows
-     (key < T, and the first rows with key == T) compacted in row order into cidx / ckey.
-     Writes code_j (hit row, -2 - m for the m-th miss, -1 for nothing) and counts.
-  3. order, grid (S,): the rank of each of the M victims in (key, i) order by an M x M count
-     (tiles of 64, loops bounded by M: nothing when all hit); vict[s, rank] = row.
-  4. apply, grid (S, k / KB): per block of KB selection slots: slot = hit row or vict[m];
+     the bits of the keys' spread (``_mth_smallest``: a counting step of 4 thresholds over the
+     B keys per 2 bits; 16 steps for all 32 bits before session 29), then the M victim rows
+     (key < T, and the first rows with key == T) compacted in row order into vict (the m-th
+     miss takes vict[m]: the contract's row-order rule, ``reference.resolve_control``; until
+     session 29 a third kernel ranked the victims in LRU order by an M x M count, whose cost
+     grew as M^2: M ~ 2000 for LeanSparse's key cache). Writes code_j (hit row, -2 - m for
+     the m-th miss, -1 for nothing) and counts.
+  3. apply, grid (S, k / KB): per block of KB selection slots: slot = hit row or vict[m];
      stamps[slot] = clock * k + j, positions[victim] = p, and every leaf's missed rows gathered
      from the pool (pinned_host read in place over PCIe, or device) as a [KB, D_l] tile and
      written into the victim rows; hot rows, positions and stamps aliased to the outputs.
 Kernel boundaries order the scratch writes and reads; launches=2 ("triton_fused2") instead runs
-steps 1-3 of a request in one program, ordered by block barriers (``plgpu.debug_barrier``,
-``__syncthreads``: the steps of one request never read another request's scratch), then 4.
+steps 1-2 of a request in one program, ordered by a block barrier (``plgpu.debug_barrier``,
+``__syncthreads``: the steps of one request never read another request's scratch), then 3.
 Results equal ``reference.hot_resolve_xla`` bit for bit (same LRU rule, rows copied as bytes).
 e8m0 leaves (the power-of-two scales of ``kv_dtype="fp8_v4"`` rows) cross the kernels as their
 bytes: Triton 3.6 rejects f8E8M0FNU tensors (``tt.load`` verifies element types), so such a leaf
@@ -54,7 +56,6 @@ from pallas_kernels import common
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
 RADIX_BITS = 2  # thresholds per counting step = 4: a [BP, 4] compare stays in registers
-TILE = 64  # victims per tile of the order kernel
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn, jnp.uint8)
 BYTE_DTYPES = (jnp.float8_e8m0fnu,)  # leaves that cross the kernels as uint8 (see above)
 
@@ -90,11 +91,38 @@ def _map(s, sel_ref, hp_ref, pos_map_ref, sel_map_ref, *, k, b, npos):
     plgpu.store(sel_map_ref.at[s, _slot(ok, sel, npos)], j, mask=ok)
 
 
+def _mth_smallest(key, m):
+    """T = the m-th smallest of ``key`` [BP] int32 (1 <= m <= #{key < INT32_MAX}).
+
+    Keys as offsets u = key - lo (lo = min key; unsigned, wrapping: exact for every key >= lo)
+    and T's offset built RADIX_BITS bits at a time from the top, keeping #{u < t_u} < m; only
+    the bits of the spread hi - lo of the keys below INT32_MAX take steps (LRU stamps of recent
+    steps: ~16-20 bits, not 32). Keys of INT32_MAX (hit rows, padding) may fall inside the
+    range only above T's offset, where a threshold's count is >= m either way.
+    Unsigned compares: u < v <=> (u ^ MIN) < (v ^ MIN) signed.
+    """
+    lo = jnp.min(key)
+    hi = jnp.max(jnp.where(key == INT32_MAX, lo, key))
+    u = (key - lo) ^ INT32_MIN
+    pw = _iota(32 // RADIX_BITS) * RADIX_BITS
+    steps = jnp.sum((((hi - lo) ^ INT32_MIN) >= ((1 << pw) ^ INT32_MIN)).astype(jnp.int32))
+    digits = _iota(1 << RADIX_BITS)
+
+    def step(p, t_u):
+        shift = RADIX_BITS * (steps - 1 - p)
+        thr = (t_u | (digits << shift)) ^ INT32_MIN
+        below = jnp.sum((u[:, None] < thr[None, :]).astype(jnp.int32), axis=0)
+        digit = jnp.sum((below < m).astype(jnp.int32)) - 1
+        return t_u | (digit << shift)
+
+    return lax.fori_loop(0, steps, step, jnp.int32(0)) + lo
+
+
 def _control(s, sel_ref, hp_ref, st_ref, pos_map_ref, sel_map_ref,
-             code_ref, cidx_ref, ckey_ref, cnt_ref, *, k, b, npos):
+             code_ref, vict_ref, cnt_ref, *, k, b, npos):
     # inputs  sel_ref [S, k], hp_ref / st_ref [S, B], pos_map_ref / sel_map_ref [S, NPOS]
-    # outputs code_ref [S, k] (hit row | -2 - miss rank | -1), cidx_ref / ckey_ref [S, KP]
-    #         (victims in row order and their keys, first M valid), cnt_ref [S, 2] (hits, M)
+    # outputs code_ref [S, k] (hit row | -2 - miss rank | -1), vict_ref [S, KP] (victim
+    #         rows in row order, first M valid), cnt_ref [S, 2] (hits, M)
     j = _iota(_pow2(k))
     sel = plgpu.load(sel_ref.at[s, jnp.minimum(j, k - 1)], mask=j < k, other=-1)
     want = (j < k) & (sel >= 0)
@@ -123,55 +151,14 @@ def _control(s, sel_ref, hp_ref, st_ref, pos_map_ref, sel_map_ref,
         back = plgpu.load(sel_ref.at[s, jnp.clip(c, 0, k - 1)], mask=c_ok, other=-1)
         row_hit = c_ok & (back == hp)
         key = jnp.where(row_hit | (i >= b), INT32_MAX, st)
-        # T = the M-th smallest key: unsigned prefix t_u built 2 bits at a time, keeping
-        # #{key < T} < M (u < v unsigned <=> (u ^ MIN) < (v ^ MIN) signed).
-        digits = _iota(1 << RADIX_BITS)
-
-        def step(p, t_u):
-            shift = 32 - RADIX_BITS * (p + 1)
-            thr = (t_u | (digits << shift)) ^ INT32_MIN
-            below = jnp.sum((key[:, None] < thr[None, :]).astype(jnp.int32), axis=0)
-            digit = jnp.sum((below < m_total).astype(jnp.int32)) - 1
-            return t_u | (digit << shift)
-
-        t = lax.fori_loop(0, 32 // RADIX_BITS, step, jnp.int32(0)) ^ INT32_MIN
+        t = _mth_smallest(key, m_total)
         need = m_total - jnp.sum((key < t).astype(jnp.int32))
         tie = (key == t).astype(jnp.int32)
         tie_rank = jnp.cumsum(tie) - tie
         victim = (key < t) | ((tie != 0) & (tie_rank < need))
         v_i = victim.astype(jnp.int32)
-        at = _slot(victim, jnp.cumsum(v_i) - v_i, cidx_ref.shape[1])
-        plgpu.store(cidx_ref.at[s, at], i, mask=victim)
-        plgpu.store(ckey_ref.at[s, at], key, mask=victim)
-
-
-def _order(s, cnt_ref, cidx_ref, ckey_ref, vict_ref):
-    # inputs  cnt_ref [S, 2], cidx_ref / ckey_ref [S, KP] (first M valid, row order)
-    # outputs vict_ref [S, KP]: vict[r] = the victim of rank r in (key, row) order
-    m_total = cnt_ref[s, 1]
-    tiles = (m_total + TILE - 1) // TILE
-    lane = _iota(TILE)
-
-    def per_a(ta, carry):
-        a = ta * TILE + lane
-        a_ok = a < m_total
-        ka = plgpu.load(ckey_ref.at[s, jnp.where(a_ok, a, 0)], mask=a_ok, other=0)
-        ia = plgpu.load(cidx_ref.at[s, jnp.where(a_ok, a, 0)], mask=a_ok, other=0)
-
-        def per_b(tb, acc):
-            bb = tb * TILE + lane
-            b_ok = bb < m_total
-            kb = plgpu.load(ckey_ref.at[s, jnp.where(b_ok, bb, 0)], mask=b_ok, other=0)
-            # the list is in row order: (kb, b) < (ka, a) <=> kb < ka or (kb == ka and b < a)
-            before = (kb[None, :] < ka[:, None]) | ((kb[None, :] == ka[:, None])
-                                                  & (bb[None, :] < a[:, None]))
-            return acc + jnp.sum((before & b_ok[None, :]).astype(jnp.int32), axis=1)
-
-        r = lax.fori_loop(0, tiles, per_b, jnp.zeros((TILE,), jnp.int32))
-        plgpu.store(vict_ref.at[s, _slot(a_ok, r, vict_ref.shape[1])], ia, mask=a_ok)
-        return carry  # the carried value itself: jax 0.11's Triton lowering cannot yield a literal
-
-    lax.fori_loop(0, tiles, per_a, jnp.int32(0))
+        at = _slot(victim, jnp.cumsum(v_i) - v_i, vict_ref.shape[1])
+        plgpu.store(vict_ref.at[s, at], i, mask=victim)
 
 
 def _map_kernel(*refs, **kw):
@@ -182,10 +169,6 @@ def _control_kernel(*refs, **kw):
     _control(pl.program_id(0), *refs, **kw)
 
 
-def _order_kernel(*refs):
-    _order(pl.program_id(0), *refs)
-
-
 def _barrier(interpret: bool):
     """A block barrier (``__syncthreads``: this program's global writes before it are seen by
     its reads after it). Interpret mode runs a program's statements in order: nothing to do."""
@@ -193,18 +176,16 @@ def _barrier(interpret: bool):
         plgpu.debug_barrier()
 
 
-def _front_kernel(sel_ref, hp_ref, st_ref, code_ref, cidx_ref, ckey_ref, cnt_ref, vict_ref,
-                  pos_map_ref, sel_map_ref, *, k, b, npos, interpret):
-    """map, control and order of one request in one program (launches=2): each step's
-    scratch writes are ordered before the next step's reads by a block barrier instead of a
-    kernel boundary."""
+def _front_kernel(sel_ref, hp_ref, st_ref, code_ref, vict_ref, cnt_ref, pos_map_ref,
+                  sel_map_ref, *, k, b, npos, interpret):
+    """map and control of one request in one program (launches=2): the map's scratch writes
+    are ordered before the control's reads by a block barrier instead of a kernel
+    boundary."""
     s = pl.program_id(0)
     _map(s, sel_ref, hp_ref, pos_map_ref, sel_map_ref, k=k, b=b, npos=npos)
     _barrier(interpret)
-    _control(s, sel_ref, hp_ref, st_ref, pos_map_ref, sel_map_ref, code_ref, cidx_ref,
-             ckey_ref, cnt_ref, k=k, b=b, npos=npos)
-    _barrier(interpret)
-    _order(s, cnt_ref, cidx_ref, ckey_ref, vict_ref)
+    _control(s, sel_ref, hp_ref, st_ref, pos_map_ref, sel_map_ref, code_ref, vict_ref,
+             cnt_ref, k=k, b=b, npos=npos)
 
 
 def _apply_kernel(*refs, k, kb, page, pools, dims):
@@ -247,7 +228,7 @@ def _apply_kernel(*refs, k, kb, page, pools, dims):
 
 
 def _call(sel, rows, hp, st, clock, table, pools, *, page, interpret, num_warps, launches):
-    """The launches on S requests (4: map, control, order, apply; 2: front, apply).
+    """The launches on S requests (3: map, control, apply; 2: front, apply).
     sel [S, k]; rows, pools: tuples of leaves."""
     s_n, k = sel.shape
     b = hp.shape[1]
@@ -258,11 +239,10 @@ def _call(sel, rows, hp, st, clock, table, pools, *, page, interpret, num_warps,
     params = lambda w: plgpu.CompilerParams(num_warps=w)  # noqa: E731
     control_warps = max(num_warps, 8 if b >= 2048 else 4)
     if launches == 2:
-        code, cidx, ckey, counts, vict, _, _ = pl.pallas_call(
+        code, vict, counts, _, _ = pl.pallas_call(
             functools.partial(_front_kernel, k=k, b=b, npos=npos, interpret=interpret),
-            grid=(s_n,), in_specs=[any_] * 3, out_specs=[any_] * 7,
-            out_shape=[i32(s_n, k), i32(s_n, kp), i32(s_n, kp), i32(s_n, 2), i32(s_n, kp),
-                       i32(s_n, npos), i32(s_n, npos)],
+            grid=(s_n,), in_specs=[any_] * 3, out_specs=[any_] * 5,
+            out_shape=[i32(s_n, k), i32(s_n, kp), i32(s_n, 2), i32(s_n, npos), i32(s_n, npos)],
             compiler_params=params(control_warps), interpret=interpret,
             name="hot_resolve_front")(sel, hp, st)
     else:
@@ -271,16 +251,12 @@ def _call(sel, rows, hp, st, clock, table, pools, *, page, interpret, num_warps,
             in_specs=[any_] * 2, out_specs=[any_] * 2, out_shape=[i32(s_n, npos)] * 2,
             compiler_params=params(num_warps), interpret=interpret,
             name="hot_resolve_map")(sel, hp)
-        code, cidx, ckey, counts = pl.pallas_call(
+        code, vict, counts = pl.pallas_call(
             functools.partial(_control_kernel, k=k, b=b, npos=npos), grid=(s_n,),
-            in_specs=[any_] * 5, out_specs=[any_] * 4,
-            out_shape=[i32(s_n, k), i32(s_n, kp), i32(s_n, kp), i32(s_n, 2)],
+            in_specs=[any_] * 5, out_specs=[any_] * 3,
+            out_shape=[i32(s_n, k), i32(s_n, kp), i32(s_n, 2)],
             compiler_params=params(control_warps), interpret=interpret,
             name="hot_resolve_control")(sel, hp, st, pos_map, sel_map)
-        vict = pl.pallas_call(
-            _order_kernel, grid=(s_n,), in_specs=[any_] * 3, out_specs=any_,
-            out_shape=i32(s_n, kp), compiler_params=params(4), interpret=interpret,
-            name="hot_resolve_order")(counts, cidx, ckey)
     dims = tuple(r.shape[2] for r in rows)
     widest = max(_pow2(d) * jnp.dtype(r.dtype).itemsize for d, r in zip(dims, rows))
     kb = max(1, min(_pow2(k), 32768 // widest, 64))  # a [KB, D] tile of <= 32 KB per leaf
@@ -348,10 +324,10 @@ def _from_kernel_view(x, like):
 
 def hot_resolve_fused(selected, hot_rows, hot_positions, hot_stamps, clock, page_table, pool, *,
                       page_size: int, interpret: bool, num_warps: int = 4,
-                      launches: int = 4):
-    """``hot_resolve`` of one request by the four kernels above (arguments checked by
+                      launches: int = 3):
+    """``hot_resolve`` of one request by the three kernels above (arguments checked by
     ``api.hot_resolve``); under ``jax.vmap`` over requests (pool shared) one launch sequence
-    serves all of them. launches=2 runs map, control and order as one program a request
+    serves all of them. launches=2 runs map and control as one program a request
     (``_front_kernel``), then apply. Leaves: f32, bf16, float8_e4m3fn, or float8_e8m0fnu
     (moved as uint8 bytes), any D >= 1.
 
@@ -366,9 +342,9 @@ def hot_resolve_fused(selected, hot_rows, hot_positions, hot_stamps, clock, page
                              "(use 'xla')")
     rows = [_kernel_view(r) for r in rows]
     pools = [_kernel_view(p) for p in jax.tree.leaves(pool)]
-    if launches not in (2, 4):
-        raise ValueError(f"hot_resolve: launches={launches} must be 4 (map, control, order, "
-                         "apply) or 2 (front, apply)")
+    if launches not in (2, 3):
+        raise ValueError(f"hot_resolve: launches={launches} must be 3 (map, control, apply) "
+                         "or 2 (front, apply)")
     op = _batched_op(treedef, page_size, interpret, num_warps, launches)
     one = lambda x: x[None]  # noqa: E731
     slots, rows, hp, st, clk, counts = op(

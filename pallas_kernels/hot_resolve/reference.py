@@ -49,9 +49,13 @@ def resolve_control(selected, hot_positions, hot_stamps, clock, page_table, *,
       1. hits by a bounded [k, B] scan: match[j, i] = selected[j] >= 0 and
          hot_positions[i] == selected[j]; hit[j] = any_i match[j, i].
       2. misses: selected[j] >= 0 and not hit[j].
-      3. victims: the rows not hit this step in LRU order, key (stamp, i) ascending, so empty
-         rows (stamp -1) come first and ties go to the lowest row; the m-th miss (in selection
-         order) takes the m-th victim. k <= B guarantees enough victims.
+      3. victims: the M least recently used rows among those not hit this step (M misses;
+         LRU order by key (stamp, i) ascending, so empty rows (stamp -1) come first and ties
+         go to the lowest row); the m-th miss (in selection order) takes the m-th victim in
+         row order. k <= B guarantees enough victims. Which victim gets which miss does not
+         change what the cache holds or its future LRU choices (every touched row's stamp is
+         clock * k + j, whichever row it is), only where the rows sit; row order needs no
+         ordering of the victims among themselves (``fused.py``: no M x M rank count).
       4. a miss at position p copies pool row page_table[p // P] * P + p % P.
       5. every touched row (hit or victim) gets stamp clock * k + j; victims get position p.
     Positions in ``selected`` must be distinct (two copies of one position would both miss and
@@ -64,7 +68,11 @@ def resolve_control(selected, hot_positions, hot_stamps, clock, page_table, *,
     hit_row = jnp.argmax(match, axis=1).astype(jnp.int32)
     miss = want & ~hit
     lru_key = jnp.where(jnp.any(match, axis=0), INT32_MAX, hot_stamps)
-    victims = jnp.argsort(lru_key, stable=True).astype(jnp.int32)
+    lru = jnp.argsort(lru_key, stable=True)
+    rows = jnp.arange(b, dtype=jnp.int32)
+    is_victim = jnp.zeros((b,), jnp.int32).at[lru].set(rows) < jnp.sum(miss)  # LRU rank < M
+    at = jnp.where(is_victim, jnp.cumsum(is_victim) - 1, b)
+    victims = jnp.zeros((b,), jnp.int32).at[at].set(rows, mode="drop")  # row order, first M
     victim = victims[jnp.clip(jnp.cumsum(miss) - 1, 0, b - 1)]
     slots = jnp.where(hit, hit_row, jnp.where(miss, victim, -1))
     page = jnp.where(miss, selected // page_size, 0)

@@ -1,0 +1,128 @@
+"""Issue 16, hot_resolve: where the fused op's time goes, by kernel, at decode shapes.
+
+Run on the GPU machine: python3 benchmarks/hot_resolve_phases_gpu.py [--out DIR] [--quick]
+Cases (S requests vmapped, k selected, R hot rows, M = round(miss * k) misses a request):
+  target     S 64, k 512,  R 2048, f32 D 512        miss 0.05 and 0 (issue 16's hot_resolve
+             target shape: <= 0.10 ms with 5% misses, <= 0.03 ms all hits)
+  his_b1     S 1,  k 512,  R 4096, f32 D 512        miss 0.99 (HiSparse at batch 1: ~1.4% reuse
+             in the scale runs)
+  key_b1/64  S 1 / 64, k 2112, R 4096, (f32 D 32, f32 D 1) miss 0.95 (LeanSparse's key cache:
+             C + P positions, 128 FP8 bytes = 32 words and a scale per key)
+Variants: RADIX_BITS 2 (default) or 4 of ``fused._mth_smallest``; stamps "recent" (a cache
+after 1000 steps: distinct stamps below 1000 * k, a ~21-bit spread: 11 radix steps at 2 bits)
+or "full" (one unselected row stamped 2^31 - 2: all 16 steps, the cost before session 29's
+range trim). Every program is first checked equal to "xla" bit for bit. Timing: the two-launch
+op ("triton_fused2", the decode steps' default) as ``hot_resolve_gpu.time_program`` (hot rows
+donated, 4 input sets a program, median of 10); profile: the three-launch op ("triton_fused":
+map, control, apply as separate kernels) traced once, us per call by kernel. Writes
+hot_resolve_phases.json.
+"""
+
+import argparse
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hot_resolve_gpu import PAGE, SETS, program, time_program  # benchmarks/
+from traces import gpu_events, per_call  # benchmarks/traces.py
+
+from experiments.cases import hot_resolve as case
+from pallas_kernels.hot_resolve import fused
+
+CLOCK = 1000  # decode steps the cache has served (stamps below CLOCK * k)
+CASES = {  # name: (S, k, R, leaf dims, miss fractions)
+    "target": (64, 512, 2048, (512,), (0.05, 0.0)),
+    "his_b1": (1, 512, 4096, (512,), (0.99,)),
+    "key_b1": (1, 2112, 4096, (32, 1), (0.95,)),
+    "key_b64": (64, 2112, 4096, (32, 1), (0.95,)),
+}
+VARIANTS = (("radix2", 2, "recent"), ("radix2", 2, "full"), ("radix4", 4, "recent"))
+
+
+def pools(s, dims, universe_rows):
+    """pinned_host pools (one per leaf) and a page table [S, MP] of distinct pages."""
+    pages = s * (-(-universe_rows // PAGE))
+    rng = np.random.default_rng(0)
+    table = rng.permutation(pages).astype(np.int32).reshape(s, -1)
+    leaves = tuple(jax.device_put(jnp.asarray(rng.standard_normal((pages * PAGE, d), np.float32)),
+                                  case.HOST) for d in dims)
+    return leaves, jnp.asarray(table)
+
+
+def inputs(key, s, k, r, dims, miss, table, stamps_kind):
+    """case.make_inputs' full cache with M misses, stamps rescaled to a decode's (CLOCK steps
+    of k ranks) and, for "full", one unselected row at 2^31 - 2."""
+    sel, _, held, stamps, _ = case.make_inputs(key, s, k, r, 1, miss, table, PAGE)
+    rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 2**30)))
+    stamps = np.stack([np.sort(rng.choice(CLOCK * k, r, replace=False))[np.asarray(st)]
+                       for st in stamps]).astype(np.int32)
+    if stamps_kind == "full":
+        for q in range(s):
+            free = np.flatnonzero(~np.isin(np.asarray(held[q]), np.asarray(sel[q])))
+            stamps[q, free[0]] = 2**31 - 2
+    rows = tuple(jax.random.normal(jax.random.fold_in(key, d), (s, r, d), jnp.float32)
+                 for d in dims)
+    clock = jnp.full((s,), CLOCK, jnp.int32)
+    return sel, rows, held, jnp.asarray(stamps), clock
+
+
+def timed(fn, fresh, rest, pool):
+    return time_program(fn, fresh, rest, pool) * 1e3
+
+
+def profiled(fn, fresh, rest, pool, tmp):
+    rows = fresh()
+    jax.block_until_ready(rows)
+    with jax.profiler.trace(tmp, create_perfetto_trace=True):
+        jax.block_until_ready(fn(rows, rest, pool))
+    return per_call(gpu_events(pathlib.Path(tmp)), SETS)
+
+
+def main():
+    import tempfile
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--quick", action="store_true", help="radix2/recent only")
+    args = ap.parse_args()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    variants = VARIANTS[:1] if args.quick else VARIANTS
+    results = []
+    for name, (s, k, r, dims, misses) in CASES.items():
+        pool, table = pools(s, dims, r + k)
+        for miss in misses:
+            for label, bits, stamps_kind in variants:
+                fused.RADIX_BITS = bits
+                sets = [inputs(jax.random.key(10 + i), s, k, r, dims, miss, table, stamps_kind)
+                        for i in range(SETS)]
+                rest = [(x[0], x[2], x[3], x[4], table) for x in sets]
+                fresh = lambda sets=sets: [tuple(y + 0 for y in x[1]) for x in sets]  # noqa: E731
+                outs = {impl: program(impl)(fresh(), rest, pool)
+                        for impl in ("xla", "triton_fused", "triton_fused2")}
+                for impl in ("triton_fused", "triton_fused2"):
+                    for a, b in zip(jax.tree.leaves(outs["xla"]), jax.tree.leaves(outs[impl])):
+                        assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), (name, impl)
+                counts = np.asarray(outs["xla"][0][5])
+                ms = timed(program("triton_fused2"), fresh, rest, pool)
+                with tempfile.TemporaryDirectory() as tmp:
+                    got = profiled(program("triton_fused"), fresh, rest, pool, tmp)
+                row = dict(case=name, S=s, k=k, R=r, dims=list(dims), miss=miss,
+                           misses=int(counts[:, 1].mean()), variant=label,
+                           radix_bits=bits, stamps=stamps_kind, fused2_ms=ms,
+                           kernels_us=got.get("by_name", {}), span_us=got.get("span_us"))
+                results.append(row)
+                kern = " ".join(f"{n.replace('hot_resolve_', '')}={u:.1f}"
+                                for n, u in row["kernels_us"].items())
+                print(f"{name:8s} miss {miss:4.2f} M {row['misses']:5d} {label:6s} "
+                      f"{stamps_kind:6s} fused2 {ms:7.3f} ms | fused: {kern}", flush=True)
+                (out / "hot_resolve_phases.json").write_text(json.dumps(
+                    {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                     "rows": results}, indent=2))
+    fused.RADIX_BITS = 2
+
+
+if __name__ == "__main__":
+    main()
