@@ -46,9 +46,9 @@ def rerank(positions, scores, top_k: int):
     Rule (``select_topk``'s, as exact top-k over the whole history): higher canonical score
     first (NaN -> -inf, -0.0 -> +0.0), equal scores to the lower position (given candidates
     of score -inf included, after the finite ones), -1 (value -inf) where fewer than top_k
-    positions are given. One two-key sort of the R entries on (score
-    descending, position ascending); before session 29 an argsort by position and a
-    ``lax.top_k``, two sorts on the GPU.
+    positions are given. One two-key sort of the R entries on (score descending, position
+    ascending); before session 29 an argsort by position and a ``lax.top_k``, two sorts on
+    the GPU.
     Returns (positions [top_k] best first, -1 padded; their scores).
     """
     big = jnp.iinfo(jnp.int32).max

@@ -23,10 +23,9 @@ loop), "triton_fused" (``fused.py``: the control in-kernel too, three launches f
 requests and leaves, no XLA ops around them; any leaf dtype of ``DTYPES``, any D),
 "triton_fused2" (the same kernels in two launches: map and control of a request in one
 program, ordered by a block barrier, then apply), and "triton", the decode steps' switch, which
-runs
-``TRITON_RUNS``. None picks "triton" on a GPU and "xla"
-elsewhere. Both are vmappable over requests (the pool shared: in_axes=None); under vmap
-every request's misses go through one loop / one kernel launch.
+runs ``TRITON_RUNS``. None picks "triton" on a GPU and "xla" elsewhere. Both are vmappable
+over requests (the pool shared: in_axes=None); under vmap every request's misses go through
+one loop / one kernel launch.
 """
 
 from __future__ import annotations
