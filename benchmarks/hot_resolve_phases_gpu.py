@@ -25,8 +25,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hot_resolve_gpu import PAGE, SETS, program, time_program  # benchmarks/
-from traces import gpu_events, per_call  # benchmarks/traces.py
+from hot_resolve_gpu import PAGE, SETS, profile, program, time_program  # benchmarks/
 
 from experiments.cases import hot_resolve as case
 from pallas_kernels.hot_resolve import fused
@@ -68,21 +67,7 @@ def inputs(key, s, k, r, dims, miss, table, stamps_kind):
     return sel, rows, held, jnp.asarray(stamps), clock
 
 
-def timed(fn, fresh, rest, pool):
-    return time_program(fn, fresh, rest, pool) * 1e3
-
-
-def profiled(fn, fresh, rest, pool, tmp):
-    rows = fresh()
-    jax.block_until_ready(rows)
-    with jax.profiler.trace(tmp, create_perfetto_trace=True):
-        jax.block_until_ready(fn(rows, rest, pool))
-    return per_call(gpu_events(pathlib.Path(tmp)), SETS)
-
-
 def main():
-    import tempfile
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--quick", action="store_true", help="radix2/recent only")
@@ -90,7 +75,16 @@ def main():
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     variants = VARIANTS[:1] if args.quick else VARIANTS
-    results = []
+    results, default_bits = [], fused.RADIX_BITS
+    try:
+        run(out, variants, results)
+    finally:
+        fused.RADIX_BITS = default_bits
+
+
+def run(out, variants, results):
+    """Every case x miss fraction x variant: checked, timed, profiled; the JSON rewritten
+    after each row."""
     for name, (s, k, r, dims, misses) in CASES.items():
         pool, table = pools(s, dims, r + k)
         for miss in misses:
@@ -106,9 +100,8 @@ def main():
                     for a, b in zip(jax.tree.leaves(outs["xla"]), jax.tree.leaves(outs[impl])):
                         assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), (name, impl)
                 counts = np.asarray(outs["xla"][0][5])
-                ms = timed(program("triton_fused2"), fresh, rest, pool)
-                with tempfile.TemporaryDirectory() as tmp:
-                    got = profiled(program("triton_fused"), fresh, rest, pool, tmp)
+                ms = time_program(program("triton_fused2"), fresh, rest, pool) * 1e3
+                got = profile(program("triton_fused"), fresh, rest, pool)
                 row = dict(case=name, S=s, k=k, R=r, dims=list(dims), miss=miss,
                            misses=int(counts[:, 1].mean()), variant=label,
                            radix_bits=bits, stamps=stamps_kind, fused2_ms=ms,
@@ -121,7 +114,6 @@ def main():
                 (out / "hot_resolve_phases.json").write_text(json.dumps(
                     {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
                      "rows": results}, indent=2))
-    fused.RADIX_BITS = 2
 
 
 if __name__ == "__main__":

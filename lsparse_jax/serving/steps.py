@@ -197,7 +197,9 @@ def launch_step(params, engine: EngineConfig, state: DecodeState, stats, tokens,
     and four dispatches a step (two ``where``, ``decode_step``, ``record``): at batch 8 the
     H200 idled 1.5-1.9 ms at each step's start waiting for the host (session 28,
     ``results/decode_profile_b1_b8/``); on a 2-core CPU with the tiny model, 0.82 -> 0.62 ms
-    a step (hisparse), 1.04 -> 0.85 (leansparse) (``benchmarks/launch_overhead.py``)."""
+    a step (hisparse), 1.04 -> 0.85 (leansparse) (``benchmarks/launch_overhead.py``); on the
+    H200 at 128K, batch 8, HiSparse's step 4.47 -> 3.29 ms, step / kernels 1.50 -> 1.10
+    (session 29, ``results/decode_profile_session29/before/``)."""
     feed = choose_feed(tokens, prev_feed, use_prev, forced, use_forced)
     state, out = decode_step(params, engine, state, feed, active)
     return state, *step_tail(stats, out, feed, active)
