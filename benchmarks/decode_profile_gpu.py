@@ -14,6 +14,10 @@ each cell's Perfetto trace:
   by_kind        the kernels' time by kind: the Pallas ops (by kernel name), XLA fusions,
                  GEMMs, copies (memcpy), other;
   top            the 25 longest kernel names (ms per step).
+``--hlo-census`` also dumps XLA's optimized HLO of the decode step (``jit_launch_step``) and
+lists its sort and scatter instructions (shape, source file and line) in OUT/hlo_census.json:
+which line of ours each XLA sort kernel of the profile comes from (session 30: LeanSparse had
+10 sort kernels a step at 128K, ~0.2 ms at batch 1 and 8).
 Costs: one 128K prefill (~5 s at bf16), the decode compile (~30-90 s) and a few steps per
 method. ``--budget-s`` bounds the scale run (killed past it; the cells it finished are still
 analysed: scale.py writes its results after every cell). Writes OUT/decode_profile.json and
@@ -28,8 +32,10 @@ import gzip
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
+import tempfile
 
 PALLAS = ("sparse_attention", "topk", "pq_topc", "pq_coarse", "pq_scores", "hot_resolve",
           "index_scores", "index_topk", "gather_rows", "count", "refine", "select", "finish")
@@ -65,6 +71,31 @@ def analyze(trace: pathlib.Path) -> dict:
                 top=[(n, round(v, 4)) for n, v in by_name.most_common(25)])
 
 
+HLO_OP = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.+?) (sort|scatter)\(")
+
+
+def hlo_census(dump: pathlib.Path, module: str = "launch_step") -> list[dict]:
+    """Sort and scatter instructions of the optimized HLO modules named ``module`` that XLA
+    dumped to ``dump`` (``--xla_dump_to``): one record per instruction with its module file,
+    name, op, result shape, the source file / line of the Python that made it where the dump
+    names it (newer XLA prints a stack-frame id instead) and the op_name's last 160 characters
+    (the jit / vmap scopes and primitive)."""
+    out = []
+    for path in sorted(dump.glob(f"*{module}*after_optimizations.txt")):
+        for line in path.read_text().splitlines():
+            m = HLO_OP.match(line)
+            if not m:
+                continue
+            src = re.search(r'source_file="([^"]*)" source_line=(\d+)', line)
+            name = re.search(r'op_name="([^"]*)"', line)
+            out.append(dict(module=path.name, name=m.group(1), op=m.group(3),
+                            shape=m.group(2)[:120],
+                            source=f"{src.group(1).split('lsparse-jax/')[-1]}:{src.group(2)}"
+                            if src else None,
+                            op_name=name.group(1)[-160:] if name else None))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or "runs/decode_profile_gpu")
@@ -89,6 +120,8 @@ def main():
                     "scale run, e.g. LeanSparseConfig.coarse_implementation=\"'jax_triton'\"")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="kill the scale run after this many seconds (None: no limit)")
+    ap.add_argument("--hlo-census", action="store_true", help="dump the decode step's "
+                    "optimized HLO and list its sorts and scatters (OUT/hlo_census.json)")
     a = ap.parse_args()
     out = pathlib.Path(a.out)
     runs = out / "runs"
@@ -116,9 +149,13 @@ def main():
     print(" ".join(cmd), flush=True)
     out.mkdir(parents=True, exist_ok=True)
     status = None
+    env = {**os.environ, "LSPARSE_RUNS": str(runs)}
+    dump = pathlib.Path(tempfile.mkdtemp(prefix="hlo_")) if a.hlo_census else None
+    if dump is not None:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}"
+                            " --xla_dump_hlo_module_re=.*launch_step.*").strip()
     try:
-        proc = subprocess.run(cmd, env={**os.environ, "LSPARSE_RUNS": str(runs)},
-                              timeout=a.budget_s)
+        proc = subprocess.run(cmd, env=env, timeout=a.budget_s)
         status = None if proc.returncode == 0 else f"scale exited with {proc.returncode}"
     except subprocess.TimeoutExpired:
         status = f"scale killed after --budget-s {a.budget_s} s"
@@ -140,6 +177,13 @@ def main():
                 row["ratio"] = row["step_ms"] / row["kernels_ms"]
         rows.append(row)
     (out / "decode_profile.json").write_text(json.dumps(rows, indent=1))
+    if dump is not None:
+        census = hlo_census(dump)
+        (out / "hlo_census.json").write_text(json.dumps(census, indent=1))
+        print(f"HLO census ({len(census)} sorts / scatters):")
+        for c in census:
+            where = c["source"] or (c["op_name"] or "")[-70:]
+            print(f"    {c['op']:8s} {c['shape'][:50]:50s} {where}")
     for r in rows:
         print(f"{r['method']:10s} ctx {r['context']} B {r['batch']}: step "
               f"{r.get('step_ms') or float('nan'):.3f} ms, kernels {r.get('kernels_ms', 0):.3f}"

@@ -17,7 +17,9 @@ plus the top-512: XLA, and the fused one-kernel form), topk "triton_oneread" and
 (two or three launches, ``pallas_kernels/topk/fused.py``), pq_topc
 "jax_triton" (plain Triton, codebook on chip, its default smem gather: lane l reads word l of
 one key), "jax_triton_smem" (the bank-swizzled book), "jax_triton_shuffle" (its warp-shuffle
-gather lowering) and "jax_triton_linear" (the smem gather without the swizzle), hot_resolve
+gather lowering), "jax_triton_linear" (the smem gather without the swizzle) and
+"jax_triton_sample_topk" (the default scores with the top-C of topk "triton", as before session
+30; "jax_triton" now takes topk "triton_fused"), hot_resolve
 "triton_copy" (XLA control + the copy kernel, what "triton" ran before
 ``api.TRITON_RUNS`` moved to the fused kernel).
 ``per_call=True`` instead times separate jitted calls (what a caller dispatching one op pays).
@@ -96,6 +98,11 @@ def pq_topc_case(batch, history, heads=64, dim=128, subspaces=32, centroids=256,
 
             decode = PQ_DECODES[impl]
             return pq_topc_jax_triton(*args, num_candidates=c, params=Params(decode=decode))
+        if impl == "jax_triton_sample_topk":  # the jax-triton scores, then topk "triton" (its
+            #  sample floor in XLA): the top-C before session 30
+            from pallas_kernels.pq_topc.jax_triton import pq_topc_jax_triton
+
+            return pq_topc_jax_triton(*args, num_candidates=c, topk_implementation="triton")
         return pq_topc(*args, num_candidates=c, implementation=impl)
 
     return Case("pq_topc", dict(B=batch, N=history, H=heads, D=dim, M=subspaces, C=c),
@@ -150,23 +157,41 @@ def index_scores_case(batch, c=2048, heads=64, dim=128, top=512):
                 make=make, call=call)
 
 
-OPS = ("pq_topc", "topk", "index_scores", "sparse_attention", "hot_resolve")
+def candidate_topk_case(batch, r=2048 + 64, k=512):
+    """LeanSparse's rerank: the top-512 of C + P = 2112 scored positions a request (the miss
+    filter runs the same op on the C = 2048 coarse scores). Not in the default ``ops``."""
+    from pallas_kernels.topk.api import candidate_topk
+
+    def make(key):
+        k1, k2 = jax.random.split(key)
+        ids = jax.vmap(lambda kk: jax.random.permutation(kk, 1 << 20)[:r])(
+            jax.random.split(k2, batch)).astype(jnp.int32)
+        return jax.random.normal(k1, (batch, r), jnp.float32), ids
+
+    return Case("candidate_topk", dict(B=batch, C=r, k=k), flops=0.0, bytes=8.0 * batch * r,
+                make=make, call=lambda impl, *a: candidate_topk(*a, k, implementation=impl))
+
+
+OPS = ("pq_topc", "topk", "index_scores", "sparse_attention", "hot_resolve", "candidate_topk")
 IMPLEMENTATIONS = ("xla", "triton", "jax_triton", "mosaic", "triton_unfused", "triton_fused",
                    "triton_fp8", "triton_oneread", "xla_top512", "triton_fp8_top512",
                    "triton_fp8_split_top512", "jax_triton_shuffle", "jax_triton_linear",
-                   "jax_triton_smem", "triton_copy")
+                   "jax_triton_smem", "jax_triton_sample_topk", "triton_copy")
 PQ_DECODES = {"jax_triton_shuffle": "shuffle", "jax_triton_linear": "smem_linear",
               "jax_triton_smem": "smem"}  # pq_topc's jax-triton lowerings other than default
 SUPPORTED = {  # the implementations each op has (others are skipped, not timed)
-    "pq_topc": ("xla", "triton", "triton_unfused", "jax_triton", *PQ_DECODES),
+    "pq_topc": ("xla", "triton", "triton_unfused", "jax_triton", *PQ_DECODES,
+                "jax_triton_sample_topk"),
     "topk": ("xla", "triton", "triton_oneread", "triton_fused"),
     "index_scores": ("xla", "triton", "jax_triton", "triton_fp8", "xla_top512",
                      "triton_fp8_top512", "triton_fp8_split_top512"),
     "sparse_attention": ("xla", "triton", "mosaic"),
     "hot_resolve": ("xla", "triton", "triton_fused", "triton_copy"),
+    "candidate_topk": ("xla", "triton"),
 }
 HEADLINE = dict(pq_topc=dict(B=64, N=131072), topk=dict(B=64, N=262144, k=2048),
-                index_scores=dict(B=64), sparse_attention=dict(B=64), hot_resolve=dict(B=64))
+                index_scores=dict(B=64), sparse_attention=dict(B=64), hot_resolve=dict(B=64),
+                candidate_topk=dict(B=8))
 
 
 def is_headline(case: Case) -> bool:
@@ -255,6 +280,8 @@ def kernel_compare(name: str, batches=(1, 8, 32, 64), histories=(51200, 131072, 
         from experiments.cases.hot_resolve import hot_resolve_case
 
         cases += [hot_resolve_case(64, miss_fraction=f) for f in (0.05, 0.0)]
+    if "candidate_topk" in ops:
+        cases += [candidate_topk_case(b) for b in batches]
     cases = [c for c in cases if is_headline(c)] + [c for c in cases if not is_headline(c)]
     rows = []
     device = jax.devices()[0]

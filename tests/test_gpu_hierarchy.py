@@ -52,30 +52,11 @@ def test_leansparse_kernels_match_xla_on_gpu(coarse):
     import dataclasses
 
     from lsparse_jax.config import LeanSparseConfig
-    from tests.test_leansparse import make
+    from tests.test_leansparse import kernel_step_against_xla
 
     lean = LeanSparseConfig(num_candidates=64, miss_filter_offset=1.0, key_cache_rows=96,
                             coarse_precision=coarse.get("coarse_precision", "bf16"))
-    kernels = dataclasses.replace(lean, **coarse)
-    engines = {impl: make("leansparse", cfg, slots=1, implementation=impl)
-               for impl, cfg in (("xla", lean), ("triton", kernels))}
-    rng = np.random.default_rng(3)
-    prompt = rng.integers(0, 256, 150).astype(np.int32)
-    for e in engines.values():
-        e.admit(prompt, max_new_tokens=40)
-    same, found, total = [], 0, 0
-    for _ in range(30):
-        inputs = engines["xla"].next_token.copy()
-        a = engines["xla"].step()
-        b = engines["triton"].step(tokens=inputs)
-        sa, sb = np.asarray(a.selected[0]), np.asarray(b.selected[0])
-        for x, y in zip(sa, sb):
-            found += len(set(x[x >= 0]) & set(y[y >= 0]))
-            total += int((x >= 0).sum())
-        if all(set(x) == set(y) for x, y in zip(sa, sb)):
-            same.append(float(np.abs(np.asarray(a.logits[0]) - np.asarray(b.logits[0])).max()))
-    assert found / total >= 0.95
-    assert same and max(same) < 1e-2
+    kernel_step_against_xla(lean, dataclasses.replace(lean, **coarse), steps=30)
 
 
 def test_bf16_stored_weights_equal_f32_weights_at_bf16_matmuls_on_gpu():

@@ -133,14 +133,16 @@ def test_scale_groups_variant_budget_and_prefill_cache(tmp_path, monkeypatch):
     ("scale_lean_jt_swizzle", (524288,), (32, 64), None, False),
     ("scale_batch_1m_fp8_swizzle", (1048576,), (64,), None, False),
     ("scale_small_batch", (524288,), (1, 8), None, False),
-    ("scale_small_batch_1m", (1048576,), (1, 8), None, False)])
+    ("scale_small_batch_1m", (1048576,), (1, 8), None, False),
+    ("scale_small_batch_s30", (524288,), (1, 8, 32, 64), None, False)])
 def test_scale_batch_config_binds_the_batch_grid(name, contexts, batches, by_context, g2):
     """configs/experiments/scale_batch.gin (512K at batch 8/64/32/1, 1M at 8/1),
     scale_batch_short.gin (32K and 128K at 64/32) and scale_batch_1m.gin (1M at 64/32, the
     four methods issue 13 names; scale_batch_1m_fp8.gin: batch 64 with FP8 rows;
     scale_lean_jt.gin: hisparse and LeanSparse's FP8 jax-triton coarse pass; the _swizzle
     runs: the same cells again after the coarse kernel's bank swizzle; the _small_batch runs:
-    batches 1 and 8 after the batch-1 fix of session 28): the leansparse_g2
+    batches 1 and 8 after the batch-1 fix of session 28, _s30 batches 1-64 after session 30's
+    sort removal): the leansparse_g2
     variant where asked, a per-call budget and a prefill cache; the grid passes the checks;
     the _fp8 runs store FP8 rows."""
     import gin

@@ -15,10 +15,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.topk.reference import canonical_scores
+from pallas_kernels.topk.api import candidate_topk
 
 
-def miss_filter(scores, valid, cached, top_k: int, offset: float | None):
+def miss_filter(scores, valid, cached, top_k: int, offset: float | None,
+                implementation: str | None = "xla"):
     """Which coarse candidates to keep.
 
     Notation: C candidates with coarse scores s (valid ones only count); s_(k) the k-th largest
@@ -26,52 +27,51 @@ def miss_filter(scores, valid, cached, top_k: int, offset: float | None):
       (ddof = 1) of the valid scores.
     Rule: keep every cached candidate; keep an uncached one iff s >= s_(k) - offset * sigma.
       ``offset=None`` disables the filter (every valid candidate is kept).
-    scores, valid, cached: [C]. Returns keep [C] bool.
+    scores, valid, cached: [C]; implementation: the ``candidate_topk`` op's, which finds
+    s_(k) (before session 30 a sort of the C scores). Returns keep [C] bool.
     """
     if offset is None:
         return valid
     n = jnp.sum(valid)
-    ordered = jnp.sort(jnp.where(valid, scores, -jnp.inf))[::-1]
-    kth = ordered[jnp.clip(jnp.minimum(top_k, n) - 1, 0, scores.shape[0] - 1)]
+    ids = jnp.where(valid, jnp.arange(scores.shape[0], dtype=jnp.int32), -1)
+    won, best = candidate_topk(scores.astype(jnp.float32)[None], ids[None], top_k,
+                               implementation=implementation)
+    kth = jnp.min(jnp.where(won[0] >= 0, best[0], jnp.inf))  # the k-th largest (or smallest)
     mean = jnp.sum(jnp.where(valid, scores, 0.0)) / jnp.maximum(n, 1)
     var = jnp.sum(jnp.where(valid, (scores - mean) ** 2, 0.0)) / jnp.maximum(n - 1, 1)
     threshold = kth - offset * jnp.sqrt(var)
     return valid & (cached | (scores >= threshold))
 
 
-def rerank(positions, scores, top_k: int):
+def rerank(positions, scores, top_k: int, implementation: str | None = "xla"):
     """Exact top-k among scored candidate positions.
 
     positions [R] int32 (-1 = none, any order, no duplicates); scores [R] their exact scores.
     Rule (``select_topk``'s, as exact top-k over the whole history): higher canonical score
     first (NaN -> -inf, -0.0 -> +0.0), equal scores to the lower position (given candidates
     of score -inf included, after the finite ones), -1 (value -inf) where fewer than top_k
-    positions are given. One two-key sort of the R entries on (score descending, position
-    ascending); before session 29 an argsort by position and a ``lax.top_k``, two sorts on
-    the GPU.
-    Returns (positions [top_k] best first, -1 padded; their scores).
+    positions are given. The ``candidate_topk`` op (``implementation``): "xla" one two-key
+    sort of the R entries, best first; "triton" a radix selection in registers, the winners
+    in the order given (session 29 had the sort, session 28 an argsort and a ``lax.top_k``).
+    Returns (positions [top_k], -1 padded; their scores).
     """
-    big = jnp.iinfo(jnp.int32).max
-    valid = positions >= 0
-    key = jnp.where(valid, -canonical_scores(scores.astype(jnp.float32)), jnp.inf)
-    neg, ordered = jax.lax.sort((key, jnp.where(valid, positions, big)), num_keys=2)
-    pad = max(0, top_k - positions.shape[0])
-    neg = jnp.pad(neg[:top_k], (0, pad), constant_values=jnp.inf)
-    ordered = jnp.pad(ordered[:top_k], (0, pad), constant_values=big)
-    taken = ordered != big
-    return jnp.where(taken, ordered, -1), jnp.where(taken, -neg, -jnp.inf)
+    best, values = candidate_topk(scores.astype(jnp.float32)[None], positions[None], top_k,
+                                  implementation=implementation)
+    return best[0], values[0]
 
 
 def coarse_to_fine(candidates, candidate_scores, cached, tail,
                    exact_scores: Callable[[jnp.ndarray], tuple[jnp.ndarray, Any]], *,
-                   top_k: int, filter_offset: float | None):
+                   top_k: int, filter_offset: float | None,
+                   implementation: str | None = "xla"):
     """Steps 2-4 of LeanSparse's selection for one query.
 
-    Notation: C candidates (the coarse top-C, best first, -1 padded), T tail positions.
+    Notation: C candidates (the coarse top-C in any order, -1 padded), T tail positions.
       candidates [C] int32, candidate_scores [C] their coarse scores; cached [C] bool (the
       candidate's exact key is in the GPU key cache); tail [T] int32 recent positions scored
       exactly without a coarse pass (-1 none); exact_scores(retained [C+T] int32, -1 = none)
-      -> (scores [C+T] f32, aux): the exact scores of the retained positions.
+      -> (scores [C+T] f32, aux): the exact scores of the retained positions;
+      implementation: the ``candidate_topk`` op's (the miss filter's s_(k) and step 4).
     Steps: (2) the miss filter drops weak uncached candidates; (3) exact scores of the kept
       candidates and the tail; (4) exact top-k.
     Returns (positions [top_k], stats dict of int32 scalars: candidates, kept, fetched (kept and
@@ -79,10 +79,10 @@ def coarse_to_fine(candidates, candidate_scores, cached, tail,
     """
     valid = candidates >= 0
     hit = valid & cached
-    keep = miss_filter(candidate_scores, valid, hit, top_k, filter_offset)
+    keep = miss_filter(candidate_scores, valid, hit, top_k, filter_offset, implementation)
     retained = jnp.concatenate([jnp.where(keep, candidates, -1), tail])
     scores, aux = exact_scores(retained)
-    selected, _ = rerank(retained, scores, top_k)
+    selected, _ = rerank(retained, scores, top_k, implementation)
     stats = {"candidates": jnp.sum(valid), "kept": jnp.sum(keep),
              "fetched": jnp.sum(keep & ~hit)}
     return selected, jax.tree.map(lambda x: x.astype(jnp.int32), stats), aux

@@ -166,7 +166,10 @@ class CoarseToFineIndex:
         q, w, n = query.q[0], query.weights[0], eligible.shape[-1]
         paged = paged_rows(self.page_size, completed)
         held = state.cache.positions
-        cached = jnp.zeros((n,), bool).at[jnp.where(held >= 0, held, n)].set(True, mode="drop")
+        # distinct indices (a position sits in one row; empty rows point past n, each its own):
+        # unique_indices lets XLA skip its scatter determinism expansion (a sort of the indices)
+        spot = jnp.where(held >= 0, held, n + jnp.arange(held.shape[0]))
+        cached = jnp.zeros((n,), bool).at[spot].set(True, mode="drop", unique_indices=True)
         tail = paged + jnp.arange(self.page_size)
         tail = jnp.where(eligible[0][jnp.clip(tail, 0, n - 1)] & (tail < n), tail, -1)
         fetch = on_stream(functools.partial(resolve, implementation=self.implementation),
@@ -184,7 +187,8 @@ class CoarseToFineIndex:
         cold = state.cache.clock < self.settings.warm_steps  # decode steps it has served
         selected, _, (cache, key_sources) = coarse_to_fine(
             cand, cand_scores, cached[jnp.maximum(cand, 0)] | cold, tail, exact_scores,
-            top_k=self.top_k, filter_offset=self.settings.miss_filter_offset)
+            top_k=self.top_k, filter_offset=self.settings.miss_filter_offset,
+            implementation=self.implementation)
         selection = Selection(selected[None], jnp.sum(eligible, -1).astype(jnp.int32),
                               jnp.zeros((1, NUM_SOURCES), jnp.int32), key_sources[None])
         return state.replace(cache=cache), selection

@@ -57,10 +57,12 @@ and 1.74x (fp8) per call (results/kernel_ncu_session27/, results/kernel_ablation
 thread and lane l gathers word l of one key, which would not conflict: ``compile_ptx`` marks
 the pointers aligned.)
 
-Top-C: ``pallas_kernels.topk`` ("triton": one read of the score row, its own kernels) on the
-[B, N] scores. The Pallas kernel (``triton.py``) fuses topk's first counting pass into its
-score kernel instead; that saves one read of the scores (33.5 MB, ~11 us at B = 64), small next
-to the decode, and would tie this kernel to topk's two-read tail. Not done here.
+Top-C: ``pallas_kernels.topk`` on the [B, N] scores, "triton_fused" by default since session 30
+(its sample floor and fallback in-kernel: no XLA glue; before, "triton", whose sample floor
+runs ``lax.top_k`` over the sampled keys in XLA, an XLA sort on the GPU). The Pallas kernel
+(``triton.py``) fuses topk's first counting pass into its score kernel instead; that saves one
+read of the scores (33.5 MB, ~11 us at B = 64), small next to the decode, and would tie this
+kernel to topk's two-read tail. Not done here.
 
 Precision as ``triton.py``: q and the codebooks rounded to bf16, f32 accumulation
 (``TOLERANCE['bfloat16']``); small-integer inputs give the exact scores.
@@ -409,7 +411,8 @@ def coarse_scores_jax_triton(q, weights, codes, codebooks, lengths, *,
 @functools.partial(jax.jit, static_argnames=("num_candidates", "params",
                                              "topk_implementation", "precision"))
 def pq_topc_jax_triton(q, weights, codes, codebooks, lengths, *, num_candidates: int,
-                       params: Params | None = None, topk_implementation: str = "triton",
+                       params: Params | None = None,
+                       topk_implementation: str = "triton_fused",
                        precision: str = "bf16"):
     """Top-C positions of PQ-coded keys: the Triton score kernel, then ``pallas_kernels.topk``
     (``topk_implementation``). Returns (positions [B, C] int32 in any order, -1 padded;

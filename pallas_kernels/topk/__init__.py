@@ -1,5 +1,6 @@
-"""Exact top-k of long score rows (``topk``): XLA reference and a Pallas-Triton kernel."""
+"""Exact top-k of long score rows (``topk``) and of short rows of scored ids
+(``candidate_topk``): XLA references and Pallas-Triton kernels."""
 
-from pallas_kernels.topk.api import topk
+from pallas_kernels.topk.api import candidate_topk, topk
 
-__all__ = ["topk"]
+__all__ = ["candidate_topk", "topk"]

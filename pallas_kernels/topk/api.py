@@ -13,10 +13,11 @@ import numpy as np
 
 from pallas_kernels import common
 from pallas_kernels.topk import fused
-from pallas_kernels.topk.reference import topk_xla
+from pallas_kernels.topk.reference import candidate_topk_xla, topk_xla
 from pallas_kernels.topk.triton import topk_triton
 
 AVAILABLE = ("xla", "triton", "triton_fused")
+CANDIDATE_AVAILABLE = ("xla", "triton")
 # What "triton" runs (H200, 64 x 262144, k = 2048, session 6): the one-read path with a
 # 4096-position sample and the register finish, 0.191 ms; the two-read sequence 0.285 ms.
 TRITON_OPTIONS = dict(one_read=True, sample=4096, finish_in_registers=True)
@@ -69,3 +70,40 @@ def topk(scores, lengths, k: int, *, implementation: str | None = None):
     if impl in ("triton", "triton_fused"):
         return topk_triton(scores, lengths, k, interpret=common.interpret(), **TRITON_OPTIONS)
     return topk_xla(scores, lengths, k)
+
+
+def candidate_topk(scores, ids, k: int, *, implementation: str | None = None):
+    """Exact top-k of short rows of scored ids (LeanSparse's miss filter and rerank: C coarse
+    candidates, or the kept candidates and the tail, each with its position).
+
+    scores [B, R] f32; ids [B, R] int32: -1 where an entry is not eligible (its score may be
+    anything, NaN poison included), the eligible ids >= 0 and distinct within a row (a repeated
+    id is unsupported input); k static int >= 1 (may exceed R). Rule: higher canonical score
+    first (NaN -> -inf, -0.0 -> +0.0; an eligible -inf still wins over nothing), equal scores
+    to the lower id. Returns (ids [B, k] int32: the min(k, #eligible) winners, in any order
+    ("xla" best-first, "triton" in row order), then -1; values [B, k] f32 aligned, -inf at
+    -1). implementation: "xla" (``reference.candidate_topk_xla``: one two-key sort a row),
+    "triton" (``candidates.py``: one program a row, radix selection in registers; interpret
+    mode without a GPU; rows up to a few thousand entries) or None (triton on a GPU, xla
+    elsewhere).
+    """
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"candidate_topk: k must be a static int >= 1, got {k!r}")
+    impl = common.choose("candidate_topk", implementation, CANDIDATE_AVAILABLE,
+                         fastest_on_gpu="triton")
+    scores, ids = jnp.asarray(scores), jnp.asarray(ids)
+    if scores.ndim != 2 or ids.shape != scores.shape:
+        raise ValueError(f"candidate_topk: scores and ids must both be [B, R], got shapes "
+                         f"{scores.shape} and {ids.shape}")
+    if scores.dtype != jnp.float32:
+        raise ValueError(f"candidate_topk: scores must be float32, got {scores.dtype}")
+    if ids.dtype != jnp.int32:
+        raise ValueError(f"candidate_topk: ids must be int32, got {ids.dtype}")
+    b, r = scores.shape
+    if b == 0 or r == 0:
+        return jnp.full((b, int(k)), -1, jnp.int32), jnp.full((b, int(k)), -jnp.inf)
+    if impl == "triton":
+        from pallas_kernels.topk.candidates import candidate_topk_triton
+
+        return candidate_topk_triton(scores, ids, k=int(k))
+    return candidate_topk_xla(scores, ids, int(k))

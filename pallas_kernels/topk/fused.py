@@ -21,7 +21,7 @@ launches, no redundant sample work); the default past two select programs a row
 
 Notation:
   B rows, N positions, L = clip(lengths[b], 0, N) eligible positions (n < L), m = min(k, L),
-  key(x) the order-preserving int32 key of a canonical score (``triton.order_keys``),
+  key(x) the order-preserving int32 key of a canonical score (``reference.order_keys``),
   c(t) = #{n < L : key_n >= t}, KP = next power of two >= min(k, N) (output row),
   BLOCK positions per select program, nblk = ceil(N / BLOCK), NBP = next power of two >= nblk,
   NP = next power of two >= N (the finish program's view of a row; loads past N are masked),

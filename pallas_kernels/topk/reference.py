@@ -49,6 +49,13 @@ def canonical_scores(scores: jnp.ndarray) -> jnp.ndarray:
     return jnp.where(scores != scores, -jnp.inf, scores)
 
 
+def order_keys(x: jnp.ndarray) -> jnp.ndarray:
+    """Order-preserving int32 keys of canonical f32 scores (signed comparison of keys = float
+    comparison, denormals included): negative floats get their 31 magnitude bits flipped."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
 @functools.partial(jax.jit, static_argnames=("k",))
 def topk_xla(scores: jnp.ndarray, lengths: jnp.ndarray, k: int):
     """Top-k eligible positions of each row: scores [B, N] f32, lengths [B] int ->
@@ -58,3 +65,24 @@ def topk_xla(scores: jnp.ndarray, lengths: jnp.ndarray, k: int):
     n = scores.shape[-1]
     eligible = jnp.arange(n, dtype=jnp.int32)[None, :] < lengths.astype(jnp.int32)[:, None]
     return topk_positions(canonical_scores(scores), eligible, k)
+
+
+@functools.partial(jax.jit, static_argnames=("k",))
+def candidate_topk_xla(scores: jnp.ndarray, ids: jnp.ndarray, k: int):
+    """Top-k of rows of scored ids: scores [B, R] f32, ids [B, R] int32 (-1 = none; the others
+    distinct within a row) -> (ids [B, k] int32 best first, -1 padded; values [B, k] f32,
+    -inf padded). Higher canonical score first; equal scores go to the lower id. One two-key
+    sort of each row on (score descending, id ascending), the scores compared as
+    ``order_keys`` (as the kernel does: no float compare, which XLA:CPU makes with denormals
+    flushed to zero)."""
+    big = jnp.iinfo(jnp.int32).max
+    valid = ids >= 0
+    score = canonical_scores(scores.astype(jnp.float32))
+    key = jnp.where(valid, ~order_keys(score), big)  # ~: descending, no overflow
+    _, ordered, value = jax.lax.sort((key, jnp.where(valid, ids, big), score), dimension=-1,
+                                     num_keys=2)
+    pad = [(0, 0), (0, max(0, k - ids.shape[-1]))]
+    ordered = jnp.pad(ordered[:, :k], pad, constant_values=big)
+    value = jnp.pad(value[:, :k], pad)
+    taken = ordered != big
+    return jnp.where(taken, ordered, -1), jnp.where(taken, value, -jnp.inf)

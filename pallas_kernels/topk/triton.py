@@ -77,7 +77,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
-from pallas_kernels.topk.reference import canonical_scores
+from pallas_kernels.topk.reference import canonical_scores, order_keys
 
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
@@ -97,13 +97,6 @@ ONE_READ_Z = 4.0            # one-read floor: sample rank q + Z sqrt(q + 1) + 1 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
-
-
-def order_keys(x: jnp.ndarray) -> jnp.ndarray:
-    """Order-preserving int32 keys of canonical f32 scores (signed comparison of keys = float
-    comparison): negative floats get their 31 magnitude bits flipped."""
-    bits = lax.bitcast_convert_type(x, jnp.int32)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
 def eligible_keys(x, start, length):
