@@ -7,15 +7,16 @@
 # one program a row, radix selection in registers), pq_topc's jax-triton top-C takes topk
 # "triton_fused" (its sample floor in-kernel, no XLA lax.top_k), and the key cache's
 # membership bitmap is a unique-index scatter.
-# STEP=check (default; ~400 s, one call):
+# STEP=check (default; ~300 s, one call):
 #   1. tests: candidate_topk's GPU test, the LeanSparse decode step against XLA with the
 #      kernels (all three coarse passes), pq_topc's jax-triton tests (their top-C changed);
-#   2. kernel_compare: candidate_topk xla vs triton at B 1 / 8 / 64 (C + P = 2112, k 512) and
-#      pq_topc jax_triton (top-C triton_fused) vs jax_triton_sample_topk (session 29's path)
-#      at B 64, N 131072;
-#   3. the decode profile at 128K, batch 1 and 8, HiSparse and leansparse_fp8_jt, with the
-#      HLO census of the step's sorts and scatters (decode_profile_gpu.py --hlo-census):
-#      did the sorts go, and what are the ones left.
+#   2. benchmarks/candidate_topk_gpu.py: the kernel's launch variants (warps, lanes) against
+#      the XLA sorts it replaces, B 1 / 8 / 64, R 2048 / 2112, k 512;
+#   3. kernel_compare pq_topc at B 64, N 131072: jax_triton (top-C by topk "triton_fused")
+#      vs jax_triton_sample_topk (session 29's path).
+# STEP=profile (~330 s, one call): the decode profile at 128K, batch 1 and 8, HiSparse and
+#   leansparse_fp8_jt, with the HLO census of the step's sorts and scatters
+#   (decode_profile_gpu.py --hlo-census): did the sorts go, and which are left.
 # STEP=scale (~520 s, one call): 512K at batches 1, 8, 32, 64 after the change
 #   (configs/experiments/scale_small_batch_s30.gin; 32 / 64 were not re-run after session 29's
 #   hot_resolve change either), stopped by its 480 s budget; resumable (results.json after
@@ -33,16 +34,19 @@ case "${STEP:-check}" in
     part tests 120 "python3 -m pytest -q -p no:cacheprovider -m gpu \
       tests/test_kernel_candidate_topk.py tests/test_gpu_hierarchy.py \
       tests/test_kernel_pq_topc.py -k 'candidate or leansparse_kernels or jax_triton'"
-    TAIL=14 part kc 90 "python3 -m experiments.cli run configs/experiments/kernel_compare.gin \
-      \"--gin.kernel_compare.ops=('candidate_topk','pq_topc')\" \
-      \"--gin.kernel_compare.batches=(1,8,64)\" \"--gin.kernel_compare.histories=(131072,)\" \
-      \"--gin.kernel_compare.implementations=('xla','triton','jax_triton','jax_triton_sample_topk')\" \
-      --gin.kernel_compare.budget_s=70 \"--gin.run.name='kernel_compare_session30'\""
+    TAIL=30 part ctk 90 "python3 benchmarks/candidate_topk_gpu.py --out \$OUT"
+    TAIL=8 part kc 80 "python3 -m experiments.cli run configs/experiments/kernel_compare.gin \
+      \"--gin.kernel_compare.ops=('pq_topc',)\" \"--gin.kernel_compare.batches=(64,)\" \
+      \"--gin.kernel_compare.histories=(131072,)\" \
+      \"--gin.kernel_compare.implementations=('jax_triton','jax_triton_sample_topk')\" \
+      --gin.kernel_compare.budget_s=60 \"--gin.run.name='kernel_compare_session30'\""
+    pack session30_check ;;
+  profile)
     profile b1 1
     profile b8 8
-    pack session30_check ;;
+    pack session30_profile ;;
   scale)
     RUN=scale_small_batch_s30 SCALE_BUDGET=${SCALE_BUDGET:-480} STEP=scale \
       bash "$(dirname "$0")/gpu_scale_batch.sh" ;;
-  *) echo "STEP=${STEP}: unknown (check | scale)"; exit 2 ;;
+  *) echo "STEP=${STEP}: unknown (check | profile | scale)"; exit 2 ;;
 esac
