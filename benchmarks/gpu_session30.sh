@@ -7,13 +7,16 @@
 # one program a row, radix selection in registers), pq_topc's jax-triton top-C takes topk
 # "triton_fused" (its sample floor in-kernel, no XLA lax.top_k), and the key cache's
 # membership bitmap is a unique-index scatter.
-# STEP=check (default; ~300 s, one call):
+# STEP=check (default; ~420 s, one call):
 #   1. tests: candidate_topk's GPU test, the LeanSparse decode step against XLA with the
 #      kernels (all three coarse passes), pq_topc's jax-triton tests (their top-C changed);
 #   2. benchmarks/candidate_topk_gpu.py: the kernel's launch variants (warps, lanes) against
 #      the XLA sorts it replaces, B 1 / 8 / 64, R 2048 / 2112, k 512;
 #   3. kernel_compare pq_topc at B 64, N 131072: jax_triton (top-C by topk "triton_fused")
-#      vs jax_triton_sample_topk (session 29's path).
+#      vs jax_triton_sample_topk (session 29's path);
+#   4. hot_resolve_phases_gpu.py at batch 1 with the small and the decode-sized (32768) map
+#      scratch, both launch forms profiled: why the decode step's hot_resolve_front takes
+#      54-57 us a call at batch 1 when map + control take ~25 us in the phases run.
 # STEP=profile (~330 s, one call): the decode profile at 128K, batch 1 and 8, HiSparse and
 #   leansparse_fp8_jt, with the HLO census of the step's sorts and scatters
 #   (decode_profile_gpu.py --hlo-census): did the sorts go, and which are left.
@@ -40,6 +43,8 @@ case "${STEP:-check}" in
       \"--gin.kernel_compare.histories=(131072,)\" \
       \"--gin.kernel_compare.implementations=('jax_triton','jax_triton_sample_topk')\" \
       --gin.kernel_compare.budget_s=60 \"--gin.run.name='kernel_compare_session30'\""
+    TAIL=12 part phases 120 "python3 benchmarks/hot_resolve_phases_gpu.py --quick \
+      --cases his_b1,his_b1_wide,key_b1,key_b1_wide --out \$OUT"
     pack session30_check ;;
   profile)
     profile b1 1

@@ -8,14 +8,19 @@ Cases (S requests vmapped, k selected, R hot rows, M = round(miss * k) misses a 
              in the scale runs)
   key_b1/64  S 1 / 64, k 2112, R 4096, (f32 D 32, f32 D 1) miss 0.95 (LeanSparse's key cache:
              C + P positions, 128 FP8 bytes = 32 words and a scale per key)
+  *_wide     his_b1 and key_b1 with 32768 positions a request (a CSA layer at 128K) instead
+             of R + k: the map's [S, NPOS] scratch as large as in the decode step (session
+             29's decode profile at 128K, batch 1: hot_resolve_front 54-57 us a call, against
+             map + control ~25-27 us here with the small universe)
 Variants: RADIX_BITS 2 (default) or 4 of ``fused._mth_smallest``; stamps "recent" (a cache
 after 1000 steps: distinct stamps below 1000 * k, a ~21-bit spread: 11 radix steps at 2 bits)
 or "full" (one unselected row stamped 2^31 - 2: all 16 steps, the cost before session 29's
 range trim). Every program is first checked equal to "xla" bit for bit. Timing: the two-launch
 op ("triton_fused2", the decode steps' default) as ``hot_resolve_gpu.time_program`` (hot rows
 donated, 4 input sets a program, median of 10); profile: the three-launch op ("triton_fused":
-map, control, apply as separate kernels) traced once, us per call by kernel. Writes
-hot_resolve_phases.json.
+map, control, apply as separate kernels) and the two-launch op (front = map + control in one
+program, apply) traced once each, us per call by kernel. ``--cases`` picks cases by name.
+Writes hot_resolve_phases.json.
 """
 
 import argparse
@@ -31,11 +36,13 @@ from experiments.cases import hot_resolve as case
 from pallas_kernels.hot_resolve import fused
 
 CLOCK = 1000  # decode steps the cache has served (stamps below CLOCK * k)
-CASES = {  # name: (S, k, R, leaf dims, miss fractions)
-    "target": (64, 512, 2048, (512,), (0.05, 0.0)),
-    "his_b1": (1, 512, 4096, (512,), (0.99,)),
-    "key_b1": (1, 2112, 4096, (32, 1), (0.95,)),
-    "key_b64": (64, 2112, 4096, (32, 1), (0.95,)),
+CASES = {  # name: (S, k, R, leaf dims, miss fractions, positions a request: None = R + k)
+    "target": (64, 512, 2048, (512,), (0.05, 0.0), None),
+    "his_b1": (1, 512, 4096, (512,), (0.99,), None),
+    "key_b1": (1, 2112, 4096, (32, 1), (0.95,), None),
+    "key_b64": (64, 2112, 4096, (32, 1), (0.95,), None),
+    "his_b1_wide": (1, 512, 4096, (512,), (0.99,), 32768),
+    "key_b1_wide": (1, 2112, 4096, (32, 1), (0.95,), 32768),
 }
 VARIANTS = (("radix2", 2, "recent"), ("radix2", 2, "full"), ("radix4", 4, "recent"))
 
@@ -71,22 +78,24 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--quick", action="store_true", help="radix2/recent only")
+    ap.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
     args = ap.parse_args()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     variants = VARIANTS[:1] if args.quick else VARIANTS
     results, default_bits = [], fused.RADIX_BITS
     try:
-        run(out, variants, results)
+        run(out, variants, results, args.cases.split(",") if args.cases else list(CASES))
     finally:
         fused.RADIX_BITS = default_bits
 
 
-def run(out, variants, results):
-    """Every case x miss fraction x variant: checked, timed, profiled; the JSON rewritten
-    after each row."""
-    for name, (s, k, r, dims, misses) in CASES.items():
-        pool, table = pools(s, dims, r + k)
+def run(out, variants, results, names):
+    """Every case of ``names`` x miss fraction x variant: checked, timed, profiled; the JSON
+    rewritten after each row."""
+    for name in names:
+        s, k, r, dims, misses, universe = CASES[name]
+        pool, table = pools(s, dims, universe or r + k)
         for miss in misses:
             for label, bits, stamps_kind in variants:
                 fused.RADIX_BITS = bits
@@ -102,13 +111,18 @@ def run(out, variants, results):
                 counts = np.asarray(outs["xla"][0][5])
                 ms = time_program(program("triton_fused2"), fresh, rest, pool) * 1e3
                 got = profile(program("triton_fused"), fresh, rest, pool)
+                got2 = profile(program("triton_fused2"), fresh, rest, pool)
                 row = dict(case=name, S=s, k=k, R=r, dims=list(dims), miss=miss,
                            misses=int(counts[:, 1].mean()), variant=label,
                            radix_bits=bits, stamps=stamps_kind, fused2_ms=ms,
-                           kernels_us=got.get("by_name", {}), span_us=got.get("span_us"))
+                           kernels_us=got.get("by_name", {}), span_us=got.get("span_us"),
+                           positions=int(table.shape[1] * PAGE),
+                           fused2_kernels_us=got2.get("by_name", {}),
+                           fused2_span_us=got2.get("span_us"))
                 results.append(row)
-                kern = " ".join(f"{n.replace('hot_resolve_', '')}={u:.1f}"
-                                for n, u in row["kernels_us"].items())
+                kern = " | fused2: ".join(
+                    " ".join(f"{n.replace('hot_resolve_', '')}={u:.1f}" for n, u in d.items())
+                    for d in (row["kernels_us"], row["fused2_kernels_us"]))
                 print(f"{name:8s} miss {miss:4.2f} M {row['misses']:5d} {label:6s} "
                       f"{stamps_kind:6s} fused2 {ms:7.3f} ms | fused: {kern}", flush=True)
                 (out / "hot_resolve_phases.json").write_text(json.dumps(
