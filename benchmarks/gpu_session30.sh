@@ -16,7 +16,8 @@
 #      vs jax_triton_sample_topk (session 29's path);
 #   4. hot_resolve_phases_gpu.py at batch 1 with the small and the decode-sized (32768) map
 #      scratch, both launch forms profiled: why the decode step's hot_resolve_front takes
-#      54-57 us a call at batch 1 when map + control take ~25 us in the phases run.
+#      54-57 us a call at batch 1 when map + control take ~25 us in the phases run (and
+#      apply ~45 us against ~24: a 2 GiB pool, his_b1_bigpool, tests the host side).
 # STEP=profile (~330 s, one call): the decode profile at 128K, batch 1 and 8, HiSparse and
 #   leansparse_fp8_jt, with the HLO census of the step's sorts and scatters
 #   (decode_profile_gpu.py --hlo-census): did the sorts go, and which are left.
@@ -44,7 +45,7 @@ case "${STEP:-check}" in
       \"--gin.kernel_compare.implementations=('jax_triton','jax_triton_sample_topk')\" \
       --gin.kernel_compare.budget_s=60 \"--gin.run.name='kernel_compare_session30'\""
     TAIL=12 part phases 120 "python3 benchmarks/hot_resolve_phases_gpu.py --quick \
-      --cases his_b1,his_b1_wide,key_b1,key_b1_wide --out \$OUT"
+      --cases his_b1,his_b1_wide,his_b1_bigpool,key_b1,key_b1_wide --out \$OUT"
     pack session30_check ;;
   profile)
     profile b1 1

@@ -12,6 +12,9 @@ Cases (S requests vmapped, k selected, R hot rows, M = round(miss * k) misses a 
              of R + k: the map's [S, NPOS] scratch as large as in the decode step (session
              29's decode profile at 128K, batch 1: hot_resolve_front 54-57 us a call, against
              map + control ~25-27 us here with the small universe)
+  his_b1_bigpool  his_b1 with 1M positions a request (a 2 GiB pinned-host pool of f32 rows,
+             as at 1M context): whether apply's host reads slow down over a large pool (the
+             decode step's apply took ~45 us a call at batch 1, ~24 us here)
 Variants: RADIX_BITS 2 (default) or 4 of ``fused._mth_smallest``; stamps "recent" (a cache
 after 1000 steps: distinct stamps below 1000 * k, a ~21-bit spread: 11 radix steps at 2 bits)
 or "full" (one unselected row stamped 2^31 - 2: all 16 steps, the cost before session 29's
@@ -43,6 +46,7 @@ CASES = {  # name: (S, k, R, leaf dims, miss fractions, positions a request: Non
     "key_b64": (64, 2112, 4096, (32, 1), (0.95,), None),
     "his_b1_wide": (1, 512, 4096, (512,), (0.99,), 32768),
     "key_b1_wide": (1, 2112, 4096, (32, 1), (0.95,), 32768),
+    "his_b1_bigpool": (1, 512, 4096, (512,), (0.99,), 1 << 20),
 }
 VARIANTS = (("radix2", 2, "recent"), ("radix2", 2, "full"), ("radix4", 4, "recent"))
 
