@@ -294,6 +294,7 @@ def _other_ops():
     from pallas_kernels.hot_resolve import triton as hot_triton
     from pallas_kernels.index_scores import index_scores
     from pallas_kernels.sparse_attention import sparse_attention
+    from pallas_kernels.topk import candidate_topk
 
     s = jax.ShapeDtypeStruct
     hot = functools.partial(hot_resolve, page_size=64, implementation="triton_copy")
@@ -319,6 +320,10 @@ def _other_ops():
          index_specs),
         ("index_topk_fp8", functools.partial(index_topk, k=512, implementation="triton_fp8"),
          index_specs),
+        ("candidate_topk", functools.partial(candidate_topk, k=512, implementation="triton"),
+         (s((64, 2112), jnp.float32), s((64, 2112), jnp.int32))),
+        ("topk_fused_top_c", functools.partial(topk, k=2048, implementation="triton_fused"),
+         (s((64, 32768), jnp.float32), s((64,), jnp.int32))),  # the jax-triton pq's top-C
         ("gather_rows", functools.partial(gather_rows, implementation="triton"),
          (s((1 << 20, 128), jnp.float32), s((512,), jnp.int32))),
         ("index_scores", functools.partial(index_scores, implementation="triton"),
@@ -346,7 +351,7 @@ def _other_ops():
 
 @pytest.mark.parametrize("name,fn,specs", _other_ops(),
                          ids=["hot_resolve_fused", "hot_resolve_fused_e8m0", "index_scores_fp8",
-                              "index_topk_fp8",
+                              "index_topk_fp8", "candidate_topk", "topk_fused_top_c",
                               "gather_rows", "index_scores", "sparse_attention",
                               "hot_resolve_f32", "hot_resolve_fp8_scales"])
 def test_other_ops_have_no_device_predicate_control_flow(name, fn, specs):
