@@ -9,7 +9,8 @@
 # membership bitmap is a unique-index scatter.
 # STEP=check (default; ~420 s, one call):
 #   1. tests: candidate_topk's GPU test, the LeanSparse decode step against XLA with the
-#      kernels (all three coarse passes), pq_topc's jax-triton tests (their top-C changed);
+#      kernels (all three coarse passes), pq_topc's jax-triton tests (their top-C changed),
+#      and HiSparse's decode step with the engine's "mosaic" family (Mosaic attention);
 #   2. benchmarks/candidate_topk_gpu.py: the kernel's launch variants (warps, lanes) against
 #      the XLA sorts it replaces, B 1 / 8 / 64, R 2048 / 2112, k 512;
 #   3. kernel_compare pq_topc at B 64, N 131072: jax_triton (top-C by topk "triton_fused")
@@ -35,9 +36,9 @@ profile() {  # profile NAME BATCH: decode_profile at 128K for HiSparse and leans
 }
 case "${STEP:-check}" in
   check)
-    part tests 120 "python3 -m pytest -q -p no:cacheprovider -m gpu \
-      tests/test_kernel_candidate_topk.py tests/test_gpu_hierarchy.py \
-      tests/test_kernel_pq_topc.py -k 'candidate or leansparse_kernels or jax_triton'"
+    part tests 150 "python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/test_kernel_candidate_topk.py tests/test_gpu_hierarchy.py tests/test_kernels_map.py \
+      tests/test_kernel_pq_topc.py -k 'candidate or leansparse_kernels or jax_triton or mosaic'"
     TAIL=30 part ctk 90 "python3 benchmarks/candidate_topk_gpu.py --out \$OUT"
     TAIL=8 part kc 80 "python3 -m experiments.cli run configs/experiments/kernel_compare.gin \
       \"--gin.kernel_compare.ops=('pq_topc',)\" \"--gin.kernel_compare.batches=(64,)\" \

@@ -11,6 +11,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import Literal
 
+from lsparse_jax.kernels import ENGINE_IMPLEMENTATIONS
+
 LayerKind = Literal["swa", "csa", "hca", "dsa"]
 LAYER_KINDS: tuple[str, ...] = ("swa", "csa", "hca", "dsa")
 KV_DTYPES: tuple[str, ...] = ("f32", "bf16", "fp8_v4")  # stored CSA KV rows (quant.kv_rows)
@@ -420,7 +422,9 @@ class EngineConfig:
     method: str = "resident"
     leansparse: LeanSparseConfig = dataclasses.field(default_factory=LeanSparseConfig)
     implementation: str | None = "xla"  # kernels of the decode step: "xla" (reference),
-    #   "triton" (Pallas; interpret mode on CPU), "jax_triton", or None = fastest available
+    #   "triton" (Pallas; interpret mode on CPU), "jax_triton" / "mosaic" (GPU: "triton" with
+    #   pq_topc's jax-triton / sparse_attention's Mosaic kernel; ``lsparse_jax.kernels``), or
+    #   None = fastest available
     tp: int = 1  # tensor parallelism: devices of the ``model`` mesh axis that split the
     #   attention heads, indexer heads and MLP width (``lsparse_jax.parallel``); 1 = one device
 
@@ -434,9 +438,9 @@ class EngineConfig:
         if self.tp > 1 and self.cache.streamed_prefill:
             invalid("EngineConfig", "tp", self.tp, "cache.streamed_prefill runs on one device; "
                     "use tp=1 or the monolithic prefill")
-        if self.implementation not in (None, "xla", "triton", "jax_triton", "mosaic"):
+        if self.implementation not in ENGINE_IMPLEMENTATIONS:
             invalid("EngineConfig", "implementation", self.implementation,
-                  "allowed: 'xla', 'triton', 'jax_triton', 'mosaic' or None")
+                    f"allowed: {ENGINE_IMPLEMENTATIONS} (lsparse_jax.kernels)")
         if self.method not in _METHOD_CHECKS:
             invalid("EngineConfig", "method", self.method,
                     f"allowed methods are {method_names()}")

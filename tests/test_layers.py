@@ -11,6 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Bottom to top: a package may import its own modules and packages of lower layers only.
 LAYERS = (
     {"pallas_kernels"},
+    {"lsparse_jax.kernels"},
     {"lsparse_jax.config", "lsparse_jax.tasks", "lsparse_jax.parallel",
      "lsparse_jax.request_groups"},
     {"lsparse_jax.quant"},

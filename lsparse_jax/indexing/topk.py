@@ -5,17 +5,13 @@ kernels."""
 import jax
 import jax.numpy as jnp
 
+from lsparse_jax.kernels import for_op
 from pallas_kernels.common import on_gpu
 from pallas_kernels.topk.api import topk
 from pallas_kernels.topk.reference import canonical_scores, topk_positions
 
 __all__ = ["topk_positions", "select_topk"]
 
-# The ``topk`` op has one kernel family (Pallas-Triton): an engine that asks its ops for any
-# kernel implementation gets the fastest of that family, the two-launch "triton_fused"
-# (1.2-2x "triton" on the H200, ``pallas_kernels/topk/api.py``).
-TOPK_KERNEL = {"xla": "xla", None: None, "triton": "triton_fused", "jax_triton": "triton_fused",
-               "mosaic": "triton_fused"}  # EngineConfig.implementation -> the topk op's
 
 
 def select_topk(scores, eligible, k: int, implementation: str | None = "xla"):
@@ -29,10 +25,7 @@ def select_topk(scores, eligible, k: int, implementation: str | None = "xla"):
     sort of its k entries on (score descending, position ascending), and entries that are not
     eligible become -1 (-inf), as ``topk_positions`` pads.
     """
-    if implementation not in TOPK_KERNEL:
-        raise ValueError(f"select_topk: implementation={implementation!r} is unknown; "
-                         f"allowed: {tuple(TOPK_KERNEL)}")
-    implementation = TOPK_KERNEL[implementation]
+    implementation = for_op("topk", implementation)  # a kernel family: "triton_fused"
     if implementation is None and not on_gpu():
         implementation = "xla"  # None: the fastest available, as every op's api chooses
     scores = canonical_scores(scores.astype(jnp.float32))

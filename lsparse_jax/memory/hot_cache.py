@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from lsparse_jax.kernels import for_op
 from lsparse_jax.memory.host_pool import read_host_rows
 from lsparse_jax.model.store import NUM_SOURCES  # noqa: F401  (0 tail/lent map, 1 hit, 2 host)
 from pallas_kernels.hot_resolve import hot_resolve
@@ -94,11 +95,11 @@ def resolve_plan(hot: HotCache, selected, tail, paged, page_table, pool,
     Notation: k selected positions (best first, -1 padded); B hot rows; P rows per page.
       selected [k] int32; tail [P, D] rows of positions paged .. paged+P-1 (not yet on host);
       page_table [max_pages] int32 physical host page of each logical page; pool [NP * P, D]
-      (row r of physical page p at p * P + r); implementation: the ``hot_resolve`` kernel
-      ("xla", "triton" or None). Rows may be pytrees (e.g. FP8 keys and their scales): tail,
-      pool and hot.rows alike. Adaptive only: optional [NO * P, D] device pages lent to
-      imported history, ready [max_pages] int32 the optional page holding each logical page
-      (-1 = not resident).
+      (row r of physical page p at p * P + r); implementation: the engine's
+      (``lsparse_jax.kernels``: what the ``hot_resolve`` op runs). Rows may be pytrees (e.g.
+      FP8 keys and their scales): tail, pool and hot.rows alike. Adaptive only: optional
+      [NO * P, D] device pages lent to imported history, ready [max_pages] int32 the optional
+      page holding each logical page (-1 = not resident).
     Steps:
       1. tail hits: selected >= paged; optional hits: ready[selected // P] >= 0 (read in
          place, the hot cache is not touched).
@@ -131,7 +132,7 @@ def resolve_plan(hot: HotCache, selected, tail, paged, page_table, pool,
         request = request[order]
     row_of, rows, positions, stamps, clock, hot_counts = hot_resolve(
         request, hot.rows, hot.positions, hot.stamps, hot.clock, page_table, pool,
-        page_size=page, implementation=implementation)
+        page_size=page, implementation=for_op("hot_resolve", implementation))
     if order is not None:
         row_of = jnp.full((k,), -1, jnp.int32).at[order].set(row_of)
     # a victim row took a position the cache did not hold: its row came from the host
@@ -157,7 +158,8 @@ def follow(plan: Plan, rows, tail, pool, implementation: str | None = "xla", opt
     in the same rows): its own ``resolve_plan`` would find the same hits and victims.
     Returns (selected rows [k, ...], new hot rows, counts [3] int32 as ``resolve_plan``'s).
     """
-    fetched = jax.tree.map(lambda p: read_host_rows(p, plan.fetch, implementation), pool)
+    fetched = jax.tree.map(
+        lambda p: read_host_rows(p, plan.fetch, for_op("gather_rows", implementation)), pool)
     put = plan.fetch >= 0
     rows = jax.tree.map(lambda r, f: jnp.where(put.reshape((-1,) + (1,) * (r.ndim - 1)), f, r),
                         rows, fetched)

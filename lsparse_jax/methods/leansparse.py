@@ -24,6 +24,7 @@ from flax import struct
 
 from lsparse_jax.config import EngineConfig, LeanSparseConfig, ModelConfig, Storage, invalid
 from lsparse_jax.indexing.coarse_to_fine import coarse_to_fine
+from lsparse_jax.kernels import for_op
 from lsparse_jax.memory.device_pool import (
     DevicePools,
     gather_slot_rows,
@@ -51,7 +52,8 @@ from pallas_kernels.topk.api import topk
 def coarse_topc(q, w, codes, codebooks, lengths, num_candidates: int,
                 implementation: str | None, precision: str = "bf16"):
     """Step 1 of the selection: the top-C positions by PQ coarse score (``pq_topc``; precision
-    "bf16" or "fp8": ``LeanSparseConfig.coarse_precision``).
+    "bf16" or "fp8": ``LeanSparseConfig.coarse_precision``; implementation: the engine's or
+    ``LeanSparseConfig.coarse_implementation``, mapped by ``lsparse_jax.kernels``).
 
     Under tensor parallelism (inside ``lsparse_jax.parallel.mesh_scope``) each device scores
     the codes with its indexer heads, the partial scores are summed over devices, then the
@@ -60,10 +62,11 @@ def coarse_topc(q, w, codes, codebooks, lengths, num_candidates: int,
     """
     if current_mesh() is None:
         return pq_topc(q, w, codes, codebooks, lengths, num_candidates=num_candidates,
-                       implementation=implementation, precision=precision)
+                       implementation=for_op("pq_topc", implementation), precision=precision)
 
     def pick(scores, *args):  # args[-1]: lengths
-        return topk(scores, args[-1], num_candidates, implementation=implementation)
+        return topk(scores, args[-1], num_candidates,
+                    implementation=for_op("topk", implementation))
 
     # fp8: quantize_fp8's scales are per head and per subspace, so a device's share of the
     # heads quantizes to the same values as all heads do
@@ -180,7 +183,8 @@ class CoarseToFineIndex:
                 state.cache, retained, state.tail, paged, context.page_table, context.pool)
             # tp > 1: each device scores with its heads, partial scores summed before top-k
             exact = head_sum(functools.partial(
-                index_scores, implementation=self.implementation), (1, 1, None, None, None))
+                index_scores, implementation=for_op("index_scores", self.implementation)),
+                (1, 1, None, None, None))
             scores = exact(q[None], w[None], values[None], scales[None], (retained >= 0)[None])
             return scores[0], (cache, sources)
 
@@ -188,7 +192,7 @@ class CoarseToFineIndex:
         selected, _, (cache, key_sources) = coarse_to_fine(
             cand, cand_scores, cached[jnp.maximum(cand, 0)] | cold, tail, exact_scores,
             top_k=self.top_k, filter_offset=self.settings.miss_filter_offset,
-            implementation=self.implementation)
+            implementation=for_op("candidate_topk", self.implementation))
         selection = Selection(selected[None], jnp.sum(eligible, -1).astype(jnp.int32),
                               jnp.zeros((1, NUM_SOURCES), jnp.int32), key_sources[None])
         return state.replace(cache=cache), selection

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from lsparse_jax.config import ModelConfig
 from lsparse_jax.indexing import index_scores
+from lsparse_jax.kernels import for_op
 from lsparse_jax.model.attention import sink_attention
 from lsparse_jax.model.cache import CSACache, DSACache, HCACache, SWACache
 from lsparse_jax.model.compressor import Compressor
@@ -237,8 +238,8 @@ class AttentionLayer(nn.Module):
             if cfg.attention_precision == "bf16":  # the window as the rows: bf16
                 window_rows = window_rows.astype(jnp.bfloat16)
             # tp > 1: each device attends with its query heads (q [1, H, D], sink [H])
-            attend = per_head(functools.partial(sparse_attention,
-                                                implementation=self.implementation),
+            attend = per_head(functools.partial(
+                sparse_attention, implementation=for_op("sparse_attention", self.implementation)),
                               (1, None, None, None, None, 0), 1)
             if t_len == 1:  # decode: the window is the ring, one group
                 out = attend(q, view.table, view.slots, window_rows, window_mask, sink)

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from lsparse_jax.indexing.topk import select_topk
+from lsparse_jax.kernels import for_op
 from lsparse_jax.model.layers import PRECISIONS, precision
 from lsparse_jax.parallel import head_sum
 from lsparse_jax.quant import KVRowFormat, dequantize_index_keys
@@ -177,9 +178,6 @@ def resident_counts(selected) -> jnp.ndarray:
 
 
 SCORE_TILE_BYTES = 1 << 30  # most bytes of f32 scores (or head-by-key products) at once
-# EngineConfig.implementation -> the index_logits op's (one kernel family: Pallas-Triton)
-LOGITS_KERNEL = {"xla": "xla", None: None, "triton": "triton", "jax_triton": "triton",
-                 "mosaic": "triton"}
 FUSED_MIN_QUERIES = 16  # fewer queries (a decode step's one) stay in XLA's fused reduction
 
 
@@ -193,10 +191,7 @@ def logits_of_queries(num_queries: int, implementation: str | None):
     ``FUSED_MIN_QUERIES`` queries (a prefill chunk); else ``exact_index_scores`` of all N keys
     at the model's matmul precision, which materializes the [T, H, N] products (per_head True:
     a caller sizes its query tiles by them)."""
-    if implementation not in LOGITS_KERNEL:
-        raise ValueError(f"exact_selection: implementation={implementation!r} is unknown; "
-                         f"allowed: {tuple(LOGITS_KERNEL)}")
-    kernel = LOGITS_KERNEL[implementation]
+    kernel = for_op("index_logits", implementation)  # the engine's -> the op's
     if kernel is None:
         kernel = "triton" if on_gpu() else "xla"
     if kernel == "triton" and precision() == PRECISIONS["bf16"] \

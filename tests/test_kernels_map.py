@@ -1,0 +1,90 @@
+"""``lsparse_jax.kernels``: the engine's implementation -> what each kernel op runs. Every
+mapped name is one its op accepts; the families run end to end where the CPU can run them."""
+
+import importlib
+
+import numpy as np
+import pytest
+
+from lsparse_jax import kernels
+from lsparse_jax.config import EngineConfig
+from tests.helpers import model_and_tokens, tiny
+from tests.test_hierarchy import engines
+
+AVAILABLE = {  # op -> the implementations its api accepts
+    "topk": ("pallas_kernels.topk.api", "AVAILABLE"),
+    "candidate_topk": ("pallas_kernels.topk.api", "CANDIDATE_AVAILABLE"),
+    "pq_topc": ("pallas_kernels.pq_topc.api", "AVAILABLE"),
+    "index_scores": ("pallas_kernels.index_scores.api", "AVAILABLE"),
+    "index_logits": ("pallas_kernels.index_logits.api", "AVAILABLE"),
+    "hot_resolve": ("pallas_kernels.hot_resolve.api", "AVAILABLE"),
+    "gather_rows": ("pallas_kernels.gather_rows.api", "AVAILABLE"),
+    "sparse_attention": ("pallas_kernels.sparse_attention.api", "AVAILABLE"),
+}
+
+
+@pytest.mark.parametrize("op", kernels.OPS)
+@pytest.mark.parametrize("implementation", kernels.ENGINE_IMPLEMENTATIONS)
+def test_every_mapped_name_is_one_its_op_accepts(op, implementation):
+    module, name = AVAILABLE[op]
+    got = kernels.for_op(op, implementation)
+    assert got is None if implementation is None else got in getattr(
+        importlib.import_module(module), name)
+    if implementation in (None, "xla"):
+        assert got == implementation
+
+
+def test_families_differ_from_triton_only_where_named():
+    assert kernels.for_op("topk", "triton") == "triton_fused"
+    assert kernels.for_op("pq_topc", "jax_triton") == "jax_triton"
+    assert kernels.for_op("sparse_attention", "mosaic") == "mosaic"
+    for family, special in kernels.FAMILIES.items():
+        for op in set(kernels.OPS) - set(special):
+            assert kernels.for_op(op, family) == "triton"
+
+
+def test_unknown_names_raise():
+    with pytest.raises(ValueError, match="unknown to the engine"):
+        kernels.for_op("topk", "triton_fused")  # an op's own name, not an engine family
+    with pytest.raises(ValueError, match="unknown op"):
+        kernels.for_op("softmax", "xla")
+    with pytest.raises(ValueError, match="implementation"):
+        EngineConfig(model=tiny(max_len=64), implementation="cuda")
+
+
+def test_jax_triton_family_runs_hisparse_as_triton_on_cpu():
+    """HiSparse calls no jax-triton kernel: its "jax_triton" engine runs the Triton kernels
+    (interpret mode here) and equals the "triton" engine bit for bit (before, hot_resolve
+    rejected the name at the first step)."""
+    cfg = tiny(max_len=256)
+    params, prompt = model_and_tokens(cfg, 40, seed=5)
+    _, family = engines(cfg, params, 16, slots=1, implementation="jax_triton")
+    _, triton = engines(cfg, params, 16, slots=1, implementation="triton")
+    for e in (family, triton):
+        e.admit(prompt, max_new_tokens=6)
+    for _ in range(3):
+        a, b = family.step(), triton.step()
+        np.testing.assert_array_equal(np.asarray(a.logits), np.asarray(b.logits))
+        np.testing.assert_array_equal(np.asarray(a.selected), np.asarray(b.selected))
+
+
+@pytest.mark.gpu
+def test_mosaic_family_runs_hisparse_on_gpu():
+    """The "mosaic" engine: CSA decode attention by the Mosaic GPU kernel (bf16 rows of
+    D = 128: its shapes), the other ops Triton; its logits agree with the "triton" engine's
+    where selections agree."""
+    cfg = tiny(max_len=512, kv_dtype="bf16", attention_precision="bf16", head_dim=128)
+    params, prompt = model_and_tokens(cfg, 90, seed=9)
+    _, mosaic = engines(cfg, params, 16, slots=2, implementation="mosaic")
+    _, triton = engines(cfg, params, 16, slots=2, implementation="triton")
+    for e in (mosaic, triton):
+        e.admit(prompt, max_new_tokens=20)
+    agree = 0
+    for _ in range(12):
+        fed = triton.next_token.copy()
+        a, b = mosaic.step(fed), triton.step(fed)
+        if np.array_equal(np.asarray(a.selected), np.asarray(b.selected)):
+            agree += 1
+            np.testing.assert_allclose(np.asarray(a.logits), np.asarray(b.logits),
+                                       rtol=2e-2, atol=2e-2)
+    assert agree >= 6
