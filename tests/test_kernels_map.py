@@ -43,13 +43,18 @@ def test_families_differ_from_triton_only_where_named():
             assert kernels.for_op(op, family) == "triton"
 
 
-def test_unknown_names_raise():
-    with pytest.raises(ValueError, match="unknown to the engine"):
-        kernels.for_op("topk", "triton_fused")  # an op's own name, not an engine family
+def test_own_names_pass_through_and_unknown_names_raise():
+    """An op's own name reaches the op (which checks it); the engine takes its five only."""
+    assert kernels.for_op("hot_resolve", "triton_copy") == "triton_copy"
+    with pytest.raises(ValueError, match="not available"):
+        from pallas_kernels.topk.api import candidate_topk
+
+        candidate_topk(np.zeros((1, 4), np.float32), np.zeros((1, 4), np.int32), 2,
+                       implementation=kernels.for_op("candidate_topk", "triton_fused"))
     with pytest.raises(ValueError, match="unknown op"):
         kernels.for_op("softmax", "xla")
     with pytest.raises(ValueError, match="implementation"):
-        EngineConfig(model=tiny(max_len=64), implementation="cuda")
+        EngineConfig(model=tiny(max_len=64), implementation="triton_fused")
 
 
 def test_jax_triton_family_runs_hisparse_as_triton_on_cpu():
