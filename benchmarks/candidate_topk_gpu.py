@@ -6,7 +6,9 @@ replaces in LeanSparse's decode step (session 30), at the step's shapes.
 Rows: B requests in {1, 8, 64}; R = 2048 (the miss filter's C coarse scores) and 2112 (the
 rerank's C + P); k = 512. Variants: "xla" (the op's twin: one two-key sort a row, what the
 rerank ran before), "xla_sort" (a one-key sort of the scores: what the miss filter ran),
-"triton nw W bc BC" (the kernel with W warps and BC lanes a register row). Each kernel row's
+"triton nw W bc BC" (the kernel with W warps and BC lanes a register row); at R = 2048 also
+the whole ``miss_filter`` op, "miss_filter xla" and "miss_filter triton" (k-th score,
+statistics and threshold in one kernel; 10% of the candidates cached). Each kernel row's
 winners are checked against the twin's as sets (ties by id: scores drawn from 64 values so
 that the tie search runs). Time per call: one jitted program over 8 distinct argument sets
 (``timing.program_time``). Writes OUT/candidate_topk.json after every row; prints a table.
@@ -22,12 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 from timing import program_time, write_results  # benchmarks/timing.py
 
+from pallas_kernels.miss_filter import miss_filter
 from pallas_kernels.topk.api import candidate_topk
 from pallas_kernels.topk.candidates import candidate_topk_triton
 
 VARIANTS = [("xla", None), ("xla_sort", None)] + [
     (f"triton nw {w} bc {bc}", dict(num_warps=w, block_c=bc))
-    for w in (4, 8, 16) for bc in (128, 256)]
+    for w in (4, 8, 16) for bc in (128, 256)] + [
+    ("miss_filter xla", None), ("miss_filter triton", None)]
 
 
 def make_sets(b, r, n_sets, seed):
@@ -39,6 +43,13 @@ def make_sets(b, r, n_sets, seed):
         ids[rng.random((b, r)) < 0.1] = -1
         sets.append((jnp.asarray(scores), jnp.asarray(ids.astype(np.int32))))
     return sets
+
+
+def _filter(scores, ids, *, k, implementation):
+    """The miss filter on the rows' coarse scores (valid where ids >= 0, 10% cached)."""
+    valid = ids >= 0
+    return miss_filter(scores, valid, valid & (ids % 10 == 0), k=k, offset=1.0,
+                       implementation=implementation)
 
 
 def same_sets(got, want) -> bool:
@@ -62,7 +73,12 @@ def main():
             for name, kw in VARIANTS:
                 if args.variants and name not in args.variants.split(","):
                     continue
-                if name == "xla":
+                if name.startswith("miss_filter"):
+                    if r != 2048:
+                        continue
+                    fn = functools.partial(_filter, k=args.k,
+                                           implementation=name.split()[-1])
+                elif name == "xla":
                     fn = functools.partial(candidate_topk, k=args.k, implementation="xla")
                 elif name == "xla_sort":
                     fn = lambda s, i: jnp.sort(s, axis=-1)  # noqa: E731

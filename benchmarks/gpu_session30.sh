@@ -2,17 +2,20 @@
 # What session 30 (no GPU lent) left for the next GPU calls (device tool, carry [".whl"]);
 # everything under $OUT comes back in one tar.
 # Session 30 removed LeanSparse's XLA sorts from the decode step (session 29's H200 profile at
-# 128K: 10 sort kernels a step, ~0.2 ms at batch 1 and at batch 8): the miss filter's s_(k)
-# and the rerank go through the new ``candidate_topk`` op (pallas_kernels/topk/candidates.py,
-# one program a row, radix selection in registers), pq_topc's jax-triton top-C takes topk
-# "triton_fused" (its sample floor in-kernel, no XLA lax.top_k), and the key cache's
-# membership bitmap is a unique-index scatter.
+# 128K: 10 sort kernels a step, ~0.2 ms at batch 1 and at batch 8): the miss filter is one
+# kernel (the new ``miss_filter`` op: s_(k), statistics, threshold), the rerank goes through
+# the new ``candidate_topk`` op (pallas_kernels/topk/candidates.py, one program a row, radix
+# selection in registers), pq_topc's jax-triton top-C takes topk "triton_fused" (its sample
+# floor in-kernel, no XLA lax.top_k), and the key cache's membership bitmap is a unique-index
+# scatter.
 # STEP=check (default; ~420 s, one call):
-#   1. tests: candidate_topk's GPU test, the LeanSparse decode step against XLA with the
-#      kernels (all three coarse passes), pq_topc's jax-triton tests (their top-C changed),
-#      and HiSparse's decode step with the engine's "mosaic" family (Mosaic attention);
+#   1. tests: candidate_topk's and miss_filter's GPU tests, the LeanSparse decode step
+#      against XLA with the kernels (all three coarse passes), pq_topc's jax-triton tests
+#      (their top-C changed), and HiSparse's decode step with the engine's "mosaic" family
+#      (Mosaic attention);
 #   2. benchmarks/candidate_topk_gpu.py: the kernel's launch variants (warps, lanes) against
-#      the XLA sorts it replaces, B 1 / 8 / 64, R 2048 / 2112, k 512;
+#      the XLA sorts it replaces, B 1 / 8 / 64, R 2048 / 2112, k 512, and the miss_filter op
+#      (xla vs its one kernel);
 #   3. kernel_compare pq_topc at B 64, N 131072: jax_triton (top-C by topk "triton_fused")
 #      vs jax_triton_sample_topk (session 29's path);
 #   4. hot_resolve_phases_gpu.py at batch 1 with the small and the decode-sized (32768) map
@@ -37,8 +40,9 @@ profile() {  # profile NAME BATCH: decode_profile at 128K for HiSparse and leans
 case "${STEP:-check}" in
   check)
     part tests 150 "python3 -m pytest -q -p no:cacheprovider -m gpu \
-      tests/test_kernel_candidate_topk.py tests/test_gpu_hierarchy.py tests/test_kernels_map.py \
-      tests/test_kernel_pq_topc.py -k 'candidate or leansparse_kernels or jax_triton or mosaic'"
+      tests/test_kernel_candidate_topk.py tests/test_kernel_miss_filter.py \
+      tests/test_gpu_hierarchy.py tests/test_kernels_map.py tests/test_kernel_pq_topc.py \
+      -k 'candidate or miss_filter or leansparse_kernels or jax_triton or mosaic'"
     TAIL=30 part ctk 90 "python3 benchmarks/candidate_topk_gpu.py --out \$OUT"
     TAIL=8 part kc 80 "python3 -m experiments.cli run configs/experiments/kernel_compare.gin \
       \"--gin.kernel_compare.ops=('pq_topc',)\" \"--gin.kernel_compare.batches=(64,)\" \

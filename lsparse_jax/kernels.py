@@ -12,8 +12,8 @@ takes its own implementation names and rejects the others.
 
 from __future__ import annotations
 
-OPS = ("topk", "candidate_topk", "pq_topc", "index_scores", "index_logits", "hot_resolve",
-       "gather_rows", "sparse_attention")
+OPS = ("topk", "candidate_topk", "miss_filter", "pq_topc", "index_scores", "index_logits",
+       "hot_resolve", "gather_rows", "sparse_attention")
 FAMILIES = {  # family -> the ops whose implementation is not their "triton"
     "triton": {"topk": "triton_fused"},
     "jax_triton": {"topk": "triton_fused", "pq_topc": "jax_triton"},

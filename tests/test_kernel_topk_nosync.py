@@ -293,6 +293,7 @@ def _other_ops():
     from pallas_kernels.hot_resolve import hot_resolve
     from pallas_kernels.hot_resolve import triton as hot_triton
     from pallas_kernels.index_scores import index_scores
+    from pallas_kernels.miss_filter import miss_filter
     from pallas_kernels.sparse_attention import sparse_attention
     from pallas_kernels.topk import candidate_topk
 
@@ -322,6 +323,9 @@ def _other_ops():
          index_specs),
         ("candidate_topk", functools.partial(candidate_topk, k=512, implementation="triton"),
          (s((64, 2112), jnp.float32), s((64, 2112), jnp.int32))),
+        ("miss_filter", functools.partial(miss_filter, k=512, offset=1.0,
+                                          implementation="triton"),
+         (s((64, 2048), jnp.float32), s((64, 2048), jnp.bool_), s((64, 2048), jnp.bool_))),
         ("topk_fused_top_c", functools.partial(topk, k=2048, implementation="triton_fused"),
          (s((64, 32768), jnp.float32), s((64,), jnp.int32))),  # the jax-triton pq's top-C
         ("gather_rows", functools.partial(gather_rows, implementation="triton"),
@@ -351,7 +355,8 @@ def _other_ops():
 
 @pytest.mark.parametrize("name,fn,specs", _other_ops(),
                          ids=["hot_resolve_fused", "hot_resolve_fused_e8m0", "index_scores_fp8",
-                              "index_topk_fp8", "candidate_topk", "topk_fused_top_c",
+                              "index_topk_fp8", "candidate_topk", "miss_filter",
+                              "topk_fused_top_c",
                               "gather_rows", "index_scores", "sparse_attention",
                               "hot_resolve_f32", "hot_resolve_fp8_scales"])
 def test_other_ops_have_no_device_predicate_control_flow(name, fn, specs):

@@ -14,6 +14,7 @@ from tests.test_hierarchy import engines
 AVAILABLE = {  # op -> the implementations its api accepts
     "topk": ("pallas_kernels.topk.api", "AVAILABLE"),
     "candidate_topk": ("pallas_kernels.topk.api", "CANDIDATE_AVAILABLE"),
+    "miss_filter": ("pallas_kernels.miss_filter.api", "AVAILABLE"),
     "pq_topc": ("pallas_kernels.pq_topc.api", "AVAILABLE"),
     "index_scores": ("pallas_kernels.index_scores.api", "AVAILABLE"),
     "index_logits": ("pallas_kernels.index_logits.api", "AVAILABLE"),

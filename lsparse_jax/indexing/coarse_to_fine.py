@@ -15,6 +15,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from lsparse_jax.kernels import for_op
+from pallas_kernels.miss_filter.api import miss_filter as miss_filter_op
 from pallas_kernels.topk.api import candidate_topk
 
 
@@ -27,20 +29,15 @@ def miss_filter(scores, valid, cached, top_k: int, offset: float | None,
       (ddof = 1) of the valid scores.
     Rule: keep every cached candidate; keep an uncached one iff s >= s_(k) - offset * sigma.
       ``offset=None`` disables the filter (every valid candidate is kept).
-    scores, valid, cached: [C]; implementation: the ``candidate_topk`` op's, which finds
-    s_(k) (before session 30 a sort of the C scores). Returns keep [C] bool.
+    scores, valid, cached: [C]; implementation: the engine's (``lsparse_jax.kernels``: what
+    the ``miss_filter`` op runs: XLA, or one kernel a request; before session 30 a sort of the
+    C scores and XLA reductions). Returns keep [C] bool.
     """
     if offset is None:
         return valid
-    n = jnp.sum(valid)
-    ids = jnp.where(valid, jnp.arange(scores.shape[0], dtype=jnp.int32), -1)
-    won, best = candidate_topk(scores.astype(jnp.float32)[None], ids[None], top_k,
-                               implementation=implementation)
-    kth = jnp.min(jnp.where(won[0] >= 0, best[0], jnp.inf))  # the k-th largest (or smallest)
-    mean = jnp.sum(jnp.where(valid, scores, 0.0)) / jnp.maximum(n, 1)
-    var = jnp.sum(jnp.where(valid, (scores - mean) ** 2, 0.0)) / jnp.maximum(n - 1, 1)
-    threshold = kth - offset * jnp.sqrt(var)
-    return valid & (cached | (scores >= threshold))
+    return miss_filter_op(scores.astype(jnp.float32)[None], valid[None], cached[None],
+                          k=top_k, offset=offset,
+                          implementation=for_op("miss_filter", implementation))[0]
 
 
 def rerank(positions, scores, top_k: int, implementation: str | None = "xla"):
@@ -50,13 +47,14 @@ def rerank(positions, scores, top_k: int, implementation: str | None = "xla"):
     Rule (``select_topk``'s, as exact top-k over the whole history): higher canonical score
     first (NaN -> -inf, -0.0 -> +0.0), equal scores to the lower position (given candidates
     of score -inf included, after the finite ones), -1 (value -inf) where fewer than top_k
-    positions are given. The ``candidate_topk`` op (``implementation``): "xla" one two-key
-    sort of the R entries, best first; "triton" a radix selection in registers, the winners
-    in the order given (session 29 had the sort, session 28 an argsort and a ``lax.top_k``).
+    positions are given. The ``candidate_topk`` op (``implementation``: the engine's,
+    ``lsparse_jax.kernels``): "xla" one two-key sort of the R entries, best first; "triton" a
+    radix selection in registers, the winners in the order given (session 29 had the sort,
+    session 28 an argsort and a ``lax.top_k``).
     Returns (positions [top_k], -1 padded; their scores).
     """
     best, values = candidate_topk(scores.astype(jnp.float32)[None], positions[None], top_k,
-                                  implementation=implementation)
+                                  implementation=for_op("candidate_topk", implementation))
     return best[0], values[0]
 
 
@@ -71,7 +69,8 @@ def coarse_to_fine(candidates, candidate_scores, cached, tail,
       candidate's exact key is in the GPU key cache); tail [T] int32 recent positions scored
       exactly without a coarse pass (-1 none); exact_scores(retained [C+T] int32, -1 = none)
       -> (scores [C+T] f32, aux): the exact scores of the retained positions;
-      implementation: the ``candidate_topk`` op's (the miss filter's s_(k) and step 4).
+      implementation: the engine's (``lsparse_jax.kernels``; the ``miss_filter`` and
+      ``candidate_topk`` ops of steps 2 and 4).
     Steps: (2) the miss filter drops weak uncached candidates; (3) exact scores of the kept
       candidates and the tail; (4) exact top-k.
     Returns (positions [top_k], stats dict of int32 scalars: candidates, kept, fetched (kept and

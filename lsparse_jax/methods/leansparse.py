@@ -192,7 +192,7 @@ class CoarseToFineIndex:
         selected, _, (cache, key_sources) = coarse_to_fine(
             cand, cand_scores, cached[jnp.maximum(cand, 0)] | cold, tail, exact_scores,
             top_k=self.top_k, filter_offset=self.settings.miss_filter_offset,
-            implementation=for_op("candidate_topk", self.implementation))
+            implementation=self.implementation)
         selection = Selection(selected[None], jnp.sum(eligible, -1).astype(jnp.int32),
                               jnp.zeros((1, NUM_SOURCES), jnp.int32), key_sources[None])
         return state.replace(cache=cache), selection

@@ -43,11 +43,12 @@ def pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def _total(x):  # sum of a 2-D block, one axis at a time (Triton reduces one axis per op)
+def total(x):  # sum over a block's first two axes, one at a time (Triton reduces one axis
+    #  per op): [NBLK, BC] -> scalar, [NBLK, BC, 4] -> [4]
     return jnp.sum(jnp.sum(x, axis=1), axis=0)
 
 
-def _radix(count_at, m):
+def radix_search(count_at, m):
     """The largest int32 u (as unsigned bits, MSB first) with count_at(u) >= m for a count
     that falls as u grows (count_at(threshold [4]) -> [4]); 16 steps of RADIX_BITS bits."""
     digits = lax.broadcasted_iota(jnp.int32, (1 << RADIX_BITS,), 0)
@@ -68,7 +69,7 @@ def select_rows(keys, vals, pos_ref, val_ref, *, k, ids=None):
     nblk, bc = keys.shape
     blk_of = lax.broadcasted_iota(jnp.int32, (nblk, bc), 0)
     flat = blk_of * bc + lax.broadcasted_iota(jnp.int32, (nblk, bc), 1)
-    m = jnp.minimum(_total((keys != INT32_MIN).astype(jnp.int32)), k)
+    m = jnp.minimum(total((keys != INT32_MIN).astype(jnp.int32)), k)
     kp = pos_ref.shape[0]
     slots = lax.broadcasted_iota(jnp.int32, (kp,), 0)
     pad = slots >= m
@@ -83,10 +84,10 @@ def select_rows(keys, vals, pos_ref, val_ref, *, k, ids=None):
     def _pick():
         def at_least(thr_u):  # #{key >= T} for 4 candidate T (unsigned u <-> signed u ^ MIN)
             thr = thr_u ^ INT32_MIN
-            return _total3((keys[:, :, None] >= thr[None, None, :]).astype(jnp.int32))
+            return total((keys[:, :, None] >= thr[None, None, :]).astype(jnp.int32))
 
-        t = _radix(at_least, m) ^ INT32_MIN
-        ties = m - _total((keys > t).astype(jnp.int32))
+        t = radix_search(at_least, m) ^ INT32_MIN
+        ties = m - total((keys > t).astype(jnp.int32))
         tie = keys == t
         if ids is None:
             won = tie & (before(tie.astype(jnp.int32)) < ties)
@@ -95,14 +96,14 @@ def select_rows(keys, vals, pos_ref, val_ref, *, k, ids=None):
             def above(u_u):  # #{tied ids >= u}, unsigned as the radix builds u (ids >= 0)
                 ge = tie[:, :, None] & ((ids ^ INT32_MIN)[:, :, None]
                                         >= (u_u ^ INT32_MIN)[None, None, :])
-                return _total3(ge.astype(jnp.int32))
+                return total(ge.astype(jnp.int32))
 
-            n_tie = _total(tie.astype(jnp.int32))
+            n_tie = total(tie.astype(jnp.int32))
             # the largest u with #{tied ids >= u} >= n_tie - ties + 1 is the ties-th smallest;
             # searched only when some tied entries lose (rare with continuous scores)
             # (the else branch computes INT32_MAX from a traced value: Pallas-Triton's cond
             # cannot yield a constant)
-            u = lax.cond(n_tie > ties, lambda: _radix(above, n_tie - ties + 1),
+            u = lax.cond(n_tie > ties, lambda: radix_search(above, n_tie - ties + 1),
                          lambda: jnp.maximum(ties, INT32_MAX))
             won = tie & (ids <= u)
             out = ids
@@ -110,10 +111,6 @@ def select_rows(keys, vals, pos_ref, val_ref, *, k, ids=None):
         slot = jnp.where(keep, before(keep.astype(jnp.int32)), kp + flat)  # past KP: dropped
         plt.store(pos_ref.at[slot], out, mask=keep)
         plt.store(val_ref.at[slot], vals, mask=keep)
-
-
-def _total3(x):  # [NBLK, BC, 4] -> [4]
-    return jnp.sum(jnp.sum(x, axis=1), axis=0)
 
 
 def _kernel(x_ref, ids_ref, pos_ref, val_ref, *, k):
