@@ -11,23 +11,11 @@ from lsparse_jax.config import EngineConfig
 from tests.helpers import model_and_tokens, tiny
 from tests.test_hierarchy import engines
 
-AVAILABLE = {  # op -> the implementations its api accepts
-    "topk": ("pallas_kernels.topk.api", "AVAILABLE"),
-    "candidate_topk": ("pallas_kernels.topk.api", "CANDIDATE_AVAILABLE"),
-    "miss_filter": ("pallas_kernels.miss_filter.api", "AVAILABLE"),
-    "pq_topc": ("pallas_kernels.pq_topc.api", "AVAILABLE"),
-    "index_scores": ("pallas_kernels.index_scores.api", "AVAILABLE"),
-    "index_logits": ("pallas_kernels.index_logits.api", "AVAILABLE"),
-    "hot_resolve": ("pallas_kernels.hot_resolve.api", "AVAILABLE"),
-    "gather_rows": ("pallas_kernels.gather_rows.api", "AVAILABLE"),
-    "sparse_attention": ("pallas_kernels.sparse_attention.api", "AVAILABLE"),
-}
-
 
 @pytest.mark.parametrize("op", kernels.OPS)
 @pytest.mark.parametrize("implementation", kernels.ENGINE_IMPLEMENTATIONS)
 def test_every_mapped_name_is_one_its_op_accepts(op, implementation):
-    module, name = AVAILABLE[op]
+    module, name = kernels.ACCEPTS[op]
     got = kernels.for_op(op, implementation)
     assert got is None if implementation is None else got in getattr(
         importlib.import_module(module), name)
@@ -45,13 +33,13 @@ def test_families_differ_from_triton_only_where_named():
 
 
 def test_own_names_pass_through_and_unknown_names_raise():
-    """An op's own name reaches the op (which checks it); the engine takes its five only."""
+    """An op's own name reaches the op; a name neither the engine's nor the op's raises (no
+    layer falls back to XLA for it); the engine takes its five only."""
     assert kernels.for_op("hot_resolve", "triton_copy") == "triton_copy"
-    with pytest.raises(ValueError, match="not available"):
-        from pallas_kernels.topk.api import candidate_topk
-
-        candidate_topk(np.zeros((1, 4), np.float32), np.zeros((1, 4), np.int32), 2,
-                       implementation=kernels.for_op("candidate_topk", "triton_fused"))
+    with pytest.raises(ValueError, match="'cuda' is unknown"):
+        kernels.for_op("index_logits", "cuda")
+    with pytest.raises(ValueError, match="'triton_fused' is unknown"):
+        kernels.for_op("candidate_topk", "triton_fused")
     with pytest.raises(ValueError, match="unknown op"):
         kernels.for_op("softmax", "xla")
     with pytest.raises(ValueError, match="implementation"):
