@@ -123,7 +123,7 @@ def _kernel(x_ref, ids_ref, pos_ref, val_ref, *, k):
 
 
 @functools.partial(jax.jit, static_argnames=("k", "block_c", "num_warps"))
-def candidate_topk_triton(scores, ids, *, k: int, block_c: int = 128, num_warps: int = 8):
+def candidate_topk_triton(scores, ids, *, k: int, block_c: int = 256, num_warps: int = 8):
     """scores [B, R] f32, ids [B, R] int32 -> (ids [B, k] of the winners in row order, values
     [B, k]), -1 / -inf padded (shapes checked by ``api.candidate_topk``)."""
     b, r = scores.shape
