@@ -124,7 +124,7 @@ def scale(name: str, model=gin.REQUIRED, methods=("resident", "hisparse", "leans
           batches_by_context: dict | None = None, time_budget_s: float | None = None,
           prefill_cache: str | None = None, pipelined: bool = True,
           input_repeat: float | None = None, time_both_modes: bool = False,
-          memory_analysis: bool = False):
+          memory_analysis: bool = False, repeats: int = 1):
     """Runs the grid; returns the records. ``lent_fraction``: adaptive's optional pages as a
     fraction of the batch's complete prompt pages. ``profile``: (method, context, batch) cells
     whose timed steps are also traced (jax.profiler; a Perfetto trace per cell is copied to
@@ -136,8 +136,12 @@ def scale(name: str, model=gin.REQUIRED, methods=("resident", "hisparse", "leans
     one step at a time), recorded as ``step_ms_pipelined`` / ``step_ms_stepwise``.
     ``memory_analysis``: each cell also records its decode step's compiled buffer sizes
     (``common.decode_step_memory``) as ``decode_memory``, taken after admission, before the
-    timed steps."""
+    timed steps. ``repeats``: each cell times ``repeats`` blocks of ``steps`` steps on the same
+    engine, one after another; ``step_ms`` is their median, ``step_ms_blocks`` each block's
+    mean (a within-cell spread: drift between cells and runs is not in it)."""
     _check(methods, contexts, batches, steps, batches_by_context)
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"scale.repeats={repeats!r}: a positive int")
     lean = leansparse or LeanSparseConfig()
     started = time.perf_counter()
     left = lambda: (float("inf") if time_budget_s is None  # noqa: E731
@@ -154,7 +158,7 @@ def scale(name: str, model=gin.REQUIRED, methods=("resident", "hisparse", "leans
         todo = [(m, b) for m, c, b in pending() if c == context]
         if not todo:
             continue
-        cfg = fit_max_len(model, context + (2 if time_both_modes else 1) * steps + warm_steps
+        cfg = fit_max_len(model, context + (repeats + time_both_modes) * steps + warm_steps
                           + PROFILED_STEPS + 2)
         prompt = np.random.default_rng(seed + context).integers(
             0, min(cfg.vocab_size, 256), context).astype(np.int32)
@@ -179,7 +183,7 @@ def scale(name: str, model=gin.REQUIRED, methods=("resident", "hisparse", "leans
             calibration_s = time.perf_counter() - t0
         stopped = False
         for entry, batch in todo:
-            need = estimate.cell_s(entry, batch, steps + warm_steps)
+            need = estimate.cell_s(entry, batch, repeats * steps + warm_steps)
             if need > left():
                 print(f"scale: time budget: {left():.0f} s left < ~{need:.0f} s for "
                       f"{entry} at batch {batch}; stopped (rerun to continue)", flush=True)
@@ -199,7 +203,7 @@ def scale(name: str, model=gin.REQUIRED, methods=("resident", "hisparse", "leans
                                       settings, lent_fraction, device_budget_gb,
                                       implementation, trace, pipelined=pipelined,
                                       input_repeat=input_repeat, both=time_both_modes,
-                                      memory=memory_analysis)
+                                      memory=memory_analysis, repeats=repeats)
                 except Exception as err:  # noqa: BLE001  (recorded, the grid goes on)
                     rec = {"error": f"{type(err).__name__}: "
                                     f"{str(err).splitlines()[0][:300]}"}
@@ -313,10 +317,11 @@ def decode_cell(cfg, params, books, pre, prompt, method, batch, steps, warm_step
                 hot_rows, page, lean, lent_fraction, budget_gb, implementation,
                 trace=None, *, pipelined: bool = True,
                 input_repeat: float | None = None, both: bool = False,
-                memory: bool = False) -> dict:
+                memory: bool = False, repeats: int = 1) -> dict:
     """``batch`` copies of one prefill (``pre`` of ``prompt``) decoded by ``method``: the
-    mean of ``steps`` decode steps after ``warm_steps`` (``common.timed_steps``), with the
-    selection statistics (also the capacity experiment's timing)."""
+    mean of ``steps`` decode steps after ``warm_steps`` (``common.timed_steps``; with
+    ``repeats`` > 1 the median of that many such blocks), with the selection statistics (also
+    the capacity experiment's timing)."""
     storage = method_storage(method)
     pages = len(prompt) // cfg.csa_ratio // page
     cache = CacheConfig(batch, chunk, hot_rows if storage.kv_on_host else None, page,
@@ -335,11 +340,16 @@ def decode_cell(cfg, params, books, pre, prompt, method, batch, steps, warm_step
     warmup_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     for _ in range(batch):
-        eng.admit(Request(prompt, max_new_tokens=(2 if both else 1) * steps + warm_steps
+        eng.admit(Request(prompt, max_new_tokens=(repeats + both) * steps + warm_steps
                           + PROFILED_STEPS + 1), prefilled=pre)
     admit_s = time.perf_counter() - t0
     extra = {"decode_memory": decode_step_memory(eng)} if memory else {}
-    step_ms = timed_steps(eng, warm_steps, steps, pipelined, input_repeat)
+    # block 0 as before (warm-up, input seed 0); later blocks draw their inputs from seeds 3+
+    blocks = [timed_steps(eng, 0 if i else warm_steps, steps, pipelined, input_repeat,
+                          seed=2 + i if i else 0) for i in range(repeats)]
+    step_ms = float(np.median(blocks))
+    if repeats > 1:
+        extra["step_ms_blocks"] = blocks
     modes = {}
     if both:  # the same engine, the other way (its first steps compile nothing new)
         other = timed_steps(eng, 0, steps, not pipelined, input_repeat, seed=2)

@@ -21,7 +21,7 @@ def test_scale_study_runs_every_cell_and_resumes(tmp_path, monkeypatch):
             "--gin.scale.calibration_tokens=256", "--gin.run.name='scale'",
             "--gin.scale.time_both_modes=True", "--gin.scale.input_repeat=0.5",
             "--gin.scale.methods=('resident','hisparse','leansparse')",
-            "--gin.scale.memory_analysis=True"]
+            "--gin.scale.memory_analysis=True", "--gin.scale.repeats=3"]
     assert main(args) == 0
     records = json.loads((tmp_path / "scale" / "results.json").read_text())["records"]
     cells = {(r["method"], r["context"], r["batch"]) for r in records}
@@ -30,6 +30,9 @@ def test_scale_study_runs_every_cell_and_resumes(tmp_path, monkeypatch):
         assert r["step_ms"] > 0 and r["layers"] == 4
         assert r["step_ms"] == r["step_ms_pipelined"] and r["step_ms_stepwise"] > 0
         assert r["pipelined"] and r["input_repeat"] == 0.5
+        # three timed blocks on one engine; the cell's step is their median
+        assert len(r["step_ms_blocks"]) == 3 and min(r["step_ms_blocks"]) > 0
+        assert r["step_ms"] == sorted(r["step_ms_blocks"])[1]
         # the donated state is aliased whole: a step allocates no second copy of it
         mem = r["decode_memory"]
         assert mem["alias_bytes"] + mem["host_alias_bytes"] == \
@@ -41,7 +44,7 @@ def test_scale_study_runs_every_cell_and_resumes(tmp_path, monkeypatch):
     assert by[("resident", 2)]["host_bytes_per_token"] == 0
     # the whole-model extrapolation: 43 layers; with the slice's own pattern it reproduces
     # the measured allocation and step (it sizes the same configuration)
-    cfg = fit_max_len(preset("tiny"), 256 + 2 * 2 + 1 + 3 + 2)
+    cfg = fit_max_len(preset("tiny"), 256 + (3 + 1) * 2 + 1 + 3 + 2)
     lean = LeanSparseConfig(num_candidates=32, key_cache_rows=48, miss_filter_offset=1.0)
     for r in records:
         assert r["full_model"]["layers"] == 43
@@ -134,7 +137,8 @@ def test_scale_groups_variant_budget_and_prefill_cache(tmp_path, monkeypatch):
     ("scale_batch_1m_fp8_swizzle", (1048576,), (64,), None, False),
     ("scale_small_batch", (524288,), (1, 8), None, False),
     ("scale_small_batch_1m", (1048576,), (1, 8), None, False),
-    ("scale_small_batch_s30", (524288,), (1, 8, 32, 64), None, False)])
+    ("scale_small_batch_s30", (524288,), (1, 8, 32, 64), None, False),
+    ("scale_small_batch_s31", (524288,), (8, 1), None, False)])
 def test_scale_batch_config_binds_the_batch_grid(name, contexts, batches, by_context, g2):
     """configs/experiments/scale_batch.gin (512K at batch 8/64/32/1, 1M at 8/1),
     scale_batch_short.gin (32K and 128K at 64/32) and scale_batch_1m.gin (1M at 64/32, the
@@ -142,7 +146,7 @@ def test_scale_batch_config_binds_the_batch_grid(name, contexts, batches, by_con
     scale_lean_jt.gin: hisparse and LeanSparse's FP8 jax-triton coarse pass; the _swizzle
     runs: the same cells again after the coarse kernel's bank swizzle; the _small_batch runs:
     batches 1 and 8 after the batch-1 fix of session 28, _s30 batches 1-64 after session 30's
-    sort removal): the leansparse_g2
+    sort removal, _s31 batches 8 and 1 in 5 timed blocks a cell): the leansparse_g2
     variant where asked, a per-call budget and a prefill cache; the grid passes the checks;
     the _fp8 runs store FP8 rows."""
     import gin
@@ -172,6 +176,8 @@ def test_scale_batch_config_binds_the_batch_grid(name, contexts, batches, by_con
             assert q("model_preset.kv_dtype") == "fp8_v4"
         _check(methods, contexts, q("scale.batches"), q("scale.steps"),
                q("scale.batches_by_context"))
+        if name.endswith("_s31"):
+            assert q("scale.repeats") == 5
     finally:
         gin.clear_config()
 
