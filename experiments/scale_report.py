@@ -9,7 +9,8 @@ in several runs is taken from the newest), prints two markdown tables and option
 them into the README between ``<!-- scale-table:begin -->`` and ``<!-- scale-table:end -->``
 and draws the plot:
   1. decode step (ms) per method at each (context, batch), LeanSparse / HiSparse, request
-     groups / LeanSparse (each ratio from one run: the numerator's), prefill seconds (with the
+     groups / LeanSparse (each ratio from one run: the numerator's; where both cells timed
+     several blocks, ``scale.repeats``, with the range the blocks allow), prefill seconds (with the
      matmul precision and, where not f32, the KV row format), the run it came from;
   2. per request: device bytes of the 4-layer slice (measured allocation) and, for the whole
      43-layer V4-Flash pattern, device bytes (``memory.accounting``, exact for that pattern)
@@ -53,14 +54,18 @@ def load(root: pathlib.Path, names=RUNS) -> list[dict]:
             continue
         results = json.loads(path.read_text())
         peers: dict[tuple, dict] = {}  # this run's step times per (context, batch) by method
+        blocks: dict[tuple, dict] = {}  # and its timed blocks (scale.repeats > 1)
         for rec in results["records"]:
             if "step_ms" in rec:
-                peers.setdefault((rec["context"], rec["batch"]), {})[rec["method"]] = (
-                    rec["step_ms"])
+                at = (rec["context"], rec["batch"])
+                peers.setdefault(at, {})[rec["method"]] = rec["step_ms"]
+                if "step_ms_blocks" in rec:
+                    blocks.setdefault(at, {})[rec["method"]] = rec["step_ms_blocks"]
         for rec in results["records"]:
             key = (rec["method"], rec["context"], rec["batch"])
             if "step_ms" in rec and key not in cells:
                 rec = dict(rec, run=name, peers=peers[key[1:]],
+                           **({"peer_blocks": blocks[key[1:]]} if key[1:] in blocks else {}),
                            precision=results["model"].get("matmul_precision", "highest"),
                            kv_dtype=results["model"].get("kv_dtype", "f32"))
                 if "full_model" not in rec:
@@ -88,6 +93,19 @@ def _label(n: int) -> str:
     return f"{n >> 20}M" if n >= 1 << 20 else f"{n >> 10}K" if n >= 1 << 10 else str(n)
 
 
+def _ratio(cell: dict, a: str, b: str) -> str:
+    """a's step over b's, both from a's run; where both cells timed several blocks, also the
+    widest range the blocks allow: [min a / max b, max a / min b]."""
+    if a not in cell or b not in cell[a]["peers"]:
+        return ""
+    text = f"{cell[a]['step_ms'] / cell[a]['peers'][b]:.2f}"
+    runs = cell[a].get("peer_blocks", {})  # absent where the run timed one block a cell
+    mine, theirs = runs.get(a), runs.get(b)
+    if mine and theirs:
+        text += f" [{min(mine) / max(theirs):.2f}-{max(mine) / min(theirs):.2f}]"
+    return text
+
+
 def step_table(records) -> str:
     methods = [m for m in METHODS if any(r["method"] == m for r in records)]
     head = ["context", "batch", *methods, "lean / his"]
@@ -103,9 +121,7 @@ def step_table(records) -> str:
         ms = {m: cell[m]["step_ms"] for m in cell}
         # a ratio takes both methods from the numerator's run (runs of other sessions ran
         # other code: HiSparse at 512K batch 8 took 5.75 ms in scale_batch, 3.91 in session 28)
-        ratio = lambda a, b, cell=cell: (  # noqa: E731
-            f"{cell[a]['step_ms'] / cell[a]['peers'][b]:.2f}"
-            if a in cell and b in cell[a]["peers"] else "")
+        ratio = lambda a, b, cell=cell: _ratio(cell, a, b)  # noqa: E731
         line = [_label(context), str(batch)] + [f"{ms[m]:.2f}" if m in ms else ""
                                                 for m in methods]
         line.append(ratio("leansparse", "hisparse"))

@@ -182,6 +182,30 @@ def test_scale_batch_config_binds_the_batch_grid(name, contexts, batches, by_con
         gin.clear_config()
 
 
+def test_scale_report_ratio_range_from_timed_blocks(tmp_path):
+    """Where both cells of a ratio timed several blocks (scale.repeats), the table adds the
+    widest range the blocks allow, [min a / max b, max a / min b]; one-block cells add none."""
+    from experiments.scale_report import load, step_table
+
+    model = {"layer_pattern": ["swa", "csa", "hca", "csa"], "matmul_precision": "bf16"}
+    full = {"device_bytes_per_request": 2e9, "step_ms_extrapolated": 99.0}
+
+    def rec(method, batch, blocks):
+        return dict(method=method, context=524288, batch=batch, prefill_s=17.0,
+                    step_ms=sorted(blocks)[len(blocks) // 2], device_bytes_per_request=1,
+                    full_model=full, **({"step_ms_blocks": blocks} if len(blocks) > 1 else {}))
+
+    (tmp_path / "scale_small_batch_s31").mkdir()
+    (tmp_path / "scale_small_batch_s31" / "results.json").write_text(json.dumps(
+        {"model": model, "records": [
+            rec("hisparse", 8, [3.8, 3.7, 3.9]), rec("leansparse_fp8_jt", 8, [3.2, 3.3, 3.1]),
+            rec("hisparse", 1, [2.8]), rec("leansparse_fp8_jt", 1, [2.9])]}))
+    text = step_table(load(tmp_path))
+    # 3.2 / 3.8 = 0.842, 3.1 / 3.9 = 0.795, 3.3 / 3.7 = 0.892
+    assert "| 512K | 8 | 3.80 | 3.20 |  | 0.84 [0.79-0.89] |" in text
+    assert "| 512K | 1 | 2.80 | 2.90 |  | 1.04 |" in text
+
+
 def test_scale_report_tables_and_readme(tmp_path):
     """The report takes each cell from the newest run holding it, prints step ms and ratios
     (both methods from the numerator's run, blank where that run lacks the denominator),
