@@ -4,7 +4,7 @@
 # STEP=profile (default; ~330 s warm, one call): the decode profiles with candidate_topk's
 #   launch default of 256 lanes (session 31's sweep; 30 us a CSA layer in the step at 128 lanes):
 #   128K at batch 1 and 8 (compare results/decode_profile_session31/b{1,8}), and 512K at
-#   batch 8, where issue 13's <= 0.85 is 0.86-0.89 (no 512K profile was taken before: where
+#   batch 8, where issue 13's <= 0.85 is 0.86-0.89 (not profiled since the sort removal: where
 #   LeanSparse's 3.2-3.4 ms go against HiSparse's 3.7-3.8). Each with the HLO census; read the
 #   traces' idle gaps with benchmarks/trace_gaps.py.
 # STEP=scale (~300 s, one call): 512K batches 8 and 1 in five timed blocks a cell
