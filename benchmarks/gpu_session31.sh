@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 31 (device tool, carry [".whl"]): XLA's command buffers (CUDA graphs) in LeanSparse's
-# decode step. Session 30's 128K batch-8 trace (results/decode_profile_session31/b8) shows the
-# GPU idle ~300 us a step between pq_scores_kernel and topk_fused_threshold while the host runs
+# decode step. The 128K batch-8 trace of session 30's code (results/decode_profile_session31/b8)
+# shows the GPU idle ~300 us a step between pq_scores_kernel and topk_fused_threshold while the
+# host runs
 # `command_buffer::update` (376 us) and `cuGraphLaunch` (298 us) of the graph that follows: the
 # step waits on the host, not on kernels (step 3.88 ms, kernels 2.96 ms).
 # STEP=nocb (default; ~200 s warm, one call), with XLA_FLAGS=--xla_gpu_enable_command_buffer=

@@ -16,24 +16,19 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
-import json
+
+from experiments.profiling import read_trace
 
 
 def load(path: str) -> tuple[list[dict], list[dict]]:
-    """(GPU events, host events): the trace's complete ('X') events split by process name."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        events = json.load(f)["traceEvents"]
-    names = {e["pid"]: e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    """(GPU events by start, host events): the trace's complete ('X') events split by
+    process (``experiments.profiling.read_trace``)."""
+    events, gpu_pids = read_trace(path)
     done = [e for e in events if e.get("ph") == "X"]
-    if not any("GPU" in names.get(e["pid"], "") for e in done):
-        raise ValueError(f"{path}: no GPU process in the trace "
-                         f"(processes: {sorted(set(names.values()))})")
-    gpu = [e for e in done if "GPU" in names.get(e["pid"], "")]
-    host = [e for e in done if "GPU" not in names.get(e["pid"], "")]
-    return sorted(gpu, key=lambda e: e["ts"]), host
+    gpu = sorted((e for e in done if e["pid"] in gpu_pids), key=lambda e: e["ts"])
+    if not gpu:
+        raise ValueError(f"{path}: no GPU process with events in the trace")
+    return gpu, [e for e in done if e["pid"] not in gpu_pids]
 
 
 def gaps(gpu: list[dict], min_us: float = 3.0) -> list[tuple[str, str, float, float]]:

@@ -14,6 +14,18 @@ import tempfile
 import jax
 
 
+def read_trace(path) -> tuple[list[dict], set]:
+    """A Perfetto / chrome trace file (.json or .json.gz): (its events, the pids of its GPU
+    processes)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    ev = data["traceEvents"] if isinstance(data, dict) else data
+    gpu = {e["pid"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"
+           and "GPU" in str(e.get("args", {}).get("name", ""))}
+    return ev, gpu
+
+
 def gpu_events(trace_dir: pathlib.Path) -> list[tuple[str, float, float]]:
     """(name, start_us, dur_us) of the GPU events of the newest Perfetto trace under
     ``trace_dir`` (``jax.profiler.trace(..., create_perfetto_trace=True)``), in start order;
@@ -22,10 +34,7 @@ def gpu_events(trace_dir: pathlib.Path) -> list[tuple[str, float, float]]:
                    key=lambda p: p.stat().st_mtime)
     if not found:
         return []
-    data = json.load(gzip.open(found[-1]))
-    ev = data["traceEvents"] if isinstance(data, dict) else data
-    gpu = {e["pid"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"
-           and "GPU" in str(e.get("args", {}).get("name", ""))}
+    ev, gpu = read_trace(found[-1])
     return sorted(((e["name"], e["ts"], e.get("dur", 0)) for e in ev
                    if e.get("ph") == "X" and e.get("pid") in gpu), key=lambda e: e[1])
 

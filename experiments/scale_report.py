@@ -121,14 +121,13 @@ def step_table(records) -> str:
         ms = {m: cell[m]["step_ms"] for m in cell}
         # a ratio takes both methods from the numerator's run (runs of other sessions ran
         # other code: HiSparse at 512K batch 8 took 5.75 ms in scale_batch, 3.91 in session 28)
-        ratio = lambda a, b, cell=cell: _ratio(cell, a, b)  # noqa: E731
         line = [_label(context), str(batch)] + [f"{ms[m]:.2f}" if m in ms else ""
                                                 for m in methods]
-        line.append(ratio("leansparse", "hisparse"))
+        line.append(_ratio(cell, "leansparse", "hisparse"))
         if "leansparse_g2" in methods:
-            line.append(ratio("leansparse_g2", "leansparse"))
+            line.append(_ratio(cell, "leansparse_g2", "leansparse"))
         if "leansparse_fp8_jt" in methods:
-            line.append(ratio("leansparse_fp8_jt", "hisparse"))
+            line.append(_ratio(cell, "leansparse_fp8_jt", "hisparse"))
         # the newest run's prefill, its fastest where calls of one run prefilled anew (an
         # older measurement may predate a faster prefill path: index_logits, session 26)
         pre = min(cell.values(), key=lambda r: (RUNS.index(r["run"]) if r["run"] in RUNS
