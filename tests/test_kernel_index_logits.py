@@ -164,3 +164,47 @@ def test_gpu_v4_prefill_tile_matches_twin():
     want = np.asarray(index_logits(q, w, k, implementation="xla"))
     got = np.asarray(index_logits(q, w, k, implementation="triton"))
     assert_close(got[:, :30000], want[:, :30000], "float32")
+
+
+def test_decode_selection_scores_the_fp8_keys_in_the_index_scores_kernel():
+    """``decode_kernel``: a decode step's few queries (< FUSED_MIN_QUERIES) with kernels score
+    the stored FP8 keys through the ``index_scores`` op (no f32 key copy, no [T, H, N] products
+    in XLA): the CUDA lowering of such a selection has no XLA dot; its selection equals the XLA
+    form's on exact values, query by query of a block as alone, NaN-poisoned keys never
+    selected, at f32 and bf16 matmuls alike."""
+    from lsparse_jax.model.store import decode_kernel
+
+    assert decode_kernel(1, "triton") == "triton"
+    assert decode_kernel(FUSED_MIN_QUERIES - 1, "mosaic") == "triton"
+    assert decode_kernel(FUSED_MIN_QUERIES, "triton") is None  # a prefill chunk
+    assert decode_kernel(1, "xla") is None and decode_kernel(1, None) is None  # CPU: XLA
+    with pytest.raises(ValueError, match="implementation='cuda' is unknown"):
+        decode_kernel(1, "cuda")
+
+    t, h, d, n, k = 3, 8, 32, 96, 8
+    q, w, keys = _inputs(t, h, d, n, integers=True, seed=4)
+    values = jnp.asarray(keys).astype(jnp.float8_e4m3fn)
+    scales = jnp.full((n, 1), 2.0, jnp.float32)  # a power of two: still exact
+    values = values.at[n - 7:].set(jnp.nan)
+    scales = scales.at[n - 7:].set(jnp.nan)
+    eligible = np.arange(n)[None, :] <= np.arange(t)[:, None] + 70
+    eligible &= np.arange(n)[None, :] < n - 7
+    query = IndexerQuery(jnp.asarray(q), jnp.asarray(w))
+
+    def select(q, w, values, scales, eligible, implementation):
+        return exact_selection(IndexerQuery(q, w), values, scales, eligible, k,
+                               implementation=implementation).positions
+
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in
+             (query.q, query.weights, values, scales, jnp.asarray(eligible))]
+    text = common.lower_for_cuda(functools.partial(select, implementation="triton"), *specs)
+    assert "stablehlo.dot_general" not in text and common.TRITON_CALL_TARGET in text
+    for name in ("highest", "bf16"):
+        with matmul_precision(name):
+            want = select(query.q, query.weights, values, scales, jnp.asarray(eligible), "xla")
+            got = select(query.q, query.weights, values, scales, jnp.asarray(eligible), "triton")
+            alone = [select(query.q[i:i + 1], query.weights[i:i + 1], values, scales,
+                            jnp.asarray(eligible[i:i + 1]), "triton") for i in range(t)]
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        np.testing.assert_array_equal(np.asarray(got), np.concatenate(alone))
+        assert np.asarray(got).max() < n - 7

@@ -138,7 +138,7 @@ def test_scale_groups_variant_budget_and_prefill_cache(tmp_path, monkeypatch):
     ("scale_small_batch", (524288,), (1, 8), None, False),
     ("scale_small_batch_1m", (1048576,), (1, 8), None, False),
     ("scale_small_batch_s30", (524288,), (1, 8, 32, 64), None, False),
-    ("scale_small_batch_s31", (524288,), (8, 1), None, False)])
+    ("scale_small_batch_s32", (524288,), (8, 1), None, False)])
 def test_scale_batch_config_binds_the_batch_grid(name, contexts, batches, by_context, g2):
     """configs/experiments/scale_batch.gin (512K at batch 8/64/32/1, 1M at 8/1),
     scale_batch_short.gin (32K and 128K at 64/32) and scale_batch_1m.gin (1M at 64/32, the
@@ -195,8 +195,8 @@ def test_scale_report_ratio_range_from_timed_blocks(tmp_path):
                     step_ms=sorted(blocks)[len(blocks) // 2], device_bytes_per_request=1,
                     full_model=full, **({"step_ms_blocks": blocks} if len(blocks) > 1 else {}))
 
-    (tmp_path / "scale_small_batch_s31").mkdir()
-    (tmp_path / "scale_small_batch_s31" / "results.json").write_text(json.dumps(
+    (tmp_path / "scale_small_batch_s32").mkdir()
+    (tmp_path / "scale_small_batch_s32" / "results.json").write_text(json.dumps(
         {"model": model, "records": [
             rec("hisparse", 8, [3.8, 3.7, 3.9]), rec("leansparse_fp8_jt", 8, [3.2, 3.3, 3.1]),
             rec("hisparse", 1, [2.8]), rec("leansparse_fp8_jt", 1, [2.9])]}))

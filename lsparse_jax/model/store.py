@@ -42,6 +42,7 @@ from lsparse_jax.parallel import head_sum
 from lsparse_jax.quant import KVRowFormat, dequantize_index_keys
 from pallas_kernels.common import on_gpu
 from pallas_kernels.index_logits import index_logits
+from pallas_kernels.index_scores.api import index_scores
 from pallas_kernels.index_scores.reference import exact_index_scores
 
 NUM_SOURCES = 3  # a selected row was found in: 0 tail / resident (or lent) map, 1 cache, 2 host
@@ -190,7 +191,8 @@ def logits_of_queries(num_queries: int, implementation: str | None):
     (``ModelConfig.matmul_precision="bf16"``, the kernel's numerics) and there are at least
     ``FUSED_MIN_QUERIES`` queries (a prefill chunk); else ``exact_index_scores`` of all N keys
     at the model's matmul precision, which materializes the [T, H, N] products (per_head True:
-    a caller sizes its query tiles by them)."""
+    a caller sizes its query tiles by them). A decode step's few queries with kernels do not
+    come here: ``decode_kernel``."""
     kernel = for_op("index_logits", implementation)  # the engine's -> the op's
     if kernel is None:
         kernel = "triton" if on_gpu() else "xla"
@@ -199,6 +201,45 @@ def logits_of_queries(num_queries: int, implementation: str | None):
         return functools.partial(index_logits, implementation="triton"), False
     scores = functools.partial(exact_index_scores, precision=precision())
     return (lambda q, weights, keys, num_keys: scores(q, weights, keys)), True
+
+
+def decode_kernel(num_queries: int, implementation: str | None) -> str | None:
+    """The ``index_scores`` kernel that scores a decode step's stored FP8 keys (fewer than
+    ``FUSED_MIN_QUERIES`` queries: one a slot, or a verification block's few) when the engine
+    asks for kernels; None: ``logits_of_queries``' forms.
+
+    Why: the XLA form dequantizes the N keys to f32 and writes the [T, H, N] products (at 512K
+    context, batch 8, 64 heads: ~0.43 ms a CSA layer of HiSparse's step on the H200, session
+    32), where the kernel reads the FP8 keys once (132 B a key) with the products in registers.
+    LeanSparse rescores its candidates with the same op, so both methods' exact scores of a key
+    are the same arithmetic."""
+    if num_queries >= FUSED_MIN_QUERIES:
+        return None
+    kernel = for_op("index_scores", implementation)
+    if kernel is None:
+        kernel = "triton" if on_gpu() else "xla"
+    return None if kernel == "xla" else kernel
+
+
+def decode_scores(kernel: str, values, scales):
+    """fn(q [T, H, D], weights [T, H], eligible [T, N]) -> [T, N] f32 scores of the stored
+    FP8 keys (values [N, D] e4m3, scales [N, D/b] f32) by the ``index_scores`` op's ``kernel``;
+    -inf where not eligible (their NaN poison never reaches a score). Each query is its own
+    call of the op (a [1, N] problem), so a verification block's query t gets the same scores
+    as the decode step of that position (no dependence on T)."""
+    # tp > 1: each device scores with its heads; the partial scores are summed
+    exact = head_sum(functools.partial(index_scores, implementation=kernel),
+                     (1, 1, None, None, None))
+
+    def one(args):
+        q, w, ok = args
+        return exact(q[None], w[None], values[None], scales[None], ok[None])[0]
+
+    def scores(q, w, eligible):  # one query (a decode step): no loop around the kernel
+        args = (q, w, eligible)
+        return one(args)[None] if q.shape[0] == 1 else jax.lax.map(one, args)
+
+    return scores
 
 
 def query_tile(num_queries: int, bytes_per_query: int, budget: int) -> int:
@@ -221,8 +262,9 @@ def exact_selection(query: IndexerQuery, values, scales, eligible, top_k: int,
       query.q [T, H, D], query.weights [T, H]; values [N, D] e4m3, scales [N, D/b] f32;
       eligible [T, N] bool.
     Math: I(t, n) = sum_h w_h ReLU(q_h . k_n) with k_n the dequantized key; top-k by I.
-    Scores: ``logits_of_queries`` (the ``index_logits`` kernel for a prefill chunk with
-    kernels and bf16 matmuls; else the XLA form).
+    Scores: a decode step's few queries with kernels: the ``index_scores`` op on the FP8 keys
+    (``decode_kernel``); else ``logits_of_queries`` (the ``index_logits`` kernel for a prefill
+    chunk with kernels and bf16 matmuls; else the XLA form).
     Memory: the scores (XLA form: the per-head dot products [t, H, N] f32) are computed for
     tiles of t queries at a time, t the largest power of two within ``tile_bytes`` (a prefill
     chunk of 4096 queries over 256K keys with 64 heads would otherwise need 256 GiB in the XLA
@@ -232,14 +274,18 @@ def exact_selection(query: IndexerQuery, values, scales, eligible, top_k: int,
     the first k the selection (best first, so exactly the top-k) and the next ``band`` its
     ``Selection.band``.
     """
-    keys = dequantize_index_keys(values, scales)  # [N, D] f32
-
     num, heads = query.q.shape[:2]
+    take = top_k + band
+    kernel = decode_kernel(num, implementation)
+    if kernel is not None:
+        scores = decode_scores(kernel, values, scales)(query.q, query.weights, eligible)
+        return _selection(select_topk(scores, eligible, take, implementation)[0], eligible,
+                          top_k, band)
+
+    keys = dequantize_index_keys(values, scales)  # [N, D] f32
     logits, per_head = logits_of_queries(num, implementation)
     # tp > 1: each device scores with its heads; the partial scores are summed before top-k
     scores = head_sum(logits, (1, 1, None, None))
-
-    take = top_k + band
 
     def select(q, w, ok):
         # the keys any of these queries may select: past the last eligible one, none counts
@@ -254,6 +300,11 @@ def exact_selection(query: IndexerQuery, values, scales, eligible, top_k: int,
         tiles = [jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(
             (-1, tile) + a.shape[1:]) for a in (query.q, query.weights, eligible)]
         positions = jax.lax.map(lambda a: select(*a), tuple(tiles)).reshape(-1, take)[:num]
+    return _selection(positions, eligible, top_k, band)
+
+
+def _selection(positions, eligible, top_k: int, band: int) -> Selection:
+    """The ``Selection`` of ranked positions [T, top_k + band] (the last ``band``: the band)."""
     positions, ranked_next = positions[:, :top_k], positions[:, top_k:]
     counts = jnp.sum(eligible, axis=-1).astype(jnp.int32)
     scored = jnp.zeros((positions.shape[0], NUM_SOURCES), jnp.int32).at[:, 0].set(counts)
