@@ -236,8 +236,9 @@ def decode_scores(kernel: str, values, scales):
         return exact(q[None], w[None], values[None], scales[None], ok[None])[0]
 
     def scores(q, w, eligible):  # one query (a decode step): no loop around the kernel
-        args = (q, w, eligible)
-        return one(args)[None] if q.shape[0] == 1 else jax.lax.map(one, args)
+        if q.shape[0] == 1:
+            return one((q[0], w[0], eligible[0]))[None]
+        return jax.lax.map(one, (q, w, eligible))
 
     return scores
 
