@@ -20,7 +20,7 @@
 source "$(dirname "$0")/gpu_lib.sh"
 profile() {  # profile NAME CONTEXT BATCH SECONDS
   TAIL=40 part "$1" "$4" "python3 benchmarks/decode_profile_gpu.py \
-    --methods hisparse,leansparse_fp8_jt --context $2 --batch $3 --hlo-census \
+    --methods ${METHODS:-hisparse,leansparse_fp8_jt} --context $2 --batch $3 --hlo-census \
     --gin \"model_preset.matmul_precision='bf16'\" --prefill-cache /tmp/lsparse_scale_prefill \
     --out \$OUT --budget-s $(( $4 - 10 ))"
 }
@@ -32,9 +32,13 @@ case "${STEP:-profile}" in
     profile b8_512k 524288 8 150
     pack session32_profile ;;
   indexer)
-    TAIL=30 part gpu_tests 250 "python3 -m pytest -q -m gpu -x tests/test_gpu_hierarchy.py \
+    TAIL=30 part gpu_tests ${TESTS_S:-250} "python3 -m pytest -q -m gpu -x \
+      tests/test_kernel_index_scores.py tests/test_gpu_hierarchy.py \
       tests/test_kernel_index_logits.py tests/test_state_in_place.py tests/test_speculative.py"
     profile b8_512k 524288 8 140
+    # OLD=1 (a machine other than call 1's): HiSparse before the change, from the snapshot
+    # .branches/old_b8_512k of 13a4f5e (carried; part() runs a part from .branches/NAME)
+    [ -n "${OLD:-}" ] && METHODS=hisparse profile old_b8_512k 524288 8 100
     profile b8 131072 8 90
     pack session32_indexer ;;
   scale)

@@ -91,14 +91,28 @@ def test_index_scores(impl, case):
     _check(got, args, "float32" if exact else "bfloat16")
 
 
-@pytest.mark.parametrize("steps", [1, 2, 4])
+@pytest.mark.parametrize("steps", [1, 2, 4, 8])
 def test_block_and_loop_tiling_in_interpret_mode(steps):
-    """Blocks of 16 candidates, STEPS per program, a partial last program: same scores."""
+    """Blocks of 16 candidates, STEPS per program, a partial last program (8: only the
+    partial one): same scores."""
     from pallas_kernels.index_scores.triton import index_scores_triton
 
     args = _inputs(2, 4, 64, 72, 2, "random", "bfloat16", seed=1)
     got = index_scores_triton(*map(jnp.asarray, args), block_c=16, steps=steps)
     _check(got, args, "float32")
+
+
+def test_partial_last_program_pads_only_its_rows():
+    """C not a multiple of a program's rows: the whole programs read the keys in place and
+    only the last C mod rows keys are copied (padded to one program), never all C (a decode
+    step scores every stored key of a slot)."""
+    import re
+
+    fn = functools.partial(index_scores, implementation="triton")
+    text = common.lower_for_cuda(fn, *_specs(8, 64, 128, 131104, 1))
+    assert text.count(common.TRITON_CALL_TARGET) == 2
+    padded = re.findall(r"stablehlo\.pad[^\n]*-> tensor<([0-9x]+)xf8E4M3FN>", text)
+    assert padded and all(int(shape.split("x")[1]) < 1024 for shape in padded), padded
 
 
 def test_empty_candidate_list():

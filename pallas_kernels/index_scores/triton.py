@@ -169,24 +169,42 @@ def index_scores_triton(q: jnp.ndarray, weights: jnp.ndarray, key_values: jnp.nd
         q = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
         weights = jnp.pad(weights, ((0, 0), (0, hp - h)))
     rows = block_c * steps                                         # candidates per program
-    c_pad = -(-c // rows) * rows
-    if c_pad != c:
-        # C padded to whole programs with invalid rows: on the GPU, Pallas-Triton did not
-        # confine a partial last block of candidates to its request (H200, jax 0.11.2: scores
-        # off by ~100% at B 4, C 2112, exact at B 1; interpret mode is exact), which made
-        # speculative and plain greedy decoding differ (issue 15)
-        key_values = jnp.pad(key_values, ((0, 0), (0, c_pad - c), (0, 0)))
-        key_scales = jnp.pad(key_scales, ((0, 0), (0, c_pad - c), (0, 0)),
-                             constant_values=1.0)
-        valid = jnp.pad(valid, ((0, 0), (0, c_pad - c)))
+    call = functools.partial(_call, block_c=block_c, steps=steps, num_warps=num_warps,
+                             num_stages=num_stages, fp8=fp8, rows=rows)
+    full = c // rows * rows
+    if full == c:
+        return call(q, weights, key_values, key_scales, valid, full)
+    # A partial last block is scored from a padded copy of the last c - full rows only: on the
+    # GPU, Pallas-Triton did not confine a partial last block of candidates to its request
+    # (H200, jax 0.11.2: scores off by ~100% at B 4, C 2112, exact at B 1; interpret mode is
+    # exact), which made speculative and plain greedy decoding differ (issue 15). Padding the
+    # whole [B, C, D] instead copied every key (a decode step's N keys: ~0.16 ms a CSA layer
+    # at 512K batch 8, session 32). Each row's score does not depend on its block.
+    pad = rows - (c - full)
+    rest = [jnp.pad(a[:, full:], ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2),
+                    constant_values=fill)
+            for a, fill in ((key_values, 0), (key_scales, 1.0), (valid, False))]
+    tail = call(q, weights, *rest, rows)
+    if full == 0:
+        return tail[:, :c - full]
+    head = call(q, weights, key_values, key_scales, valid, full)
+    return jnp.concatenate([head, tail[:, :c - full]], axis=1)
+
+
+def _call(q, weights, key_values, key_scales, valid, c: int, *, block_c: int, steps: int,
+          num_warps: int, num_stages: int | None, fp8: bool, rows: int):
+    """The kernel over candidates [0, c) of key_values [B, >= c, D] (c a multiple of rows):
+    the grid covers whole programs only."""
+    b, hp, d = q.shape
+    nb = key_scales.shape[2]
     interpret = common.interpret()
     kernel = functools.partial(_kernel, nb=nb, bs=d // nb, bc=block_c, steps=steps, fp8=fp8,
                                barrier=interpret)
     scale_block = (None, rows, None if nb == 1 else nb)            # NB = 1: a vector
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((b, c_pad), jnp.float32),
-        grid=(b, c_pad // rows),
+        out_shape=jax.ShapeDtypeStruct((b, c), jnp.float32),
+        grid=(b, c // rows),
         in_specs=[
             pl.BlockSpec((None, hp, d), lambda i, j: (i, 0, 0)),        # q
             pl.BlockSpec((None, hp), lambda i, j: (i, 0)),              # weights
@@ -198,7 +216,7 @@ def index_scores_triton(q: jnp.ndarray, weights: jnp.ndarray, key_values: jnp.nd
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="index_scores",
-    )(q, weights.astype(jnp.float32), key_values, key_scales, valid)[:, :c]
+    )(q, weights.astype(jnp.float32), key_values, key_scales, valid)
 
 
 def resolve_config(b: int, h: int, c: int, block_c: int | None, steps: int | None,
