@@ -41,6 +41,10 @@ case "${STEP:-profile}" in
     [ -n "${OLD:-}" ] && METHODS=hisparse profile old_b8_512k 524288 8 100
     profile b8 131072 8 90
     pack session32_indexer ;;
+  final)  # session 32's last call: the kernels' GPU tests, then STEP=scale's run
+    TAIL=30 part gpu_tests ${TESTS_S:-120} "python3 -m pytest -q -m gpu -x \
+      tests/test_kernel_index_scores.py tests/test_gpu_hierarchy.py"
+    STEP=scale SCALE_BUDGET=${SCALE_BUDGET:-260} bash "$0" ;;
   scale)
     RUN=scale_small_batch_s32 SCALE_BUDGET=${SCALE_BUDGET:-480} STEP=scale \
       bash "$(dirname "$0")/gpu_scale_batch.sh" ;;
@@ -49,5 +53,5 @@ case "${STEP:-profile}" in
     RUN=scale_small_batch_s30 SCALE_BUDGET=${SCALE_BUDGET:-400} \
       SCALE_ARGS="--gin.scale.batches=(64,)" STEP=scale bash "$(dirname "$0")/gpu_scale_batch.sh"
     memory ;;
-  *) echo "STEP=${STEP}: unknown (profile | indexer | scale | b64)"; exit 2 ;;
+  *) echo "STEP=${STEP}: unknown (profile | indexer | final | scale | b64)"; exit 2 ;;
 esac
