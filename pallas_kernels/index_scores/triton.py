@@ -16,7 +16,8 @@ dot(k[:, j], q[:, j]) * scale[:, j] (one dot when NB = 1), so the scales multipl
 dot products instead of the keys. Then ReLU, the weighted sum over heads and a
 ``jnp.where`` that writes -inf to invalid rows (NaN poison in their values and scales only
 reaches their own row of the dot, which the select discards).
-C is padded to whole programs with invalid rows (see index_scores_triton). The keys are read once:
+A partial last program of C is scored from a padded copy of its own rows (see
+index_scores_triton). The keys are read once:
 at B = 64, C = 2048, D = 128 that is 17 MB, ~6 us at the H200's ~3 TB/s; q (re-read by every
 program, 32 KB in f32) and the weights come from L2.
 
@@ -184,11 +185,11 @@ def index_scores_triton(q: jnp.ndarray, weights: jnp.ndarray, key_values: jnp.nd
     rest = [jnp.pad(a[:, full:], ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2),
                     constant_values=fill)
             for a, fill in ((key_values, 0), (key_scales, 1.0), (valid, False))]
-    tail = call(q, weights, *rest, rows)
+    tail = call(q, weights, *rest, rows)[:, :c - full]
     if full == 0:
-        return tail[:, :c - full]
+        return tail
     head = call(q, weights, key_values, key_scales, valid, full)
-    return jnp.concatenate([head, tail[:, :c - full]], axis=1)
+    return jnp.concatenate([head, tail], axis=1)
 
 
 def _call(q, weights, key_values, key_scales, valid, c: int, *, block_c: int, steps: int,
