@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Session 33's GPU calls (device tool, carry [".whl"]).
+# STEP=first (~560 s warm, one call): what session 32 left unrun after its index_scores change
+#   (a partial last program padded alone, not all C keys): the kernel's GPU tests and the
+#   engine's GPU hierarchy tests, the 512K batch-8 decode profile (compare
+#   results/decode_profile_session32_indexer/b8_512k: HiSparse's 160 us a layer of pad), packed
+#   into session33_profile.tar, then configs/experiments/scale_small_batch_s32.gin (512K
+#   batches 8 and 1, five timed blocks a cell) under $OUT/scale_small_batch_s32/.
+source "$(dirname "$0")/gpu_lib.sh"
+profile() {  # profile NAME CONTEXT BATCH SECONDS
+  TAIL=40 part "$1" "$4" "python3 benchmarks/decode_profile_gpu.py \
+    --methods ${METHODS:-hisparse,leansparse_fp8_jt} --context $2 --batch $3 --hlo-census \
+    --gin \"model_preset.matmul_precision='bf16'\" --prefill-cache /tmp/lsparse_scale_prefill \
+    --out \$OUT --budget-s $(( $4 - 10 ))"
+}
+case "${STEP:-first}" in
+  first)
+    TAIL=30 part gpu_tests ${TESTS_S:-120} "python3 -m pytest -q -m gpu -x \
+      tests/test_kernel_index_scores.py tests/test_gpu_hierarchy.py"
+    profile b8_512k 524288 8 ${PROFILE_S:-140}
+    pack session33_profile
+    RUN=scale_small_batch_s32 SCALE_BUDGET=${SCALE_BUDGET:-250} STEP=scale \
+      bash "$(dirname "$0")/gpu_scale_batch.sh" ;;
+  *) echo "STEP=${STEP}: unknown (first)"; exit 2 ;;
+esac
