@@ -7,6 +7,9 @@
 #   for LeanSparse's B 64, C 2048), with the default alone for a bf16 q and the fp8 form; the
 #   512K batch-8 decode profile (compare results/decode_profile_session32_indexer/b8_512k:
 #   HiSparse's 160 us a layer of pad); all packed into session33_first.tar.
+# STEP=final (~560 s warm): after index_scores' long-row launch rule (from STEP=first's sweep)
+#   and the GPU hierarchy test's fix: the same GPU tests, the 512K batch-8 profile (packed into
+#   session33_final.tar), then STEP=scale's run with the rest of the call.
 # STEP=scale: configs/experiments/scale_small_batch_s32.gin (512K batches 8 and 1, five timed
 #   blocks a cell) under $OUT/scale_small_batch_s32/.
 source "$(dirname "$0")/gpu_lib.sh"
@@ -27,8 +30,15 @@ case "${STEP:-first}" in
     sweep sweep_decode_fp8 35 "--fp8 --budget-s 0"
     profile b8_512k 524288 8 ${PROFILE_S:-140}
     pack session33_first ;;
+  final)  # after the long-row launch rule: GPU tests, the 512K batch-8 profile, the scale run
+    TAIL=30 part gpu_tests ${TESTS_S:-150} "python3 -m pytest -q -m gpu -x \
+      tests/test_kernel_index_scores.py tests/test_gpu_hierarchy.py"
+    profile b8_512k 524288 8 ${PROFILE_S:-130}
+    pack session33_final
+    RUN=scale_small_batch_s32 SCALE_BUDGET=${SCALE_BUDGET:-260} STEP=scale \
+      bash "$(dirname "$0")/gpu_scale_batch.sh" ;;
   scale)
     RUN=scale_small_batch_s32 SCALE_BUDGET=${SCALE_BUDGET:-480} STEP=scale \
       bash "$(dirname "$0")/gpu_scale_batch.sh" ;;
-  *) echo "STEP=${STEP}: unknown (first | scale)"; exit 2 ;;
+  *) echo "STEP=${STEP}: unknown (first | final | scale)"; exit 2 ;;
 esac

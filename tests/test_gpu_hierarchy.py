@@ -38,7 +38,8 @@ def test_hisparse_bit_identical_on_gpu(kv_dtype):
 
     test_hisparse_bit_identical_to_resident_with_invariant(16, kv_dtype, None)
     test_hisparse_bit_identical_to_resident_with_invariant(16, kv_dtype, 22)  # device pools
-    test_hisparse_with_pallas_host_gather_is_bit_identical(kv_dtype)  # zero-copy, for real
+    for precision in ("f32", "bf16"):  # zero-copy, for real
+        test_hisparse_with_pallas_host_gather_is_bit_identical(kv_dtype, precision)
 
 
 @pytest.mark.parametrize("coarse", [{}, {"coarse_implementation": "jax_triton"},

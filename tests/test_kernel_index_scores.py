@@ -102,6 +102,19 @@ def test_block_and_loop_tiling_in_interpret_mode(steps):
     _check(got, args, "float32")
 
 
+def test_long_row_launch_rule_scores_exactly():
+    """A decode step's long row (C >= LONG_ROW: one request's whole history, BC 64 and
+    STEPS > 1 by ``default_config``) with a partial last program: the oracle's scores, under the
+    vmap over requests the engine uses."""
+    from pallas_kernels.index_scores import triton as tri
+
+    c = tri.LONG_ROW + 40
+    assert tri.default_config(1, 4, c)[:2] == (64, 2)
+    args = _inputs(2, 4, 64, c, 1, "random", "bfloat16", seed=3)
+    one = jax.vmap(lambda *a: index_scores(*(x[None] for x in a), implementation="triton")[0])
+    _check(one(*map(jnp.asarray, args)), args, "float32")
+
+
 def test_partial_last_program_pads_only_its_rows():
     """C not a multiple of a program's rows: the whole programs read the keys in place and
     only the last C mod rows keys are copied (padded to one program), never all C (a decode
@@ -359,11 +372,12 @@ def test_gpu_fp8_variants_at_v4_shape(nb):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["triton", "triton_fp8", "jax_triton"])
-@pytest.mark.parametrize("c", [2112, 80])
+@pytest.mark.parametrize("c", [2112, 80, 131104])
 def test_gpu_partial_last_block_stays_in_its_request(impl, c):
     """The engine's rescoring width C + T (V4: 2048 + 64; the small model: 64 + 16) is not a
     multiple of the kernel's block: with B > 1 the last block of a request must not reach the
-    next request's rows (it did before the padding: scores off by ~100% at B 4, C 2112)."""
+    next request's rows (it did before the padding: scores off by ~100% at B 4, C 2112).
+    131104: a decode step's long row (512K / 4 + 32) under the long-row launch rule."""
     args = _inputs(4, 64, 128, c, 1, "random", seed=5)
     valid = args[-1]
     got = np.asarray(index_scores(*args, implementation=impl))

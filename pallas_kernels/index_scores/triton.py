@@ -75,16 +75,29 @@ def check_triton_shapes(op: str, d: int, nb: int, fp8: bool = False) -> None:
 
 
 MIN_PROGRAMS = 512  # ~4 programs per H200 SM (132 SMs) before blocks are merged into loops
+LONG_ROW = 16384  # C from which a call is a decode step's whole history (HiSparse's indexer)
+LONG_ROW_PROGRAMS = 128  # programs a long row keeps per request before merging blocks
 
 
 def default_config(b: int, h: int, c: int) -> tuple[int, int, int]:
-    """(BC, STEPS, num_warps): a first guess, to be tuned on the GPU.
+    """(BC, STEPS, num_warps): the launch parameters the GPU sweeps chose.
 
-    BC = 128 keeps the [BC, HP] f32 accumulator at 64 registers per thread with 4 warps at
-    HP = 64 (ptxas at sm_90: ~155-170 registers in all, no spills). STEPS (<= 4) merges blocks
-    into a pipelined loop while at least MIN_PROGRAMS programs remain, which cuts the re-reads
-    of q from L2 (at the V4 shape: 64 x 16 blocks -> STEPS = 2, 512 programs).
+    Rescoring (C < LONG_ROW; LeanSparse's C candidates): BC = 128 keeps the [BC, HP] f32
+    accumulator at 64 registers per thread with 4 warps at HP = 64 (ptxas at sm_90: ~155-170
+    registers in all, no spills). STEPS (<= 4) merges blocks into a pipelined loop while at
+    least MIN_PROGRAMS programs remain, which cuts the re-reads of q from L2 (at the V4 shape:
+    64 x 16 blocks -> STEPS = 2, 512 programs); the session-1 sweep put this within 3% of the
+    best. Long rows (C >= LONG_ROW: a decode step scores a request's whole history, one [1, N]
+    call a request under a vmap, so b is 1): BC = 64, 4 warps and STEPS up to 8 while
+    LONG_ROW_PROGRAMS programs remain a request; session 33's sweep at B 8, N 131104 (f32 q,
+    ``benchmarks/index_scores_sweep.py --shape decode``, H100): 0.238 ms against 0.305 with
+    the rescoring rule (BC 128, STEPS 2), the best of 48 configurations, same scores.
     """
+    if c >= LONG_ROW:
+        block_c, steps = 64, 1
+        while steps < 8 and -(-c // block_c) // (2 * steps) >= LONG_ROW_PROGRAMS:
+            steps *= 2
+        return block_c, steps, 4
     block_c = min(128, _next_pow2(c))
     num_warps = 4 if block_c * padded_heads(h) <= 128 * 64 else 8
     programs, steps = b * -(-c // block_c), 1
