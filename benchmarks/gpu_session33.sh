@@ -37,8 +37,12 @@ case "${STEP:-first}" in
     pack session33_final
     RUN=scale_small_batch_s32 SCALE_BUDGET=${SCALE_BUDGET:-260} STEP=scale \
       bash "$(dirname "$0")/gpu_scale_batch.sh" ;;
+  tests)  # the engine's GPU tests with kernels (STEP=final's part stopped at its timeout)
+    TAIL=30 part gpu_tests_engine ${TESTS_S:-400} "python3 -m pytest -q -m gpu -rA \
+      tests/test_gpu_hierarchy.py tests/test_kernel_index_logits.py \
+      tests/test_state_in_place.py tests/test_speculative.py" ;;
   scale)
     RUN=scale_small_batch_s32 SCALE_BUDGET=${SCALE_BUDGET:-480} STEP=scale \
       bash "$(dirname "$0")/gpu_scale_batch.sh" ;;
-  *) echo "STEP=${STEP}: unknown (first | final | scale)"; exit 2 ;;
+  *) echo "STEP=${STEP}: unknown (first | final | tests | scale)"; exit 2 ;;
 esac
