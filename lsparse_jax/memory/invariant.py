@@ -6,6 +6,7 @@ Used by the tests after every step; also handy when changing a policy.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from lsparse_jax.config import EngineConfig
@@ -13,9 +14,17 @@ from lsparse_jax.memory.hot_cache import HotCache
 from lsparse_jax.model.cache import CSACache, DSACache
 
 
+def _read(x) -> np.ndarray:
+    """x's values, leaving no view in x: ``np.asarray`` of a jax array caches its numpy value
+    on the array, and on a GPU that value is a zero-copy view of a pinned_host buffer, an
+    external reference that stops the next step from donating the state (H100, session 33:
+    "Donation requested for buffer with external reference"). A copy takes the cache."""
+    return np.asarray(x.copy() if isinstance(x, jax.Array) else x)
+
+
 def _same(a, b) -> bool:
     """Bit equality that also holds for NaN payloads and FP8 values."""
-    a, b = np.asarray(a), np.asarray(b)
+    a, b = _read(a), _read(b)
     return a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
@@ -33,11 +42,11 @@ def _check_store(name, tail, pool, cache, table, truth, done, paged, page, s, ba
             got = [leaf[table[s, i // page] * page + i % page] for leaf in leaves(pool)]
         if not all(_same(g, w[s, i]) for g, w in zip(got, leaves(truth))):
             bad.append(f"{name} slot {s} row {i}: {'tail' if i >= paged else 'host'} differs")
-    pos = np.asarray(cache.positions)[s]
+    pos = _read(cache.positions)[s]
     held = pos[pos >= 0]
     if len(set(held.tolist())) != held.size:
         bad.append(f"{name} slot {s}: a position is cached twice")
-    rows = [np.asarray(leaf) for leaf in leaves(cache.rows)]
+    rows = [_read(leaf) for leaf in leaves(cache.rows)]
     for j in np.flatnonzero(pos >= 0):
         p = pos[j]
         if p >= paged or not all(_same(r[s, j], w[s, p]) for r, w in zip(rows, leaves(truth))):
@@ -73,12 +82,12 @@ def hierarchy_violations(engine: EngineConfig, state, truth_caches, active,
     only layers before its first approximate selection can be checked against resident).
     """
     cfg, m = engine.model, engine.model.csa_ratio
-    lengths = np.asarray(state.lengths)
+    lengths = _read(state.lengths)
     tier = state.tier
-    table = np.asarray(tier.page_table)
-    np_tree = lambda t: tuple(np.asarray(x) for x in t)  # noqa: E731
+    table = _read(tier.page_table)
+    np_tree = lambda t: tuple(_read(x) for x in t)  # noqa: E731
     # KV rows: one array, or a tuple of arrays (quant.KVRowFormat other than f32/bf16)
-    np_rows = lambda t: np_tree(t) if isinstance(t, tuple) else np.asarray(t)  # noqa: E731
+    np_rows = lambda t: np_tree(t) if isinstance(t, tuple) else _read(t)  # noqa: E731
     at_slot = lambda t, s: tuple(x[s] for x in t) if isinstance(t, tuple) else t[s]  # noqa
     bad = []
     for layer, (cache, truth) in enumerate(zip(state.caches, truth_caches)):
@@ -96,7 +105,7 @@ def hierarchy_violations(engine: EngineConfig, state, truth_caches, active,
         want_kv = np_rows(truth.kv.entries)
         has_keys = engine.storage.keys_on_host and cache.keys is not None
         if has_keys:
-            want_keys = (np.asarray(truth.keys.values), np.asarray(truth.keys.scales))
+            want_keys = (_read(truth.keys.values), _read(truth.keys.scales))
         for s in np.flatnonzero(active):
             done = int(lengths[s]) // stride
             paged = done // page * page
@@ -105,21 +114,21 @@ def hierarchy_violations(engine: EngineConfig, state, truth_caches, active,
                          paged, page, s, bad)
             if engine.storage.lent_pages:
                 _check_lent(layer, np_rows(tier.optional_pools[layer]),
-                            np.asarray(tier.ready)[s], at_slot(want_kv, s), paged, page, s,
+                            _read(tier.ready)[s], at_slot(want_kv, s), paged, page, s,
                             bad)
             if has_keys:
                 _check_store(f"layer {layer} keys", np_tree(cache.keys.tail),
                              np_tree(tier.key_pools[layer]), cache.keys.cache, table, want_keys,
                              done, paged, page, s, bad)
                 if encode_keys is not None and paged:
-                    want = np.asarray(encode_keys(want_keys[0][s, :paged],
+                    want = _read(encode_keys(want_keys[0][s, :paged],
                                                   want_keys[1][s, :paged], layer))
                     if engine.cache.device_pages is None or paged_dsa:
-                        codes = np.asarray(cache.keys.codes)[s, :paged]
+                        codes = _read(cache.keys.codes)[s, :paged]
                     else:  # the slot's device pages of the codes pool
                         rows = np.arange(paged)
-                        dev = np.asarray(tier.pools.page_table)[s, rows // page]
-                        codes = np.asarray(tier.pools.codes[layer])[dev * page + rows % page]
+                        dev = _read(tier.pools.page_table)[s, rows // page]
+                        codes = _read(tier.pools.codes[layer])[dev * page + rows % page]
                         if (dev < 0).any():
                             bad.append(f"layer {layer} slot {s}: a paged code has no device "
                                        "page")
