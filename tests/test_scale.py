@@ -138,7 +138,8 @@ def test_scale_groups_variant_budget_and_prefill_cache(tmp_path, monkeypatch):
     ("scale_small_batch", (524288,), (1, 8), None, False),
     ("scale_small_batch_1m", (1048576,), (1, 8), None, False),
     ("scale_small_batch_s30", (524288,), (1, 8, 32, 64), None, False),
-    ("scale_small_batch_s32", (524288,), (8, 1), None, False)])
+    ("scale_small_batch_s32", (524288,), (8, 1), None, False),
+    ("scale_small_batch_s33", (524288,), (32, 64), None, False)])
 def test_scale_batch_config_binds_the_batch_grid(name, contexts, batches, by_context, g2):
     """configs/experiments/scale_batch.gin (512K at batch 8/64/32/1, 1M at 8/1),
     scale_batch_short.gin (32K and 128K at 64/32) and scale_batch_1m.gin (1M at 64/32, the
@@ -146,7 +147,7 @@ def test_scale_batch_config_binds_the_batch_grid(name, contexts, batches, by_con
     scale_lean_jt.gin: hisparse and LeanSparse's FP8 jax-triton coarse pass; the _swizzle
     runs: the same cells again after the coarse kernel's bank swizzle; the _small_batch runs:
     batches 1 and 8 after the batch-1 fix of session 28, _s30 batches 1-64 after session 30's
-    sort removal, _s31 batches 8 and 1 in 5 timed blocks a cell): the leansparse_g2
+    sort removal, _s31 batches 8 and 1 in 5 timed blocks a cell, _s33 batches 32 and 64 in 3): the leansparse_g2
     variant where asked, a per-call budget and a prefill cache; the grid passes the checks;
     the _fp8 runs store FP8 rows."""
     import gin
