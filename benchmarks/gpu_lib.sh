@@ -25,6 +25,16 @@ part() {
     echo "-- $name exit ${PIPESTATUS[0]} (124: cut by its timeout)")
 }
 
+# profile NAME CONTEXT BATCH SECONDS: benchmarks/decode_profile_gpu.py's decode profile of
+# $METHODS (default hisparse and leansparse_fp8_jt) at bf16 matmuls, with the HLO census, as
+# part NAME (prefills cached in /tmp/lsparse_scale_prefill while the machine stays warm)
+profile() {  # profile NAME CONTEXT BATCH SECONDS
+  TAIL=40 part "$1" "$4" "python3 benchmarks/decode_profile_gpu.py \
+    --methods ${METHODS:-hisparse,leansparse_fp8_jt} --context $2 --batch $3 --hlo-census \
+    --gin \"model_preset.matmul_precision='bf16'\" --prefill-cache /tmp/lsparse_scale_prefill \
+    --out \$OUT --budget-s $(( $4 - 10 ))"
+}
+
 # pack NAME: everything under $OUT into $OUT/NAME.tar (the device tool returns few files)
 pack() {
   (cd "$OUT" && tar -cf "/tmp/$1.tar" . && find . -mindepth 1 -delete && mv "/tmp/$1.tar" .)

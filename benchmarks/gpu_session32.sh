@@ -18,12 +18,6 @@
 # STEP=b64 (~200 s, one call, fresh process): 512K batch 64, killed in session 31 as the
 #   fourth cell of one process; free memory and /tmp usage are logged before and after.
 source "$(dirname "$0")/gpu_lib.sh"
-profile() {  # profile NAME CONTEXT BATCH SECONDS
-  TAIL=40 part "$1" "$4" "python3 benchmarks/decode_profile_gpu.py \
-    --methods ${METHODS:-hisparse,leansparse_fp8_jt} --context $2 --batch $3 --hlo-census \
-    --gin \"model_preset.matmul_precision='bf16'\" --prefill-cache /tmp/lsparse_scale_prefill \
-    --out \$OUT --budget-s $(( $4 - 10 ))"
-}
 memory() { free -g | head -2; df -h /tmp | tail -1; du -sh /tmp/lsparse_scale_prefill 2>/dev/null; }
 case "${STEP:-profile}" in
   profile)

@@ -13,12 +13,6 @@
 # STEP=scale: configs/experiments/scale_small_batch_s32.gin (512K batches 8 and 1, five timed
 #   blocks a cell) under $OUT/scale_small_batch_s32/.
 source "$(dirname "$0")/gpu_lib.sh"
-profile() {  # profile NAME CONTEXT BATCH SECONDS
-  TAIL=40 part "$1" "$4" "python3 benchmarks/decode_profile_gpu.py \
-    --methods ${METHODS:-hisparse,leansparse_fp8_jt} --context $2 --batch $3 --hlo-census \
-    --gin \"model_preset.matmul_precision='bf16'\" --prefill-cache /tmp/lsparse_scale_prefill \
-    --out \$OUT --budget-s $(( $4 - 10 ))"
-}
 case "${STEP:-first}" in
   first)
     TAIL=30 part gpu_tests ${TESTS_S:-120} "python3 -m pytest -q -m gpu -x \

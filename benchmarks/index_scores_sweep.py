@@ -20,6 +20,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from timing import program_time  # benchmarks/timing.py
 
 from pallas_kernels.index_scores.triton import default_config, index_scores_triton
 
@@ -44,14 +45,9 @@ def scorer(vmap, **kw):
 
 
 def time_config(fn, sets, repeats):
-    prog = jax.jit(lambda xs: [fn(*x) for x in xs])
-    jax.block_until_ready(prog(sets))
-    ts = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(prog(sets))
-        ts.append((time.perf_counter() - t) / len(sets))
-    return 1e3 * float(np.median(ts)), np.asarray(prog(sets)[0])
+    """(median ms of one call, timed as one program over the sets; the first set's scores)."""
+    ms = 1e3 * program_time(fn, sets, repeats=repeats, warmup=1)
+    return ms, np.asarray(jax.jit(fn)(*sets[0]))
 
 
 def main():
