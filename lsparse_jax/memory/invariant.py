@@ -15,10 +15,11 @@ from lsparse_jax.model.cache import CSACache, DSACache
 
 
 def _read(x) -> np.ndarray:
-    """x's values, leaving no view in x: ``np.asarray`` of a jax array caches its numpy value
-    on the array, and on a GPU that value is a zero-copy view of a pinned_host buffer, an
-    external reference that stops the next step from donating the state (H100, session 33:
-    "Donation requested for buffer with external reference"). A copy takes the cache."""
+    """x's values, leaving nothing cached in x: ``np.asarray`` of a jax array caches its numpy
+    value on the array; on a GPU the next step then failed to donate the state ("Donation
+    requested for buffer with external reference", H100, session 33, FP8 rows in pinned_host
+    pools: most likely that value is a zero-copy view of a host buffer). Read through a copy,
+    the same test passes (H200)."""
     return np.asarray(x.copy() if isinstance(x, jax.Array) else x)
 
 
@@ -122,7 +123,7 @@ def hierarchy_violations(engine: EngineConfig, state, truth_caches, active,
                              done, paged, page, s, bad)
                 if encode_keys is not None and paged:
                     want = _read(encode_keys(want_keys[0][s, :paged],
-                                                  want_keys[1][s, :paged], layer))
+                                             want_keys[1][s, :paged], layer))
                     if engine.cache.device_pages is None or paged_dsa:
                         codes = _read(cache.keys.codes)[s, :paged]
                     else:  # the slot's device pages of the codes pool
