@@ -148,8 +148,8 @@ def test_scale_batch_config_binds_the_batch_grid(name, contexts, batches, by_con
     runs: the same cells again after the coarse kernel's bank swizzle; the _small_batch runs:
     batches 1 and 8 after the batch-1 fix of session 28, _s30 batches 1-64 after session 30's
     sort removal, _s31 batches 8 and 1 in 5 timed blocks a cell, _s33 batches 32 and 64 in
-    3): the leansparse_g2 variant where asked, a per-call budget and a prefill cache; the grid passes the checks;
-    the _fp8 runs store FP8 rows."""
+    3): the leansparse_g2 variant where asked, a per-call budget and a prefill cache; the
+    grid passes the checks; the _fp8 runs store FP8 rows."""
     import gin
 
     import experiments.registry  # noqa: F401  (the configurables)
