@@ -21,6 +21,7 @@ ACCEPTS = {  # op -> where its api lists the implementations it takes
     "miss_filter": ("pallas_kernels.miss_filter.api", "AVAILABLE"),
     "pq_topc": ("pallas_kernels.pq_topc.api", "AVAILABLE"),
     "index_scores": ("pallas_kernels.index_scores.api", "AVAILABLE"),
+    "index_scores_paged": ("pallas_kernels.index_scores.api", "PAGED_AVAILABLE"),
     "index_logits": ("pallas_kernels.index_logits.api", "AVAILABLE"),
     "hot_resolve": ("pallas_kernels.hot_resolve.api", "AVAILABLE"),
     "gather_rows": ("pallas_kernels.gather_rows.api", "AVAILABLE"),

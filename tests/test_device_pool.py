@@ -230,3 +230,41 @@ def test_release_moves_no_pool(method):
     tables = [k for k, _ in before if "page_table" in jax.tree_util.keystr(k)]
     assert tables and all((np.asarray(after[k])[slot] == -1).all() for k in tables)
     assert pages and e.control.pages.free == 16
+
+
+@pytest.mark.parametrize("method", [pytest.param("resident", marks=pytest.mark.slow),
+                                    "hisparse"])
+def test_paged_index_kernel_reads_pools_in_place_bit_for_bit(method):
+    """With kernels (implementation="triton", interpret mode) a pooled slot's decode indexer
+    scores its FP8 keys where they lie (``pooled_decode_scores``: the ``index_scores_paged``
+    kernel over its pages and tail) instead of a gathered copy: logits, tokens and selections
+    equal resident's without pools (keys contiguous, ``index_scores``) bit for bit while the
+    tail fills, completes and moves to a new page, with another request's pages between."""
+    from lsparse_jax.memory import device_pool
+
+    cfg = tiny(max_len=256)
+    params, _ = model_and_tokens(cfg, 1, seed=5)
+    rng = np.random.default_rng(5)
+    # 37 and 27 compressed rows (csa_ratio 4, top-k 16) at admission: both tails complete a
+    # page within the 20 steps (at 160 and 128 tokens)
+    prompts = [rng.integers(0, 256, n).astype(np.int32) for n in (150, 110)]
+    ref = Engine(EngineConfig(model=cfg, method="resident", implementation="triton",
+                              cache=CacheConfig(num_slots=2, prefill_chunk=32, page_size=PAGE)),
+                 params)
+    pooled = engine(cfg, params, method, 12, slots=2)
+    pooled = Engine(dataclasses.replace(pooled.config, implementation="triton"), params)
+    calls = []
+    original = device_pool.pooled_decode_scores
+    device_pool.pooled_decode_scores = lambda *a: calls.append(a[0]) or original(*a)
+    try:
+        for e in (ref, pooled):
+            for p in prompts:
+                e.admit(p, max_new_tokens=40)
+        for _ in range(20):
+            want, got = ref.step(), pooled.step()
+            for field in ("logits", "tokens", "selected"):
+                np.testing.assert_array_equal(np.asarray(getattr(got, field)),
+                                              np.asarray(getattr(want, field)))
+    finally:
+        device_pool.pooled_decode_scores = original
+    assert calls and set(calls) == {"triton"}

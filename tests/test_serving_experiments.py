@@ -137,3 +137,33 @@ def test_capacity_times_the_equal_n_cells_before_larger_batches(monkeypatch, tmp
     assert own == {"hisparse": (76, 76.0), "leansparse": (164, 164.0)}
     equal = json.loads((tmp_path / "results.json").read_text())["equal_n"]
     assert [(e["method"], e["batch"], e["step_ms"]) for e in equal] == [("leansparse", 76, 76.0)]
+
+
+def test_capacity_s34_reruns_the_p03_jt_settings():
+    """configs/experiments/capacity_s34.gin re-measures results/capacity_p0.3_jt/'s cells (the
+    step ratios the claims table quotes) against today's HiSparse: the same budget, contexts,
+    hot rows, reuse and LeanSparse coarse pass as that run's recorded config."""
+    import gin
+
+    import experiments.registry  # noqa: F401  (the configurables)
+    from experiments.cli import CONFIG_ROOT
+
+    keys = ("capacity.calibrate", "capacity.contexts", "capacity.hot_cache_rows",
+            "capacity.input_repeat", "capacity.page_size", "capacity.implementation",
+            "capacity.steps", "LeanSparseConfig.coarse_implementation",
+            "LeanSparseConfig.coarse_precision", "LeanSparseConfig.num_candidates",
+            "LeanSparseConfig.key_cache_rows", "model_preset.kv_dtype",
+            "model_preset.matmul_precision", "model_preset.layer_pattern")
+
+    def bindings(path):
+        gin.clear_config()
+        gin.add_config_file_search_path(str(CONFIG_ROOT))
+        gin.parse_config_files_and_bindings([str(path)], None, finalize_config=False)
+        return {k: gin.query_parameter(k) for k in keys}, gin.query_parameter("run.name")
+
+    try:
+        new, name = bindings(CONFIG_ROOT / "experiments/capacity_s34.gin")
+        old, _ = bindings(CONFIG_ROOT.parent / "results/capacity_p0.3_jt/config.gin")
+    finally:
+        gin.clear_config()
+    assert name == "capacity_s34" and new == old

@@ -203,10 +203,12 @@ def logits_of_queries(num_queries: int, implementation: str | None):
     return (lambda q, weights, keys, num_keys: scores(q, weights, keys)), True
 
 
-def decode_kernel(num_queries: int, implementation: str | None) -> str | None:
+def decode_kernel(num_queries: int, implementation: str | None,
+                  op: str = "index_scores") -> str | None:
     """The ``index_scores`` kernel that scores a decode step's stored FP8 keys (fewer than
     ``FUSED_MIN_QUERIES`` queries: one a slot, or a verification block's few) when the engine
-    asks for kernels; None: ``logits_of_queries``' forms.
+    asks for kernels; None: ``logits_of_queries``' forms. op "index_scores_paged": the same
+    choice for keys read in place from device page pools (``memory.device_pool``).
 
     Why: the XLA form dequantizes the N keys to f32 and writes the [T, H, N] products (at 512K
     context, batch 8, 64 heads: ~0.43 ms a CSA layer of HiSparse's step on the H200, session
@@ -215,7 +217,7 @@ def decode_kernel(num_queries: int, implementation: str | None) -> str | None:
     are the same arithmetic."""
     if num_queries >= FUSED_MIN_QUERIES:
         return None
-    kernel = for_op("index_scores", implementation)
+    kernel = for_op(op, implementation)
     if kernel is None:
         kernel = "triton" if on_gpu() else "xla"
     return None if kernel == "xla" else kernel
@@ -230,15 +232,18 @@ def decode_scores(kernel: str, values, scales):
     # tp > 1: each device scores with its heads; the partial scores are summed
     exact = head_sum(functools.partial(index_scores, implementation=kernel),
                      (1, 1, None, None, None))
+    return each_query(lambda q, w, ok: exact(q[None], w[None], values[None], scales[None],
+                                             ok[None])[0])
 
-    def one(args):
-        q, w, ok = args
-        return exact(q[None], w[None], values[None], scales[None], ok[None])[0]
 
-    def scores(q, w, eligible):  # one query (a decode step): no loop around the kernel
+def each_query(one):
+    """fn(q [T, H, D], weights [T, H], eligible [T, N]) -> [T, N] from one(q [H, D], w [H],
+    ok [N]) -> [N]: each query its own call (no loop for T = 1, a decode step), so a
+    verification block's query t is scored as the decode step of that position."""
+    def scores(q, w, eligible):
         if q.shape[0] == 1:
-            return one((q[0], w[0], eligible[0]))[None]
-        return jax.lax.map(one, (q, w, eligible))
+            return one(q[0], w[0], eligible[0])[None]
+        return jax.lax.map(lambda a: one(*a), (q, w, eligible))
 
     return scores
 
@@ -280,8 +285,7 @@ def exact_selection(query: IndexerQuery, values, scales, eligible, top_k: int,
     kernel = decode_kernel(num, implementation)
     if kernel is not None:
         scores = decode_scores(kernel, values, scales)(query.q, query.weights, eligible)
-        return _selection(select_topk(scores, eligible, take, implementation)[0], eligible,
-                          top_k, band)
+        return ranked_selection(scores, eligible, top_k, implementation, band)
 
     keys = dequantize_index_keys(values, scales)  # [N, D] f32
     logits, per_head = logits_of_queries(num, implementation)
@@ -301,6 +305,13 @@ def exact_selection(query: IndexerQuery, values, scales, eligible, top_k: int,
         tiles = [jnp.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)).reshape(
             (-1, tile) + a.shape[1:]) for a in (query.q, query.weights, eligible)]
         positions = jax.lax.map(lambda a: select(*a), tuple(tiles)).reshape(-1, take)[:num]
+    return _selection(positions, eligible, top_k, band)
+
+
+def ranked_selection(scores, eligible, top_k: int, implementation: str | None,
+                     band: int = 0) -> Selection:
+    """``exact_selection``'s top-k (and band) of scores [T, N] already computed."""
+    positions = select_topk(scores, eligible, top_k + band, implementation)[0]
     return _selection(positions, eligible, top_k, band)
 
 
@@ -418,4 +429,5 @@ RESIDENT_DSA = DSAStores()
 __all__ = ["DSAStores", "ExactIndex", "IndexerQuery", "KVStore", "KeyIndex", "Locations",
            "NUM_SOURCES", "RESIDENT_DSA", "RESIDENT_KV", "RESIDENT_ROWS", "ResidentKV",
            "ResidentKVStore", "ResidentKeys", "ResidentRowStore",
-           "RowView", "Selection", "exact_selection", "resident_counts", "write_rows"]
+           "RowView", "Selection", "decode_kernel", "each_query", "exact_selection",
+           "ranked_selection", "resident_counts", "write_rows"]

@@ -5,6 +5,6 @@ scores [B, C] = sum_h w_h ReLU(q_h . dequant(k_c)), -inf for invalid candidates.
 See ``api.index_scores`` for the arguments and implementations.
 """
 
-from pallas_kernels.index_scores.api import index_scores, index_topk
+from pallas_kernels.index_scores.api import index_scores, index_scores_paged, index_topk
 
-__all__ = ["index_scores", "index_topk"]
+__all__ = ["index_scores", "index_scores_paged", "index_topk"]

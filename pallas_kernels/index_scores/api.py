@@ -19,12 +19,14 @@ parts (~1e-5 relative error); "jax_triton" rounds q to bf16 (~1e-2). Both need D
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels import common
 
 OP = "index_scores"
 AVAILABLE = ("xla", "triton", "triton_fp8", "jax_triton")
+PAGED_AVAILABLE = ("xla", "triton", "triton_fp8")
 TOPK_AVAILABLE = ("xla", "triton_fp8")
 FASTEST_ON_GPU = "triton"
 
@@ -93,6 +95,105 @@ def index_scores(q, weights, key_values, key_scales, valid, *,
     from pallas_kernels.index_scores.jax_triton import index_scores_jax_triton
 
     return index_scores_jax_triton(*args)
+
+
+def _check_paged(q, weights, pool_values, pool_scales, page_table, tail, valid,
+                 page) -> None:
+    """Raises ValueError naming the first bad argument of ``index_scores_paged``."""
+    def fail(arg, what):
+        raise ValueError(f"{OP}_paged: {arg} {what}")
+
+    if pool_values.dtype != jnp.float8_e4m3fn:
+        fail("pool_values", f"must be float8_e4m3fn, got {pool_values.dtype}")
+    if pool_values.shape[0] % page:
+        fail("pool_values", f"has {pool_values.shape[0]} rows, not whole pages of {page}")
+    if pool_scales.shape[0] != pool_values.shape[0]:
+        fail("pool_scales", f"must be [R, NB] with R={pool_values.shape[0]}, got shape "
+             f"{pool_scales.shape}")
+    b = q.shape[0]
+    if page_table.ndim != 2 or page_table.shape[0] != b:
+        fail("page_table", f"must be [B, MP] with B={b}, got shape {page_table.shape}")
+    if page_table.dtype != jnp.int32:
+        fail("page_table", f"must be int32, got {page_table.dtype}")
+    if valid.ndim != 2:
+        fail("valid", f"must be [B, N], got shape {valid.shape}")
+    tail_values, tail_scales, tail_start = tail
+    rows = (b, page) + pool_values.shape[1:]
+    if tail_values.shape != rows or tail_values.dtype != pool_values.dtype:
+        fail("tail", f"values must be {pool_values.dtype} [B, P, D] = {rows}, got "
+             f"{tail_values.dtype} {tail_values.shape}")
+    if tail_scales.shape != (b, page) + pool_scales.shape[1:] \
+            or tail_scales.dtype != pool_scales.dtype:
+        fail("tail", f"scales must be like the pool's, [B, P, NB], got {tail_scales.dtype} "
+             f"{tail_scales.shape}")
+    if tail_start.shape != (b,) or tail_start.dtype != jnp.int32:
+        fail("tail", f"start must be int32 [B] = {(b,)}, got {tail_start.dtype} "
+             f"{tail_start.shape}")
+    # the per-request checks of index_scores on stand-ins of the gathered rows
+    row = lambda x: jax.ShapeDtypeStruct((b, valid.shape[1]) + x.shape[1:], x.dtype)  # noqa
+    _check(q, weights, row(pool_values), row(pool_scales), valid)
+
+
+def index_scores_paged(q, weights, pool_values, pool_scales, page_table, valid, *, page: int,
+                       tail=None,
+                       implementation: common.Implementation | None = None) -> jnp.ndarray:
+    """Exact index scores of FP8 keys read in place from a pool of pages.
+
+    Inputs:
+      q           [B, H, D]   f32 or bf16 queries
+      weights     [B, H]      f32 head weights
+      pool_values [R, D]      float8_e4m3fn key values, R = NP * P (pages of P rows)
+      pool_scales [R, NB]     f32 block scales
+      page_table  [B, MP]     int32 pool page of each request's logical page, -1 none
+      valid       [B, N]      bool: which positions 0..N-1 to score
+      page        P           static int, rows per page
+      tail        optional (values [B, P, D] e4m3, scales [B, P, NB] f32, start [B] int32):
+                  each request's page being filled, outside the pool: positions
+                  start .. start + P - 1 are its rows (not the page table's)
+    Math: position n of request b is its tail's row n - start[b] if in the tail, else pool
+      row page_table[b, n // P] * P + n % P; scores as ``index_scores`` of those rows.
+    Outputs:
+      scores      [B, N]      f32; -inf where invalid or, outside the tail, on an unmapped
+                              page (-1 or n // P >= MP); such rows are never read
+    Implementations: "xla" (``reference.index_scores_paged_xla``: gather, then
+    ``index_scores_xla``), "triton" (``paged.py``: rows read in place, the contiguous kernel's
+    arithmetic and launch, so a key scores bit for bit as there), "triton_fp8" (its fp8 x fp8
+    form). None: "triton" on a GPU, else "xla". Vmappable over requests with the pool shared
+    (in_axes None): the kernel then runs once over every request.
+    Raises ValueError for bad shapes/dtypes (naming the argument) or implementations.
+    """
+    impl = common.choose(f"{OP}_paged", implementation, PAGED_AVAILABLE, FASTEST_ON_GPU)
+    args = [jnp.asarray(a) for a in (q, weights, pool_values, pool_scales, page_table)]
+    valid = jnp.asarray(valid)
+    if args[0].ndim != 3:
+        raise ValueError(f"{OP}_paged: q must be [B, H, D], got shape {args[0].shape}")
+    if isinstance(page, bool) or not isinstance(page, int) or page < 1:
+        raise ValueError(f"{OP}_paged: page must be a static int >= 1, got {page!r}")
+    if args[2].ndim != 2 or args[3].ndim != 2:
+        raise ValueError(f"{OP}_paged: pool_values and pool_scales must be [R, D] and "
+                         f"[R, NB], got shapes {args[2].shape}, {args[3].shape}")
+    b = args[0].shape[0]
+    if tail is None:  # a tail no position reaches
+        tail = (jnp.zeros((b, page) + args[2].shape[1:], args[2].dtype),
+                jnp.ones((b, page) + args[3].shape[1:], args[3].dtype),
+                jnp.full((b,), -2 ** 30, jnp.int32))
+    tail = tuple(jnp.asarray(t) for t in tail)
+    _check_paged(*args, tail, valid, page)
+    args = [*args, *tail, valid]
+    if b == 0 or valid.shape[1] == 0:
+        return jnp.zeros(valid.shape, jnp.float32)
+    from functools import partial
+
+    if impl == "xla":
+        from pallas_kernels.index_scores.reference import index_scores_paged_xla
+
+        return index_scores_paged_xla(*args, page=page)
+    from pallas_kernels.index_scores.paged import index_scores_paged_triton
+
+    kernel = partial(index_scores_paged_triton, page=page, fp8=impl == "triton_fp8")
+    shared = (False, False)  # the pool's values and scales
+    return common.batch_folding(kernel, (True, True, *shared, True, True, True, True,
+                                         True))(*args)
 
 
 def index_topk(q, weights, key_values, key_scales, valid, *, k: int,

@@ -13,6 +13,8 @@ and ``lsparse_jax.quant`` re-export them), so the kernels' ground truth imports 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -113,3 +115,45 @@ def index_topk_xla(q, weights, key_values, key_scales, valid, *, k: int, fp8: bo
     score = index_scores_fp8_xla if fp8 else index_scores_xla
     scores = canonical_scores(score(q, weights, key_values, key_scales, valid))
     return topk_positions(scores, valid, k)
+
+
+def paged_rows(page_table: jnp.ndarray, n: int, page: int):
+    """Pool rows of positions 0..n-1 through page tables: (ids [B, n] int32, mapped [B, n]
+    bool). Position p of request b is row page_table[b, p // P] * P + p % P; unmapped (page -1
+    or past the table) gives mapped False and row 0."""
+    pos = jnp.arange(n)
+    logical = pos // page
+    max_pages = page_table.shape[1]
+    phys = page_table[:, jnp.minimum(logical, max_pages - 1)]     # [B, n]
+    mapped = (logical < max_pages)[None, :] & (phys >= 0)
+    return jnp.where(mapped, phys * page + pos % page, 0), mapped
+
+
+@functools.partial(jax.jit, static_argnames=("page", "fp8"))
+def index_scores_paged_xla(q, weights, pool_values, pool_scales, page_table, tail_values,
+                           tail_scales, tail_start, valid, *, page: int,
+                           fp8: bool = False) -> jnp.ndarray:
+    """XLA twin of ``index_scores_paged``: each request's keys gathered from the pool through
+    its page table (``paged_rows``) and from its tail, then ``index_scores_xla``
+    (``index_scores_fp8_xla`` when fp8) with invalid or unmapped positions masked.
+
+    Inputs: q [B, H, D], weights [B, H], pool_values [R, D] e4m3, pool_scales [R, NB] f32,
+    page_table [B, MP] int32 (-1: no page), tail_values [B, P, D] e4m3, tail_scales
+    [B, P, NB] f32, tail_start [B] int32 (positions t .. t + P - 1 are the tail's rows),
+    valid [B, N] bool; page P. Output [B, N] f32, -inf where invalid or unmapped.
+    """
+    n = valid.shape[1]
+    ids, mapped = paged_rows(page_table, n, page)
+    at = jnp.arange(n)[None, :] - tail_start[:, None]             # [B, N] row in the tail
+    in_tail = (at >= 0) & (at < page)
+    at = jnp.clip(at, 0, page - 1)
+
+    def rows(pool, tail):
+        tail_rows = jnp.take_along_axis(tail, at.reshape(at.shape + (1,) * (tail.ndim - 2)),
+                                        axis=1)
+        mask = in_tail.reshape(in_tail.shape + (1,) * (tail.ndim - 2))
+        return jnp.where(mask, tail_rows, pool[ids])
+
+    score = index_scores_fp8_xla if fp8 else index_scores_xla
+    return score(q, weights, rows(pool_values, tail_values), rows(pool_scales, tail_scales),
+                 valid & (mapped | in_tail))

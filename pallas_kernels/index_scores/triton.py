@@ -106,10 +106,57 @@ def default_config(b: int, h: int, c: int) -> tuple[int, int, int]:
     return block_c, steps, num_warps
 
 
+def query_parts(q_ref, nb: int, bs: int, fp8: bool):
+    """Inside a kernel: (operand, qs, q_lo, w-free parts) of q_ref [HP, D] for the block dots.
+
+    operand: the cast a key block gets before its dot (none for fp8 x fp8, bf16 otherwise);
+    qs: NB x [HP, BS] q in that form, loaded once; q_lo: NB x [HP, BS] 2^8 * (q - bf16(q))
+    when an f32 q is split into bf16 hi + lo (else None).
+    fp8: q_ref holds FP8 queries (``reference.quantize_queries``) and the dot takes FP8 keys
+    as they are (an fp8 x fp8 tensor-core dot); else both are widened to bf16. An f32 q is
+    split into bf16 parts q = hi + lo (+ ~2^-17 |q|), each dotted with the keys: scores within
+    ~1e-5 of f32, so a query's 1e-6 noise cannot flip near-ties the way a bf16 rounding of q
+    (~4e-3) does. lo is kept as 2^8 * lo (exact; clear of bf16 subnormals).
+    """
+    operand = (lambda x: x) if fp8 else (lambda x: x.astype(jnp.bfloat16))
+    cols = [pl.ds(j * bs, bs) for j in range(nb)]
+    qs = [operand(q_ref[:, col]) for col in cols]                 # NB x [HP, BS]
+    split = not fp8 and q_ref.dtype == jnp.float32
+    q_lo = [((q_ref[:, col] - q.astype(jnp.float32)) * LO_SCALE).astype(jnp.bfloat16)
+            for col, q in zip(cols, qs)] if split else None       # NB x [HP, BS] 2^8 * lo
+    return operand, qs, q_lo
+
+
+def block_scores(keys, scale, parts, w, nb: int, barrier: bool):
+    """Inside a kernel: scores [BC] f32 of one block of BC keys (before the validity select).
+
+    keys(j) -> [BC, BS] FP8 values of scale block j; scale(j) -> [BC] f32 their scales;
+    parts: ``query_parts``; w [HP] f32 head weights. Each scale block's dot is scaled after
+    it (the scales multiply f32 dot products, not keys), then ReLU and the weighted head sum.
+    barrier: interpret mode runs through XLA, whose simplifier would rewrite
+    dot(k, hi) + dot(k, lo) into dot(k, hi + lo), whose bf16 sum is hi (Triton does no such
+    rewrite).
+    """
+    operand, qs, q_lo = parts
+    dims = (((1,), (1,)), ((), ()))
+    dots = None                                                    # [BC, HP] f32
+    for j in range(nb):
+        k = operand(keys(j))                                       # [BC, BS] (exact)
+        part = jax.lax.dot_general(k, qs[j], dims, preferred_element_type=jnp.float32)
+        if q_lo is not None:
+            lo = jax.lax.dot_general(k, q_lo[j], dims, preferred_element_type=jnp.float32)
+            if barrier:
+                lo = jax.lax.optimization_barrier(lo)
+            part = part + lo * (1.0 / LO_SCALE)
+        part = part * scale(j)[:, None]
+        dots = part if dots is None else dots + part
+    return jnp.sum(jnp.maximum(dots, 0.0) * w[None, :], axis=1)   # [BC]
+
+
 def _kernel(q_ref, w_ref, kv_ref, ks_ref, valid_ref, out_ref, *, nb: int, bs: int, bc: int,
             steps: int, fp8: bool = False, barrier: bool = False):
     # inputs
-    #   q_ref      [HP, D]          f32 or bf16 (request b)
+    #   q_ref      [HP, D]          f32 or bf16 (request b; FP8 when fp8)
     #   w_ref      [HP]             f32
     #   kv_ref     [steps * BC, D]  float8_e4m3fn (candidates of program i)
     #   ks_ref     [steps * BC] f32 when NB = 1, else [steps * BC, NB] f32
@@ -117,40 +164,15 @@ def _kernel(q_ref, w_ref, kv_ref, ks_ref, valid_ref, out_ref, *, nb: int, bs: in
     # outputs
     #   out_ref    [steps * BC]     f32
     # scratch: none
-    # fp8: q_ref holds FP8 queries (``reference.quantize_queries``) and the dot takes FP8 keys
-    # as they are (an fp8 x fp8 tensor-core dot); else both are widened to bf16.
-    # Else an f32 q is split into bf16 parts q = hi + lo (+ ~2^-17 |q|), each dotted with the
-    # keys: scores within ~1e-5 of f32, so a query's 1e-6 noise cannot flip near-ties the way
-    # a bf16 rounding of q (~4e-3) does.
-    operand = (lambda x: x) if fp8 else (lambda x: x.astype(jnp.bfloat16))
-    cols = [pl.ds(j * bs, bs) for j in range(nb)]
-    qs = [operand(q_ref[:, col]) for col in cols]                 # NB x [HP, BS], loaded once
-    # lo is kept as 2^8 * lo (exact; clear of bf16 subnormals) and its dot scaled back. In
-    # interpret mode XLA's simplifier would rewrite dot(k, hi) + dot(k, lo) into
-    # dot(k, hi + lo), whose bf16 sum is hi: a barrier stops it (Triton does no such rewrite).
-    split = not fp8 and q_ref.dtype == jnp.float32
-    q_lo = [((q_ref[:, col] - q.astype(jnp.float32)) * LO_SCALE).astype(jnp.bfloat16)
-            for col, q in zip(cols, qs)] if split else None       # NB x [HP, BS] 2^8 * lo
+    parts = query_parts(q_ref, nb, bs, fp8)
     w = w_ref[...].astype(jnp.float32)                             # [HP]
 
     def score_block(start):
         rows = pl.ds(start, bc)
-        dots = None                                                # [BC, HP] f32
-        for j, col in enumerate(cols):
-            k = operand(kv_ref[rows, col])                         # [BC, BS] (exact)
-            dims = (((1,), (1,)), ((), ()))
-            part = jax.lax.dot_general(k, qs[j], dims,
-                                       preferred_element_type=jnp.float32)  # [BC, HP]
-            if split:
-                lo = jax.lax.dot_general(k, q_lo[j], dims, preferred_element_type=jnp.float32)
-                if barrier:  # interpret mode runs through XLA, see q_lo
-                    lo = jax.lax.optimization_barrier(lo)
-                part = part + lo * (1.0 / LO_SCALE)
-            scale = ks_ref[rows] if nb == 1 else ks_ref[rows, j]  # [BC] scale of block j
-            part = part * scale[:, None]
-            dots = part if dots is None else dots + part
-        scores = jnp.sum(jnp.maximum(dots, 0.0) * w[None, :], axis=1)  # [BC]
-        out_ref[rows] = jnp.where(valid_ref[rows], scores, -jnp.inf)   # drops NaN poison
+        scores = block_scores(lambda j: kv_ref[rows, pl.ds(j * bs, bs)],
+                              lambda j: ks_ref[rows] if nb == 1 else ks_ref[rows, j],
+                              parts, w, nb, barrier)
+        out_ref[rows] = jnp.where(valid_ref[rows], scores, -jnp.inf)  # drops NaN poison
 
     common.each_block(steps, bc, score_block)
 

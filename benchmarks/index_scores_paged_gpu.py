@@ -1,0 +1,98 @@
+"""HiSparse's decode indexer over device page pools (GPU): gather + contiguous kernel against
+the paged kernel that reads the keys in place.
+
+Run on the GPU machine:
+  python3 benchmarks/index_scores_paged_gpu.py --out results/index_scores_paged_gpu
+Shape (``CacheConfig.device_pages``, capacity.gin's pages of 64): B requests (default 8 and
+36, HiSparse's N at 512K in the capacity study) x N = 131104 positions (512K / 4 + 32) of FP8
+keys (D 128, one scale) in a pool of pages assigned in a random order, each request's last
+page in its tail; one [1, N] call a request under a vmap over the batch, as the decode step
+calls it (f32 q: the kernel's hi + lo split). Variants, each timed as one jitted program over
+``--sets`` input sets (``timing.program_time``):
+  gather      ``device_pool.gather_slot_rows`` of every position, then ``index_scores``
+              "triton" on the copy (what ``PooledIndex.select`` ran before session 34)
+  paged       ``index_scores_paged`` "triton" (``device_pool.pooled_decode_scores``)
+  contiguous  ``index_scores`` "triton" on keys already contiguous (no pool: the floor)
+Each variant's scores must equal the paged kernel's bit for bit (printed). Prints a table, and
+with --out writes JSON after every row.
+"""
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from timing import program_time, write_results  # benchmarks/timing.py
+
+from lsparse_jax.memory.device_pool import PoolView, gather_slot_rows, pooled_decode_scores
+from pallas_kernels.index_scores import index_scores
+
+H, D, PAGE = 64, 128, 64
+HBM = 3.0e12  # bytes/s, the roofline of reading the keys once
+
+
+def problem(seed, b, n):
+    """(q [B, 1, H, D], w [B, 1, H], pool (values, scales), tables [B, MP], tails, paged [B],
+    eligible [B, 1, N])."""
+    k = jax.random.split(jax.random.key(seed), 6)
+    mp = -(-n // PAGE)
+    pages = b * mp
+    values = jax.random.normal(k[0], (pages * PAGE, D)).astype(jnp.float8_e4m3fn)
+    scales = jax.random.uniform(k[1], (pages * PAGE, 1), jnp.float32, 0.5, 2.0)
+    tables = jax.random.permutation(k[2], pages).reshape(b, mp).astype(jnp.int32)
+    paged = jnp.full((b,), (n // PAGE) * PAGE, jnp.int32)          # the last page: the tail
+    tails = (jax.random.normal(k[3], (b, PAGE, D)).astype(jnp.float8_e4m3fn),
+             jnp.ones((b, PAGE, 1), jnp.float32))
+    q = jax.random.normal(k[4], (b, 1, H, D), jnp.float32)
+    w = jax.random.normal(k[5], (b, 1, H), jnp.float32)
+    return q, w, (values, scales), tables, tails, paged, jnp.ones((b, 1, n), bool)
+
+
+def variant(name):
+    """fn(q, w, pool, tables, tails, paged, eligible) -> [B, 1, N] scores, vmapped over B."""
+    def one(q, w, pool, table, tail, paged, eligible):
+        view = PoolView(pool, table)
+        if name == "paged":
+            return pooled_decode_scores("triton", view, tail, paged, PAGE)(q, w, eligible)
+        if name == "gather":
+            values, scales = gather_slot_rows(view, jnp.arange(eligible.shape[-1]), tail,
+                                              paged, PAGE)
+        else:  # contiguous: the same keys, stored in order (the pool's first N rows)
+            values, scales = (x[:eligible.shape[-1]] for x in pool)
+        return index_scores(q, w, values[None], scales[None], eligible,
+                            implementation="triton")
+    return jax.vmap(one, in_axes=(0, 0, None, 0, 0, 0, 0))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--batches", default="8,36")
+    p.add_argument("--n", type=int, default=131104)
+    p.add_argument("--sets", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    rows = []
+    for b in map(int, args.batches.split(",")):
+        sets = [problem(i, b, args.n) for i in range(args.sets)]
+        ref = None
+        for name in ("paged", "gather", "contiguous"):
+            fn = variant(name)
+            ms = 1e3 * program_time(fn, sets, repeats=args.repeats)
+            got = np.asarray(jax.jit(fn)(*sets[0]))
+            same = None if name == "contiguous" else (
+                True if ref is None else bool(np.array_equal(got, ref)))
+            ref = got if ref is None else ref
+            key_bytes = b * args.n * (D + 4)
+            rows.append(dict(batch=b, n=args.n, variant=name, ms=ms,
+                             hbm_fraction=key_bytes / HBM / (ms * 1e-3),
+                             equal_to_paged=same))
+            write_results(args.out, "results.json", args, rows)
+    print(f"{'batch':>5} {'variant':>10} {'ms':>8} {'of HBM':>7} {'= paged':>8}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['variant']:>10} {r['ms']:8.3f} {r['hbm_fraction']:7.1%} "
+              f"{str(r['equal_to_paged']):>8}")
+
+
+if __name__ == "__main__":
+    main()
