@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Session 34's GPU calls (device tool, carry [".whl"]); no device was lent in session 34, so
 # none of these has run yet.
-# STEP=paged (~400 s warm): the paged index_scores kernel (HiSparse's decode indexer reading
-#   FP8 keys in place from device page pools): its GPU tests and the engine's GPU tests with
-#   device pools, then benchmarks/index_scores_paged_gpu.py (B 8 and 36 x N 131104, pages of
-#   64: gather + contiguous kernel, as before, against the paged kernel, and the contiguous
-#   floor), results under $OUT/paged_bench/.
+# STEP=paged (~450 s warm): the paged kernels (device page pools read in place: HiSparse's
+#   decode indexer over FP8 keys, index_scores_paged; LeanSparse's coarse pass over PQ codes,
+#   pq_topc with a page table, Pallas and jax-triton): their GPU tests and the engine's GPU
+#   tests, then benchmarks/pooled_reads_gpu.py (B 8 and 36 x 512K, pages of 64: a gathered
+#   copy + the contiguous kernel, as before session 34, against the paged kernels; keys also
+#   against the contiguous floor), results under $OUT/paged_bench/.
 # STEP=capacity: configs/experiments/capacity_s34.gin at CONTEXTS (default "(524288,)"; then
 #   "(972800,)"), one context a call, under $OUT/capacity/capacity_s34/ (copy its results.json
 #   to results/capacity_s34/ after each call: the next call resumes from it).
@@ -15,10 +16,10 @@ source "$(dirname "$0")/gpu_lib.sh"
 case "${STEP:-paged}" in
   paged)
     TAIL=30 part gpu_tests ${TESTS_S:-200} "python3 -m pytest -q -m gpu -rA \
-      tests/test_kernel_index_scores_paged.py tests/test_kernel_index_scores.py \
-      tests/test_gpu_hierarchy.py"
-    TAIL=12 part paged_bench ${BENCH_S:-180} "python3 benchmarks/index_scores_paged_gpu.py \
-      --out \$OUT" ;;
+      tests/test_kernel_index_scores_paged.py tests/test_kernel_pq_topc_paged.py \
+      tests/test_kernel_index_scores.py tests/test_gpu_hierarchy.py"
+    TAIL=16 part paged_bench ${BENCH_S:-220} "python3 benchmarks/pooled_reads_gpu.py \
+      --coarse jax_triton:fp8,triton:bf16 --out \$OUT" ;;
   capacity)  # resumes the cells of an earlier call copied to results/capacity_s34/
     mkdir -p "$OUT/capacity/capacity_s34"
     [ -f results/capacity_s34/results.json ] && cp results/capacity_s34/results.json \

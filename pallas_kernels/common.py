@@ -183,6 +183,19 @@ def from_words(x: jax.Array, like) -> jax.Array:
     return b.reshape(*b.shape[:-2], b.shape[-2] * b.shape[-1])
 
 
+def paged_rows(page_table, n: int, page: int):
+    """Pool rows of positions 0..n-1 through page tables (the XLA twins of the paged kernels):
+    (ids [B, n] int32, mapped [B, n] bool). Position p of request b is pool row
+    page_table[b, p // P] * P + p % P; unmapped (page -1 or past the table [B, MP]) gives
+    mapped False and row 0."""
+    pos = jnp.arange(n)
+    logical = pos // page
+    max_pages = page_table.shape[1]
+    phys = page_table[:, jnp.minimum(logical, max_pages - 1)]     # [B, n]
+    mapped = (logical < max_pages)[None, :] & (phys >= 0)
+    return jnp.where(mapped, phys * page + pos % page, 0), mapped
+
+
 def each_block(steps: int, size: int, block) -> None:
     """Inside a Pallas kernel: ``block(start)`` for start = 0, size, ..., (steps - 1) size;
     straight-line code for one step, else a loop (which Triton can software-pipeline)."""

@@ -81,3 +81,20 @@ def test_bf16_stored_weights_equal_f32_weights_at_bf16_matmuls_on_gpu():
         engine.admit(prompt)
         engines.append(engine)
     assert_same_continuation(engines[0], engines[1], 6)
+
+
+@pytest.mark.parametrize("method", ["resident", "hisparse"])
+def test_pooled_keys_read_in_place_on_gpu(method):
+    """The paged index_scores kernel in the decode step for real (device pools vs keys
+    contiguous, implementation="triton"): bit for bit (``tests/test_device_pool.py``)."""
+    from tests.test_device_pool import test_paged_index_kernel_reads_pools_in_place_bit_for_bit
+
+    test_paged_index_kernel_reads_pools_in_place_bit_for_bit(method)
+
+
+def test_pooled_codes_read_in_place_on_gpu():
+    """The paged pq_topc kernel in LeanSparse's decode step for real (codes in device pools vs
+    in the slot, implementation="triton"): bit for bit (``tests/test_leansparse.py``)."""
+    from tests.test_leansparse import test_pooled_codes_are_read_in_place_bit_for_bit_with_kernels
+
+    test_pooled_codes_are_read_in_place_bit_for_bit_with_kernels()

@@ -268,3 +268,36 @@ def test_kernel_step_selects_as_the_xla_step():
     ``test_gpu_hierarchy``'s."""
     lean = LeanSparseConfig(num_candidates=64, miss_filter_offset=1.0, key_cache_rows=96)
     kernel_step_against_xla(lean, lean, steps=8)
+
+
+def test_pooled_codes_are_read_in_place_bit_for_bit_with_kernels():
+    """With kernels (implementation="triton", interpret mode) and PQ codes in device pools the
+    coarse pass reads the codes in place through the slot's page table (``pq_topc``'s paged
+    form) instead of a gathered copy: logits, tokens, selections and key sources equal the
+    slot-held codes' bit for bit, while pages complete and a request joins."""
+    from lsparse_jax.methods import leansparse as lean_module
+
+    lean = LeanSparseConfig(num_candidates=32, miss_filter_offset=1.0, key_cache_rows=48)
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(0, 256, n).astype(np.int32) for n in (120, 90, 60)]
+    slot, pooled = (make("leansparse", lean, implementation="triton", device_pages=pages)
+                    for pages in (None, 21))
+    paged_calls = []
+    original = lean_module.pq_topc
+    lean_module.pq_topc = lambda *a, **k: paged_calls.append(k.get("page_table") is not None) \
+        or original(*a, **k)
+    try:
+        for e in (slot, pooled):
+            e.admit(prompts[0], max_new_tokens=40)
+            e.admit(prompts[1], max_new_tokens=40)
+        for step in range(10):  # request 0's 30 compressed rows complete a page at step 8
+            if step == 3:
+                for e in (slot, pooled):
+                    e.admit(prompts[2], max_new_tokens=30)
+            want, got = slot.step(), pooled.step()
+            for field in ("logits", "tokens", "selected", "key_sources"):
+                np.testing.assert_array_equal(np.asarray(getattr(got, field)),
+                                              np.asarray(getattr(want, field)))
+    finally:
+        lean_module.pq_topc = original
+    assert True in paged_calls and False in paged_calls

@@ -27,7 +27,6 @@ from lsparse_jax.indexing.coarse_to_fine import coarse_to_fine
 from lsparse_jax.kernels import for_op
 from lsparse_jax.memory.device_pool import (
     DevicePools,
-    gather_slot_rows,
     page_in,
     scatter_pages,
 )
@@ -43,6 +42,7 @@ from lsparse_jax.parallel import current_mesh, head_sum
 from lsparse_jax.quant import dequantize_index_keys
 from lsparse_jax.quant.pq import encode, train_codebooks
 from lsparse_jax.request_groups import grouped, on_stream
+from pallas_kernels import common
 from pallas_kernels.index_scores.api import index_scores
 from pallas_kernels.pq_topc.api import pq_topc
 from pallas_kernels.pq_topc.reference import masked_coarse_scores, masked_coarse_scores_fp8
@@ -50,10 +50,13 @@ from pallas_kernels.topk.api import topk
 
 
 def coarse_topc(q, w, codes, codebooks, lengths, num_candidates: int,
-                implementation: str | None, precision: str = "bf16"):
+                implementation: str | None, precision: str = "bf16", page_table=None,
+                page: int | None = None):
     """Step 1 of the selection: the top-C positions by PQ coarse score (``pq_topc``; precision
     "bf16" or "fp8": ``LeanSparseConfig.coarse_precision``; implementation: the engine's or
     ``LeanSparseConfig.coarse_implementation``, mapped by ``lsparse_jax.kernels``).
+    page_table [Q, MP] with page P: codes is a device pool [R, M] read in place (``pq_topc``'s
+    paged form).
 
     Under tensor parallelism (inside ``lsparse_jax.parallel.mesh_scope``) each device scores
     the codes with its indexer heads, the partial scores are summed over devices, then the
@@ -62,7 +65,10 @@ def coarse_topc(q, w, codes, codebooks, lengths, num_candidates: int,
     """
     if current_mesh() is None:
         return pq_topc(q, w, codes, codebooks, lengths, num_candidates=num_candidates,
-                       implementation=for_op("pq_topc", implementation), precision=precision)
+                       implementation=for_op("pq_topc", implementation), precision=precision,
+                       page_table=page_table, page=page)
+    if page_table is not None:  # the partial scores below take the codes gathered
+        codes = codes[common.paged_rows(page_table, page_table.shape[1] * page, page)[0]]
 
     def pick(scores, *args):  # args[-1]: lengths
         return topk(scores, args[-1], num_candidates,
@@ -130,7 +136,7 @@ class CoarseToFineIndex:
         if query.q.shape[0] != 1:
             raise ValueError("CoarseToFineIndex serves decode (one query per slot); prefill "
                              "selects on the resident layout")
-        cand, cand_scores = self.coarse(state, completed, query, eligible.shape[-1], context)
+        cand, cand_scores = self.coarse(state, completed, query, context)
         return self.fine(state, completed, query, eligible, context, cand[0], cand_scores[0],
                          fetch_stream)
 
@@ -144,23 +150,24 @@ class CoarseToFineIndex:
         (``model.store.select_each``)."""
         if self.settings.groups != 1:
             return select_each(self.select, state, completed, query, eligible, context)
-        cand = self.coarse(state, completed, query, eligible.shape[-1], context)
+        cand = self.coarse(state, completed, query, context)
         return select_each(self.fine, state, completed, query, eligible, context, cand)
 
-    def coarse(self, state: PagedKeys, completed, query: IndexerQuery, n: int,
-               context: KeyPageView):
+    def coarse(self, state: PagedKeys, completed, query: IndexerQuery, context: KeyPageView):
         """Step 1 for the Q queries of one slot (query [Q, H, D]): the top-C of its paged rows
-        by PQ coarse score, positions and scores [Q, C] (n: the slot's history rows N)."""
+        by PQ coarse score, positions and scores [Q, C]."""
         paged = paged_rows(self.page_size, completed)
-        codes = state.codes if context.codes is None else gather_slot_rows(
-            context.codes, jnp.arange(n), None, paged, self.page_size)  # one gather
         count = query.q.shape[0]
-        return coarse_topc(query.q, query.weights, jnp.broadcast_to(codes, (count,) + codes.shape),
-                           context.codebooks,
-                           jnp.broadcast_to(jnp.asarray(paged, jnp.int32), (count,)),
-                           self.settings.num_candidates,
+        every = lambda x: jnp.broadcast_to(x, (count,) + x.shape)  # noqa: E731  one a query
+        if context.codes is None:
+            codes, paging = every(state.codes), {}
+        else:  # the device pool of codes, read in place through the slot's page table
+            codes = context.codes.pool
+            paging = dict(page_table=every(context.codes.page_table), page=self.page_size)
+        return coarse_topc(query.q, query.weights, codes, context.codebooks,
+                           every(jnp.asarray(paged, jnp.int32)), self.settings.num_candidates,
                            self.settings.coarse_implementation or self.implementation,
-                           self.settings.coarse_precision)
+                           self.settings.coarse_precision, **paging)
 
     def fine(self, state: PagedKeys, completed, query: IndexerQuery, eligible,
              context: KeyPageView, cand, cand_scores, fetch_stream: int | None = None):

@@ -18,6 +18,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import common
+
 
 def exact_index_scores(q: jnp.ndarray, weights: jnp.ndarray, keys: jnp.ndarray,
                        precision=jax.lax.Precision.HIGHEST) -> jnp.ndarray:
@@ -117,24 +119,12 @@ def index_topk_xla(q, weights, key_values, key_scales, valid, *, k: int, fp8: bo
     return topk_positions(scores, valid, k)
 
 
-def paged_rows(page_table: jnp.ndarray, n: int, page: int):
-    """Pool rows of positions 0..n-1 through page tables: (ids [B, n] int32, mapped [B, n]
-    bool). Position p of request b is row page_table[b, p // P] * P + p % P; unmapped (page -1
-    or past the table) gives mapped False and row 0."""
-    pos = jnp.arange(n)
-    logical = pos // page
-    max_pages = page_table.shape[1]
-    phys = page_table[:, jnp.minimum(logical, max_pages - 1)]     # [B, n]
-    mapped = (logical < max_pages)[None, :] & (phys >= 0)
-    return jnp.where(mapped, phys * page + pos % page, 0), mapped
-
-
 @functools.partial(jax.jit, static_argnames=("page", "fp8"))
 def index_scores_paged_xla(q, weights, pool_values, pool_scales, page_table, tail_values,
                            tail_scales, tail_start, valid, *, page: int,
                            fp8: bool = False) -> jnp.ndarray:
     """XLA twin of ``index_scores_paged``: each request's keys gathered from the pool through
-    its page table (``paged_rows``) and from its tail, then ``index_scores_xla``
+    its page table (``common.paged_rows``) and from its tail, then ``index_scores_xla``
     (``index_scores_fp8_xla`` when fp8) with invalid or unmapped positions masked.
 
     Inputs: q [B, H, D], weights [B, H], pool_values [R, D] e4m3, pool_scales [R, NB] f32,
@@ -143,7 +133,7 @@ def index_scores_paged_xla(q, weights, pool_values, pool_scales, page_table, tai
     valid [B, N] bool; page P. Output [B, N] f32, -inf where invalid or unmapped.
     """
     n = valid.shape[1]
-    ids, mapped = paged_rows(page_table, n, page)
+    ids, mapped = common.paged_rows(page_table, n, page)
     at = jnp.arange(n)[None, :] - tail_start[:, None]             # [B, N] row in the tail
     in_tail = (at >= 0) & (at < page)
     at = jnp.clip(at, 0, page - 1)

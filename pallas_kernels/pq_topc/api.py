@@ -92,8 +92,27 @@ def _validate(q, weights, codes, codebooks, lengths, num_candidates) -> int:
     return int(c)
 
 
+def _validate_paged(q, codes, page_table, page, m: int) -> None:
+    """Raises ValueError naming the bad argument of a paged call (codes a pool of pages)."""
+    if isinstance(page, bool) or not isinstance(page, int) or page < 1:
+        raise ValueError(f"{OP}: page must be a static int >= 1 with page_table, got {page!r}")
+    if codes.ndim != 2 or codes.shape[1] != m:
+        raise ValueError(f"{OP}: codes must be a pool [R, M] with M={m} (from codebooks) when "
+                         f"page_table is given, got shape {_shape(codes)}")
+    if codes.shape[0] % page or codes.shape[0] == 0:
+        raise ValueError(f"{OP}: codes has {codes.shape[0]} rows, not whole pages of {page}")
+    if codes.dtype != jnp.uint8:
+        raise ValueError(f"{OP}: codes must be uint8, got dtype {codes.dtype}")
+    if page_table.ndim != 2 or page_table.shape[0] != q.shape[0] or page_table.shape[1] < 1:
+        raise ValueError(f"{OP}: page_table must be [B, MP] with B={q.shape[0]} (from q) and "
+                         f"MP >= 1, got shape {_shape(page_table)}")
+    if page_table.dtype != jnp.int32:
+        raise ValueError(f"{OP}: page_table must be int32, got dtype {page_table.dtype}")
+
+
 def pq_topc(q, weights, codes, codebooks, lengths, *, num_candidates: int,
-            implementation: str | None = None, precision: str = "bf16"):
+            implementation: str | None = None, precision: str = "bf16", page_table=None,
+            page: int | None = None):
     """Top-C positions of PQ-coded keys by coarse score (LeanSparse's coarse pass).
 
     Notation: B requests, H indexer heads, D head dim, M subspaces of d = D / M dims, K <= 256
@@ -109,6 +128,12 @@ def pq_topc(q, weights, codes, codebooks, lengths, *, num_candidates: int,
       implementation: "xla", "triton", "jax_triton" (GPU only) or None (triton on a GPU, xla
         elsewhere).
       precision: "bf16" or "fp8" (see the module docstring; all implementations).
+      page_table: optional [B, MP] int32 with ``page`` P (static int): codes is then a pool
+        [R, M] of code rows (R a whole number of pages) shared by the batch, and position n of
+        request b is its row page_table[b, n // P] * P + n % P (N = MP * P): the codes are read
+        in place (a device page pool) instead of from a gathered [B, N, M] copy. Eligible
+        positions must lie on mapped pages (an entry -1 reads row 0, as garbage codes would).
+        Vmappable over requests with the pool shared (in_axes None).
     Returns:
       positions [B, C] int32: the set of the C best eligible positions (higher score first,
         ties to the lower position), -1 where fewer than C are eligible; in any order (the
@@ -125,6 +150,9 @@ def pq_topc(q, weights, codes, codebooks, lengths, *, num_candidates: int,
     impl = common.choose(OP, implementation, AVAILABLE, fastest_on_gpu="triton")
     q, weights, codes = jnp.asarray(q), jnp.asarray(weights), jnp.asarray(codes)
     codebooks, lengths = jnp.asarray(codebooks), jnp.asarray(lengths)
+    if page_table is not None:
+        return _pq_topc_paged(q, weights, codes, codebooks, lengths, jnp.asarray(page_table),
+                              page, num_candidates, impl, precision)
     c = _validate(q, weights, codes, codebooks, lengths, num_candidates)
     weights = weights.astype(jnp.float32)
     codebooks = codebooks.astype(jnp.float32)
@@ -141,3 +169,33 @@ def pq_topc(q, weights, codes, codebooks, lengths, *, num_candidates: int,
     else:
         fn = partial(triton_impl.pq_topc_triton, num_candidates=c, precision=precision)
     return fn(q, weights, codes, codebooks, lengths)
+
+
+def _pq_topc_paged(q, weights, pool, codebooks, lengths, page_table, page, num_candidates,
+                   impl: str, precision: str):
+    """``pq_topc`` with codes read through page tables (arguments as there, validated here)."""
+    if q.ndim != 3 or codebooks.ndim != 3:  # raises, naming q or codebooks
+        _validate(q, weights, pool, codebooks, lengths, num_candidates)
+    _validate_paged(q, pool, page_table, page, codebooks.shape[0])
+    n = page_table.shape[1] * page
+    stand_in = jax.ShapeDtypeStruct((q.shape[0], n, pool.shape[-1]), pool.dtype)
+    c = _validate(q, weights, stand_in, codebooks, lengths, num_candidates)
+    weights = weights.astype(jnp.float32)
+    codebooks = codebooks.astype(jnp.float32)
+    lengths = lengths.astype(jnp.int32)
+    if impl == "xla":
+        ids, _ = common.paged_rows(page_table, n, page)
+        return _pq_topc_xla(q, weights, pool[ids], codebooks, lengths, num_candidates=c,
+                            precision=precision)
+    if impl == "jax_triton":
+        from pallas_kernels.pq_topc.jax_triton import pq_topc_jax_triton as kernel
+    else:
+        kernel = triton_impl.pq_topc_triton
+
+    def call(q, weights, pool, codebooks, lengths, page_table):
+        return kernel(q, weights, pool, codebooks, lengths, num_candidates=c,
+                      precision=precision, page_table=page_table, page=page)
+
+    # the pool and the codebooks are shared by the batch
+    return common.batch_folding(call, (True, True, False, False, True, True))(
+        q, weights, pool, codebooks, lengths, page_table)

@@ -269,8 +269,9 @@ def _kernel():
         len_ptr,    # [B]         int32, clipped to [0, N]
         qt_ptr,     # [B, DP, HP] bf16   q^T, zero padded (FP8: [B, HP, DP] e4m3 bits, uint8)
         w_ptr,      # [B, HP]     f32    head weights, zero padded (FP8: times q's scales)
-        codes_ptr,  # [B, N, M]   uint8
+        codes_ptr,  # [B, N, M]   uint8 (PAGE > 0: a pool [R, M] read through pt_ptr)
         book_ptr,   # [KP, W, 2]  uint32 = [KP, W] int64 packed codebook (FP8: [KP, W] uint32)
+        pt_ptr,     # [B, MPG]    int32  page tables (PAGE > 0; else unread)
         # outputs
         out_ptr,    # [B, N]      f32    masked scores
         N: tl.constexpr, M: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
@@ -278,6 +279,8 @@ def _kernel():
         BN: tl.constexpr, STEPS: tl.constexpr, FLAT: tl.constexpr, FP8: tl.constexpr,
         SWZ: tl.constexpr,  # X of the bank swizzle (0: row-major book)
         LANES: tl.constexpr,  # codes read through a pointer of unknown alignment ("smem_lanes")
+        PAGE: tl.constexpr,  # P rows per page of the codes pool (0: codes [B, N, M])
+        MPG: tl.constexpr,  # MP page-table entries per request
     ):
         b = tl.program_id(0).to(tl.int64)
         first = tl.program_id(1) * (BN * STEPS)
@@ -308,7 +311,13 @@ def _kernel():
                 # clipped to [0, N]) hides the 16-byte alignment, so Triton reads one code a
                 # thread, lane l at word l of one key
                 base = codes_ptr + ((length < 0).to(tl.int32) if LANES else 0)
-                idx = tl.load(base + b * (N * M) + rows[:, None] * M + sub[None, :],
+                if PAGE > 0:  # pool row pt[b, n // P] * P + n % P (row 0 where unmapped)
+                    phys = tl.load(pt_ptr + b * MPG + tl.minimum(rows // PAGE, MPG - 1),
+                                   mask=rows < N, other=0)
+                    at = tl.maximum(phys, 0).to(tl.int64) * PAGE + rows % PAGE  # [BN]
+                else:
+                    at = b * N + rows
+                idx = tl.load(base + at[:, None] * M + sub[None, :],
                               mask=ok, other=0, eviction_policy="evict_first")
                 idx = tl.minimum(idx.to(tl.int32), K - 1)  # [BN, W]
                 if FLAT:
@@ -341,9 +350,11 @@ def _kernel():
     return pq_scores_kernel
 
 
-def compile_ptx(lay: Layout, n: int, params: Params | None = None, arch: int = 90) -> str:
+def compile_ptx(lay: Layout, n: int, params: Params | None = None, arch: int = 90,
+                page: int = 0, max_pages: int = 1) -> str:
     """PTX of the score kernel for CUDA sm_``arch`` (needs only the triton package, no GPU):
-    for tests that the fp8 path lowers to e4m3 tensor-core MMAs. Every pointer is marked
+    for tests that the fp8 path lowers to e4m3 tensor-core MMAs (page > 0: the paged
+    form). Every pointer is marked
     16-byte aligned, as jax-triton marks the arrays it passes: the alignment changes Triton's
     layouts (16 codes a thread instead of 1), hence which lanes share a gather instruction."""
     import triton
@@ -351,9 +362,9 @@ def compile_ptx(lay: Layout, n: int, params: Params | None = None, arch: int = 9
     from triton.compiler import ASTSource
 
     p = params or DEFAULT_PARAMS
-    consts = _constexprs(lay, n, p)
+    consts = _constexprs(lay, n, p, page, max_pages)
     sig = dict(len_ptr="*i32", qt_ptr="*u8" if lay.fp8 else "*bf16", w_ptr="*fp32",
-               codes_ptr="*u8", book_ptr="*u32", out_ptr="*fp32")
+               codes_ptr="*u8", book_ptr="*u32", pt_ptr="*i32", out_ptr="*fp32")
     sig.update(dict.fromkeys(consts, "constexpr"))
     aligned = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values())
                if t.startswith("*")}
@@ -364,13 +375,14 @@ def compile_ptx(lay: Layout, n: int, params: Params | None = None, arch: int = 9
     return out.asm["ptx"]
 
 
-def _constexprs(lay: Layout, n: int, p: Params) -> dict:
+def _constexprs(lay: Layout, n: int, p: Params, page: int = 0, max_pages: int = 1) -> dict:
     """The kernel's compile-time arguments for N = n positions (shared by the launch and
-    ``compile_ptx``)."""
+    ``compile_ptx``); page > 0: codes paged, max_pages entries a page table."""
     block_n, steps = _tile(n, p)
     return dict(N=n, M=lay.m, K=lay.k, KP=lay.kp, W=lay.words, WPS=lay.wps, DP=lay.dp,
                 HP=lay.hp, BN=block_n, STEPS=steps, FLAT=p.decode != "shuffle", FP8=lay.fp8,
-                SWZ=swizzle_mask(lay, p.decode), LANES=p.decode == "smem_lanes")
+                SWZ=swizzle_mask(lay, p.decode), LANES=p.decode == "smem_lanes", PAGE=page,
+                MPG=max_pages)
 
 
 def _tile(n: int, params: Params) -> tuple[int, int]:
@@ -381,10 +393,11 @@ def _tile(n: int, params: Params) -> tuple[int, int]:
 
 
 def coarse_scores_jax_triton(q, weights, codes, codebooks, lengths, *,
-                             params: Params | None = None,
-                             precision: str = "bf16") -> jnp.ndarray:
+                             params: Params | None = None, precision: str = "bf16",
+                             page_table=None, page: int | None = None) -> jnp.ndarray:
     """Masked coarse scores [B, N] f32 (-inf at n >= lengths[b]) by the Triton kernel.
-    Inputs as ``api.pq_topc`` (validated there); precision "bf16" or "fp8" (module docstring).
+    Inputs as ``api.pq_topc`` (validated there); precision "bf16" or "fp8" (module docstring);
+    page_table [B, MP] with page P: codes is a pool [R, M] read through it (N = MP * P).
     Needs a CUDA GPU."""
     p = params or DEFAULT_PARAMS
     if p.decode not in DECODES:
@@ -392,16 +405,22 @@ def coarse_scores_jax_triton(q, weights, codes, codebooks, lengths, *,
     _check_precision(precision)
     import jax_triton
     q, weights, codebooks = _quantized(q, weights, codebooks, precision)
-    (b, h, _), (n, m), (k, ds) = q.shape, codes.shape[1:], codebooks.shape[1:]
+    (b, h, _), (k, ds) = q.shape, codebooks.shape[1:]
+    if page_table is None:
+        (n, m), pages = codes.shape[1:], jnp.zeros((1,), jnp.int32)  # unread
+        consts = {}
+    else:
+        (n, m), pages = (page_table.shape[1] * page, codes.shape[1]), page_table
+        consts = dict(page=page, max_pages=page_table.shape[1])
     lay = layout(h, m, k, ds, fp8=precision == "fp8")
-    consts = _constexprs(lay, n, p)
+    consts = _constexprs(lay, n, p, **consts)
     w = jnp.pad(weights.astype(jnp.float32), ((0, 0), (0, lay.hp - h)))
     lens = jnp.clip(lengths.astype(jnp.int32), 0, n)
     qt = padded_query(q, lay)
     if lay.fp8:  # passed as raw bytes, bitcast back in the kernel
         qt = lax.bitcast_convert_type(qt, jnp.uint8)
     return jax_triton.triton_call(
-        lens, qt, w, codes, packed_codebook(codebooks, lay, consts["SWZ"]),
+        lens, qt, w, codes, packed_codebook(codebooks, lay, consts["SWZ"]), pages,
         kernel=_kernel(),
         out_shape=jax.ShapeDtypeStruct((b, n), jnp.float32),
         grid=(b, -(-n // (consts["BN"] * consts["STEPS"]))),
@@ -409,16 +428,16 @@ def coarse_scores_jax_triton(q, weights, codes, codebooks, lengths, *,
 
 
 @functools.partial(jax.jit, static_argnames=("num_candidates", "params",
-                                             "topk_implementation", "precision"))
+                                             "topk_implementation", "precision", "page"))
 def pq_topc_jax_triton(q, weights, codes, codebooks, lengths, *, num_candidates: int,
                        params: Params | None = None,
                        topk_implementation: str = "triton_fused",
-                       precision: str = "bf16"):
+                       precision: str = "bf16", page_table=None, page: int | None = None):
     """Top-C positions of PQ-coded keys: the Triton score kernel, then ``pallas_kernels.topk``
     (``topk_implementation``). Returns (positions [B, C] int32 in any order, -1 padded;
     scores [B, C] f32, -inf at padding). Inputs validated by ``api.pq_topc``; precision
-    "bf16" or "fp8" (module docstring)."""
+    "bf16" or "fp8" (module docstring); page_table, page: codes paged (``api.pq_topc``)."""
     scores = coarse_scores_jax_triton(q, weights, codes, codebooks, lengths, params=params,
-                                      precision=precision)
+                                      precision=precision, page_table=page_table, page=page)
     lens = jnp.clip(lengths.astype(jnp.int32), 0, scores.shape[1])
     return topk(scores, lens, num_candidates, implementation=topk_implementation)

@@ -95,7 +95,7 @@ def _pow2(x: int) -> int:
 
 
 def _coarse_kernel(*refs, block_n: int, blocks_per_program: int, num_centroids: int,
-                   fused: bool):
+                   fused: bool, paged: tuple[int, int, int] | None = None):
     """Coarse PQ scores of one request's SPAN positions; fused: also their pass-1 counts.
 
     Refs: inputs  lengths_ref [1] int32 (lengths[b]), qt_ref [D, H] bf16 (q[b]^T), w_ref [H]
@@ -110,24 +110,46 @@ def _coarse_kernel(*refs, block_n: int, blocks_per_program: int, num_centroids: 
     order-preserving int32 key of ``pallas_kernels.topk``, NT thresholds t.
     Math: s[n] = sum_h w[h] * ReLU( sum_j q[h, j*d:(j+1)*d] . C_j[codes[n, j]] ), with the
     decoded key k[n] = concat_j C_j[codes[n, j]] formed on chip and s = ReLU(k @ q^T) @ w.
+    paged = (P, MP, M): codes_ref is instead a pool [R, M] of code rows shared by the batch
+    (whole array, any space) and pt_ref [B * MP] int32 (after lengths_ref) the flattened page
+    tables: position n reads pool row pt[b * MP + n // P] * P + n % P (row 0 where the page is
+    -1: eligible positions must be mapped), subspaces >= M (padding to M') read code 0.
     """
-    lengths_ref, qt_ref, w_ref, codes_ref, books_ref, *rest = refs
+    if paged is None:
+        lengths_ref, qt_ref, w_ref, codes_ref, books_ref, *rest = refs
+    else:
+        lengths_ref, pt_ref, qt_ref, w_ref, codes_ref, books_ref, *rest = refs
     thr_ref, scores_ref, cnt_ref = rest if fused else (None, rest[0], None)
     thr = thr_ref[...] if fused else None  # [NT] int32
-    num_sub = codes_ref.shape[-1]  # M
     dim = qt_ref.shape[0]  # D
+    num_sub = dim // books_ref.shape[1]  # M (padded)
     length = lengths_ref[0]
     qt = qt_ref[...]  # [D, H] bf16, kept on chip for the whole span
     w = w_ref[...]  # [H] f32
     sub_base = jnp.arange(num_sub, dtype=jnp.int32) * num_centroids  # [M]: row of C_j[0]
     span_start = pl.program_id(1) * (block_n * blocks_per_program)
+    request = pl.program_id(0)  # (read here: interpret mode has no program_id inside loops)
+
+    def load_codes(start):  # [BN, M] codes of positions span_start + start + [0, BN)
+        if paged is None:
+            return pltriton.load(codes_ref.at[pl.ds(start, block_n), :],
+                                 eviction_policy="evict_first")
+        page, max_pages, m = paged
+        pos = span_start + start + jnp.arange(block_n, dtype=jnp.int32)
+        logical = jnp.minimum(pos // page, max_pages - 1)
+        phys = pltriton.load(pt_ref.at[request * max_pages + logical])  # [BN]
+        ids = jnp.maximum(phys, 0) * page + pos % page
+        cols = jnp.arange(num_sub, dtype=jnp.int32)[None, :]
+        return pltriton.load(codes_ref.at[ids[:, None], jnp.minimum(cols, m - 1)],
+                             mask=jnp.broadcast_to(cols < m, (block_n, num_sub)), other=0,
+                             eviction_policy="evict_first")
 
     def body(i, acc):
         start = pl.multiple_of(i * block_n, block_n)
         rows = pl.ds(start, block_n)
         # Garbage codes past the length may be >= K: clamp so every gather stays in bounds.
         # Codes are read once: stream them past the cache that holds the codebook.
-        codes = pltriton.load(codes_ref.at[rows, :], eviction_policy="evict_first")  # [BN, M]
+        codes = load_codes(start)  # [BN, M]
         codes = jnp.minimum(codes.astype(jnp.int32), num_centroids - 1)
         flat = (codes + sub_base[None, :]).reshape(block_n * num_sub)  # [BN * M]
         keys = books_ref[flat, :].reshape(block_n, dim)  # [BN, D] bf16, decoded keys
@@ -185,10 +207,11 @@ class _Layout:
         return self.p.block_n * self.p.blocks_per_program
 
 
-def _layout(q, codes, codebooks, params: Params | None) -> _Layout:
-    """Sizes of one call; fp8 when q (already quantized) is float8_e4m3fn."""
+def _layout(q, codes, codebooks, params: Params | None, paged=None) -> _Layout:
+    """Sizes of one call; fp8 when q (already quantized) is float8_e4m3fn. paged = (page
+    table [B, MP], P): codes is a pool [R, M] and N = MP * P."""
     b, h, _ = q.shape
-    n, m = codes.shape[1:]
+    n, m = codes.shape[1:] if paged is None else (paged[0].shape[1] * paged[1], codes.shape[1])
     k, ds = codebooks.shape[1:]
     fp8 = q.dtype == jnp.float8_e4m3fn
     min_k = MIN_DOT_K_FP8 if fp8 else MIN_DOT_DIM
@@ -199,17 +222,20 @@ def _layout(q, codes, codebooks, params: Params | None) -> _Layout:
     span = p.block_n * p.blocks_per_program
     n_pad = -(-n // span) * span
     # the padded codes' offsets (per call: under a vmap the batched operand is larger)
-    common.check_offsets("pq_topc", codes=jax.ShapeDtypeStruct((b, n_pad, mp), codes.dtype))
+    common.check_offsets("pq_topc", codes=codes if paged is not None else
+                         jax.ShapeDtypeStruct((b, n_pad, mp), codes.dtype))
     return _Layout(b=b, n=n, n_pad=n_pad, hp=hp, dp=mp * dsp, mp=mp, dsp=dsp,
                    k=k, p=p, fp8=fp8)
 
 
-def _operands(q, weights, codes, codebooks, lengths, lay: _Layout):
+def _operands(q, weights, codes, codebooks, lengths, lay: _Layout, paged=None):
     """Kernel operands (lengths [B] clipped to N, q^T [B, D', H'] bf16, weights [B, H'],
     codes [B, N_pad, M'], codebooks [M' * K, d'] bf16; e4m3 instead of bf16 when lay.fp8, the
-    inputs then being ``reference.quantize_fp8``'s), zero padded."""
+    inputs then being ``reference.quantize_fp8``'s), zero padded. paged = (page table, P):
+    the flattened page table [B * MP] follows the lengths and the pool [R, M] is the codes,
+    unpadded (the kernel masks subspaces >= M)."""
     b, h, _ = q.shape
-    n, m = codes.shape[1:]
+    n, m = lay.n, codebooks.shape[0]
     ds = codebooks.shape[2]
     dtype = jnp.float8_e4m3fn if lay.fp8 else jnp.bfloat16
     qt = q.astype(dtype).reshape(b, h, m, ds)
@@ -219,26 +245,32 @@ def _operands(q, weights, codes, codebooks, lengths, lay: _Layout):
     books = jnp.pad(codebooks.astype(dtype),
                     ((0, lay.mp - m), (0, 0), (0, lay.dsp - ds)))
     books = books.reshape(lay.mp * lay.k, lay.dsp)  # [M' * K, d']
+    lens = jnp.clip(lengths.astype(jnp.int32), 0, n)  # padded positions are never eligible
+    if paged is not None:
+        return lens, paged[0].reshape(-1), qt, w, codes, books
     if (lay.n_pad, lay.mp) != (n, m):
         codes = jnp.pad(codes, ((0, 0), (0, lay.n_pad - n), (0, lay.mp - m)))
-    lens = jnp.clip(lengths.astype(jnp.int32), 0, n)  # padded positions are never eligible
     return lens, qt, w, codes, books
 
 
-def _score_call(lay: _Layout, interpret: bool, nt: int | None = None):
+def _score_call(lay: _Layout, interpret: bool, nt: int | None = None,
+                paged: tuple[int, int, int] | None = None):
     """The coarse-score pallas_call, grid (B, N_pad / SPAN): operands -> scores [B, N_pad];
-    with nt (fused): operands + thresholds [B, NT] -> (scores, counts [B, N_pad / SPAN, NT])."""
+    with nt (fused): operands + thresholds [B, NT] -> (scores, counts [B, N_pad / SPAN, NT]).
+    paged = (P, MP, M): the operands of ``_operands(..., paged)`` (``_coarse_kernel``)."""
     fused = nt is not None
     span, grid = lay.span, (lay.b, lay.n_pad // lay.span)
     kernel = functools.partial(_coarse_kernel, block_n=lay.p.block_n,
                                blocks_per_program=lay.p.blocks_per_program, num_centroids=lay.k,
-                               fused=fused)
+                               fused=fused, paged=paged)
+    any_ = pl.BlockSpec(memory_space=pl.ANY)
     in_specs = [
         pl.BlockSpec((1,), lambda i, j: (i,)),  # lengths
+        *([any_] if paged else []),  # page tables, flattened
         pl.BlockSpec((None, lay.dp, lay.hp), lambda i, j: (i, 0, 0)),  # q^T
         pl.BlockSpec((None, lay.hp), lambda i, j: (i, 0)),  # weights
-        pl.BlockSpec((None, span, lay.mp), lambda i, j: (i, j, 0)),  # codes
-        pl.BlockSpec(memory_space=pl.ANY),  # codebooks, gathered from
+        any_ if paged else pl.BlockSpec((None, span, lay.mp), lambda i, j: (i, j, 0)),  # codes
+        any_,  # codebooks, gathered from
     ]
     out_shape = [jax.ShapeDtypeStruct((lay.b, lay.n_pad), jnp.float32)]
     out_specs = [pl.BlockSpec((None, span), lambda i, j: (i, j))]
@@ -339,14 +371,22 @@ def _to_topk_blocks(counts, span: int, cfg: topk_impl.Config):
     return jnp.sum(counts.reshape(b, cfg.nblk, g, nt), axis=2)
 
 
-def _first_pass(q, weights, codes, codebooks, lengths, lay, cfg, interpret):
+def _first_pass(q, weights, codes, codebooks, lengths, lay, cfg, interpret, paged=None):
     """Sample thresholds [B, NT], then the fused kernel: (lengths clipped to N, thresholds,
-    scores [B, N_pad], per-span counts [B, N_pad / SPAN, NT])."""
+    scores [B, N_pad], per-span counts [B, N_pad / SPAN, NT]). paged = (page table [B, MP],
+    P): codes is a pool [R, M] (the sample's codes gathered through the tables)."""
     length, m = topk_impl.row_lengths(jnp.clip(lengths.astype(jnp.int32), 0, lay.n), cfg)
-    xs = sample_scores(q, weights, codes, codebooks, topk_impl.sample_stride(cfg))
+    stride = topk_impl.sample_stride(cfg)
+    if paged is None:
+        xs = sample_scores(q, weights, codes, codebooks, stride)
+        kernel_paged = None
+    else:
+        ids, _ = common.paged_rows(paged[0], lay.n, paged[1])
+        xs = sample_scores(q, weights, codes[ids[:, ::stride]], codebooks, 1)
+        kernel_paged = (paged[1], paged[0].shape[1], codes.shape[1])
     thr = topk_impl.sample_thresholds(xs, length, m, cfg)
-    ops = _operands(q, weights, codes, codebooks, lengths, lay)
-    scores, counts = _score_call(lay, interpret, cfg.nt)(*ops, thr)
+    ops = _operands(q, weights, codes, codebooks, lengths, lay, paged)
+    scores, counts = _score_call(lay, interpret, cfg.nt, kernel_paged)(*ops, thr)
     return length, thr, scores, counts
 
 
@@ -370,14 +410,16 @@ def fused_first_pass(q, weights, codes, codebooks, lengths, *, num_candidates: i
 
 
 @functools.partial(jax.jit, static_argnames=("num_candidates", "params", "interpret",
-                                             "tunables", "precision"))
-def _pq_topc_fused(q, weights, codes, codebooks, lengths, *, num_candidates: int,
-                   params: Params | None, interpret: bool, tunables: tuple, precision: str):
+                                             "tunables", "precision", "page"))
+def _pq_topc_fused(q, weights, codes, codebooks, lengths, page_table=None, *,
+                   num_candidates: int, params: Params | None, interpret: bool, tunables: tuple,
+                   precision: str, page: int | None = None):
     q, weights, codebooks = _quantized(q, weights, codebooks, precision)
-    lay = _layout(q, codes, codebooks, params)
+    paged = None if page_table is None else (page_table, page)
+    lay = _layout(q, codes, codebooks, params, paged)
     cfg = _topk_config(lay, num_candidates, interpret, tunables)
     length, thr, scores, counts = _first_pass(q, weights, codes, codebooks, lengths, lay, cfg,
-                                              interpret)
+                                              interpret, paged)
     counts = _to_topk_blocks(counts, lay.span, cfg)
     return topk_impl.topk_after_first_pass(scores, length, thr, counts, cfg)
 
@@ -393,7 +435,8 @@ def select_top_c(scores, lengths, num_candidates: int, implementation: str = "tr
 def pq_topc_triton(q, weights, codes, codebooks, lengths, *, num_candidates: int,
                    params: Params | None = None, interpret: bool | None = None,
                    fused: bool = True, topk_implementation: str = "triton",
-                   topk_tunables: dict | None = None, precision: str = "bf16"):
+                   topk_tunables: dict | None = None, precision: str = "bf16",
+                   page_table=None, page: int | None = None):
     """Top-C positions of PQ-coded keys (see the module docstring); inputs as in
     ``api.pq_topc``. fused=True: the score kernel also runs topk's first counting pass, then
     topk continues from there. fused=False: the score kernel, then ``select_top_c`` with
@@ -402,18 +445,22 @@ def pq_topc_triton(q, weights, codes, codebooks, lengths, *, num_candidates: int
     digit_bits, chunk, num_warps, select_warps) for the triton top-C stage; None: defaults.
     ``precision`` "bf16": q and codebooks rounded to bf16; "fp8": quantized to e4m3 by
     ``reference.quantize_fp8`` (scales folded into the head weights), an e4m3 x e4m3 dot with
-    f32 accumulation."""
+    f32 accumulation. page_table [B, MP] int32 with page P: codes is a pool [R, M] of code
+    rows shared by the batch, position n of request b its row page_table[b, n // P] * P +
+    n % P (``api.pq_topc``; fused only)."""
     _check_precision(precision)
     if interpret is None:  # resolved outside jit: it reads the abstract-mesh context
         interpret = common.interpret()
+    if page_table is not None and not fused:
+        raise ValueError("pq_topc_triton: paged codes (page_table) need fused=True")
     if fused:
         if topk_implementation != "triton":
             raise ValueError(f"pq_topc_triton: fused=True needs topk_implementation='triton', "
                              f"got {topk_implementation!r}")
-        return _pq_topc_fused(q, weights, codes, codebooks, lengths,
+        return _pq_topc_fused(q, weights, codes, codebooks, lengths, page_table,
                               num_candidates=num_candidates, params=params,
                               interpret=bool(interpret), tunables=_frozen(topk_tunables),
-                              precision=precision)
+                              precision=precision, page=page)
     scores = coarse_scores_triton(q, weights, codes, codebooks, lengths, params=params,
                                   interpret=interpret, precision=precision)
     if topk_tunables and topk_implementation == "triton":

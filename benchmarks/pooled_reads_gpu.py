@@ -1,8 +1,9 @@
-"""HiSparse's decode indexer over device page pools (GPU): gather + contiguous kernel against
-the paged kernel that reads the keys in place.
+"""Decode-step reads of device page pools (GPU): a gathered copy + the contiguous kernel against
+the paged kernels that read in place. Keys: HiSparse's exact decode indexer
+(``index_scores_paged``); codes: LeanSparse's coarse pass (``pq_topc`` with a page table).
 
 Run on the GPU machine:
-  python3 benchmarks/index_scores_paged_gpu.py --out results/index_scores_paged_gpu
+  python3 benchmarks/pooled_reads_gpu.py --out results/pooled_reads_gpu
 Shape (``CacheConfig.device_pages``, capacity.gin's pages of 64): B requests (default 8 and
 36, HiSparse's N at 512K in the capacity study) x N = 131104 positions (512K / 4 + 32) of FP8
 keys (D 128, one scale) in a pool of pages assigned in a random order, each request's last
@@ -13,8 +14,11 @@ calls it (f32 q: the kernel's hi + lo split). Variants, each timed as one jitted
               "triton" on the copy (what ``PooledIndex.select`` ran before session 34)
   paged       ``index_scores_paged`` "triton" (``device_pool.pooled_decode_scores``)
   contiguous  ``index_scores`` "triton" on keys already contiguous (no pool: the floor)
-Each variant's scores must equal the paged kernel's bit for bit (printed). Prints a table, and
-with --out writes JSON after every row.
+Each variant's scores must equal the paged kernel's bit for bit (printed).
+Codes (B x 131072 positions of 32 PQ codes, pages of 64, C 2048, the coarse pass at
+``--coarse``, default jax_triton fp8 as capacity_s34.gin): codes_gather (``common.paged_rows``
+gather, then ``pq_topc``) against codes_paged (``pq_topc(..., page_table=...)``); the top-C
+sets and their scores must agree. Prints a table, and with --out writes JSON after every row.
 """
 
 import argparse
@@ -25,7 +29,9 @@ import numpy as np
 from timing import program_time, write_results  # benchmarks/timing.py
 
 from lsparse_jax.memory.device_pool import PoolView, gather_slot_rows, pooled_decode_scores
+from pallas_kernels import common
 from pallas_kernels.index_scores import index_scores
+from pallas_kernels.pq_topc import pq_topc
 
 H, D, PAGE = 64, 128, 64
 HBM = 3.0e12  # bytes/s, the roofline of reading the keys once
@@ -64,9 +70,44 @@ def variant(name):
     return jax.vmap(one, in_axes=(0, 0, None, 0, 0, 0, 0))
 
 
+M, K, C = 32, 256, 2048
+
+
+def codes_problem(seed, b, n):
+    """(q [B, H, D], w [B, H], pool [R, M] uint8, codebooks [M, K, D / M], lengths [B],
+    tables [B, MP])."""
+    k = jax.random.split(jax.random.key(seed), 5)
+    mp = n // PAGE
+    pool = jax.random.randint(k[0], (b * mp * PAGE, M), 0, K).astype(jnp.uint8)
+    tables = jax.random.permutation(k[1], b * mp).reshape(b, mp).astype(jnp.int32)
+    return (jax.random.normal(k[2], (b, H, D)), jax.random.normal(k[3], (b, H)), pool,
+            jax.random.normal(k[4], (M, K, D // M)), jnp.full((b,), n, jnp.int32), tables)
+
+
+def coarse_variant(name, impl, precision):
+    """fn(q, w, pool, books, lengths, tables) -> (positions, scores) [B, C], vmapped over B."""
+    def one(q, w, pool, books, n, table):
+        kw = dict(num_candidates=C, implementation=impl, precision=precision)
+        if name == "codes_paged":
+            return pq_topc(q[None], w[None], pool, books, n[None], page_table=table[None],
+                           page=PAGE, **kw)
+        ids, _ = common.paged_rows(table[None], table.shape[0] * PAGE, PAGE)
+        return pq_topc(q[None], w[None], pool[ids], books, n[None], **kw)
+    return jax.vmap(lambda *a: jax.tree.map(lambda x: x[0], one(*a)),
+                    in_axes=(0, 0, None, None, 0, 0))
+
+
+def sorted_by_position(out):
+    pos, val = (np.asarray(x) for x in out)
+    order = np.argsort(pos, axis=1)
+    return np.take_along_axis(pos, order, 1), np.take_along_axis(val, order, 1)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="8,36")
+    p.add_argument("--coarse", default="jax_triton:fp8",
+                   help="implementation:precision of the coarse pass, comma-separated")
     p.add_argument("--n", type=int, default=131104)
     p.add_argument("--sets", type=int, default=4)
     p.add_argument("--repeats", type=int, default=10)
@@ -88,9 +129,25 @@ def main():
                              hbm_fraction=key_bytes / HBM / (ms * 1e-3),
                              equal_to_paged=same))
             write_results(args.out, "results.json", args, rows)
-    print(f"{'batch':>5} {'variant':>10} {'ms':>8} {'of HBM':>7} {'= paged':>8}")
+        n = args.n // PAGE * PAGE
+        sets = [codes_problem(i, b, n) for i in range(args.sets)]
+        for spec in args.coarse.split(","):
+            impl, precision = spec.split(":")
+            ref = None
+            for name in ("codes_paged", "codes_gather"):
+                fn = coarse_variant(name, impl, precision)
+                ms = 1e3 * program_time(fn, sets, repeats=args.repeats)
+                got = sorted_by_position(jax.jit(fn)(*sets[0]))
+                same = True if ref is None else all(np.array_equal(a, r)
+                                                    for a, r in zip(got, ref))
+                ref = got if ref is None else ref
+                rows.append(dict(batch=b, n=n, variant=f"{name} {impl} {precision}", ms=ms,
+                                 hbm_fraction=b * n * M / HBM / (ms * 1e-3),
+                                 equal_to_paged=same))
+                write_results(args.out, "results.json", args, rows)
+    print(f"{'batch':>5} {'variant':>26} {'ms':>8} {'of HBM':>7} {'= paged':>8}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['variant']:>10} {r['ms']:8.3f} {r['hbm_fraction']:7.1%} "
+        print(f"{r['batch']:>5} {r['variant']:>26} {r['ms']:8.3f} {r['hbm_fraction']:7.1%} "
               f"{str(r['equal_to_paged']):>8}")
 
 
