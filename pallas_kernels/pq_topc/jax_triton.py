@@ -315,10 +315,10 @@ def _kernel():
                     phys = tl.load(pt_ptr + b * MPG + tl.minimum(rows // PAGE, MPG - 1),
                                    mask=rows < N, other=0)
                     at = tl.maximum(phys, 0).to(tl.int64) * PAGE + rows % PAGE  # [BN]
+                    addr = base + at[:, None] * M + sub[None, :]
                 else:
-                    at = b * N + rows
-                idx = tl.load(base + at[:, None] * M + sub[None, :],
-                              mask=ok, other=0, eviction_policy="evict_first")
+                    addr = base + b * (N * M) + rows[:, None] * M + sub[None, :]
+                idx = tl.load(addr, mask=ok, other=0, eviction_policy="evict_first")
                 idx = tl.minimum(idx.to(tl.int32), K - 1)  # [BN, W]
                 if FLAT:
                     flat = tl.reshape(idx * W + (words[None, :] ^ (idx & SWZ)), (BN * W,))
