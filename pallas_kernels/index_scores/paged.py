@@ -70,13 +70,14 @@ def _kernel(q_ref, w_ref, pt_ref, kv_ref, ks_ref, tv_ref, ts_ref, t0_ref, valid_
     tail0 = plt.load(t0_ref.at[b])                                 # scalar
 
     def gather(vref, sref, rows, mask):
-        """Loaders of rows [BC] of a values / flattened scales pair (masked lanes read
-        nothing and give 0)."""
-        def keys(j):
-            bits = plt.load(vref.at[rows[:, None], cols + j * bs], mask=mask[:, None], other=0)
-            return jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn)  # [BC, BS]
+        """Loaders of rows [BC] of a values / flattened scales pair: value bits [BC, BS] uint8
+        and scales [BC] of scale block j (masked lanes read nothing and give 0)."""
+        return (lambda j: plt.load(vref.at[rows[:, None], cols + j * bs], mask=mask[:, None],
+                                   other=0),
+                lambda j: plt.load(sref.at[rows * nb + j], mask=mask, other=0.0))
 
-        return keys, lambda j: plt.load(sref.at[rows * nb + j], mask=mask, other=0.0)
+    def e4m3(bits):  # [BC, BS] uint8 -> the e4m3 values they hold
+        return lambda j: jax.lax.bitcast_convert_type(bits(j), jnp.float8_e4m3fn)
 
     def score_block(start):
         pos = base + start + offs                                  # [BC] positions
@@ -89,13 +90,13 @@ def _kernel(q_ref, w_ref, pt_ref, kv_ref, ks_ref, tv_ref, ts_ref, t0_ref, valid_
                                        jnp.where(pooled, phys * page + pos % page, 0), pooled)
 
         def from_pool():
-            return block_scores(pool_keys, pool_scale, parts, w, nb, barrier)
+            return block_scores(e4m3(pool_keys), pool_scale, parts, w, nb, barrier)
 
-        def with_tail():  # the block meets the tail: each row from where it lies
+        def with_tail():  # the block meets the tail: each row from where it lies (bits)
             tail_keys, tail_scale = gather(tv_ref, ts_ref,
                                            jnp.where(tailed, b * page + pos - tail0, 0), tailed)
             return block_scores(
-                lambda j: jnp.where(in_tail[:, None], tail_keys(j), pool_keys(j)),
+                e4m3(lambda j: jnp.where(in_tail[:, None], tail_keys(j), pool_keys(j))),
                 lambda j: jnp.where(in_tail, tail_scale(j), pool_scale(j)),
                 parts, w, nb, barrier)
 
