@@ -37,11 +37,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import common
-from pallas_kernels.index_scores.reference import quantize_queries
 from pallas_kernels.index_scores.triton import (
     block_scores,
     check_triton_shapes,
-    padded_heads,
+    kernel_queries,
     query_parts,
     resolve_config,
 )
@@ -129,12 +128,8 @@ def index_scores_paged_triton(q, weights, pool_values, pool_scales, page_table, 
     check_triton_shapes("index_scores_paged", d, nb, fp8)
     common.check_offsets("index_scores_paged", pool_values=pool_values)
     block_c, steps, num_warps = resolve_config(b, h, n, block_c, steps, num_warps)
-    if fp8:
-        q, weights = quantize_queries(q, weights)
-    hp = padded_heads(h)
-    if hp != h:  # zero heads with zero weight add nothing
-        q = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
-        weights = jnp.pad(weights, ((0, 0), (0, hp - h)))
+    q, weights = kernel_queries(q, weights, fp8)
+    hp = q.shape[1]
     rows = block_c * steps                                         # positions per program
     npad = -(-n // rows) * rows
     valid = jnp.pad(valid, ((0, 0), (0, npad - n)))

@@ -198,12 +198,7 @@ def index_scores_triton(q: jnp.ndarray, weights: jnp.ndarray, key_values: jnp.nd
     c, nb = key_values.shape[1], key_scales.shape[2]
     check_triton_shapes("index_scores", d, nb, fp8)
     block_c, steps, num_warps = resolve_config(b, h, c, block_c, steps, num_warps)
-    if fp8:
-        q, weights = quantize_queries(q, weights)
-    hp = padded_heads(h)
-    if hp != h:  # zero heads with zero weight add nothing
-        q = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
-        weights = jnp.pad(weights, ((0, 0), (0, hp - h)))
+    q, weights = kernel_queries(q, weights, fp8)
     rows = block_c * steps                                         # candidates per program
     call = functools.partial(_call, block_c=block_c, steps=steps, num_warps=num_warps,
                              num_stages=num_stages, fp8=fp8, rows=rows)
@@ -225,6 +220,19 @@ def index_scores_triton(q: jnp.ndarray, weights: jnp.ndarray, key_values: jnp.nd
         return tail
     head = call(q, weights, key_values, key_scales, valid, full)
     return jnp.concatenate([head, tail], axis=1)
+
+
+def kernel_queries(q, weights, fp8: bool):
+    """(q, weights) as the kernels take them: e4m3 queries with their scales in the weights
+    when fp8 (``reference.quantize_queries``), heads zero-padded to HP (zero heads with zero
+    weight add nothing)."""
+    if fp8:
+        q, weights = quantize_queries(q, weights)
+    h, hp = q.shape[1], padded_heads(q.shape[1])
+    if hp != h:
+        q = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
+        weights = jnp.pad(weights, ((0, 0), (0, hp - h)))
+    return q, weights
 
 
 def _call(q, weights, key_values, key_scales, valid, c: int, *, block_c: int, steps: int,
