@@ -237,3 +237,36 @@ def test_gpu_decode_shape_matches_the_contiguous_kernel(impl):
     live = np.isfinite(want)
     assert np.all(got[~live] == -np.inf)
     assert_close(got, want, "float32", mask=live)
+
+
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+def test_per_request_pools_and_row_tables(impl):
+    """A pool per request ([B, R, D]) with page 1 (the table names rows: a candidate list read
+    in place from each request's key cache, LeanSparse's rescoring) and a tail of P rows at
+    the end of the list: the contiguous scores of the gathered rows, bit for bit for the
+    kernel; under the engine's vmap too."""
+    rng = np.random.default_rng(6)
+    b, h, d, r, c, p = 3, 4, 64, 40, 50, 8
+    q = rng.standard_normal((b, h, d), np.float32)
+    w = rng.standard_normal((b, h), np.float32)
+    keys = rng.standard_normal((b, r + p, d), np.float32)
+    values, scales = (np.asarray(x) for x in quantize_index_keys(jnp.asarray(keys), d))
+    rows = rng.integers(-1, r, (b, c + p)).astype(np.int32)      # -1: dropped candidates
+    rows[:, c:] = -1                                               # the tail's entries
+    valid = (rows >= 0) | (np.arange(c + p) >= c)[None, :]
+    valid[1, c + 3:] = False                                       # a tail not yet full
+    tail = (values[:, r:], scales[:, r:], np.full((b,), c, np.int32))
+    got = index_scores_paged(q, w, values[:, :r], scales[:, :r], rows, valid, page=1,
+                             tail=tail, implementation=impl)
+    pick = np.concatenate([np.maximum(rows[:, :c], 0), r + np.arange(p)[None].repeat(b, 0)], 1)
+    gathered = (q, w, np.take_along_axis(values, pick[..., None], 1),
+                np.take_along_axis(scales, pick[..., None], 1), valid)
+    want = index_scores(*gathered, implementation="triton" if impl == "triton" else "xla")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    one = functools.partial(index_scores_paged, page=1, implementation=impl)
+    per_slot = jax.vmap(lambda q, w, v, s, t, ok, tv, ts, t0: one(
+        q[None], w[None], v[None], s[None], t[None], ok[None],
+        tail=(tv[None], ts[None], t0[None]))[0])
+    np.testing.assert_array_equal(
+        np.asarray(per_slot(q, w, values[:, :r], scales[:, :r], rows, valid, *tail)),
+        np.asarray(got))

@@ -301,3 +301,32 @@ def test_pooled_codes_are_read_in_place_bit_for_bit_with_kernels():
     finally:
         lean_module.pq_topc = original
     assert True in paged_calls and False in paged_calls
+
+
+def test_rescoring_reads_the_key_cache_in_place_as_the_gathered_copy():
+    """``cached_scores`` (LeanSparse's exact scores with kernels: the candidate list read in
+    place from the key cache rows and the tail) equals ``index_scores`` on the rows a resolve
+    would have gathered, bit for bit (interpret mode): dropped candidates (-1) and a tail not
+    yet full score -inf."""
+    from lsparse_jax.methods.leansparse import cached_scores
+    from lsparse_jax.quant import quantize_index_keys
+    from pallas_kernels.index_scores import index_scores
+
+    rng = np.random.default_rng(9)
+    h, d, rows, c, page = 4, 32, 48, 40, 8
+    keys = rng.standard_normal((rows + page, d), np.float32)
+    values, scales = (np.asarray(x) for x in quantize_index_keys(jnp.asarray(keys), d))
+    row_of = rng.integers(-1, rows, c + page).astype(np.int32)
+    row_of[c:] = -1
+    ok = (row_of >= 0) | (np.arange(c + page) >= c)
+    ok[c + 5:] = False
+    q, w = rng.standard_normal((h, d), np.float32), rng.standard_normal(h).astype(np.float32)
+    got = cached_scores("triton", jnp.asarray(q), jnp.asarray(w),
+                        (jnp.asarray(values[:rows]), jnp.asarray(scales[:rows])),
+                        jnp.asarray(row_of), jnp.asarray(ok)[None],
+                        (jnp.asarray(values[rows:]), jnp.asarray(scales[rows:])), c)
+    pick = np.concatenate([np.maximum(row_of[:c], 0), rows + np.arange(page)])
+    want = index_scores(q[None], w[None], values[pick][None], scales[pick][None], ok[None],
+                        implementation="triton")[0]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert np.isneginf(np.asarray(got)[~ok]).all() and np.isfinite(np.asarray(got)[ok]).all()

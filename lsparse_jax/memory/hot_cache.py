@@ -88,6 +88,16 @@ def resolve(hot: HotCache, selected, tail, paged, page_table, pool,
                         optional, ready)[:3]
 
 
+def resolve_in_place(hot: HotCache, selected, tail, paged, page_table, pool,
+                     implementation: str | None = "xla"):
+    """``resolve_plan``'s cache update without the gathered rows, for a consumer that reads
+    them in place: (new hot cache, counts, row_of [k] int32 the hot row of each selected
+    position, -1 where it is -1 or in the tail, whose row is tail[selected - paged])."""
+    _, hot, counts, plan = resolve_plan(hot, selected, tail, paged, page_table, pool,
+                                        implementation)
+    return hot, counts, plan.row_of
+
+
 def resolve_plan(hot: HotCache, selected, tail, paged, page_table, pool,
                  implementation: str | None = "xla", optional=None, ready=None):
     """Makes every selected row readable on the device and returns the rows in order.

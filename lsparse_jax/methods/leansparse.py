@@ -30,20 +30,26 @@ from lsparse_jax.memory.device_pool import (
     page_in,
     scatter_pages,
 )
-from lsparse_jax.memory.hot_cache import resolve
+from lsparse_jax.memory.hot_cache import resolve, resolve_in_place
 from lsparse_jax.memory.key_store import KeyPageView, PagedKeys
 from lsparse_jax.memory.paged_kv import PageView, paged_rows
 from lsparse_jax.memory.paging import CompletedPages, page_out
 from lsparse_jax.methods.base import register
 from lsparse_jax.methods.hisparse import HiSparse
-from lsparse_jax.model.store import NUM_SOURCES, IndexerQuery, Selection, select_each
+from lsparse_jax.model.store import (
+    NUM_SOURCES,
+    IndexerQuery,
+    Selection,
+    decode_kernel,
+    select_each,
+)
 from lsparse_jax.model.traces import indexer_traces
 from lsparse_jax.parallel import current_mesh, head_sum
 from lsparse_jax.quant import dequantize_index_keys
 from lsparse_jax.quant.pq import encode, train_codebooks
 from lsparse_jax.request_groups import grouped, on_stream
 from pallas_kernels import common
-from pallas_kernels.index_scores.api import index_scores
+from pallas_kernels.index_scores.api import index_scores, index_scores_paged
 from pallas_kernels.pq_topc.api import pq_topc
 from pallas_kernels.pq_topc.reference import masked_coarse_scores, masked_coarse_scores_fp8
 from pallas_kernels.topk.api import topk
@@ -182,18 +188,27 @@ class CoarseToFineIndex:
         cached = jnp.zeros((n,), bool).at[spot].set(True, mode="drop", unique_indices=True)
         tail = paged + jnp.arange(self.page_size)
         tail = jnp.where(eligible[0][jnp.clip(tail, 0, n - 1)] & (tail < n), tail, -1)
-        fetch = on_stream(functools.partial(resolve, implementation=self.implementation),
-                          fetch_stream)
+        # with kernels the exact scores read the key cache's rows in place (the candidate
+        # gather fused into the scoring: ``index_scores_paged`` with rows for pages)
+        in_place = decode_kernel(1, self.implementation, "index_scores_paged")
+        fetch = on_stream(functools.partial(resolve if in_place is None else resolve_in_place,
+                                            implementation=self.implementation), fetch_stream)
 
         def exact_scores(retained):
-            (values, scales), cache, sources = fetch(
-                state.cache, retained, state.tail, paged, context.page_table, context.pool)
             # tp > 1: each device scores with its heads, partial scores summed before top-k
-            exact = head_sum(functools.partial(
-                index_scores, implementation=for_op("index_scores", self.implementation)),
-                (1, 1, None, None, None))
-            scores = exact(q[None], w[None], values[None], scales[None], (retained >= 0)[None])
-            return scores[0], (cache, sources)
+            ok = (retained >= 0)[None]
+            if in_place is None:
+                (values, scales), cache, sources = fetch(
+                    state.cache, retained, state.tail, paged, context.page_table, context.pool)
+                exact = head_sum(functools.partial(
+                    index_scores, implementation=for_op("index_scores", self.implementation)),
+                    (1, 1, None, None, None))
+                return exact(q[None], w[None], values[None], scales[None], ok)[0], (cache,
+                                                                                     sources)
+            cache, sources, row_of = fetch(state.cache, retained, state.tail, paged,
+                                           context.page_table, context.pool)
+            return cached_scores(in_place, q, w, cache.rows, row_of, ok, state.tail,
+                                 retained.shape[0] - self.page_size), (cache, sources)
 
         cold = state.cache.clock < self.settings.warm_steps  # decode steps it has served
         selected, _, (cache, key_sources) = coarse_to_fine(
@@ -203,6 +218,22 @@ class CoarseToFineIndex:
         selection = Selection(selected[None], jnp.sum(eligible, -1).astype(jnp.int32),
                               jnp.zeros((1, NUM_SOURCES), jnp.int32), key_sources[None])
         return state.replace(cache=cache), selection
+
+
+def cached_scores(kernel: str, q, w, rows, row_of, ok, tail, start: int):
+    """Exact scores [k] of one query (q [H, D], w [H]) over a candidate list whose entry j is
+    key cache row row_of[j] (rows: ([Bk, D_I] e4m3, [Bk, nb] f32)) or, for j >= start, tail
+    row j - start (tail ([P, D_I], [P, nb])); ok [1, k] which entries count. The
+    ``index_scores_paged`` kernel reads the rows where they are, with the arithmetic of
+    ``index_scores`` on a gathered copy (bit for bit)."""
+    def op(q, w, v, s, table, ok, tv, ts, t0):
+        return index_scores_paged(q, w, v, s, table, ok, page=1, tail=(tv, ts, t0),
+                                  implementation=kernel)
+
+    (values, scales), (tv, ts) = rows, tail
+    exact = head_sum(op, (1, 1) + (None,) * 7)  # tp > 1: partial sums over the devices
+    return exact(q[None], w[None], values[None], scales[None], row_of[None], ok, tv[None],
+                 ts[None], jnp.full((1,), start, jnp.int32))[0]
 
 
 @struct.dataclass

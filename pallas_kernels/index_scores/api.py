@@ -103,14 +103,19 @@ def _check_paged(q, weights, pool_values, pool_scales, page_table, tail, valid,
     def fail(arg, what):
         raise ValueError(f"{OP}_paged: {arg} {what}")
 
+    b = q.shape[0]
+    per = pool_values.ndim == 3  # per-request pools [B, R, ...]
     if pool_values.dtype != jnp.float8_e4m3fn:
         fail("pool_values", f"must be float8_e4m3fn, got {pool_values.dtype}")
-    if pool_values.shape[0] % page:
-        fail("pool_values", f"has {pool_values.shape[0]} rows, not whole pages of {page}")
-    if pool_scales.shape[0] != pool_values.shape[0]:
-        fail("pool_scales", f"must be [R, NB] with R={pool_values.shape[0]}, got shape "
-             f"{pool_scales.shape}")
-    b = q.shape[0]
+    if per and pool_values.shape[0] != b:
+        fail("pool_values", f"per request must be [B, R, D] with B={b}, got shape "
+             f"{pool_values.shape}")
+    r = pool_values.shape[-2]
+    if r % page:
+        fail("pool_values", f"has {r} rows, not whole pages of {page}")
+    if pool_scales.ndim != pool_values.ndim or pool_scales.shape[:-1] != pool_values.shape[:-1]:
+        fail("pool_scales", f"must be [{'B, ' if per else ''}R, NB] like pool_values "
+             f"{pool_values.shape}, got shape {pool_scales.shape}")
     if page_table.ndim != 2 or page_table.shape[0] != b:
         fail("page_table", f"must be [B, MP] with B={b}, got shape {page_table.shape}")
     if page_table.dtype != jnp.int32:
@@ -118,19 +123,20 @@ def _check_paged(q, weights, pool_values, pool_scales, page_table, tail, valid,
     if valid.ndim != 2:
         fail("valid", f"must be [B, N], got shape {valid.shape}")
     tail_values, tail_scales, tail_start = tail
-    rows = (b, page) + pool_values.shape[1:]
-    if tail_values.shape != rows or tail_values.dtype != pool_values.dtype:
-        fail("tail", f"values must be {pool_values.dtype} [B, P, D] = {rows}, got "
-             f"{tail_values.dtype} {tail_values.shape}")
-    if tail_scales.shape != (b, page) + pool_scales.shape[1:] \
+    rows = tail_values.shape[1] if tail_values.ndim == 3 else 0
+    if tail_values.shape != (b, rows) + pool_values.shape[-1:] or rows < 1 \
+            or tail_values.dtype != pool_values.dtype:
+        fail("tail", f"values must be {pool_values.dtype} [B, T, D] with B={b}, T >= 1, "
+             f"D={pool_values.shape[-1]}, got {tail_values.dtype} {tail_values.shape}")
+    if tail_scales.shape != (b, rows) + pool_scales.shape[-1:] \
             or tail_scales.dtype != pool_scales.dtype:
-        fail("tail", f"scales must be like the pool's, [B, P, NB], got {tail_scales.dtype} "
+        fail("tail", f"scales must be like the pool's, [B, T, NB], got {tail_scales.dtype} "
              f"{tail_scales.shape}")
     if tail_start.shape != (b,) or tail_start.dtype != jnp.int32:
         fail("tail", f"start must be int32 [B] = {(b,)}, got {tail_start.dtype} "
              f"{tail_start.shape}")
     # the per-request checks of index_scores on stand-ins of the gathered rows
-    row = lambda x: jax.ShapeDtypeStruct((b, valid.shape[1]) + x.shape[1:], x.dtype)  # noqa
+    row = lambda x: jax.ShapeDtypeStruct((b, valid.shape[1]) + x.shape[-1:], x.dtype)  # noqa
     _check(q, weights, row(pool_values), row(pool_scales), valid)
 
 
@@ -142,14 +148,16 @@ def index_scores_paged(q, weights, pool_values, pool_scales, page_table, valid, 
     Inputs:
       q           [B, H, D]   f32 or bf16 queries
       weights     [B, H]      f32 head weights
-      pool_values [R, D]      float8_e4m3fn key values, R = NP * P (pages of P rows)
-      pool_scales [R, NB]     f32 block scales
+      pool_values [R, D]      float8_e4m3fn key values, R = NP * P (pages of P rows), shared
+                              by the batch; or [B, R, D]: a pool per request (its table
+                              names its own pool's pages)
+      pool_scales [R, NB]     f32 block scales (or [B, R, NB])
       page_table  [B, MP]     int32 pool page of each request's logical page, -1 none
       valid       [B, N]      bool: which positions 0..N-1 to score
       page        P           static int, rows per page
-      tail        optional (values [B, P, D] e4m3, scales [B, P, NB] f32, start [B] int32):
-                  each request's page being filled, outside the pool: positions
-                  start .. start + P - 1 are its rows (not the page table's)
+      tail        optional (values [B, T, D] e4m3, scales [B, T, NB] f32, start [B] int32):
+                  rows outside the pool (e.g. the page being filled, T = P): positions
+                  start .. start + T - 1 are its rows (not the page table's)
     Math: position n of request b is its tail's row n - start[b] if in the tail, else pool
       row page_table[b, n // P] * P + n % P; scores as ``index_scores`` of those rows.
     Outputs:
@@ -158,8 +166,8 @@ def index_scores_paged(q, weights, pool_values, pool_scales, page_table, valid, 
     Implementations: "xla" (``reference.index_scores_paged_xla``: gather, then
     ``index_scores_xla``), "triton" (``paged.py``: rows read in place, the contiguous kernel's
     arithmetic and launch, so a key scores bit for bit as there), "triton_fp8" (its fp8 x fp8
-    form). None: "triton" on a GPU, else "xla". Vmappable over requests with the pool shared
-    (in_axes None): the kernel then runs once over every request.
+    form). None: "triton" on a GPU, else "xla". Vmappable over requests, a shared pool with
+    in_axes None, per-request pools mapped: the kernel then runs once over every request.
     Raises ValueError for bad shapes/dtypes (naming the argument) or implementations.
     """
     impl = common.choose(f"{OP}_paged", implementation, PAGED_AVAILABLE, FASTEST_ON_GPU)
@@ -169,13 +177,13 @@ def index_scores_paged(q, weights, pool_values, pool_scales, page_table, valid, 
         raise ValueError(f"{OP}_paged: q must be [B, H, D], got shape {args[0].shape}")
     if isinstance(page, bool) or not isinstance(page, int) or page < 1:
         raise ValueError(f"{OP}_paged: page must be a static int >= 1, got {page!r}")
-    if args[2].ndim != 2 or args[3].ndim != 2:
-        raise ValueError(f"{OP}_paged: pool_values and pool_scales must be [R, D] and "
-                         f"[R, NB], got shapes {args[2].shape}, {args[3].shape}")
+    if args[2].ndim not in (2, 3):
+        raise ValueError(f"{OP}_paged: pool_values must be [R, D] (or [B, R, D] per request), "
+                         f"got shape {args[2].shape}")
     b = args[0].shape[0]
     if tail is None:  # a tail no position reaches
-        tail = (jnp.zeros((b, page) + args[2].shape[1:], args[2].dtype),
-                jnp.ones((b, page) + args[3].shape[1:], args[3].dtype),
+        tail = (jnp.zeros((b, page) + args[2].shape[-1:], args[2].dtype),
+                jnp.ones((b, page) + args[3].shape[-1:], args[3].dtype),
                 jnp.full((b,), -2 ** 30, jnp.int32))
     tail = tuple(jnp.asarray(t) for t in tail)
     _check_paged(*args, tail, valid, page)
@@ -191,8 +199,8 @@ def index_scores_paged(q, weights, pool_values, pool_scales, page_table, valid, 
     from pallas_kernels.index_scores.paged import index_scores_paged_triton
 
     kernel = partial(index_scores_paged_triton, page=page, fp8=impl == "triton_fp8")
-    shared = (False, False)  # the pool's values and scales
-    return common.batch_folding(kernel, (True, True, *shared, True, True, True, True,
+    per_request = (args[2].ndim == 3,) * 2  # the pool's values and scales: shared or not
+    return common.batch_folding(kernel, (True, True, *per_request, True, True, True, True,
                                          True))(*args)
 
 

@@ -7,8 +7,8 @@ Notation:
   entries per request, N positions per request; BC positions per block, STEPS blocks per
   program (``triton.default_config``), NPAD = N rounded up to whole programs.
 
-Math: position n of request b is row n - t[b] of its tail (the page being filled, outside the
-pool) when t[b] <= n < t[b] + P, else pool row page_table[b, n // P] * P + n % P; its score is
+Math: position n of request b is row n - t[b] of its tail (T rows outside the pool, e.g. the
+page being filled) when t[b] <= n < t[b] + T, else pool row page_table[b, n // P] * P + n % P; its score is
 index_scores' sum_h w[b, h] ReLU(q[b, h] . dequant(key)), -inf where the position is invalid
 or, outside the tail, its page is unmapped (-1, or n // P >= MP).
 
@@ -37,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import common
+from pallas_kernels.index_scores.reference import one_pool
 from pallas_kernels.index_scores.triton import (
     block_scores,
     check_triton_shapes,
@@ -47,16 +48,16 @@ from pallas_kernels.index_scores.triton import (
 
 
 def _kernel(q_ref, w_ref, pt_ref, kv_ref, ks_ref, tv_ref, ts_ref, t0_ref, valid_ref, out_ref,
-            *, nb: int, bs: int, bc: int, steps: int, page: int, max_pages: int, fp8: bool,
-            barrier: bool):
+            *, nb: int, bs: int, bc: int, steps: int, page: int, max_pages: int,
+            tail_rows: int, fp8: bool, barrier: bool):
     # inputs
     #   q_ref      [HP, D]           f32 or bf16 (request b; FP8 when fp8)
     #   w_ref      [HP]              f32
     #   pt_ref     [B * MP]          int32 page tables, flattened (whole array, ANY)
     #   kv_ref     [R, D]            uint8 bits of the e4m3 pool values (ANY)
     #   ks_ref     [R * NB]          f32 pool scales, flattened (ANY)
-    #   tv_ref     [B * P, D]        uint8 bits of the e4m3 tail values (ANY)
-    #   ts_ref     [B * P * NB]      f32 tail scales, flattened (ANY)
+    #   tv_ref     [B * T, D]        uint8 bits of the e4m3 tail values (ANY)
+    #   ts_ref     [B * T * NB]      f32 tail scales, flattened (ANY)
     #   t0_ref     [B]               int32 first position of each request's tail (ANY)
     #   valid_ref  [steps * BC]      bool (positions of program i)
     # outputs
@@ -82,7 +83,7 @@ def _kernel(q_ref, w_ref, pt_ref, kv_ref, ks_ref, tv_ref, ts_ref, t0_ref, valid_
         pos = base + start + offs                                  # [BC] positions
         logical = pos // page
         phys = plt.load(pt_ref.at[b * max_pages + jnp.minimum(logical, max_pages - 1)])
-        in_tail = (pos >= tail0) & (pos < tail0 + page)
+        in_tail = (pos >= tail0) & (pos < tail0 + tail_rows)
         pooled = valid_ref[pl.ds(start, bc)] & ~in_tail & (logical < max_pages) & (phys >= 0)
         tailed = valid_ref[pl.ds(start, bc)] & in_tail
         pool_keys, pool_scale = gather(kv_ref, ks_ref,
@@ -93,14 +94,16 @@ def _kernel(q_ref, w_ref, pt_ref, kv_ref, ks_ref, tv_ref, ts_ref, t0_ref, valid_
 
         def with_tail():  # the block meets the tail: each row from where it lies (bits)
             tail_keys, tail_scale = gather(tv_ref, ts_ref,
-                                           jnp.where(tailed, b * page + pos - tail0, 0), tailed)
+                                           jnp.where(tailed, b * tail_rows + pos - tail0, 0),
+                                           tailed)
             return block_scores(
                 e4m3(lambda j: jnp.where(in_tail[:, None], tail_keys(j), pool_keys(j))),
                 lambda j: jnp.where(in_tail, tail_scale(j), pool_scale(j)),
                 parts, w, nb, barrier)
 
         first = base + start
-        scores = jax.lax.cond((first < tail0 + page) & (first + bc > tail0), with_tail, from_pool)
+        scores = jax.lax.cond((first < tail0 + tail_rows) & (first + bc > tail0), with_tail,
+                              from_pool)
         out_ref[pl.ds(start, bc)] = jnp.where(pooled | tailed, scores, -jnp.inf)
 
     common.each_block(steps, bc, score_block)
@@ -117,12 +120,14 @@ def index_scores_paged_triton(q, weights, pool_values, pool_scales, page_table, 
     fp8=True: the fp8 x fp8 form (twin ``reference.index_scores_paged_xla(..., fp8=True)``).
 
     Inputs (checked by ``api.index_scores_paged``): q [B, H, D] f32/bf16, weights [B, H] f32,
-    pool_values [R, D] float8_e4m3fn, pool_scales [R, NB] f32, page_table [B, MP] int32,
-    tail_values [B, P, D] e4m3, tail_scales [B, P, NB] f32, tail_start [B] int32, valid [B, N]
+    pool_values [R, D] float8_e4m3fn, pool_scales [R, NB] f32 (or [B, R, ...]: per-request
+    pools, ``reference.one_pool``), page_table [B, MP] int32,
+    tail_values [B, T, D] e4m3, tail_scales [B, T, NB] f32, tail_start [B] int32, valid [B, N]
     bool; page P static. Output: scores [B, N] f32, -inf where invalid or unmapped. Tuning as
     ``triton.index_scores_triton`` (None: ``triton.default_config`` for a request's N
     positions, the launch the contiguous kernel gets for N keys).
     """
+    pool_values, pool_scales, page_table = one_pool(pool_values, pool_scales, page_table, page)
     b, h, d = q.shape
     n, nb = valid.shape[1], pool_scales.shape[1]
     check_triton_shapes("index_scores_paged", d, nb, fp8)
@@ -134,8 +139,10 @@ def index_scores_paged_triton(q, weights, pool_values, pool_scales, page_table, 
     npad = -(-n // rows) * rows
     valid = jnp.pad(valid, ((0, 0), (0, npad - n)))
     max_pages = page_table.shape[1]
+    tail_rows = tail_values.shape[1]
     kernel = functools.partial(_kernel, nb=nb, bs=d // nb, bc=block_c, steps=steps, page=page,
-                               max_pages=max_pages, fp8=fp8, barrier=common.interpret())
+                               max_pages=max_pages, tail_rows=tail_rows, fp8=fp8,
+                               barrier=common.interpret())
     any_ = pl.BlockSpec(memory_space=pl.ANY)
     bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8)  # noqa: E731
     out = pl.pallas_call(
@@ -153,6 +160,7 @@ def index_scores_paged_triton(q, weights, pool_values, pool_scales, page_table, 
         interpret=common.interpret(),
         name="index_scores_paged",
     )(q, weights.astype(jnp.float32), page_table.reshape(-1), bits(pool_values),
-      pool_scales.reshape(-1), bits(tail_values).reshape(b * page, d), tail_scales.reshape(-1),
+      pool_scales.reshape(-1), bits(tail_values).reshape(b * tail_rows, d),
+      tail_scales.reshape(-1),
       tail_start, valid)
     return out[:, :n]

@@ -119,6 +119,19 @@ def index_topk_xla(q, weights, key_values, key_scales, valid, *, k: int, fp8: bo
     return topk_positions(scores, valid, k)
 
 
+def one_pool(pool_values, pool_scales, page_table, page: int):
+    """Per-request pools ([B, R, D] values, [B, R, NB] scales: request b's pages are its own)
+    as one pool [B R, ...] with each table's pages offset by b R / P (-1 kept); a shared pool
+    ([R, ...]) unchanged."""
+    if pool_values.ndim == 2:
+        return pool_values, pool_scales, page_table
+    b, r = pool_values.shape[:2]
+    shift = (jnp.arange(b, dtype=jnp.int32) * (r // page))[:, None]
+    return (pool_values.reshape((b * r,) + pool_values.shape[2:]),
+            pool_scales.reshape((b * r,) + pool_scales.shape[2:]),
+            jnp.where(page_table >= 0, page_table + shift, -1))
+
+
 @functools.partial(jax.jit, static_argnames=("page", "fp8"))
 def index_scores_paged_xla(q, weights, pool_values, pool_scales, page_table, tail_values,
                            tail_scales, tail_start, valid, *, page: int,
@@ -127,16 +140,18 @@ def index_scores_paged_xla(q, weights, pool_values, pool_scales, page_table, tai
     its page table (``common.paged_rows``) and from its tail, then ``index_scores_xla``
     (``index_scores_fp8_xla`` when fp8) with invalid or unmapped positions masked.
 
-    Inputs: q [B, H, D], weights [B, H], pool_values [R, D] e4m3, pool_scales [R, NB] f32,
-    page_table [B, MP] int32 (-1: no page), tail_values [B, P, D] e4m3, tail_scales
-    [B, P, NB] f32, tail_start [B] int32 (positions t .. t + P - 1 are the tail's rows),
-    valid [B, N] bool; page P. Output [B, N] f32, -inf where invalid or unmapped.
+    Inputs: q [B, H, D], weights [B, H], pool_values [R, D] e4m3, pool_scales [R, NB] f32
+    (or [B, R, ...]: per-request pools, ``one_pool``), page_table [B, MP] int32 (-1: no
+    page), tail_values [B, T, D] e4m3, tail_scales [B, T, NB] f32, tail_start [B] int32
+    (positions t .. t + T - 1 are the tail's rows), valid [B, N] bool; page P. Output [B, N] f32, -inf where invalid or unmapped.
     """
     n = valid.shape[1]
+    pool_values, pool_scales, page_table = one_pool(pool_values, pool_scales, page_table, page)
     ids, mapped = common.paged_rows(page_table, n, page)
     at = jnp.arange(n)[None, :] - tail_start[:, None]             # [B, N] row in the tail
-    in_tail = (at >= 0) & (at < page)
-    at = jnp.clip(at, 0, page - 1)
+    rows = tail_values.shape[1]
+    in_tail = (at >= 0) & (at < rows)
+    at = jnp.clip(at, 0, rows - 1)
 
     def rows(pool, tail):
         tail_rows = jnp.take_along_axis(tail, at.reshape(at.shape + (1,) * (tail.ndim - 2)),
