@@ -8,9 +8,10 @@ Notation:
   program (``triton.default_config``), NPAD = N rounded up to whole programs.
 
 Math: position n of request b is row n - t[b] of its tail (T rows outside the pool, e.g. the
-page being filled) when t[b] <= n < t[b] + T, else pool row page_table[b, n // P] * P + n % P; its score is
-index_scores' sum_h w[b, h] ReLU(q[b, h] . dequant(key)), -inf where the position is invalid
-or, outside the tail, its page is unmapped (-1, or n // P >= MP).
+page being filled) when t[b] <= n < t[b] + T, else pool row page_table[b, n // P] * P + n % P;
+its score is index_scores' sum_h w[b, h] ReLU(q[b, h] . dequant(key)), -inf where the
+position is invalid or, outside the tail, its page is unmapped (-1, or n // P >= MP). A pool
+per request ([B, R, D], ``reference.one_pool``) is read as one pool with offset tables.
 
 Design: grid (B, NPAD / (STEPS * BC)). Program (b, i) loads q[b] once (``triton.query_parts``)
 and for each block of BC positions looks up their pages in the page table, gathers the BC key

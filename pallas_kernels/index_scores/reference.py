@@ -143,7 +143,8 @@ def index_scores_paged_xla(q, weights, pool_values, pool_scales, page_table, tai
     Inputs: q [B, H, D], weights [B, H], pool_values [R, D] e4m3, pool_scales [R, NB] f32
     (or [B, R, ...]: per-request pools, ``one_pool``), page_table [B, MP] int32 (-1: no
     page), tail_values [B, T, D] e4m3, tail_scales [B, T, NB] f32, tail_start [B] int32
-    (positions t .. t + T - 1 are the tail's rows), valid [B, N] bool; page P. Output [B, N] f32, -inf where invalid or unmapped.
+    (positions t .. t + T - 1 are the tail's rows), valid [B, N] bool; page P. Output
+    [B, N] f32, -inf where invalid or unmapped.
     """
     n = valid.shape[1]
     pool_values, pool_scales, page_table = one_pool(pool_values, pool_scales, page_table, page)
