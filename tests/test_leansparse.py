@@ -323,7 +323,7 @@ def test_rescoring_reads_the_key_cache_in_place_as_the_gathered_copy():
     q, w = rng.standard_normal((h, d), np.float32), rng.standard_normal(h).astype(np.float32)
     got = cached_scores("triton", jnp.asarray(q), jnp.asarray(w),
                         (jnp.asarray(values[:rows]), jnp.asarray(scales[:rows])),
-                        jnp.asarray(row_of), jnp.asarray(ok)[None],
+                        jnp.asarray(row_of), jnp.asarray(ok),
                         (jnp.asarray(values[rows:]), jnp.asarray(scales[rows:])), c)
     pick = np.concatenate([np.maximum(row_of[:c], 0), rows + np.arange(page)])
     want = index_scores(q[None], w[None], values[pick][None], scales[pick][None], ok[None],

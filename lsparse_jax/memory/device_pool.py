@@ -227,18 +227,24 @@ def pooled_decode_scores(kernel: str, context: PoolView, tail, paged, page: int)
     through the slot's page table; -inf where not eligible. A key scores as
     ``store.decode_scores`` scores it in a contiguous copy (same kernel arithmetic and launch
     for N positions), without the copy: ~3x fewer key bytes moved a step."""
-    (values, scales), (tail_values, tail_scales) = context.pool, tail
-    start = jnp.asarray(paged, jnp.int32)[None]
+    return each_query(lambda q, w, ok: query_scores_in_place(
+        kernel, page, q, w, context.pool, context.page_table, ok, tail, paged))
 
-    def paged_op(q, w, v, s, table, ok, tv, ts, t0):
+
+def query_scores_in_place(kernel: str, page: int, q, w, pool, table, ok, tail, start):
+    """One query's exact index scores [N] by the ``index_scores_paged`` op's ``kernel`` (q
+    [H, D], w [H]): position n from tail row n - start (tail ([T, D_I] e4m3, [T, NB] f32)),
+    else from pool (values, scales) row table[n // P] * P + n % P (pool [R, ...] shared by
+    the slots, or [1, R, ...] the slot's own); ok [N] which positions count. Under tensor
+    parallelism each device scores with its heads and the partial scores are summed."""
+    def op(q, w, v, s, table, ok, tv, ts, t0):
         return index_scores_paged(q, w, v, s, table, ok, page=page, tail=(tv, ts, t0),
                                   implementation=kernel)
 
-    # tp > 1: each device scores with its heads; the partial scores are summed
-    exact = head_sum(paged_op, (1, 1) + (None,) * 7)
-    return each_query(lambda q, w, ok: exact(
-        q[None], w[None], values, scales, context.page_table[None], ok[None],
-        tail_values[None], tail_scales[None], start)[0])
+    (values, scales), (tail_values, tail_scales) = pool, tail
+    exact = head_sum(op, (1, 1) + (None,) * 7)
+    return exact(q[None], w[None], values, scales, table[None], ok[None], tail_values[None],
+                 tail_scales[None], jnp.asarray(start, jnp.int32)[None])[0]
 
 
 @struct.dataclass
@@ -302,4 +308,5 @@ class DevicePages:
 __all__ = ["DeviceCapacityError", "DevicePages", "DevicePools", "PoolView", "PooledIndex",
            "PooledKV", "PooledKVStore", "PooledKeys", "PooledRowStore", "PooledRows",
            "empty_device_pool", "gather_slot_rows", "pooled_decode_scores",
+           "query_scores_in_place",
            "page_in", "scatter_pages", "write_completed_tails"]

@@ -28,6 +28,7 @@ from lsparse_jax.kernels import for_op
 from lsparse_jax.memory.device_pool import (
     DevicePools,
     page_in,
+    query_scores_in_place,
     scatter_pages,
 )
 from lsparse_jax.memory.hot_cache import resolve, resolve_in_place
@@ -49,7 +50,7 @@ from lsparse_jax.quant import dequantize_index_keys
 from lsparse_jax.quant.pq import encode, train_codebooks
 from lsparse_jax.request_groups import grouped, on_stream
 from pallas_kernels import common
-from pallas_kernels.index_scores.api import index_scores, index_scores_paged
+from pallas_kernels.index_scores.api import index_scores
 from pallas_kernels.pq_topc.api import pq_topc
 from pallas_kernels.pq_topc.reference import masked_coarse_scores, masked_coarse_scores_fp8
 from pallas_kernels.topk.api import topk
@@ -196,15 +197,15 @@ class CoarseToFineIndex:
 
         def exact_scores(retained):
             # tp > 1: each device scores with its heads, partial scores summed before top-k
-            ok = (retained >= 0)[None]
+            ok = retained >= 0
             if in_place is None:
                 (values, scales), cache, sources = fetch(
                     state.cache, retained, state.tail, paged, context.page_table, context.pool)
                 exact = head_sum(functools.partial(
                     index_scores, implementation=for_op("index_scores", self.implementation)),
                     (1, 1, None, None, None))
-                return exact(q[None], w[None], values[None], scales[None], ok)[0], (cache,
-                                                                                     sources)
+                return exact(q[None], w[None], values[None], scales[None], ok[None])[0], (
+                    cache, sources)
             cache, sources, row_of = fetch(state.cache, retained, state.tail, paged,
                                            context.page_table, context.pool)
             return cached_scores(in_place, q, w, cache.rows, row_of, ok, state.tail,
@@ -223,17 +224,12 @@ class CoarseToFineIndex:
 def cached_scores(kernel: str, q, w, rows, row_of, ok, tail, start: int):
     """Exact scores [k] of one query (q [H, D], w [H]) over a candidate list whose entry j is
     key cache row row_of[j] (rows: ([Bk, D_I] e4m3, [Bk, nb] f32)) or, for j >= start, tail
-    row j - start (tail ([P, D_I], [P, nb])); ok [1, k] which entries count. The
-    ``index_scores_paged`` kernel reads the rows where they are, with the arithmetic of
-    ``index_scores`` on a gathered copy (bit for bit)."""
-    def op(q, w, v, s, table, ok, tv, ts, t0):
-        return index_scores_paged(q, w, v, s, table, ok, page=1, tail=(tv, ts, t0),
-                                  implementation=kernel)
-
-    (values, scales), (tv, ts) = rows, tail
-    exact = head_sum(op, (1, 1) + (None,) * 7)  # tp > 1: partial sums over the devices
-    return exact(q[None], w[None], values[None], scales[None], row_of[None], ok, tv[None],
-                 ts[None], jnp.full((1,), start, jnp.int32))[0]
+    row j - start (tail ([P, D_I], [P, nb])); ok [k] which entries count. The
+    ``index_scores_paged`` kernel reads the rows where they are (the cache as the slot's own
+    pool of one-row pages), with the arithmetic of ``index_scores`` on a gathered copy (bit
+    for bit)."""
+    return query_scores_in_place(kernel, 1, q, w, jax.tree.map(lambda x: x[None], rows),
+                                 row_of, ok, tail, start)
 
 
 @struct.dataclass
