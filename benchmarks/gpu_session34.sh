@@ -15,9 +15,11 @@
 source "$(dirname "$0")/gpu_lib.sh"
 case "${STEP:-paged}" in
   paged)
-    TAIL=30 part gpu_tests ${TESTS_S:-200} "python3 -m pytest -q -m gpu -rA \
+    TAIL=30 part gpu_tests ${TESTS_S:-260} "python3 -m pytest -q -m gpu -rA \
       tests/test_kernel_index_scores_paged.py tests/test_kernel_pq_topc_paged.py \
-      tests/test_kernel_index_scores.py tests/test_gpu_hierarchy.py"
+      tests/test_gpu_hierarchy.py::test_pooled_keys_read_in_place_on_gpu \
+      tests/test_gpu_hierarchy.py::test_pooled_codes_read_in_place_on_gpu \
+      tests/test_gpu_hierarchy.py::test_leansparse_kernels_match_xla_on_gpu"
     TAIL=16 part paged_bench ${BENCH_S:-220} "python3 benchmarks/pooled_reads_gpu.py \
       --coarse jax_triton:fp8,triton:bf16 --out \$OUT" ;;
   capacity)  # resumes the cells of an earlier call copied to results/capacity_s34/
