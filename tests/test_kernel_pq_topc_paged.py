@@ -70,6 +70,21 @@ def test_paged_codes_give_the_gathered_codes_result(impl, precision, case):
     np.testing.assert_array_equal(order(*got), order(*want))
 
 
+def test_unfused_paged_scores_are_the_gathered_codes_scores():
+    """The score kernel alone (``coarse_scores_triton``) and the unfused top-C read paged
+    codes as the gathered copy: equal scores and positions."""
+    from pallas_kernels.pq_topc import triton as pq_triton
+
+    (q, w, pool, books, lens, table), gathered = _paged(5, 2, 4, 32, 8, 16, 16, 6, (90, 33))
+    got = pq_triton.coarse_scores_triton(q, w, pool, books, lens, page_table=table, page=16)
+    want = pq_triton.coarse_scores_triton(q, w, gathered, books, lens)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    got = pq_triton.pq_topc_triton(q, w, pool, books, lens, num_candidates=12, fused=False,
+                                   page_table=table, page=16)
+    want = pq_triton.pq_topc_triton(q, w, gathered, books, lens, num_candidates=12, fused=False)
+    assert_same_sets(got[0], want[0])
+
+
 def test_engine_form_under_a_vmap_equals_the_batched_call():
     """The decode step's form: a vmap over slots of [1, ...] calls with the pool and the
     codebooks shared equals one batched call, bit for bit."""

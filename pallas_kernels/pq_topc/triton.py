@@ -287,19 +287,21 @@ def _score_call(lay: _Layout, interpret: bool, nt: int | None = None,
 
 
 def coarse_scores_triton(q, weights, codes, codebooks, lengths, *, params: Params | None = None,
-                         interpret: bool | None = None, precision: str = "bf16") -> jnp.ndarray:
+                         interpret: bool | None = None, precision: str = "bf16",
+                         page_table=None, page: int | None = None) -> jnp.ndarray:
     """Masked coarse scores [B, N] f32 (-inf at positions >= lengths[b]) by the Pallas kernel.
 
     q [B, H, D], weights [B, H], codes [B, N, M] uint8, codebooks [M, K, D/M], lengths [B]
     (validated by ``api.pq_topc``). ``params`` overrides the tuned launch parameters;
     ``interpret`` defaults to ``common.interpret()`` (True without a GPU, False while
-    ``common.abstract_gpu`` lowers for CUDA). ``precision`` as ``pq_topc_triton``.
+    ``common.abstract_gpu`` lowers for CUDA). ``precision`` as ``pq_topc_triton``;
+    page_table [B, MP] with page P: codes is a pool [R, M] read through it (N = MP * P).
     """
     _check_precision(precision)
     if interpret is None:  # resolved outside jit: it reads the abstract-mesh context
         interpret = common.interpret()
-    return _coarse_scores(q, weights, codes, codebooks, lengths, params=params,
-                          interpret=interpret, precision=precision)
+    return _coarse_scores(q, weights, codes, codebooks, lengths, page_table, params=params,
+                          interpret=interpret, precision=precision, page=page)
 
 
 def _check_precision(precision: str) -> None:
@@ -316,12 +318,16 @@ def _quantized(q, weights, codebooks, precision: str):
     return q, weights, codebooks
 
 
-@functools.partial(jax.jit, static_argnames=("params", "interpret", "precision"))
-def _coarse_scores(q, weights, codes, codebooks, lengths, *, params: Params | None,
-                   interpret: bool, precision: str) -> jnp.ndarray:
+@functools.partial(jax.jit, static_argnames=("params", "interpret", "precision", "page"))
+def _coarse_scores(q, weights, codes, codebooks, lengths, page_table=None, *,
+                   params: Params | None, interpret: bool, precision: str,
+                   page: int | None = None) -> jnp.ndarray:
     q, weights, codebooks = _quantized(q, weights, codebooks, precision)
-    lay = _layout(q, codes, codebooks, params)
-    scores = _score_call(lay, interpret)(*_operands(q, weights, codes, codebooks, lengths, lay))
+    paged = None if page_table is None else (page_table, page)
+    lay = _layout(q, codes, codebooks, params, paged)
+    kernel_paged = None if paged is None else (page, page_table.shape[1], codes.shape[1])
+    scores = _score_call(lay, interpret, paged=kernel_paged)(
+        *_operands(q, weights, codes, codebooks, lengths, lay, paged))
     return scores[:, :lay.n] if lay.n_pad != lay.n else scores
 
 
@@ -447,12 +453,10 @@ def pq_topc_triton(q, weights, codes, codebooks, lengths, *, num_candidates: int
     ``reference.quantize_fp8`` (scales folded into the head weights), an e4m3 x e4m3 dot with
     f32 accumulation. page_table [B, MP] int32 with page P: codes is a pool [R, M] of code
     rows shared by the batch, position n of request b its row page_table[b, n // P] * P +
-    n % P (``api.pq_topc``; fused only)."""
+    n % P (``api.pq_topc``)."""
     _check_precision(precision)
     if interpret is None:  # resolved outside jit: it reads the abstract-mesh context
         interpret = common.interpret()
-    if page_table is not None and not fused:
-        raise ValueError("pq_topc_triton: paged codes (page_table) need fused=True")
     if fused:
         if topk_implementation != "triton":
             raise ValueError(f"pq_topc_triton: fused=True needs topk_implementation='triton', "
@@ -462,7 +466,8 @@ def pq_topc_triton(q, weights, codes, codebooks, lengths, *, num_candidates: int
                               interpret=bool(interpret), tunables=_frozen(topk_tunables),
                               precision=precision, page=page)
     scores = coarse_scores_triton(q, weights, codes, codebooks, lengths, params=params,
-                                  interpret=interpret, precision=precision)
+                                  interpret=interpret, precision=precision,
+                                  page_table=page_table, page=page)
     if topk_tunables and topk_implementation == "triton":
         lengths = jnp.clip(lengths.astype(jnp.int32), 0, scores.shape[1])
         return topk_impl.topk_triton(scores, lengths, num_candidates, interpret=interpret,
