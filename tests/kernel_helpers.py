@@ -66,3 +66,13 @@ def pq_problem(seed: int, b: int, h: int, d: int, m: int, k: int, n: int):
             jnp.asarray(rng.standard_normal((b, h)), jnp.float32),
             jnp.asarray(rng.integers(0, k, (b, n, m)), jnp.uint8),
             jnp.asarray(rng.standard_normal((m, k, d // m)), jnp.float32))
+
+
+def index_scores_oracle(q, weights, values, scales, valid):
+    """float64 numpy scores: dequantize, dot, ReLU, weighted head sum; -inf where invalid."""
+    d, nb = values.shape[-1], scales.shape[-1]
+    keys = values.astype(np.float64) * np.repeat(scales.astype(np.float64), d // nb, axis=-1)
+    keys = np.where(valid[..., None], keys, 0.0)
+    dots = q.astype(np.float64) @ keys.transpose(0, 2, 1)                  # [B, H, C]
+    scores = (weights.astype(np.float64)[:, None, :] @ np.maximum(dots, 0.0))[:, 0]
+    return np.where(valid, scores, -np.inf)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_helpers import assert_close, assert_same_sets
+from kernel_helpers import assert_close, assert_same_sets, index_scores_oracle
 
 from lsparse_jax.quant import quantize_index_keys
 from pallas_kernels import common
@@ -49,22 +49,12 @@ def _inputs(b, h, d, c, nb, pattern="random", q_dtype="float32", seed=0):
     return q, weights, values, scales, valid
 
 
-def _oracle(q, weights, values, scales, valid):
-    """float64 numpy scores: dequantize, dot, ReLU, weighted head sum; -inf where invalid."""
-    d, nb = values.shape[-1], scales.shape[-1]
-    keys = values.astype(np.float64) * np.repeat(scales.astype(np.float64), d // nb, axis=-1)
-    keys = np.where(valid[..., None], keys, 0.0)
-    dots = q.astype(np.float64) @ keys.transpose(0, 2, 1)                  # [B, H, C]
-    scores = (weights.astype(np.float64)[:, None, :] @ np.maximum(dots, 0.0))[:, 0]
-    return np.where(valid, scores, -np.inf)
-
-
 def _check(got, args, dtype):
     valid = args[-1]
     got = np.asarray(got)
     assert got.shape == valid.shape and got.dtype == np.float32
     assert np.all(got[~valid] == -np.inf), "invalid rows must be exactly -inf"
-    assert_close(got, _oracle(*args), dtype, mask=valid)
+    assert_close(got, index_scores_oracle(*args), dtype, mask=valid)
 
 
 # (B, H, D, C, NB, valid pattern, q dtype): C not a multiple of the block, H padded to 16,
@@ -250,7 +240,7 @@ def test_fp8_kernel_matches_its_twin_and_the_exact_scores(case):
     twin = _twin_scores(args)
     assert np.all(twin[~valid] == -np.inf)
     assert_close(got, twin, "float32", mask=valid)
-    exact = _oracle(*args)[valid]  # e4m3 rounds each q value by <= 2^-4 relative
+    exact = index_scores_oracle(*args)[valid]  # e4m3 rounds each q value by <= 2^-4 relative
     assert np.abs(twin[valid] - exact).max(initial=0) <= 0.0625 * max(np.abs(exact).max(
         initial=0), 1e-6)
 

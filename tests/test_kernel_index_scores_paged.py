@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_helpers import assert_close
+from kernel_helpers import assert_close, index_scores_oracle
 
 from lsparse_jax.quant import quantize_index_keys
 from pallas_kernels import common
@@ -76,15 +76,6 @@ def _gathered(args, keys):
     return q, w, values, scales, valid & mapped
 
 
-def _oracle(q, weights, values, scales, valid):
-    d, nb = values.shape[-1], scales.shape[-1]
-    keys = values.astype(np.float64) * np.repeat(scales.astype(np.float64), d // nb, axis=-1)
-    keys = np.where(valid[..., None], keys, 0.0)
-    dots = q.astype(np.float64) @ keys.transpose(0, 2, 1)
-    scores = (weights.astype(np.float64)[:, None, :] @ np.maximum(dots, 0.0))[:, 0]
-    return np.where(valid, scores, -np.inf)
-
-
 # (B, H, D, NB, P, N, q dtype): N not whole pages, H padded to 16, two scale blocks,
 # pages smaller than, equal to and larger than the kernel's 16-64 position blocks
 CASES = [
@@ -101,7 +92,7 @@ def test_paged_scores_equal_the_oracle_of_the_mapped_rows(impl, case):
     b, h, d, nb, page, n, q_dtype = case
     args, tail, keys = _problem(b, h, d, nb, page, n, q_dtype=q_dtype)
     got = np.asarray(index_scores_paged(*args, page=page, tail=tail, implementation=impl))
-    want = _oracle(*_gathered(args, keys))
+    want = index_scores_oracle(*_gathered(args, keys))
     live = np.isfinite(want)
     assert got.shape == (b, n) and got.dtype == np.float32
     assert np.all(got[~live] == -np.inf), "invalid or unmapped positions must be exactly -inf"

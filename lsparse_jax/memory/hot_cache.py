@@ -93,8 +93,7 @@ def resolve_in_place(hot: HotCache, selected, tail, paged, page_table, pool,
     """``resolve_plan``'s cache update without the gathered rows, for a consumer that reads
     them in place: (new hot cache, counts, row_of [k] int32 the hot row of each selected
     position, -1 where it is -1 or in the tail, whose row is tail[selected - paged])."""
-    _, hot, counts, plan = resolve_plan(hot, selected, tail, paged, page_table, pool,
-                                        implementation)
+    hot, counts, plan = _update(hot, selected, tail, paged, page_table, pool, implementation)
     return hot, counts, plan.row_of
 
 
@@ -124,6 +123,14 @@ def resolve_plan(hot: HotCache, selected, tail, paged, page_table, pool,
     Returns (rows [k, D] with NaN where selected is -1, new hot cache, counts [3] int32 of
     rows resolved from tail, hot cache and host, the ``Plan``).
     """
+    hot, counts, plan = _update(hot, selected, tail, paged, page_table, pool, implementation,
+                                ready)
+    return _pick(plan, tail, hot.rows, optional), hot, counts, plan
+
+
+def _update(hot: HotCache, selected, tail, paged, page_table, pool, implementation,
+            ready=None):
+    """Steps 1-3 of ``resolve_plan``: (new hot cache, counts, ``Plan``), no rows gathered."""
     k, b = selected.shape[0], hot.positions.shape[0]
     page = jax.tree.leaves(tail)[0].shape[0]
     valid = selected >= 0
@@ -153,10 +160,8 @@ def resolve_plan(hot: HotCache, selected, tail, paged, page_table, pool,
     plan = Plan(selected, jnp.asarray(paged, jnp.int32), in_tail, opt, row_of,
                 fetch.astype(jnp.int32))
     hot = HotCache(rows=rows, positions=positions, stamps=stamps, clock=clock)
-    out = _pick(plan, tail, rows, optional)
     first = jnp.sum(in_tail | in_opt, keepdims=True).astype(jnp.int32)
-    counts = jnp.concatenate([first, hot_counts])
-    return out, hot, counts, plan
+    return hot, jnp.concatenate([first, hot_counts]), plan
 
 
 def follow(plan: Plan, rows, tail, pool, implementation: str | None = "xla", optional=None):

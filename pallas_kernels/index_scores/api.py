@@ -19,6 +19,8 @@ parts (~1e-5 relative error); "jax_triton" rounds q to bf16 (~1e-2). Both need D
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 
@@ -190,8 +192,6 @@ def index_scores_paged(q, weights, pool_values, pool_scales, page_table, valid, 
     args = [*args, *tail, valid]
     if b == 0 or valid.shape[1] == 0:
         return jnp.zeros(valid.shape, jnp.float32)
-    from functools import partial
-
     if impl == "xla":
         from pallas_kernels.index_scores.reference import index_scores_paged_xla
 
