@@ -130,11 +130,12 @@ class ModelConfig:
         a KV source; this is the minimal notion of one, carried by DSA share groups.
       rope_theta: RoPE base.
       max_len: the longest context (prompt + generated) a slot can hold.
-      kv_dtype: how CSA layers store compressed KV rows (``lsparse_jax.quant.kv_rows``):
+      kv_dtype: how CSA and HCA layers store compressed KV rows (``lsparse_jax.quant.kv_rows``):
         "f32" (4D bytes a row), "bf16" (2D), or "fp8_v4" (DeepSeek-V4: FP8 e4m3 non-RoPE part
         with a power-of-two scale per 64 values, bf16 RoPE part). The resident layout, the
-        host pages, hot cache and lent pages hold rows in this format; attention reads them
-        dequantized to f32. SWA windows, HCA and DSA rows stay f32.
+        host pages, hot cache, lent pages and device pools hold rows in this format; attention
+        reads them dequantized to f32. SWA windows and DSA rows stay f32 (before session 35
+        HCA rows did too).
       matmul_precision: the model's matmuls and indexer scores (``model.layers``): "highest"
         (f32; decode equals forward bit for bit on CPU), "tf32" (GPU tensor cores at TF32;
         f32 on CPU) or "bf16" (bf16 operands, f32 accumulation). Pallas kernels keep their own.

@@ -18,6 +18,7 @@ from lsparse_jax.memory.accounting import (
 )
 from lsparse_jax.methods.base import pool_bytes
 from lsparse_jax.model import init_params
+from lsparse_jax.quant import KVRowFormat
 from lsparse_jax.serving.state import empty_state, slot_bytes
 from tests.helpers import tiny
 
@@ -82,11 +83,12 @@ def test_pooled_bytes_equal_allocated_state(method, rows, kv_dtype):
             engine, cache=dataclasses.replace(engine.cache, device_pages=None)),
             context).host_total
     # the pooled parts per CSA row: KV row + key (resident), key (hisparse, adaptive), M
-    # codes (leansparse); per page also 8 * 4 / 16 = 2 HCA rows of 4D bytes
+    # codes (leansparse); per page also 8 * 4 / 16 = 2 HCA rows, stored as the KV rows are
     row = Layout.ours(cfg)
     per_row = {"resident": row.kv_row + row.index_key, "hisparse": row.index_key,
                "adaptive": row.index_key, "leansparse": engine.pq_subspaces}[method]
-    assert device_page_bytes(engine) == 2 * 8 * per_row + 2 * 4 * cfg.head_dim
+    assert row.hca_bytes == KVRowFormat.of(cfg).row_bytes
+    assert device_page_bytes(engine) == 2 * 8 * per_row + 2 * row.kv_row
     assert pool_pages(engine, 7 * device_page_bytes(engine) + 1) == 7
 
 

@@ -220,6 +220,59 @@ def test_vmap_over_slots_equals_one_call(impl):
                                    atol=1e-6)
 
 
+def _shared_inputs(s, h, d, r, k, w, dtype="float32", seed=0):
+    """Inputs whose S requests index one shared table [1, R, D] (a device page pool): each
+    request's slots name rows of its own, the other rows are NaN poison."""
+    q, table, slots, window, window_mask, sink = _inputs(s, h, d, s * r, k, w, dtype,
+                                                         seed=seed)
+    own = np.arange(s)[:, None] * r
+    slots = np.where(slots >= 0, own + slots % r, -1).astype(np.int32)
+    shared = np.full((1, s * r, d), np.nan, table.dtype)
+    rng = np.random.default_rng(seed + 1)
+    named = np.unique(slots[slots >= 0])
+    shared[0, named] = rng.standard_normal((named.size, d)).astype(table.dtype)
+    return q, shared, slots, window, window_mask, sink
+
+
+@pytest.mark.parametrize("impl", IMPLS + ["triton_fp8"])
+def test_shared_table_equals_its_copy_per_request(impl):
+    """A [1, R, ...] table is one table for all S requests: the output equals the same call
+    with the table repeated per request, bit for bit (dense f32 and FP8 rows), and under
+    vmap over slots (the decode step's form, the pool unmapped) it equals the direct call."""
+    q, table, slots, window, mask, sink = map(jnp.asarray, _shared_inputs(3, 4, 64, 24, 20, 8))
+    if impl == "triton_fp8":
+        stored = quantize_fp8_rows(table, 16)
+        table, window = tuple(stored), window.astype(jnp.bfloat16)
+    fn = functools.partial(sparse_attention,
+                           implementation="triton" if impl == "triton_fp8" else impl)
+    copied = jax.tree.map(lambda t: jnp.broadcast_to(t, (3,) + t.shape[1:]), table)
+    got = np.asarray(fn(q, table, slots, window, mask, sink))
+    np.testing.assert_array_equal(got, np.asarray(fn(q, copied, slots, window, mask, sink)))
+    mapped = jax.jit(jax.vmap(fn, in_axes=(0, None, 0, 0, 0, None)))(
+        q[:, None], table, slots[:, None], window[:, None], mask[:, None], sink)[:, 0]
+    np.testing.assert_array_equal(np.asarray(mapped), got)
+    rows = dequantize_fp8_rows(FP8Rows(*table)) if impl == "triton_fp8" else table
+    _check(got, (q, np.broadcast_to(np.asarray(rows), (3,) + rows.shape[1:]), slots,
+                 window.astype(jnp.float32), mask, sink), "bfloat16" if "fp8" in impl
+           else "float32")
+
+
+def test_shared_table_under_vmap_is_not_copied():
+    """Lowered for CUDA, the decode step's form with an unmapped [1, R, D] pool passes the
+    pool itself to the one launch: no [S, R, D] broadcast of it appears in the program."""
+    fn = functools.partial(sparse_attention, implementation="triton")
+    s = 8
+    q, _, slots, window, mask, sink = _specs(s, **V4)
+    pool = jax.ShapeDtypeStruct((1, 4096, V4["d"]), jnp.bfloat16)
+    per_slot = [jax.ShapeDtypeStruct((s, 1) + a.shape[1:], a.dtype)
+                for a in (q, slots, window, mask)]
+    text = common.lower_for_cuda(
+        jax.vmap(fn, in_axes=(0, None, 0, 0, 0, None)), per_slot[0], pool, *per_slot[1:],
+        sink)
+    assert text.count(common.TRITON_CALL_TARGET) == 1
+    assert "tensor<8x4096x512xbf16>" not in text and "tensor<1x4096x512xbf16>" in text
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_duplicate_slot_counts_twice(impl):
     """Identity: a row named twice == that row once with the sink lowered by ln 2
@@ -440,6 +493,28 @@ def test_gpu_v4_shape_row_formats(rows):
     mapped = jax.vmap(functools.partial(sparse_attention, implementation="triton"),
                       in_axes=(0, 0, 0, 0, 0, None))(*per_slot, args[5])
     assert_close(np.asarray(mapped[:, 0]), want, tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", ["float32", "fp8"])
+def test_gpu_shared_pool_matches_its_copies(rows):
+    """An HCA decode's form at V4 shapes: 8 requests' slots into one shared [1, R, D] pool
+    (f32 or FP8 rows), under vmap over slots with the pool unmapped: bit for bit the call
+    with the pool copied per request, and within tolerance of the XLA reference."""
+    args = _shared_inputs(8, 64, 512, 1024, 1024, 128, seed=9)
+    tol = "tf32"
+    if rows == "fp8":
+        args, tol = _fp8(args, 64), "bfloat16"
+    q, table, slots, window, mask, sink = tuple(
+        a if isinstance(a, tuple) else jnp.asarray(a) for a in args)
+    copied = jax.tree.map(lambda t: jnp.broadcast_to(t, (8,) + t.shape[1:]), table)
+    fn = functools.partial(sparse_attention, implementation="triton")
+    want = np.asarray(fn(q, copied, slots, window, mask, sink))
+    mapped = jax.jit(jax.vmap(fn, in_axes=(0, None, 0, 0, 0, None)))(
+        q[:, None], table, slots[:, None], window[:, None], mask[:, None], sink)[:, 0]
+    np.testing.assert_array_equal(np.asarray(mapped), want)
+    ref = sparse_attention(q, copied, slots, window, mask, sink, implementation="xla")
+    assert_close(want, np.asarray(ref), tol)
 
 
 @pytest.mark.gpu

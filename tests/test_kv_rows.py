@@ -81,11 +81,12 @@ def test_kv_dtype_is_validated():
 
 
 def test_decode_logits_with_fp8_and_bf16_rows_within_tolerance_of_f32():
-    """One CSA layer after SWA and HCA (which stay f32), so every kv_dtype selects the same rows
-    and the logits differ only by the stored rows. Teacher-forced decode of 30 tokens after a
-    150-token prompt: max |logit - f32 logit| <= 0.1 for FP8 rows (measured 0.028; the logits'
-    std is ~1) and <= 0.01 for bf16 rows (measured 0.0023); greedy tokens equal."""
-    cfg = tiny(max_len=512, layer_pattern=("swa", "hca", "csa"))
+    """SWA, CSA, then HCA: the CSA layer's input does not depend on kv_dtype, so every kv_dtype
+    selects the same rows, and the logits differ only by the stored CSA and HCA rows.
+    Teacher-forced decode of 30 tokens after a 150-token prompt: max |logit - f32 logit| <= 0.1
+    for FP8 rows (measured 0.046; the logits' std is ~1) and <= 0.01 for bf16 rows (measured
+    0.0038); greedy tokens equal."""
+    cfg = tiny(max_len=512, layer_pattern=("swa", "csa", "hca"))
     params, prompt = model_and_tokens(cfg, 150, seed=3)
     feed = np.random.default_rng(0).integers(0, 256, 30).astype(np.int32)
     logits, selected = {}, {}

@@ -139,10 +139,12 @@ def test_capacity_times_the_equal_n_cells_before_larger_batches(monkeypatch, tmp
     assert [(e["method"], e["batch"], e["step_ms"]) for e in equal] == [("leansparse", 76, 76.0)]
 
 
-def test_capacity_s34_reruns_the_p03_jt_settings():
-    """configs/experiments/capacity_s34.gin re-measures results/capacity_p0.3_jt/'s cells (the
-    step ratios the claims table quotes) against today's HiSparse: the same budget, contexts,
-    hot rows, reuse and LeanSparse coarse pass as that run's recorded config."""
+@pytest.mark.parametrize("run", ["capacity_s34", "capacity_s35"])
+def test_capacity_s34_reruns_the_p03_jt_settings(run):
+    """configs/experiments/capacity_s34.gin (and capacity_s35.gin, after session 35's HCA
+    changes) re-measure results/capacity_p0.3_jt/'s cells (the step ratios the claims table
+    quotes) against today's HiSparse: the same budget, contexts, hot rows, reuse and
+    LeanSparse coarse pass as that run's recorded config."""
     import gin
 
     import experiments.registry  # noqa: F401  (the configurables)
@@ -162,8 +164,8 @@ def test_capacity_s34_reruns_the_p03_jt_settings():
         return {k: gin.query_parameter(k) for k in keys}, gin.query_parameter("run.name")
 
     try:
-        new, name = bindings(CONFIG_ROOT / "experiments/capacity_s34.gin")
+        new, name = bindings(CONFIG_ROOT / f"experiments/{run}.gin")
         old, _ = bindings(CONFIG_ROOT.parent / "results/capacity_p0.3_jt/config.gin")
     finally:
         gin.clear_config()
-    assert name == "capacity_s34" and new == old
+    assert name == run and new == old

@@ -34,7 +34,8 @@ class Layout:
     Attributes:
       kv_row: one compressed CSA KV row.
       index_key: one indexer key with its scales.
-      other_row: one SWA-window, HCA or DSA row (None: kv_row, one format for every row).
+      other_row: one SWA-window or DSA row (None: kv_row, one format for every row).
+      hca_row: one compressed HCA row (None: plain_row).
       hot_row_meta: per hot-cache row metadata (position and LRU stamp).
       hot_scalar: per hot cache scalars (its clock).
       compressor_value: one value of the compressors' pending-token rings.
@@ -46,16 +47,24 @@ class Layout:
     hot_scalar: int = 4
     compressor_value: int = 4
     other_row: int | None = None
+    hca_row: int | None = None
 
     @classmethod
     def ours(cls, cfg: ModelConfig) -> Layout:
-        return cls(kv_row=KVRowFormat.of(cfg).row_bytes, index_key=cfg.indexer.key_bytes,
-                   other_row=4 * cfg.head_dim)
+        """CSA and HCA rows in ``kv_dtype``, SWA and DSA rows f32."""
+        row = KVRowFormat.of(cfg).row_bytes
+        return cls(kv_row=row, index_key=cfg.indexer.key_bytes, other_row=4 * cfg.head_dim,
+                   hca_row=row)
 
     @property
     def plain_row(self) -> int:
-        """Bytes of one SWA-window, HCA or DSA row."""
+        """Bytes of one SWA-window or DSA row."""
         return self.kv_row if self.other_row is None else self.other_row
+
+    @property
+    def hca_bytes(self) -> int:
+        """Bytes of one compressed HCA row."""
+        return self.plain_row if self.hca_row is None else self.hca_row
 
     @classmethod
     def v4_serving(cls) -> Layout:
@@ -152,10 +161,10 @@ def request_bytes(engine: EngineConfig, context: int, layout: Layout | None = No
             layer["compressor_state"] = cfg.hca_ratio * 2 * d * val
             if pooled:  # whole pages of P_h rows, and a tail of P_h rows
                 page_rows = cache.page_size * cfg.csa_ratio // cfg.hca_ratio
-                layer["attention_kv"] = csa_pages * page_rows * lay.plain_row
-                layer["tail"] = page_rows * lay.plain_row
+                layer["attention_kv"] = csa_pages * page_rows * lay.hca_bytes
+                layer["tail"] = page_rows * lay.hca_bytes
             else:
-                layer["attention_kv"] = n * lay.plain_row
+                layer["attention_kv"] = n * lay.hca_bytes
         if kind == "dsa" and cfg.kv_source(i) == i:  # (dsa_shared_kv members hold nothing)
             _dsa_layer(engine, lay, layer, host, n, csa_pages, cfg.dsa_leader(i) == i)
         per_layer.append(layer)
@@ -286,7 +295,7 @@ def device_page_bytes(engine: EngineConfig, layout: Layout | None = None) -> int
     per_row = ((0 if storage.kv_on_host else lay.kv_row)
                + (engine.pq_subspaces if storage.keys_on_host else lay.index_key))
     hca = cfg.layer_pattern.count("hca") * (page * cfg.csa_ratio // cfg.hca_ratio) \
-        * lay.plain_row  # the HCA rows of the same tokens
+        * lay.hca_bytes  # the HCA rows of the same tokens
     return page * per_row * cfg.layer_pattern.count("csa") + hca
 
 

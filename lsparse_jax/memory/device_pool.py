@@ -30,6 +30,7 @@ from flax import struct
 from lsparse_jax.memory.host_pool import CapacityError, PageAllocator
 from lsparse_jax.memory.paged_kv import paged_rows
 from lsparse_jax.model.store import (
+    HCAKernelView,
     RowView,
     decode_kernel,
     each_query,
@@ -56,7 +57,7 @@ class DevicePools:
     keys: tuple  # per layer: ([NP * P, D_I] e4m3, [NP * P, D_I / fp8_block] f32) exact
     #   indexer keys, NaN where never written; None if not pooled
     codes: tuple  # per layer: [NP * P, M] uint8 PQ codes of paged keys; None if not pooled
-    hca: tuple  # per layer: [NP * P_h, D] f32 HCA rows, P_h = P * m / m_hca rows per page
+    hca: tuple  # per layer: [NP * P_h, ...] HCA rows (kv_dtype), P_h = P * m / m_hca a page
     #   (the HCA rows of the tokens of one page of CSA rows); None for other layers
     page_table: jnp.ndarray  # [S, max_pages] int32 device page of each logical page, -1 none
 
@@ -249,19 +250,20 @@ def query_scores_in_place(kernel: str, page: int, q, w, pool, table, ok, tail, s
 
 @struct.dataclass
 class PooledRows:
-    tail: jnp.ndarray  # [P_h, D] f32 HCA rows of the page being filled
+    tail: Any  # [P_h, ...] HCA rows of the page being filled (ModelConfig.kv_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
 class PooledRowStore:
     """An HCA layer's row store (``model.store.ResidentRowStore``'s interface) over a device
     pool: complete pages of ``page_rows`` rows in the pool, the page being filled in the
-    tail; a read gathers all the slot's rows (one gather), as the dense HCA attention needs."""
+    tail; a read gathers all the slot's rows (one gather), as the dense HCA attention needs;
+    a decode with kernels reads them in place instead (``kernel_view``)."""
 
     page_rows: int  # P_h
 
-    def empty(self, num_rows: int, dim: int) -> PooledRows:
-        return PooledRows(jnp.full((self.page_rows, dim), jnp.nan, jnp.float32))
+    def empty(self, num_rows: int, rows: KVRowFormat) -> PooledRows:
+        return PooledRows(rows.empty(self.page_rows))
 
     def write(self, state: PooledRows, completed, ids, rows, ok) -> PooledRows:
         paged = paged_rows(self.page_rows, completed)
@@ -270,6 +272,17 @@ class PooledRowStore:
     def rows(self, state: PooledRows, completed, num_rows: int, context: PoolView):
         return gather_slot_rows(context, jnp.arange(num_rows), state.tail,
                                 paged_rows(self.page_rows, completed), self.page_rows)
+
+    def kernel_view(self, state: PooledRows, completed, num_rows: int,
+                    context: PoolView) -> HCAKernelView:
+        """The pool itself (shared by all slots, read in place through the slot's page
+        table) and the tail as the extra rows: no gather of the slot's rows."""
+        pos, page = jnp.arange(num_rows), self.page_rows
+        paged = paged_rows(page, completed)
+        phys = context.page_table[jnp.clip(pos // page, 0, context.page_table.shape[0] - 1)]
+        slots = jnp.where((pos < paged) & (phys >= 0), phys * page + pos % page, -1)
+        return HCAKernelView(jax.tree.map(lambda t: t[None], context.pool), slots, state.tail,
+                             paged + jnp.arange(page))
 
 
 class DevicePages:

@@ -48,7 +48,13 @@ from lsparse_jax.model.cache import (
     empty_cache,
     empty_layer_cache,
 )
-from lsparse_jax.model.store import RESIDENT_KV, RESIDENT_ROWS, ExactIndex, KeyIndex, KVStore
+from lsparse_jax.model.store import (
+    RESIDENT_KV,
+    ExactIndex,
+    KeyIndex,
+    KVStore,
+    ResidentRowStore,
+)
 from lsparse_jax.quant import KVRowFormat
 
 Update = Callable[[Any], Any]  # a jitted function of the decode state, run by the engine
@@ -243,7 +249,9 @@ class Method:
 
     def hca_store(self):
         """Where HCA layers keep their rows (``model.store.ResidentRowStore`` interface)."""
-        return PooledRowStore(self.hca_page_rows) if self.pooled else RESIDENT_ROWS
+        if self.pooled:
+            return PooledRowStore(self.hca_page_rows)
+        return ResidentRowStore(self.hca_page_rows or None)
 
     def dsa_stores(self) -> store.DSAStores:
         """Where DSA layers keep their per-token rows and keys: resident in the slot."""
@@ -275,11 +283,10 @@ class Method:
             empty_device_pool(n, page, template) if keep and i in self.csa_layers else None
             for i in range(cfg.num_layers))
         on_host = self.storage
-        hca = jnp.zeros((cfg.head_dim,), jnp.float32)
         return DevicePools(kv=per_layer(not on_host.kv_on_host, row),
                            keys=per_layer(not on_host.keys_on_host, key),
                            codes=per_layer(on_host.keys_on_host, code),
-                           hca=tuple(empty_device_pool(n, self.hca_page_rows, hca)
+                           hca=tuple(empty_device_pool(n, self.hca_page_rows, row)
                                      if i in self.hca_layers else None
                                      for i in range(cfg.num_layers)),
                            page_table=jnp.full((engine.cache.num_slots, engine.pages_per_slot),

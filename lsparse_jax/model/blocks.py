@@ -22,11 +22,13 @@ from lsparse_jax.model.cache import CSACache, DSACache, HCACache, SWACache
 from lsparse_jax.model.compressor import Compressor
 from lsparse_jax.model.layers import MLP, RMSNorm, dense, extend_window, matmul_precision, rope
 from lsparse_jax.model.store import (
+    NUM_SOURCES,
     RESIDENT_DSA,
     RESIDENT_KV,
     RESIDENT_ROWS,
     DSAStores,
     ExactIndex,
+    HCAKernelView,
     IndexerQuery,
     KeyIndex,
     KVStore,
@@ -117,8 +119,11 @@ class AttentionLayer(nn.Module):
 
         num = cfg.num_compressed(self.kind)
         # a CSA layer's decode query, or each query of a short chunk (a speculative
-        # verification block), over its selection: the sparse_attention op
-        kernel_attend = (self.kind == "csa" and t_len <= KERNEL_QUERIES
+        # verification block), over its selection; an HCA layer's over all its rows at
+        # attention_precision "bf16" (the kernel's f32 path reads ~0.13 TB/s: session 8's CSA
+        # shape; an HCA layer at 1M attends 8192 rows, XLA is faster there): sparse_attention
+        hca_kernel = self.kind == "hca" and cfg.attention_precision == "bf16"
+        kernel_attend = ((self.kind == "csa" or hca_kernel) and t_len <= KERNEL_QUERIES
                          and not self.dense_selection and not self.indexer_loss
                          and self.implementation != "xla")
         if self.kind in ("csa", "hca"):
@@ -133,9 +138,9 @@ class AttentionLayer(nn.Module):
             rowfmt = KVRowFormat.of(cfg)
             cache = cache.replace(kv=self.kv_store.write(cache.kv, completed, ids,
                                                          rowfmt.encode(rows), ok))
-        elif self.kind == "hca":
-            cache = cache.replace(entries=self.hca_store.write(cache.entries, start // m, ids,
-                                                               rows, ok))
+        elif self.kind == "hca":  # stored as CSA rows are (cfg.kv_dtype)
+            cache = cache.replace(entries=self.hca_store.write(
+                cache.entries, start // m, ids, KVRowFormat.of(cfg).encode(rows), ok))
         elif self.kind == "dsa":  # per-token rows: row i is position i (``completed`` = start)
             ok = jnp.arange(t_len) < num_valid
             dsa_kv = self.dsa_stores.kv if shared is None else self.dsa_stores.member
@@ -175,9 +180,12 @@ class AttentionLayer(nn.Module):
         elif self.kind == "dsa":
             selection = shared  # GLM-5 index sharing: reuse the group leader's positions
 
-        if self.kind == "hca":
-            groups.append((self.hca_store.rows(cache.entries, start // m, num, context)[None],
-                           eligible))
+        if self.kind == "hca" and kernel_attend:  # every eligible row, read where it lies
+            view, groups = hca_kernel_rows(cfg, self.hca_store.kernel_view(
+                cache.entries, start // m, num, context), eligible, groups)
+        elif self.kind == "hca":
+            stored = self.hca_store.rows(cache.entries, start // m, num, context)
+            groups.append((KVRowFormat.of(cfg).decode(stored)[None], eligible))
         elif self.dense_selection and self.kind == "dsa":
             if cache.kv is None:
                 raise ValueError("dense_selection reads every row of a layer; with "
@@ -279,6 +287,29 @@ def kernel_rows(rowfmt: KVRowFormat, view, precision: str):
     if rowfmt.kind == "fp8_v4":  # the FP8Rows leaves (nope, scales, rope) as a plain tuple
         return view.replace(table=tuple(view.table))
     return view
+
+
+def hca_kernel_rows(cfg: ModelConfig, hv: HCAKernelView, eligible, groups):
+    """An HCA layer's T queries as the sparse_attention kernel reads them: (RowView of the
+    table with slots [T, N], the eligible positions' table rows; groups with the ``extra``
+    rows, decoded, appended to each query's window rows, masked by eligibility).
+
+    Notation: T queries, N compressed positions, E extra rows, W window rows ([T, W]: in a
+    decode the ring, T = 1; in a chunk each query's own)."""
+    rowfmt = KVRowFormat.of(cfg)
+    slots = jnp.where(eligible, hv.slots[None, :], -1)                       # [T, N]
+    view = kernel_rows(rowfmt, RowView(hv.table, slots, jnp.zeros(
+        (slots.shape[0], NUM_SOURCES), jnp.int32)), cfg.attention_precision)
+    if hv.extra is None:
+        return view, groups
+    ((window_rows, window_mask),) = groups
+    num = eligible.shape[-1]
+    at = jnp.clip(hv.extra_pos, 0, num - 1)
+    ok = eligible[:, at] & (hv.extra_pos < num)[None, :]                     # [T, E]
+    extra = rowfmt.decode(hv.extra)                                          # [E, D]
+    rows = jnp.concatenate([window_rows, jnp.broadcast_to(
+        extra, (window_rows.shape[0],) + extra.shape)], axis=1)
+    return view, [(rows, jnp.concatenate([window_mask, ok], axis=1))]
 
 
 def selected_rows(rowfmt: KVRowFormat, view, dtype=jnp.float32):

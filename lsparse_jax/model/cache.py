@@ -43,7 +43,8 @@ class CSACache:
 class HCACache:
     window: jnp.ndarray  # [W, D] f32 ring of raw KV rows
     kv_ring: jnp.ndarray  # [m_hca, 2D] f32 compressor inputs of the last m_hca tokens
-    entries: Any  # [N_hca, D] f32 compressed KV (the model's layout), or the state of a
+    entries: Any  # [N_hca, ...] compressed KV in ModelConfig.kv_dtype (the model's layout:
+    #   KVRowFormat, as CSA rows), or the state of a
     #   serving method's row store (device pages: the page being filled)
 
 
@@ -82,7 +83,7 @@ def empty_layer_cache(cfg: ModelConfig, layer: int, kv_store: KVStore = RESIDENT
     if kind == "hca":
         m = cfg.hca_ratio
         return HCACache(window=nan(w, d), kv_ring=nan(m, 2 * d),
-                        entries=hca_store.empty(n, d))
+                        entries=hca_store.empty(n, KVRowFormat.of(cfg)))
     rows = dsa_row_format(cfg)
     if cfg.dsa_leader(layer) != layer:  # no keys; no rows either under dsa_shared_kv
         kv = None if cfg.kv_source(layer) != layer else dsa.member.empty(n, rows)

@@ -383,17 +383,48 @@ class ExactIndex:
 RESIDENT_KV = ResidentKVStore()
 
 
+@struct.dataclass
+class HCAKernelView:
+    """An HCA layer's rows as its decode attention kernel reads them: position n's row is
+    table[0, slots[n]] (slots -1: not in the table), then the ``extra`` rows at positions
+    ``extra_pos`` (the page being filled; None: none), which ride with the window rows."""
+
+    table: Any  # [1, R, ...] stored rows (a pytree), read in place (a device pool: shared)
+    slots: jnp.ndarray  # [N] int32 table row of each position, -1 none
+    extra: Any = None  # [E, ...] stored rows
+    extra_pos: jnp.ndarray | None = None  # [E] int32 their positions
+
+
 @dataclasses.dataclass(frozen=True)
 class ResidentRowStore:
-    """Where an HCA layer keeps its compressed rows: every row in the slot (the model's
-    layout; a serving method may page them, ``memory.device_pool.PooledRowStore``).
+    """Where an HCA layer keeps its compressed rows, in the stored format ``rows`` of
+    ``empty`` (``quant.KVRowFormat``: the caller encodes and decodes): every row in the slot
+    (the model's layout; a serving method may page them, ``memory.device_pool.PooledRowStore``).
 
-      empty(num_rows, dim) -> state;  write(state, completed, ids, rows, ok) -> state;
-      rows(state, completed, num_rows, context) -> [num_rows, D] (NaN where never written).
+      empty(num_rows, rows) -> state;  write(state, completed, ids, stored rows, ok) -> state;
+      rows(state, completed, num_rows, context) -> [num_rows, ...] stored rows (NaN where
+      never written);  kernel_view(state, completed, num_rows, context) -> what the decode's
+      sparse_attention kernel reads (``HCAKernelView``).
+    ``page_rows`` (P_h, a serving method's HCA rows per device page): the kernel view hands
+    positions from the last complete page of P_h rows on as ``extra`` rows, as a pooled store
+    hands its tail, so a method with and without device pools gives the kernel the same rows
+    in the same order (the same output bit for bit). None: every position in the table.
     """
 
-    def empty(self, num_rows: int, dim: int) -> jnp.ndarray:
-        return jnp.full((num_rows, dim), jnp.nan, jnp.float32)
+    page_rows: int | None = None
+
+    def empty(self, num_rows: int, rows: KVRowFormat):
+        return rows.empty(num_rows)
+
+    def kernel_view(self, state, completed, num_rows: int, context) -> HCAKernelView:
+        pos = jnp.arange(num_rows)
+        table = jax.tree.map(lambda t: t[None], state)
+        if self.page_rows is None:
+            return HCAKernelView(table, pos)
+        paged = (completed // self.page_rows) * self.page_rows
+        extra_pos = paged + jnp.arange(self.page_rows)
+        extra = jax.tree.map(lambda t: t[jnp.clip(extra_pos, 0, num_rows - 1)], state)
+        return HCAKernelView(table, jnp.where(pos < paged, pos, -1), extra, extra_pos)
 
     def write(self, state, completed, ids, rows, ok):
         return write_rows(state, ids, rows, ok)

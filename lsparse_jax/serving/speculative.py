@@ -235,7 +235,7 @@ def commit(cfg: ModelConfig, kv_store, key_index, dsa: DSAStores, old, new, star
         elif isinstance(n, HCACache):
             m = cfg.hca_ratio
             ids, ok = _rejected(start, committed, end, m, t_len // m + 1)
-            nan_rows = jnp.full((ids.shape[0], cfg.head_dim), jnp.nan)
+            nan_rows = KVRowFormat.of(cfg).empty(ids.shape[0])
             n = n.replace(window=ring(o.window, n.window), kv_ring=ring(o.kv_ring, n.kv_ring),
                           entries=write_rows(n.entries, ids, nan_rows, ok))
         elif isinstance(n, DSACache):  # per-token rows (row = position) of the block

@@ -85,7 +85,8 @@ def sparse_attention(q, table, slots, window, window_mask, sink, *,
       q           [S, H, D]  f32 or bf16, one decode query per request
       table       [S, R, D]  f32 or bf16 per-request rows (hot cache rows or resident KV),
                   or the FP8 leaves (nope [S, R, n] e4m3, scales [S, R, nb] e8m0,
-                  rope [S, R, r] bf16) as a tuple (``rows.py``; n + r = D)
+                  rope [S, R, r] bf16) as a tuple (``rows.py``; n + r = D); [1, R, ...]:
+                  one table shared by the S requests (a device page pool), read in place
       slots       [S, K]     int32 row of ``table`` for each selected row; -1 = none
       window      [S, W, D]  the sliding-window rows: table's dtype (f32 or bf16 with FP8 rows)
       window_mask [S, W]     bool, which window rows are valid
@@ -93,7 +94,8 @@ def sparse_attention(q, table, slots, window, window_mask, sink, *,
     Outputs:
       out         [S, H, D]  f32
     Under ``jax.vmap`` (e.g. the decode step's map over slots) the kernels run as one launch
-    over all mapped requests (``_batched``), not as a grid axis added by Pallas's batching rule.
+    over all mapped requests (``_batched``), not as a grid axis added by Pallas's batching rule;
+    an unmapped [1, R, ...] table stays one shared table (no copy per request).
     Raises ValueError for bad shapes/dtypes (naming the argument), implementations, or shapes
     an implementation does not support (``check_triton_shapes``, ``mosaic.check_shapes``).
     """
@@ -138,10 +140,13 @@ def _batched(impl: str):
     """The kernel ``impl`` on (q, table, slots, window, window_mask, sink [S, H]) with a vmap
     rule that folds mapped axes into S: vmap over B calls of S requests is one launch over
     B S requests (Pallas's own batching rule would add a grid axis instead, keeping the
-    launch parameters of one call of S). Unmapped operands are broadcast over B (a table
-    shared by the mapped calls is copied B times)."""
+    launch parameters of one call of S). Unmapped operands are broadcast over B, except a
+    table of one leading row ([1, R, ...]): it stays the one table all B S requests share
+    (the Triton kernel reads it in place; the Mosaic path broadcast it before)."""
     @jax.custom_batching.custom_vmap
     def call(q, table, slots, window, window_mask, sink):
+        if impl == "mosaic":  # it reads per-request tables
+            table = rowfmt.broadcast(table, q.shape[0])
         return _kernel(impl)(q, table, slots, window, window_mask, sink)
 
     @call.def_vmap
@@ -150,7 +155,11 @@ def _batched(impl: str):
             a = a if batched else jnp.broadcast_to(a, (axis_size,) + a.shape)
             return a.reshape((axis_size * a.shape[1],) + a.shape[2:])
 
+        table, table_batched = args[1], in_batched[1]
+        keep = not any(jax.tree.leaves(table_batched)) and rowfmt.leading(table)[0] == 1
         folded = jax.tree.map(fold, list(args), list(in_batched))
+        if keep:
+            folded[1] = table
         out = call(*folded)
         return out.reshape((axis_size, -1) + out.shape[1:]), True
 

@@ -32,7 +32,8 @@ def sparse_attention_xla(q: jnp.ndarray, table: jnp.ndarray, slots: jnp.ndarray,
     Inputs:
       q           [S, H, D]  f32 or bf16
       table       [S, R, D]  f32 or bf16, or the FP8 leaves (nope [S, R, n] e4m3,
-                             scales [S, R, nb] e8m0, rope [S, R, r] bf16; ``rows.py``)
+                             scales [S, R, nb] e8m0, rope [S, R, r] bf16; ``rows.py``);
+                             [1, R, ...]: one table shared by the S requests
       slots       [S, K]     int32, -1 = none
       window      [S, W, D]  f32 or bf16
       window_mask [S, W]     bool
@@ -40,6 +41,7 @@ def sparse_attention_xla(q: jnp.ndarray, table: jnp.ndarray, slots: jnp.ndarray,
     Outputs:
       out         [S, H, D]  f32
     """
+    table = rowfmt.broadcast(table, slots.shape[0])
     idx = jnp.maximum(slots, 0)[..., None]
     picked = rowfmt.dequantize(jax.tree.map(lambda t: jnp.take_along_axis(t, idx, axis=1),
                                             table))                            # [S, K, D]

@@ -13,8 +13,9 @@ Notation:
 Design: grid (HP / BH, P, S). A program loads q[s, heads] [BH, D] once (as chunks) and walks
 its contiguous share of the NK + NW blocks, so each selected row is read from HBM once for all
 heads (BH = H) while P programs share the request's rows. A selected block loads BK slot ids and
-gathers those rows of table[s] in place (whole-array ``pl.ANY`` refs, masked loads: rows no
-slot names are never read), chunk by chunk; a window block is a contiguous slice.
+gathers those rows of table[s] (table[0] when one table is shared by all requests) in place
+(whole-array ``pl.ANY`` refs, masked loads: rows no slot names are never read), chunk by chunk;
+a window block is a contiguous slice.
 Per block, an online softmax in log2 units with f32 accumulators acc_c [BH, w] per chunk:
   lg = sum_c (q_c . rows_c^T) sigma_c * log2(e) / sqrt(D)     [BH, BK] (-inf where invalid)
   m' = max(m, max lg), alpha = 2^(m - m'), p = 2^(lg - m'), den' = den alpha + sum p,
@@ -169,13 +170,14 @@ def _chunks(table, d: int, block_d: int) -> list[tuple[int, int, str, int]]:
 
 def _kernel(q_ref, sink_ref, slots_ref, *refs, chunks, fp8: bool, bk: int, nk: int, nw: int,
             per: int, splits: int, k: int, w: int, num_rows: int, qk_scale: float,
-            cdtype, prec, fp8_n: int, d_model: int, csplit: int):
+            cdtype, prec, fp8_n: int, d_model: int, csplit: int, shared: bool):
     # inputs
     #   q_ref      [BH, D]     f32 / bf16 (request s, heads of block h)
     #   sink_ref   [BH]        f32
     #   slots_ref  [S, K]      int32 (whole array, memory_space=ANY)
     #   table refs (ANY): dense [S, R, D]; FP8 nope [S, R, n] uint8 (the e4m3 bits),
-    #              scales [S, R, nb] uint8 (the e8m0 bits), rope [S, R, r] bf16
+    #              scales [S, R, nb] uint8 (the e8m0 bits), rope [S, R, r] bf16; shared:
+    #              [1, R, ...], one table for every request
     #   window_ref [S, W, D]   f32 / bf16 (ANY);  wmask_ref [S, W] bool (ANY)
     # outputs
     #   P = 1: out_ref [BH, D / C] f32 (normalized; C = col_splits column parts of the output)
@@ -186,6 +188,7 @@ def _kernel(q_ref, sink_ref, slots_ref, *refs, chunks, fp8: bool, bk: int, nk: i
     window_ref, wmask_ref = refs[ntab:ntab + 2]
     out_refs = refs[ntab + 2:]
     j, s = pl.program_id(1), pl.program_id(2)
+    ts = 0 if shared else s  # the request's table
     bh = q_ref.shape[0]
     qc = [q_ref[:, pl.ds(c0, cw)].astype(cdtype) for c0, cw, _, _ in chunks]  # [BH, w] each
     offs = jax.lax.broadcasted_iota(jnp.int32, (bk,), 0)           # [BK]
@@ -237,10 +240,10 @@ def _kernel(q_ref, sink_ref, slots_ref, *refs, chunks, fp8: bool, bk: int, nk: i
         if cols is None:
             cols = jax.lax.broadcasted_iota(jnp.int32, (1, d_model), 1)
         nope_c, rows_v = cols < n, valid[:, None]
-        bits = plt.load(tab["nope"].at[s, ids[:, None], cols], mask=rows_v & nope_c, other=0)
-        e = plt.load(tab["scales"].at[s, ids[:, None], cols // rowfmt.FP8_BLOCK],
+        bits = plt.load(tab["nope"].at[ts, ids[:, None], cols], mask=rows_v & nope_c, other=0)
+        e = plt.load(tab["scales"].at[ts, ids[:, None], cols // rowfmt.FP8_BLOCK],
                      mask=rows_v & nope_c, other=127).astype(jnp.int32)
-        rope = plt.load(tab["rope"].at[s, ids[:, None], cols - n], mask=rows_v & ~nope_c,
+        rope = plt.load(tab["rope"].at[ts, ids[:, None], cols - n], mask=rows_v & ~nope_c,
                         other=0)
         nope = jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn).astype(jnp.float32)
         return jnp.where(nope_c, nope * e8m0(e), rope.astype(jnp.float32)).astype(cdtype)
@@ -267,20 +270,20 @@ def _kernel(q_ref, sink_ref, slots_ref, *refs, chunks, fp8: bool, bk: int, nk: i
             else:  # nope block idx or the rope part: columns of its own leaf
                 cols = (idx * cw if leaf == "nope" else 0) + jax.lax.broadcasted_iota(
                     jnp.int32, (1, cw), 1)
-            r = plt.load(tab[leaf].at[s, ids[:, None], cols], mask=valid[:, None],
+            r = plt.load(tab[leaf].at[ts, ids[:, None], cols], mask=valid[:, None],
                          other=0)                                  # [BK, w] gathered in place
             if leaf == "nope":  # loaded as its bits (a masked fp8 load has no zero to fill)
                 r = jax.lax.bitcast_convert_type(r, jnp.float8_e4m3fn)
             rows.append(r.astype(cdtype))
             sig = None
             if leaf == "nope":  # this block's scale of each row
-                sig = e8m0(plt.load(tab["scales"].at[s, ids, idx], mask=valid,
+                sig = e8m0(plt.load(tab["scales"].at[ts, ids, idx], mask=valid,
                                     other=127).astype(jnp.int32))   # [BK]
             sigmas.append(sig)
         pv_rows = None
         if csplit > 1:  # the value columns again (an L1/L2 hit)
             pv_rows = (fp8_rows(ids, valid, pv_cols) if fp8 else plt.load(
-                tab["dense"].at[s, ids[:, None], pv_cols], mask=valid[:, None],
+                tab["dense"].at[ts, ids[:, None], pv_cols], mask=valid[:, None],
                 other=0).astype(cdtype))
         return (*attend(carry, rows, sigmas, valid, pv_rows), nxt)
 
@@ -350,8 +353,9 @@ def sparse_attention_triton(q: jnp.ndarray, table, slots: jnp.ndarray, window: j
     """Pallas-Triton ``sparse_attention`` (interpret mode without a GPU).
 
     Inputs: q [S, H, D] f32/bf16; table [S, R, D] f32/bf16 or the FP8 leaves (nope, scales,
-    rope) of ``rows.py``; slots [S, K] int32 (-1 = none); window [S, W, D] f32/bf16 (the
-    table's dtype for dense tables); window_mask [S, W] bool; sink [H] or [S, H] f32 (checked
+    rope) of ``rows.py`` ([1, R, ...]: shared by the S requests, read in place); slots
+    [S, K] int32 (-1 = none); window [S, W, D] f32/bf16 (the table's dtype for dense
+    tables); window_mask [S, W] bool; sink [H] or [S, H] f32 (checked
     by ``api.sparse_attention``). Output: out [S, H, D] f32.
     Tuning (None = ``default_config``): block_h (BH), block_k (BK), block_d (dense chunk
     width), powers of two >= 16; splits (P >= 1); num_warps; num_stages; col_splits (C: the
@@ -405,7 +409,8 @@ def sparse_attention_triton(q: jnp.ndarray, table, slots: jnp.ndarray, window: j
     kernel = functools.partial(
         _kernel, chunks=chunks, fp8=fp8, bk=block_k, nk=nk, nw=nw, per=per, splits=splits,
         k=k, w=w, num_rows=num_rows, qk_scale=LOG2E / math.sqrt(d), cdtype=cdtype, prec=prec,
-        fp8_n=table[0].shape[-1] if fp8 else d, d_model=d, csplit=csplit)
+        fp8_n=table[0].shape[-1] if fp8 else d, d_model=d, csplit=csplit,
+        shared=rowfmt.shared(table, s))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     dh = d // csplit  # grid axis 0: head blocks x column parts
     acc_spec = pl.BlockSpec((None, None, block_h, dh),

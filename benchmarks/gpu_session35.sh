@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Session 35's GPU calls (device tool, carry [".whl"]); none of these ran in session 35 (its
+# device time went to session 34's calls).
+# STEP=check (~330 s warm): the GPU tests of session 35's changes: sparse_attention with one
+#   table shared by all requests (an HCA device pool read in place under the decode step's
+#   vmap), the engine's GPU tests (pooled methods with kernels: the HCA layer's decode now
+#   attends in the kernel), then the 512K batch-8 decode profile (HiSparse and LeanSparse,
+#   where the HCA layer's time is now a sparse_attention launch).
+# STEP=capacity: configs/experiments/capacity_s35.gin at CONTEXTS (default "(524288,)"; then
+#   "(972800,)"), one context a call, under $OUT/capacity/capacity_s35/ (copy its results.json
+#   to results/capacity_s35/ after each call: the next call resumes from it).
+source "$(dirname "$0")/gpu_lib.sh"
+case "${STEP:-check}" in
+  check)
+    TAIL=30 part gpu_tests ${TESTS_S:-240} "python3 -m pytest -q -m gpu -rA \
+      tests/test_kernel_sparse_attention.py tests/test_gpu_hierarchy.py"
+    profile profile_b8_512k 524288 8 ${PROFILE_S:-200} ;;
+  capacity)  # resumes the cells of an earlier call copied to results/capacity_s35/
+    mkdir -p "$OUT/capacity/capacity_s35"
+    [ -f results/capacity_s35/results.json ] && cp results/capacity_s35/results.json \
+      "$OUT/capacity/capacity_s35/"
+    TAIL=40 part capacity ${CAPACITY_S:-560} "python3 -m experiments.cli run \
+      configs/experiments/capacity_s35.gin \
+      \"--gin.capacity.time_contexts=${CONTEXTS:-(524288,)}\"" ;;
+  *) echo "STEP=${STEP}: unknown (check | capacity)"; exit 2 ;;
+esac
