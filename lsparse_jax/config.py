@@ -148,7 +148,9 @@ class ModelConfig:
         bf16 tensor-core dots (q and the probabilities rounded to bf16, f32 accumulation).
         Its logit error (tests/test_kv_rows.py) is below what fp8_v4 rows already cost.
         Every method reads the kernel in the same form, so the hierarchy identities
-        (hisparse == resident, ...) hold bit for bit at either setting.
+        (hisparse == resident, ...) hold bit for bit at either setting. HCA layers attend
+        in the kernel only at "bf16" (every row read where it lies, a device pool in place);
+        at "f32" they attend in XLA (the kernel's f32 path is slow over thousands of rows).
       weight_dtype: how serving stores the model's matmul weights (every Dense kernel;
         ``model.transformer.serving_params``, applied by ``Engine`` and ``steps.prefill``):
         "f32" as trained, or "bf16" (needs matmul_precision "bf16", whose matmuls round their
