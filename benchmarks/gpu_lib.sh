@@ -51,3 +51,13 @@ spec() {
     --gin.speculative.record_margins=True \
     \"--gin.run.name='$1'\""
 }
+
+# capacity RUN: configs/experiments/RUN.gin at CONTEXTS (default "(524288,)"), resumed from
+# results/RUN/results.json when there is one (copy $OUT/capacity/RUN/results.json there after
+# each call), as part "capacity" (CAPACITY_S seconds, default 560)
+capacity() {
+  mkdir -p "$OUT/capacity/$1"
+  [ -f "results/$1/results.json" ] && cp "results/$1/results.json" "$OUT/capacity/$1/"
+  TAIL=40 part capacity ${CAPACITY_S:-560} "python3 -m experiments.cli run \
+    configs/experiments/$1.gin \"--gin.capacity.time_contexts=${CONTEXTS:-(524288,)}\""
+}

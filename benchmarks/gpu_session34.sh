@@ -22,13 +22,7 @@ case "${STEP:-paged}" in
       tests/test_gpu_hierarchy.py::test_leansparse_kernels_match_xla_on_gpu"
     TAIL=16 part paged_bench ${BENCH_S:-220} "python3 benchmarks/pooled_reads_gpu.py \
       --coarse jax_triton:fp8,triton:bf16 --out \$OUT" ;;
-  capacity)  # resumes the cells of an earlier call copied to results/capacity_s34/
-    mkdir -p "$OUT/capacity/capacity_s34"
-    [ -f results/capacity_s34/results.json ] && cp results/capacity_s34/results.json \
-      "$OUT/capacity/capacity_s34/"
-    TAIL=40 part capacity ${CAPACITY_S:-560} "python3 -m experiments.cli run \
-      configs/experiments/capacity_s34.gin \
-      \"--gin.capacity.time_contexts=${CONTEXTS:-(524288,)}\"" ;;
+  capacity) capacity capacity_s34 ;;  # resumes from results/capacity_s34/
   scale)
     RUN=scale_small_batch_s33 SCALE_BUDGET=${SCALE_BUDGET:-480} STEP=scale \
       bash "$(dirname "$0")/gpu_scale_batch.sh" ;;

@@ -20,12 +20,6 @@ case "${STEP:-check}" in
       --gin \"model_preset.attention_precision='bf16'\" \
       --gin \"model_preset.kv_dtype='fp8_v4'\" \
       --out \$OUT --budget-s $(( ${PROFILE_S:-200} - 10 ))" ;;
-  capacity)  # resumes the cells of an earlier call copied to results/capacity_s35/
-    mkdir -p "$OUT/capacity/capacity_s35"
-    [ -f results/capacity_s35/results.json ] && cp results/capacity_s35/results.json \
-      "$OUT/capacity/capacity_s35/"
-    TAIL=40 part capacity ${CAPACITY_S:-560} "python3 -m experiments.cli run \
-      configs/experiments/capacity_s35.gin \
-      \"--gin.capacity.time_contexts=${CONTEXTS:-(524288,)}\"" ;;
+  capacity) capacity capacity_s35 ;;  # resumes from results/capacity_s35/
   *) echo "STEP=${STEP}: unknown (check | capacity)"; exit 2 ;;
 esac
