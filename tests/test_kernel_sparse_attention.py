@@ -257,6 +257,27 @@ def test_shared_table_equals_its_copy_per_request(impl):
            else "float32")
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_nested_maps_keep_each_slots_table(impl):
+    """A verification block's form: a map over T queries that share their slot's table
+    ([1, R, D], unmapped there) inside the map over B slots (each its own table): every
+    query attends to its own slot's rows, as one call per query would."""
+    b, t = 3, 2
+    q, table, slots, window, mask, sink = map(jnp.asarray, _inputs(b * t, 4, 32, 20, 12, 8))
+    q, slots, window, mask = (a.reshape((b, t, 1) + a.shape[1:])
+                              for a in (q, slots, window, mask))
+    tables = table[::t][:, None]                                    # [B, 1, R, D]
+    fn = functools.partial(sparse_attention, implementation=impl)
+    per_query = jax.vmap(fn, in_axes=(0, None, 0, 0, 0, None))
+    got = jax.jit(jax.vmap(per_query, in_axes=(0, 0, 0, 0, 0, None)))(
+        q, tables, slots, window, mask, sink)
+    for i in range(b):
+        for j in range(t):
+            one = fn(q[i, j], tables[i], slots[i, j], window[i, j], mask[i, j], sink)
+            np.testing.assert_allclose(np.asarray(got[i, j]), np.asarray(one), rtol=1e-6,
+                                       atol=1e-6)
+
+
 def test_shared_table_under_vmap_is_not_copied():
     """Lowered for CUDA, the decode step's form with an unmapped [1, R, D] pool passes the
     pool itself to the one launch: no [S, R, D] broadcast of it appears in the program."""

@@ -212,7 +212,7 @@ def test_short_chunk_attends_through_the_kernel_like_xla(kv_dtype, precision, at
     the sparse_attention kernel (interpret mode), query by query with its own window rows; the
     table shared, or per query where ``selected_rows`` rounds f32 rows to bf16. Its logits
     match the XLA path's within the kernel's precision (f32: 3-pass products; bf16: q and
-    probabilities rounded), and the selections (made before the attention) are identical."""
+    probabilities rounded), and the selections are the same sets."""
     from lsparse_jax.model.blocks import KERNEL_QUERIES
 
     cfg = tiny(kv_dtype=kv_dtype, attention_precision=precision)
@@ -222,8 +222,10 @@ def test_short_chunk_attends_through_the_kernel_like_xla(kv_dtype, precision, at
     assert t <= KERNEL_QUERIES
     want = forward_chunk(params, cfg, caches, tokens[64:], 64, t)
     got = forward_chunk(params, cfg, caches, tokens[64:], 64, t, implementation="triton")
-    for layer in sparse_layers(cfg):
-        np.testing.assert_array_equal(want[2][layer].positions, got[2][layer].positions)
+    for layer in sparse_layers(cfg):  # the same sets (the HCA layer before layer 3 attends
+        #  in the kernel too at bf16: a rounding may reorder equal-set selections)
+        np.testing.assert_array_equal(np.sort(want[2][layer].positions, axis=-1),
+                                      np.sort(got[2][layer].positions, axis=-1))
         assert (np.asarray(got[2][layer].positions) >= 0).any()
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=atol, rtol=0)
     assert not np.array_equal(np.asarray(got[0]), np.asarray(want[0]))  # the kernel ran

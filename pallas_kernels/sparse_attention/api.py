@@ -142,7 +142,9 @@ def _batched(impl: str):
     B S requests (Pallas's own batching rule would add a grid axis instead, keeping the
     launch parameters of one call of S). Unmapped operands are broadcast over B, except a
     table of one leading row ([1, R, ...]): it stays the one table all B S requests share
-    (the Triton kernel reads it in place; the Mosaic path broadcast it before)."""
+    (the Triton kernel reads it in place; the Mosaic path broadcasts it). A mapped table of
+    one leading row (each call's requests share their own) is repeated over its call's S
+    requests (nested maps: a verification block's T queries under the map over slots)."""
     @jax.custom_batching.custom_vmap
     def call(q, table, slots, window, window_mask, sink):
         if impl == "mosaic":  # it reads per-request tables
@@ -155,11 +157,22 @@ def _batched(impl: str):
             a = a if batched else jnp.broadcast_to(a, (axis_size,) + a.shape)
             return a.reshape((axis_size * a.shape[1],) + a.shape[2:])
 
-        table, table_batched = args[1], in_batched[1]
-        keep = not any(jax.tree.leaves(table_batched)) and rowfmt.leading(table)[0] == 1
-        folded = jax.tree.map(fold, list(args), list(in_batched))
-        if keep:
-            folded[1] = table
+        q, table, table_batched = args[0], args[1], in_batched[1]
+        s = q.shape[1] if in_batched[0] else q.shape[0]  # requests of one mapped call
+        if not any(jax.tree.leaves(table_batched)) and rowfmt.leading(table)[0] == 1:
+            folded = jax.tree.map(fold, list(args), list(in_batched))
+            folded[1] = table  # one table for all B S requests
+        else:  # per mapped call its own table: one shared by its S requests ([1, R, ...])
+            #  is repeated S times, as folding puts the B calls' S requests side by side
+            def per_call(t, b):
+                t = t if b else jnp.broadcast_to(t, (axis_size,) + t.shape)
+                return jnp.broadcast_to(t, (axis_size, s) + t.shape[2:]) if (
+                    t.shape[1] == 1 < s) else t
+
+            args, batched = list(args), list(in_batched)
+            args[1] = jax.tree.map(per_call, table, table_batched)
+            batched[1] = jax.tree.map(lambda _: True, table_batched)
+            folded = jax.tree.map(fold, args, batched)
         out = call(*folded)
         return out.reshape((axis_size, -1) + out.shape[1:]), True
 
