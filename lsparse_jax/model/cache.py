@@ -43,9 +43,9 @@ class CSACache:
 class HCACache:
     window: jnp.ndarray  # [W, D] f32 ring of raw KV rows
     kv_ring: jnp.ndarray  # [m_hca, 2D] f32 compressor inputs of the last m_hca tokens
-    entries: Any  # [N_hca, ...] compressed KV in ModelConfig.kv_dtype (the model's layout:
-    #   KVRowFormat, as CSA rows), or the state of a
-    #   serving method's row store (device pages: the page being filled)
+    entries: Any  # [N_hca, ...] compressed KV in ModelConfig.kv_dtype (KVRowFormat, as CSA
+    #   rows; the model's layout), or the state of a serving method's row store (device
+    #   pages: the page being filled)
 
 
 @struct.dataclass

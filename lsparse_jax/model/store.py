@@ -424,7 +424,9 @@ class ResidentRowStore:
         paged = (completed // self.page_rows) * self.page_rows
         extra_pos = paged + jnp.arange(self.page_rows)
         extra = jax.tree.map(lambda t: t[jnp.clip(extra_pos, 0, num_rows - 1)], state)
-        return HCAKernelView(table, jnp.where(pos < paged, pos, -1), extra, extra_pos)
+        in_table = (pos < paged) | (pos >= paged + self.page_rows)  # (a chunk's rows past
+        #  the page: in the table; a decode adds none there)
+        return HCAKernelView(table, jnp.where(in_table, pos, -1), extra, extra_pos)
 
     def write(self, state, completed, ids, rows, ok):
         return write_rows(state, ids, rows, ok)
