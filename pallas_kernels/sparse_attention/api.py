@@ -159,20 +159,19 @@ def _batched(impl: str):
 
         q, table, table_batched = args[0], args[1], in_batched[1]
         s = q.shape[1] if in_batched[0] else q.shape[0]  # requests of one mapped call
-        if not any(jax.tree.leaves(table_batched)) and rowfmt.leading(table)[0] == 1:
-            folded = jax.tree.map(fold, list(args), list(in_batched))
-            folded[1] = table  # one table for all B S requests
-        else:  # per mapped call its own table: one shared by its S requests ([1, R, ...])
-            #  is repeated S times, as folding puts the B calls' S requests side by side
+        shared = not any(jax.tree.leaves(table_batched)) and rowfmt.leading(table)[0] == 1
+        args, batched = list(args), list(in_batched)
+        if not shared:  # per mapped call its own table: one shared by its S requests
+            #  ([1, R, ...]) is repeated S times, as folding puts the calls' requests side by side
             def per_call(t, b):
                 t = t if b else jnp.broadcast_to(t, (axis_size,) + t.shape)
                 return jnp.broadcast_to(t, (axis_size, s) + t.shape[2:]) if (
                     t.shape[1] == 1 < s) else t
 
-            args, batched = list(args), list(in_batched)
             args[1] = jax.tree.map(per_call, table, table_batched)
             batched[1] = jax.tree.map(lambda _: True, table_batched)
-            folded = jax.tree.map(fold, args, batched)
+        folded = [a if i == 1 and shared else jax.tree.map(fold, a, b)  # shared: one table
+                  for i, (a, b) in enumerate(zip(args, batched))]      # for all B S requests
         out = call(*folded)
         return out.reshape((axis_size, -1) + out.shape[1:]), True
 
