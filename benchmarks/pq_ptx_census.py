@@ -25,12 +25,20 @@ from pallas_ptx import census, ptxas_resources  # benchmarks/pallas_ptx.py
 
 from pallas_kernels.pq_topc import jax_triton as jt
 
-VARIANTS = {"default (BN 256, 8 warps; bank-swizzled book)": jt.Params(),
+VARIANTS = {"default (BN 256, 8 warps; codes one a thread)": jt.Params(),
             "row-major book (smem_linear)": jt.Params(decode="smem_linear"),
             "codes one a thread (smem_lanes)": jt.Params(decode="smem_lanes"),
             "BN 512, 4 steps": jt.Params(block_n=512, steps=4),
             "BN 512, 4 steps, 16 warps": jt.Params(block_n=512, steps=4, num_warps=16),
-            "BN 128, 16 steps, 4 warps": jt.Params(block_n=128, steps=16, num_warps=4)}
+            "BN 128, 16 steps, 4 warps": jt.Params(block_n=128, steps=16, num_warps=4),
+            "codes prefetched": jt.Params(prefetch=True),
+            "book per tile": jt.Params(book_per_tile=True),
+            "prefetch + book per tile": jt.Params(prefetch=True, book_per_tile=True),
+            "BN 128, 16 steps, prefetch + book per tile": jt.Params(
+                block_n=128, steps=16, prefetch=True, book_per_tile=True),
+            "16 warps": jt.Params(num_warps=16),
+            "16 warps, prefetch + book per tile": jt.Params(num_warps=16, prefetch=True,
+                                                            book_per_tile=True)}
 
 
 def main(argv=None) -> int:

@@ -571,6 +571,21 @@ def test_jax_triton_compiles_for_sm90(fp8, decode):
     assert f".f32.{kind}" in ptx and "wgmma.mma_async" in ptx
 
 
+@pytest.mark.parametrize("params", [dict(prefetch=True), dict(book_per_tile=True),
+                                    dict(block_n=128, steps=16, prefetch=True,
+                                         book_per_tile=True)], ids=str)
+def test_jax_triton_launch_variants_compile_for_sm90(params):
+    """With the triton package: the code-prefetch and book-per-tile variants (fp8, contiguous
+    and paged codes) compile for sm_90 to e4m3 wgmma; what each costs is the GPU's to say
+    (``benchmarks/pq_variants_gpu.py``)."""
+    pytest.importorskip("triton")
+    lay = pq_jt.layout(64, 32, 256, 4, fp8=True)
+    for page in (0, 64):
+        ptx = pq_jt.compile_ptx(lay, V4_FLASH["n"], pq_jt.Params(**params), page=page,
+                                max_pages=V4_FLASH["n"] // 64 if page else 1)
+        assert ".f32.e4m3.e4m3" in ptx and "wgmma.mma_async" in ptx
+
+
 def test_fp8_lowers_for_cuda():
     """The fused Pallas kernel lowers for CUDA with e4m3 operands at the V4-Flash shape."""
     s = dict(V4_FLASH)
@@ -655,6 +670,30 @@ def test_gpu_random_against_xla(q_dtype):
     assert_same_sets(pos, want_pos)
     got, want = values_at(pos, vals, own)
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("params", [dict(prefetch=True), dict(book_per_tile=True),
+                                    dict(block_n=128, steps=16, prefetch=True,
+                                         book_per_tile=True)], ids=str)
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_gpu_jax_triton_launch_variants_equal_the_default(params, precision):
+    """The code-prefetch and book-per-tile launches compute what the default launch does:
+    at the default tile the same scores bit for bit (each key's decode and dot are the same
+    instructions; only when its codes arrive changes), at another tile within f32 rounding
+    (the sum over heads may run in another order); -inf past each length exactly."""
+    rng = np.random.default_rng(29)
+    b, h, d, m, k, n = 8, 64, 128, 32, 256, 32768 + 77
+    lengths = [n, 0, 100, 2048, 30000, n - 1, 5000, 17]
+    args = [jnp.asarray(a) for a in make_inputs(rng, b, h, d, m, k, n, lengths, exact=False,
+                                                q_dtype=jnp.bfloat16)]
+    want = np.asarray(pq_jt.coarse_scores_jax_triton(*args, precision=precision))
+    got = np.asarray(pq_jt.coarse_scores_jax_triton(*args, params=pq_jt.Params(**params),
+                                                    precision=precision))
+    if "block_n" not in params:
+        np.testing.assert_array_equal(got, want)
+    assert np.array_equal(np.isneginf(got), np.isneginf(want))
+    assert_close(got, want, "float32", mask=np.isfinite(want))
 
 
 @pytest.mark.gpu

@@ -139,12 +139,14 @@ def test_capacity_times_the_equal_n_cells_before_larger_batches(monkeypatch, tmp
     assert [(e["method"], e["batch"], e["step_ms"]) for e in equal] == [("leansparse", 76, 76.0)]
 
 
-@pytest.mark.parametrize("run", ["capacity_s34", "capacity_s35"])
+@pytest.mark.parametrize("run", ["capacity_s34", "capacity_s35", "capacity_s36"])
 def test_capacity_s34_reruns_the_p03_jt_settings(run):
     """configs/experiments/capacity_s34.gin (and capacity_s35.gin, after session 35's HCA
-    changes) re-measure results/capacity_p0.3_jt/'s cells (the step ratios the claims table
-    quotes) against today's HiSparse: the same budget, contexts, hot rows, reuse and
-    LeanSparse coarse pass as that run's recorded config."""
+    changes; capacity_s36.gin, with bf16 weights and attention) re-measure
+    results/capacity_p0.3_jt/'s cells (the step ratios the claims table quotes) against
+    today's HiSparse: the same budget, contexts, hot rows, reuse and LeanSparse coarse pass
+    as that run's recorded config; capacity_s36 also stores the weights and attends in bf16
+    (the recorded run: f32 weights, f32 attention, the defaults)."""
     import gin
 
     import experiments.registry  # noqa: F401  (the configurables)
@@ -163,9 +165,25 @@ def test_capacity_s34_reruns_the_p03_jt_settings(run):
         gin.parse_config_files_and_bindings([str(path)], None, finalize_config=False)
         return {k: gin.query_parameter(k) for k in keys}, gin.query_parameter("run.name")
 
+    serving = ("model_preset.weight_dtype", "model_preset.attention_precision")
+
+    def serving_settings():
+        out = {}
+        for k in serving:
+            try:
+                out[k] = gin.query_parameter(k)
+            except ValueError:  # not bound: the ModelConfig default (f32)
+                out[k] = None
+        return out
+
     try:
         new, name = bindings(CONFIG_ROOT / f"experiments/{run}.gin")
+        new_serving = serving_settings()
         old, _ = bindings(CONFIG_ROOT.parent / "results/capacity_p0.3_jt/config.gin")
+        old_serving = serving_settings()
     finally:
         gin.clear_config()
     assert name == run and new == old
+    assert old_serving == dict.fromkeys(serving)
+    want = dict.fromkeys(serving, "bf16") if run == "capacity_s36" else dict.fromkeys(serving)
+    assert new_serving == want

@@ -57,6 +57,17 @@ and 1.74x (fp8) per call (results/kernel_ncu_session27/, results/kernel_ablation
 thread and lane l gathers word l of one key, which would not conflict: ``compile_ptx`` marks
 the pointers aligned.)
 
+Latency variants (``Params.prefetch``, ``Params.book_per_tile``; session 36, not yet timed).
+At the default launch ptxas gives the fp8 kernel 168 registers, so one program of 8 warps
+runs a SM, and each tile's phases (byte loads of the codes from HBM, the book's re-staging,
+the gather, the relay to the dot's operand layout, the dot, the head sum) wait on each
+other behind barriers: the kernel takes ~4x the shared-memory wavefronts' and instructions'
+count at one per cycle. ``prefetch`` issues tile t + 1's code loads before tile t's decode
+(207 registers); ``book_per_tile`` reloads the 32 KiB book from L1/L2 in each tile instead
+of holding it in 32 registers across the loop (146; with BN 128: 108, two programs a SM).
+The scores are the default's (the same decode and dot per key). ``interpreted.py`` runs this
+kernel on a CPU under Triton's interpreter (fp8: the interpreter's bf16 dot is wrong).
+
 Top-C: ``pallas_kernels.topk`` on the [B, N] scores, "triton_fused" by default since session 30
 (its sample floor and fallback in-kernel: no XLA glue; before, "triton", whose sample floor
 runs ``lax.top_k`` over the sampled keys in XLA, an XLA sort on the GPU). The Pallas kernel
@@ -103,13 +114,20 @@ BANK_BYTES = 128  # one shared-memory wavefront: 32 banks of 4 bytes
 @dataclasses.dataclass(frozen=True)
 class Params:
     """Launch parameters (powers of two): block_n keys per tile, steps tiles per program,
-    decode "smem" | "smem_linear" | "smem_lanes" | "shuffle" (see the module docstring)."""
+    decode "smem" | "smem_linear" | "smem_lanes" | "shuffle" (see the module docstring);
+    prefetch: each tile issues the next tile's code loads before its own decode (the codes
+    carried across the loop), so their latency overlaps this tile's work; book_per_tile: the
+    book is loaded from global memory (L1/L2) in each tile instead of held in registers
+    across the loop (fewer live registers, more programs per SM). Both off: the kernel of
+    sessions 28-35."""
 
     block_n: int = 256
     steps: int = 8
     num_warps: int = 8
     num_stages: int = 2
     decode: str = "smem_lanes"  # session 28: 0.864 vs 0.985 ms bf16, 0.644 vs 0.671 fp8
+    prefetch: bool = False
+    book_per_tile: bool = False
 
 
 DEFAULT_PARAMS = Params()
@@ -264,6 +282,29 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
+    def _load_codes(codes_ptr, pt_ptr, b, rows, sub, length, live, N: tl.constexpr,
+                    M: tl.constexpr, LANES: tl.constexpr, PAGE: tl.constexpr,
+                    MPG: tl.constexpr):
+        """codes[b, rows, sub] [BN, W] uint8 (0 where not live or sub >= M)."""
+        ok = live[:, None] & (sub[None, :] < M)
+        # LANES: an offset of unknown divisibility (0 at run time: lengths are clipped to
+        # [0, N]) hides the 16-byte alignment, so Triton reads one code a thread, lane l at
+        # word l of one key
+        base = codes_ptr + ((length < 0).to(tl.int32) if LANES else 0)
+        if PAGE > 0:  # pool row pt[b, n // P] * P + n % P (row 0 where unmapped)
+            phys = tl.load(pt_ptr + b * MPG + tl.minimum(rows // PAGE, MPG - 1),
+                           mask=rows < N, other=0)
+            at = tl.maximum(phys, 0).to(tl.int64) * PAGE + rows % PAGE  # [BN]
+            addr = base + at[:, None] * M + sub[None, :]
+        else:
+            addr = base + b * (N * M) + rows[:, None] * M + sub[None, :]
+        return tl.load(addr, mask=ok, other=0, eviction_policy="evict_first")
+
+    # the kernel finds its helper among the module's globals (Triton's interpreter re-runs
+    # the kernel's source with them, not with this closure)
+    globals()["_load_codes"] = _load_codes
+
+    @triton.jit
     def pq_scores_kernel(
         # inputs
         len_ptr,    # [B]         int32, clipped to [0, N]
@@ -281,6 +322,8 @@ def _kernel():
         LANES: tl.constexpr,  # codes read through a pointer of unknown alignment ("smem_lanes")
         PAGE: tl.constexpr,  # P rows per page of the codes pool (0: codes [B, N, M])
         MPG: tl.constexpr,  # MP page-table entries per request
+        PREFETCH: tl.constexpr,  # Params.prefetch
+        BOOK_PER_TILE: tl.constexpr,  # Params.book_per_tile
     ):
         b = tl.program_id(0).to(tl.int64)
         first = tl.program_id(1) * (BN * STEPS)
@@ -292,9 +335,11 @@ def _kernel():
         else:
             book_words = book_ptr.to(tl.pointer_type(tl.int64))
         if FLAT:
-            book = tl.load(book_words + tl.arange(0, KP * W))  # [KP * W] (row-major [KP, W])
+            book_at = book_words + tl.arange(0, KP * W)  # [KP * W] (row-major [KP, W])
         else:
-            book = tl.load(book_words + tl.arange(0, KP)[:, None] * W + words[None, :])  # [KP, W]
+            book_at = book_words + tl.arange(0, KP)[:, None] * W + words[None, :]  # [KP, W]
+        if not BOOK_PER_TILE:
+            book = tl.load(book_at)
         dims, heads = tl.arange(0, DP), tl.arange(0, HP)
         if FP8:  # [HP, DP] e4m3, transposed as a view: the K-major B operand
             q8 = tl.load(qt_ptr + b * (DP * HP) + heads[:, None] * DP + dims[None, :])
@@ -302,24 +347,25 @@ def _kernel():
         else:
             qt = tl.load(qt_ptr + b * (DP * HP) + dims[:, None] * HP + heads[None, :])  # [DP, HP]
         w = tl.load(w_ptr + b * HP + heads)  # [HP]
+        if PREFETCH:  # the first tile's codes (positions past the length read nothing)
+            rows0 = first + tl.arange(0, BN)
+            codes = _load_codes(codes_ptr, pt_ptr, b, rows0, sub, length, rows0 < length,
+                                N, M, LANES, PAGE, MPG)
         for t in range(STEPS):
             start = first + t * BN
             rows = start + tl.arange(0, BN)  # [BN] positions
+            if PREFETCH:  # issue tile t + 1's loads before tile t's decode
+                after = rows + BN
+                ahead = _load_codes(codes_ptr, pt_ptr, b, after, sub, length,
+                                    (after < length) & (after < first + BN * STEPS),
+                                    N, M, LANES, PAGE, MPG)
             if start < length:
-                ok = (rows[:, None] < N) & (sub[None, :] < M)
-                # LANES: an offset of unknown divisibility (0 at run time: lengths are
-                # clipped to [0, N]) hides the 16-byte alignment, so Triton reads one code a
-                # thread, lane l at word l of one key
-                base = codes_ptr + ((length < 0).to(tl.int32) if LANES else 0)
-                if PAGE > 0:  # pool row pt[b, n // P] * P + n % P (row 0 where unmapped)
-                    phys = tl.load(pt_ptr + b * MPG + tl.minimum(rows // PAGE, MPG - 1),
-                                   mask=rows < N, other=0)
-                    at = tl.maximum(phys, 0).to(tl.int64) * PAGE + rows % PAGE  # [BN]
-                    addr = base + at[:, None] * M + sub[None, :]
-                else:
-                    addr = base + b * (N * M) + rows[:, None] * M + sub[None, :]
-                idx = tl.load(addr, mask=ok, other=0, eviction_policy="evict_first")
-                idx = tl.minimum(idx.to(tl.int32), K - 1)  # [BN, W]
+                if not PREFETCH:
+                    codes = _load_codes(codes_ptr, pt_ptr, b, rows, sub, length, rows < N,
+                                        N, M, LANES, PAGE, MPG)
+                idx = tl.minimum(codes.to(tl.int32), K - 1)  # [BN, W]
+                if BOOK_PER_TILE:
+                    book = tl.load(book_at)
                 if FLAT:
                     flat = tl.reshape(idx * W + (words[None, :] ^ (idx & SWZ)), (BN * W,))
                     packed = tl.reshape(tl.gather(book, flat, 0), (BN, W))
@@ -346,6 +392,8 @@ def _kernel():
             else:
                 s = tl.full((BN,), float("-inf"), tl.float32)
             tl.store(out_ptr + b * N + rows, s, mask=rows < N)
+            if PREFETCH:
+                codes = ahead
 
     return pq_scores_kernel
 
@@ -382,7 +430,7 @@ def _constexprs(lay: Layout, n: int, p: Params, page: int = 0, max_pages: int = 
     return dict(N=n, M=lay.m, K=lay.k, KP=lay.kp, W=lay.words, WPS=lay.wps, DP=lay.dp,
                 HP=lay.hp, BN=block_n, STEPS=steps, FLAT=p.decode != "shuffle", FP8=lay.fp8,
                 SWZ=swizzle_mask(lay, p.decode), LANES=p.decode == "smem_lanes", PAGE=page,
-                MPG=max_pages)
+                MPG=max_pages, PREFETCH=p.prefetch, BOOK_PER_TILE=p.book_per_tile)
 
 
 def _tile(n: int, params: Params) -> tuple[int, int]:
@@ -392,18 +440,15 @@ def _tile(n: int, params: Params) -> tuple[int, int]:
     return block_n, steps
 
 
-def coarse_scores_jax_triton(q, weights, codes, codebooks, lengths, *,
-                             params: Params | None = None, precision: str = "bf16",
-                             page_table=None, page: int | None = None) -> jnp.ndarray:
-    """Masked coarse scores [B, N] f32 (-inf at n >= lengths[b]) by the Triton kernel.
-    Inputs as ``api.pq_topc`` (validated there); precision "bf16" or "fp8" (module docstring);
-    page_table [B, MP] with page P: codes is a pool [R, M] read through it (N = MP * P).
-    Needs a CUDA GPU."""
+def launch_inputs(q, weights, codes, codebooks, lengths, *, params: Params | None = None,
+                  precision: str = "bf16", page_table=None, page: int | None = None):
+    """The score kernel's launch: (array arguments in the kernel's order, without the output;
+    compile-time arguments; grid; params). Shared by the jax-triton launch and
+    ``interpreted.interpreted_scores``."""
     p = params or DEFAULT_PARAMS
     if p.decode not in DECODES:
         raise ValueError(f"pq_topc: decode={p.decode!r}; allowed: {DECODES}")
     _check_precision(precision)
-    import jax_triton
     q, weights, codebooks = _quantized(q, weights, codebooks, precision)
     (b, h, _), (k, ds) = q.shape, codebooks.shape[1:]
     if page_table is None:
@@ -419,12 +464,24 @@ def coarse_scores_jax_triton(q, weights, codes, codebooks, lengths, *,
     qt = padded_query(q, lay)
     if lay.fp8:  # passed as raw bytes, bitcast back in the kernel
         qt = lax.bitcast_convert_type(qt, jnp.uint8)
+    args = (lens, qt, w, codes, packed_codebook(codebooks, lay, consts["SWZ"]), pages)
+    return args, consts, (b, -(-n // (consts["BN"] * consts["STEPS"]))), p
+
+
+def coarse_scores_jax_triton(q, weights, codes, codebooks, lengths, *,
+                             params: Params | None = None, precision: str = "bf16",
+                             page_table=None, page: int | None = None) -> jnp.ndarray:
+    """Masked coarse scores [B, N] f32 (-inf at n >= lengths[b]) by the Triton kernel.
+    Inputs as ``api.pq_topc`` (validated there); precision "bf16" or "fp8" (module docstring);
+    page_table [B, MP] with page P: codes is a pool [R, M] read through it (N = MP * P).
+    Needs a CUDA GPU."""
+    args, consts, grid, p = launch_inputs(q, weights, codes, codebooks, lengths, params=params,
+                                          precision=precision, page_table=page_table, page=page)
+    import jax_triton
     return jax_triton.triton_call(
-        lens, qt, w, codes, packed_codebook(codebooks, lay, consts["SWZ"]), pages,
-        kernel=_kernel(),
-        out_shape=jax.ShapeDtypeStruct((b, n), jnp.float32),
-        grid=(b, -(-n // (consts["BN"] * consts["STEPS"]))),
-        num_warps=p.num_warps, num_stages=p.num_stages, **consts)
+        *args, kernel=_kernel(),
+        out_shape=jax.ShapeDtypeStruct((grid[0], consts["N"]), jnp.float32),
+        grid=grid, num_warps=p.num_warps, num_stages=p.num_stages, **consts)
 
 
 @functools.partial(jax.jit, static_argnames=("num_candidates", "params",

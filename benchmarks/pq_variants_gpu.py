@@ -1,0 +1,137 @@
+"""The jax-triton pq score kernel's launch variants on one GPU (issues 13 and 16: the coarse pass
+reads its PQ codes at 0.27 TB/s where HiSparse's indexer reads FP8 keys at 0.86).
+
+    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/pq_variants_gpu.py --out $OUT/pq_variants
+
+Variants (``pallas_kernels.pq_topc.jax_triton.Params``; ptxas registers for sm_90a at fp8 from
+``benchmarks/pq_ptx_census.py``-style compiles on a CPU, session 36):
+  default            BN 256, 8 warps (168 registers: one program a SM)
+  prefetch           the next tile's codes loaded before this tile's decode (207)
+  book_per_tile      the book reloaded from L1/L2 in each tile, not held in registers (146)
+  prefetch+book      both (177)
+  bn128+both         BN 128, 16 steps, both (126: two programs a SM)
+  bn128+book         BN 128, 16 steps, book per tile (108)
+  w16                BN 256, 16 warps (123)
+  w16+both           16 warps, both (126)
+Shapes: the decode step's at 512K (N 131072 codes a request): batch 64 contiguous (the
+kernel_compare target) and batch 36 paged (pages of 64 rows in a shuffled pool: the capacity
+study's 512K cell), fp8 then bf16. Random codes; row 0 of each batch holds N / 3 positions.
+Each row: median ms of 10 synchronized calls after 2 warm-ups, the codes' bytes over that time
+(TB/s, HBM ~3.0 TB/s on an H100), the ratio to the default launch, and whether its scores
+equal the default's (bit for bit at BN 256 and 8 warps, else max relative difference).
+Writes OUT/results.json after every row; prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # benchmarks/timing.py
+from timing import median_time  # noqa: E402
+
+from pallas_kernels.pq_topc import jax_triton as jt  # noqa: E402
+
+VARIANTS = {
+    "default": jt.Params(),
+    "prefetch": jt.Params(prefetch=True),
+    "book_per_tile": jt.Params(book_per_tile=True),
+    "prefetch+book": jt.Params(prefetch=True, book_per_tile=True),
+    "bn128+both": jt.Params(block_n=128, steps=16, prefetch=True, book_per_tile=True),
+    "bn128+book": jt.Params(block_n=128, steps=16, book_per_tile=True),
+    "w16": jt.Params(num_warps=16),
+    "w16+both": jt.Params(num_warps=16, prefetch=True, book_per_tile=True),
+}
+SHAPES = [dict(name="B64 contiguous", b=64, page=0), dict(name="B36 paged", b=36, page=64)]
+N, H, D, M, K = 131072, 64, 128, 32, 256
+
+
+def make_args(b: int, page: int, seed: int = 0):
+    """(q, w, codes or pool, books, lengths, extra kwargs): pool pages shuffled, one spare."""
+    keys = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(keys[0], (b, H, D), jnp.bfloat16)
+    w = jax.random.uniform(keys[1], (b, H), jnp.float32, -0.5, 1.0)
+    codes = jax.random.randint(keys[2], (b, N, M), 0, K, jnp.int32).astype(jnp.uint8)
+    books = jax.random.normal(keys[3], (M, K, D // M), jnp.float32)
+    lengths = jnp.full((b,), N, jnp.int32).at[0].set(N // 3)
+    if not page:
+        return (q, w, codes, books, lengths), {}
+    pages = b * N // page
+    order = jax.random.permutation(keys[4], pages + 1)
+    pool = jnp.zeros((pages + 1, page, M), jnp.uint8).at[order[:pages]].set(
+        codes.reshape(pages, page, M))
+    table = order[:pages].reshape(b, N // page).astype(jnp.int32)
+    return (q, w, pool.reshape(-1, M), books, lengths), dict(page_table=table, page=page)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="results/pq_variants")
+    ap.add_argument("--budget-s", type=float, default=400.0)
+    ap.add_argument("--repeats", type=int, default=10)
+    args = ap.parse_args(argv)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + args.budget_s
+    rows = []
+
+    def save():
+        (out / "results.json").write_text(json.dumps(dict(
+            device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+            shape=dict(N=N, H=H, D=D, M=M, K=K), rows=rows), indent=1) + "\n")
+
+    for precision in ("fp8", "bf16"):
+        for shape in SHAPES:
+            inputs, extra = make_args(shape["b"], shape["page"])
+            code_bytes = float(np.sum(np.clip(np.asarray(inputs[4]), 0, N))) * M
+            base = None
+            for name, params in VARIANTS.items():
+                row = dict(precision=precision, shape=shape["name"], variant=name,
+                           params=dataclasses.asdict(params))
+                rows.append(row)
+                if time.monotonic() > deadline - 20:
+                    row["skipped"] = "budget spent"
+                    save()
+                    continue
+                fn = jax.jit(lambda *a, p=params, pr=precision, x=extra:
+                             jt.coarse_scores_jax_triton(*a, params=p, precision=pr, **x))
+                try:
+                    scores = np.asarray(fn(*inputs))
+                    sec = median_time(fn, lambda x=inputs: x, repeats=args.repeats, warmup=2)
+                except Exception as e:  # record, go on with the others
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    save()
+                    continue
+                row.update(ms=1e3 * sec, codes_tb_s=code_bytes / sec / 1e12)
+                if base is None:
+                    base = dict(ms=row["ms"], scores=scores)
+                live = np.isfinite(base["scores"])
+                row["vs_default"] = row["ms"] / base["ms"]
+                row["equal_default"] = bool(np.array_equal(scores, base["scores"]))
+                row["mask_equal"] = bool(np.array_equal(np.isfinite(scores), live))
+                row["max_rel_diff"] = float(np.abs(scores[live] - base["scores"][live]).max()
+                                            / np.abs(base["scores"][live]).max())
+                save()
+                print(json.dumps(row), flush=True)
+    print(f"\n{'precision':9} {'shape':15} {'variant':14} {'ms':>7} {'TB/s':>6} "
+          f"{'/default':>8}  equal")
+    for r in rows:
+        if "ms" in r:
+            print(f"{r['precision']:9} {r['shape']:15} {r['variant']:14} {r['ms']:7.3f} "
+                  f"{r['codes_tb_s']:6.3f} {r['vs_default']:8.3f}  {r['equal_default']}")
+        else:
+            print(f"{r['precision']:9} {r['shape']:15} {r['variant']:14} "
+                  f"{r.get('skipped') or r.get('error')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
