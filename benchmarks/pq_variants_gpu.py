@@ -13,6 +13,7 @@ Variants (``pallas_kernels.pq_topc.jax_triton.Params``; ptxas registers for sm_9
   bn128+book         BN 128, 16 steps, book per tile (108)
   w16                BN 256, 16 warps (123)
   w16+both           16 warps, both (126)
+  bn512+w16+book     BN 512, 4 steps, 16 warps, book per tile (128, 40 bytes spilled)
 Shapes: the decode step's at 512K (N 131072 codes a request): batch 64 contiguous (the
 kernel_compare target) and batch 36 paged (pages of 64 rows in a shuffled pool: the capacity
 study's 512K cell), fp8 then bf16. Random codes; row 0 of each batch holds N / 3 positions.
@@ -49,6 +50,7 @@ VARIANTS = {
     "bn128+book": jt.Params(block_n=128, steps=16, book_per_tile=True),
     "w16": jt.Params(num_warps=16),
     "w16+both": jt.Params(num_warps=16, prefetch=True, book_per_tile=True),
+    "bn512+w16+book": jt.Params(block_n=512, steps=4, num_warps=16, book_per_tile=True),
 }
 SHAPES = [dict(name="B64 contiguous", b=64, page=0), dict(name="B36 paged", b=36, page=64)]
 N, H, D, M, K = 131072, 64, 128, 32, 256
