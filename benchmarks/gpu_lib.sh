@@ -27,12 +27,13 @@ part() {
 
 # profile NAME CONTEXT BATCH SECONDS: benchmarks/decode_profile_gpu.py's decode profile of
 # $METHODS (default hisparse and leansparse_fp8_jt) at bf16 matmuls, with the HLO census, as
-# part NAME (prefills cached in /tmp/lsparse_scale_prefill while the machine stays warm)
+# part NAME (prefills cached in /tmp/lsparse_scale_prefill while the machine stays warm);
+# PROFILE_GIN: more --gin options for decode_profile_gpu.py (e.g. --gin \"model_preset.x='y'\")
 profile() {  # profile NAME CONTEXT BATCH SECONDS
   TAIL=40 part "$1" "$4" "python3 benchmarks/decode_profile_gpu.py \
     --methods ${METHODS:-hisparse,leansparse_fp8_jt} --context $2 --batch $3 --hlo-census \
     --gin \"model_preset.matmul_precision='bf16'\" --prefill-cache /tmp/lsparse_scale_prefill \
-    --out \$OUT --budget-s $(( $4 - 10 ))"
+    ${PROFILE_GIN:-} --out \$OUT --budget-s $(( $4 - 10 ))"
 }
 
 # pack NAME: everything under $OUT into $OUT/NAME.tar (the device tool returns few files)

@@ -19,13 +19,9 @@ case "${STEP:-pq}" in
     TAIL=40 part pq_variants ${VARIANTS_S:-280} "python3 benchmarks/pq_variants_gpu.py \
       --out \$OUT --budget-s $(( ${VARIANTS_S:-280} - 15 ))" ;;
   profile)
-    TAIL=40 part profile_b8_512k_serving ${PROFILE_S:-240} "python3 benchmarks/decode_profile_gpu.py \
-      --methods hisparse,leansparse_fp8_jt --context 524288 --batch 8 --hlo-census \
-      --gin \"model_preset.matmul_precision='bf16'\" \
-      --gin \"model_preset.weight_dtype='bf16'\" \
-      --gin \"model_preset.attention_precision='bf16'\" \
-      --gin \"model_preset.kv_dtype='fp8_v4'\" \
-      --out \$OUT --budget-s $(( ${PROFILE_S:-240} - 10 ))" ;;
+    PROFILE_GIN="--gin \"model_preset.weight_dtype='bf16'\" \
+      --gin \"model_preset.attention_precision='bf16'\" --gin \"model_preset.kv_dtype='fp8_v4'\"" \
+      profile profile_b8_512k_serving 524288 8 ${PROFILE_S:-240} ;;
   serve) capacity capacity_s36 ;;  # resumes from results/capacity_s36/
   *) echo "STEP=${STEP}: unknown (pq | profile | serve)"; exit 2 ;;
 esac
