@@ -17,7 +17,7 @@ case "${STEP:-pq}" in
     TAIL=20 part pq_tests ${TESTS_S:-150} "python3 -m pytest -q -m gpu -rA \
       tests/test_kernel_pq_topc.py -k 'launch_variants or jax_triton_random or fp8_against'"
     TAIL=40 part pq_variants ${VARIANTS_S:-280} "python3 benchmarks/pq_variants_gpu.py \
-      --out \$OUT --budget-s $(( ${VARIANTS_S:-280} - 15 ))" ;;
+      --rounds 9 --repeats 20 --out \$OUT --budget-s $(( ${VARIANTS_S:-280} - 15 ))" ;;
   profile)
     PROFILE_GIN="--gin \"model_preset.weight_dtype='bf16'\" \
       --gin \"model_preset.attention_precision='bf16'\" --gin \"model_preset.kv_dtype='fp8_v4'\"" \

@@ -17,10 +17,14 @@ Variants (``pallas_kernels.pq_topc.jax_triton.Params``; ptxas registers for sm_9
 Shapes: the decode step's at 512K (N 131072 codes a request): batch 64 contiguous (the
 kernel_compare target) and batch 36 paged (pages of 64 rows in a shuffled pool: the capacity
 study's 512K cell), fp8 then bf16. Random codes; row 0 of each batch holds N / 3 positions.
-Each row: median ms of 10 synchronized calls after 2 warm-ups, the codes' bytes over that time
-(TB/s, HBM ~3.0 TB/s on an H100), the ratio to the default launch, and whether its scores
-equal the default's (bit for bit at BN 256 and 8 warps, else max relative difference).
-Writes OUT/results.json after every row; prints the table last.
+Timing: --rounds rounds; in each, every variant's median of --repeats synchronized calls
+(after 2 warm-ups), the variants' order rotated by one a round, so drift between rounds
+(session 36: the same variant's time moved by up to 30% between three back-to-back runs)
+falls on all alike. Each row: the median over rounds (ms, and its range), the codes' bytes
+over that time (TB/s, HBM ~3.0 TB/s on an H100), the median of the per-round ratios to the
+default launch (and their range; rounds_faster counts the rounds it beat the default), and
+whether its scores equal the default's bit for bit (else the max relative difference).
+Writes OUT/results.json after each shape; prints the table last.
 """
 
 from __future__ import annotations
@@ -78,7 +82,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="results/pq_variants")
     ap.add_argument("--budget-s", type=float, default=400.0)
-    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=10, help="calls timed per variant a round")
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args(argv)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -88,51 +93,91 @@ def main(argv=None) -> int:
     def save():
         (out / "results.json").write_text(json.dumps(dict(
             device=str(jax.devices()[0].device_kind), jax=jax.__version__,
-            shape=dict(N=N, H=H, D=D, M=M, K=K), rows=rows), indent=1) + "\n")
+            shape=dict(N=N, H=H, D=D, M=M, K=K), rounds=args.rounds, repeats=args.repeats,
+            rows=rows), indent=1) + "\n")
 
     for precision in ("fp8", "bf16"):
         for shape in SHAPES:
+            if time.monotonic() > deadline - 30:
+                rows.append(dict(precision=precision, shape=shape["name"],
+                                 skipped="budget spent"))
+                save()
+                continue
             inputs, extra = make_args(shape["b"], shape["page"])
             code_bytes = float(np.sum(np.clip(np.asarray(inputs[4]), 0, N))) * M
-            base = None
-            for name, params in VARIANTS.items():
-                row = dict(precision=precision, shape=shape["name"], variant=name,
-                           params=dataclasses.asdict(params))
-                rows.append(row)
-                if time.monotonic() > deadline - 20:
-                    row["skipped"] = "budget spent"
-                    save()
-                    continue
-                fn = jax.jit(lambda *a, p=params, pr=precision, x=extra:
-                             jt.coarse_scores_jax_triton(*a, params=p, precision=pr, **x))
-                try:
-                    scores = np.asarray(fn(*inputs))
-                    sec = median_time(fn, lambda x=inputs: x, repeats=args.repeats, warmup=2)
-                except Exception as e:  # record, go on with the others
-                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                    save()
-                    continue
-                row.update(ms=1e3 * sec, codes_tb_s=code_bytes / sec / 1e12)
-                if base is None:
-                    base = dict(ms=row["ms"], scores=scores)
-                live = np.isfinite(base["scores"])
-                row["vs_default"] = row["ms"] / base["ms"]
-                row["equal_default"] = bool(np.array_equal(scores, base["scores"]))
-                row["mask_equal"] = bool(np.array_equal(np.isfinite(scores), live))
-                row["max_rel_diff"] = float(np.abs(scores[live] - base["scores"][live]).max()
-                                            / np.abs(base["scores"][live]).max())
-                save()
-                print(json.dumps(row), flush=True)
+            group = compiled_variants(precision, shape, inputs, extra, rows, save)
+            interleaved_rounds(group, inputs, args, deadline)
+            base = group[0]  # the default launch
+            for row in group:
+                per_round = np.asarray(row.pop("_times"))
+                ratios = per_round / np.asarray(base["_ratio_base"])
+                row.update(ms=1e3 * float(np.median(per_round)),
+                           ms_range=[1e3 * float(per_round.min()), 1e3 * float(per_round.max())],
+                           codes_tb_s=code_bytes / float(np.median(per_round)) / 1e12,
+                           vs_default=float(np.median(ratios)),
+                           vs_default_range=[float(ratios.min()), float(ratios.max())],
+                           rounds_faster=int(np.sum(ratios < 1.0)))
+            for row in group:
+                row.pop("_ratio_base", None)
+                row.pop("_fn", None)
+                row.pop("_scores", None)
+            save()
     print(f"\n{'precision':9} {'shape':15} {'variant':14} {'ms':>7} {'TB/s':>6} "
-          f"{'/default':>8}  equal")
+          f"{'/default':>8} {'range':>13} faster  equal")
     for r in rows:
         if "ms" in r:
+            lo, hi = r["vs_default_range"]
             print(f"{r['precision']:9} {r['shape']:15} {r['variant']:14} {r['ms']:7.3f} "
-                  f"{r['codes_tb_s']:6.3f} {r['vs_default']:8.3f}  {r['equal_default']}")
+                  f"{r['codes_tb_s']:6.3f} {r['vs_default']:8.3f} {lo:6.3f}-{hi:6.3f} "
+                  f"{r['rounds_faster']:>3}/{args.rounds}  {r['equal_default']}")
         else:
-            print(f"{r['precision']:9} {r['shape']:15} {r['variant']:14} "
+            print(f"{r['precision']:9} {r.get('shape', ''):15} {r.get('variant', ''):14} "
                   f"{r.get('skipped') or r.get('error')}")
     return 0
+
+
+def compiled_variants(precision, shape, inputs, extra, rows, save) -> list[dict]:
+    """One row per variant that compiled and ran once (the default first), its scores checked
+    against the default's; failures recorded and left out."""
+    group = []
+    for name, params in VARIANTS.items():
+        row = dict(precision=precision, shape=shape["name"], variant=name,
+                   params=dataclasses.asdict(params))
+        rows.append(row)
+        fn = jax.jit(lambda *a, p=params, pr=precision, x=extra:
+                     jt.coarse_scores_jax_triton(*a, params=p, precision=pr, **x))
+        try:
+            scores = np.asarray(fn(*inputs))
+        except Exception as e:  # record, go on with the others
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            save()
+            if name == "default":
+                return []
+            continue
+        want = group[0]["_scores"] if group else scores
+        live = np.isfinite(want)
+        row.update(_fn=fn, _scores=scores, _times=[],
+                   equal_default=bool(np.array_equal(scores, want)),
+                   mask_equal=bool(np.array_equal(np.isfinite(scores), live)),
+                   max_rel_diff=float(np.abs(scores[live] - want[live]).max()
+                                      / np.abs(want[live]).max()))
+        group.append(row)
+    return group
+
+
+def interleaved_rounds(group, inputs, args, deadline) -> None:
+    """Each round times every variant (median of --repeats calls), in an order rotated by
+    one each round, so drift between rounds (clocks, temperature) falls on all variants
+    alike; the default's time of the same round is each ratio's base."""
+    for r in range(args.rounds):
+        if r and time.monotonic() > deadline - 10:
+            break
+        order = group[r % len(group):] + group[:r % len(group)]
+        for row in order:
+            row["_times"].append(median_time(row["_fn"], lambda x=inputs: x,
+                                             repeats=args.repeats, warmup=2))
+        for row in group:
+            row.setdefault("_ratio_base", []).append(group[0]["_times"][-1])
 
 
 if __name__ == "__main__":
