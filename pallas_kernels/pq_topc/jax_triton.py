@@ -57,16 +57,20 @@ and 1.74x (fp8) per call (results/kernel_ncu_session27/, results/kernel_ablation
 thread and lane l gathers word l of one key, which would not conflict: ``compile_ptx`` marks
 the pointers aligned.)
 
-Latency variants (``Params.prefetch``, ``Params.book_per_tile``; session 36, not yet timed).
-At the default launch ptxas gives the fp8 kernel 168 registers, so one program of 8 warps
-runs a SM, and each tile's phases (byte loads of the codes from HBM, the book's re-staging,
-the gather, the relay to the dot's operand layout, the dot, the head sum) wait on each
-other behind barriers: the kernel takes ~4x the shared-memory wavefronts' and instructions'
-count at one per cycle. ``prefetch`` issues tile t + 1's code loads before tile t's decode
-(207 registers); ``book_per_tile`` reloads the 32 KiB book from L1/L2 in each tile instead
-of holding it in 32 registers across the loop (146; with BN 128: 108, two programs a SM).
-The scores are the default's (the same decode and dot per key). ``interpreted.py`` runs this
-kernel on a CPU under Triton's interpreter (fp8: the interpreter's bf16 dot is wrong).
+Latency variants (``Params.prefetch``, ``Params.book_per_tile``; session 36). At the default
+launch ptxas gives the fp8 kernel 168 registers, so one program of 8 warps runs a SM, and
+each tile's phases (byte loads of the codes from HBM, the book's re-staging, the gather, the
+relay to the dot's operand layout, the dot, the head sum) wait on each other behind
+barriers: by count, the tile's shared-memory wavefronts and instructions at one a cycle
+would take ~1/4 of the measured time (an estimate). ``prefetch`` issues tile t + 1's code
+loads before tile t's decode (207 registers); ``book_per_tile`` reloads the 32 KiB book
+from L1/L2 in each tile instead of holding it in 32 registers across the loop (146; with
+BN 128: 108, two programs a SM).
+The scores are the default's bit for bit (GPU test). Timed on an H100 (three runs,
+results/pq_variants_s36/): no consistent gain; on paged FP8 codes prefetch 0.89-0.94x and
+book_per_tile 0.84-0.94x of the default, on contiguous codes 1.01-1.22x; run-to-run drift
+was up to 30%. ``interpreted.py`` runs this kernel on a CPU under Triton's interpreter
+(fp8: the interpreter's bf16 dot is wrong).
 
 Top-C: ``pallas_kernels.topk`` on the [B, N] scores, "triton_fused" by default since session 30
 (its sample floor and fallback in-kernel: no XLA glue; before, "triton", whose sample floor
