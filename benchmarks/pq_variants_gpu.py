@@ -106,6 +106,8 @@ def main(argv=None) -> int:
             inputs, extra = make_args(shape["b"], shape["page"])
             code_bytes = float(np.sum(np.clip(np.asarray(inputs[4]), 0, N))) * M
             group = compiled_variants(precision, shape, inputs, extra, rows, save)
+            if not group:  # the default launch failed (recorded): nothing to compare
+                continue
             interleaved_rounds(group, inputs, args, deadline)
             base = group[0]  # the default launch
             for row in group:
