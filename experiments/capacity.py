@@ -19,14 +19,19 @@ every timed cell and a rerun skips the cells it already holds.
    the count device pools carved from that budget admit: tests/test_device_pool.py).
 2. Throughput: ``model`` is prefilled once per context (random weights, random-token prompt)
    and each method decodes min(N, max_timed_batch) copies of it (``scale.decode_cell``): the
-   mean of ``steps`` steps after ``warm_steps``; throughput = batch / step time. With
-   ``equal_concurrency`` each other method is also timed at the calibrated method's N
-   (Figure 12). Random weights select nearly independently step to step (every cache's worst
-   case): each record carries the measured step-to-step reuse.
+   mean of ``steps`` steps after ``warm_steps``, or with ``repeats`` > 1 the median of that
+   many such blocks (each block's in ``step_ms_blocks``); throughput = batch / step time.
+   With ``equal_concurrency`` each other method is also timed at the calibrated method's N
+   (Figure 12); its equal-N record carries the ratio to the calibrated method's step
+   (``vs_calibrated``) and, with blocks, the widest range they allow
+   (``vs_calibrated_range``: min mine / max theirs, max mine / min theirs). Random weights
+   select nearly independently step to step (every cache's worst case): each record carries
+   the measured step-to-step reuse.
 
 Record keys: method, context, max_concurrency, bytes_per_request, timed_batch, step_ms,
 throughput_tok_s, reuse, resolved_fraction, paper (the paper's N / tok/s / step ms where it
-gives them), or error; ``equal_n`` records: method, context, batch, step_ms; ``step_fit``:
+gives them), or error; ``equal_n`` records: method, context, batch, step_ms, vs_calibrated
+(and step_ms_blocks, vs_calibrated_range with repeats > 1); ``step_fit``:
 ``step_fit`` of every method timed at two batch sizes.
 """
 
@@ -41,7 +46,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from experiments.common import fit_max_len, pyplot, run_dir, write_results
+from experiments.common import block_ratio_range, fit_max_len, pyplot, run_dir, write_results
 from experiments.scale import decode_cell
 from lsparse_jax.config import (
     CacheConfig,
@@ -108,12 +113,12 @@ def capacity(name: str, model=gin.REQUIRED, predict_model=gin.REQUIRED,
              warm_steps: int = 4, prefill_chunk: int = 4096, calibration_tokens: int = 4096,
              device_budget_gb: float = 120.0, implementation: str | None = "xla",
              time_steps: bool = True, time_contexts=None, seed: int = 0,
-             pipelined: bool = True, input_repeat: float | None = None):
+             pipelined: bool = True, input_repeat: float | None = None, repeats: int = 1):
     """Predicts N per (method, context) from one calibrated budget, then times decode at
     min(N, max_timed_batch); returns the records. hot_cache_rows: {method: B} (the paper:
     HiSparse 4096, LeanSparse 2048). time_contexts: the contexts timed in this call (None:
     all; one per device call keeps each under its time limit). pipelined, input_repeat:
-    how the timed steps run (``common.timed_steps``)."""
+    how the timed steps run (``common.timed_steps``); repeats: timed blocks a cell."""
     lean = leansparse or LeanSparseConfig()
     if isinstance(predict_model, str):
         predict_model = preset(predict_model)
@@ -171,19 +176,19 @@ def capacity(name: str, model=gin.REQUIRED, predict_model=gin.REQUIRED,
                     got = decode_cell(cfg, params, books, pre, prompt, m, batch, steps,
                                       warm_steps, prefill_chunk, hot.get(m, 0), page_size,
                                       lean, 0.5, device_budget_gb, implementation,
-                                      pipelined=pipelined, input_repeat=input_repeat)
+                                      pipelined=pipelined, input_repeat=input_repeat,
+                                      repeats=repeats)
                 except Exception as err:  # noqa: BLE001  (recorded; the grid goes on)
                     got = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"}
                 if rec is not None:
                     rec.update(timed_batch=batch, pipelined=pipelined,
                                input_repeat=input_repeat, **{k: got[k] for k in (
-                        "step_ms", "reuse", "resolved_fraction", "error", "skipped")
-                        if k in got})
+                        "step_ms", "step_ms_blocks", "reuse", "resolved_fraction", "error",
+                        "skipped") if k in got})
                     if "step_ms" in got:
                         rec["throughput_tok_s"] = batch / got["step_ms"] * 1e3
                 elif "step_ms" in got:
-                    equal[(m, c)] = {"method": m, "context": c, "batch": batch,
-                                     "step_ms": got["step_ms"], "reuse": got["reuse"]}
+                    equal[(m, c)] = _equal_record(m, c, batch, got)
                 save()
                 print(json.dumps({"method": m, "context": c, "batch": batch,
                                   **{k: got.get(k) for k in ("step_ms", "reuse", "error")}}),
@@ -192,12 +197,32 @@ def capacity(name: str, model=gin.REQUIRED, predict_model=gin.REQUIRED,
                 rec = next(r for r in records if r["method"] == m and r["context"] == c)
                 if (m, c) not in equal and rec.get("timed_batch") == min(cal_n,
                                                                          max_timed_batch):
-                    equal[(m, c)] = {"method": m, "context": c, "batch": rec["timed_batch"],
-                                     "step_ms": rec["step_ms"], "reuse": rec["reuse"]}
+                    equal[(m, c)] = _equal_record(m, c, rec["timed_batch"], rec)
+            cal = next((r for r in records if r["method"] == calibrate[0]
+                        and r["context"] == c and "step_ms" in r), None)
+            for (_, ctx), e in equal.items():
+                if ctx == c and cal is not None and e["batch"] == cal["timed_batch"]:
+                    e.update(_vs(e, cal))
             save()
             del pre
     _table(facts, records, list(equal.values()))
     return records
+
+
+def _equal_record(method, context, batch, got) -> dict:
+    """An equal-N record from a timed cell's result (``decode_cell``'s or a record's)."""
+    return {"method": method, "context": context, "batch": batch, "step_ms": got["step_ms"],
+            "reuse": got["reuse"], **({"step_ms_blocks": got["step_ms_blocks"]}
+                                      if "step_ms_blocks" in got else {})}
+
+
+def _vs(mine: dict, theirs: dict) -> dict:
+    """mine's step over theirs (same context and batch), and the range their blocks allow."""
+    out = {"vs_calibrated": mine["step_ms"] / theirs["step_ms"]}
+    if "step_ms_blocks" in mine and "step_ms_blocks" in theirs:
+        out["vs_calibrated_range"] = list(block_ratio_range(mine["step_ms_blocks"],
+                                                            theirs["step_ms_blocks"]))
+    return out
 
 
 def step_fit(records, equal) -> list[dict]:
@@ -292,8 +317,12 @@ def _table(facts, records, equal):
               f"{fmt('throughput_tok_s', '.0f'):>8} {fmt('reuse', '.3f'):>6}"
               + (f"  {r['error']}" if "error" in r else ""))
     for e in equal:
+        vs = (f" = {e['vs_calibrated']:.3f} x {facts['calibrated_on'][0]}"
+              if "vs_calibrated" in e else "")
+        if "vs_calibrated_range" in e:
+            vs += " [{:.3f}-{:.3f}]".format(*e["vs_calibrated_range"])
         print(f"equal N: {e['method']} at {e['context']}, batch {e['batch']}: "
-              f"{e['step_ms']:.2f} ms")
+              f"{e['step_ms']:.2f} ms{vs}")
     for f in step_fit(records, equal):
         paper = (f" (paper {f['paper_fixed_ms']:.1f} ms + {f['paper_per_request_ms']:.3f} ms x N)"
                  if "paper_fixed_ms" in f else "")

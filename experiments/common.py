@@ -148,6 +148,12 @@ def timed_steps(engine, warm_steps: int, steps: int, pipelined: bool = True,
     return (time.perf_counter() - t0) / steps * 1e3
 
 
+def block_ratio_range(mine, theirs) -> tuple[float, float]:
+    """The widest range the timed blocks of two cells allow for mine / theirs:
+    (min mine / max theirs, max mine / min theirs)."""
+    return min(mine) / max(theirs), max(mine) / min(theirs)
+
+
 def run_dir(name: str, root: str | None = None) -> pathlib.Path:
     path = pathlib.Path(root or os.environ.get("LSPARSE_RUNS", "runs")) / name
     path.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ import dataclasses
 import json
 import pathlib
 
-from experiments.common import fit_max_len, pyplot
+from experiments.common import block_ratio_range, fit_max_len, pyplot
 from experiments.scale import PROFILED_STEPS, extrapolate
 from lsparse_jax.config import LeanSparseConfig
 from lsparse_jax.model import preset
@@ -103,7 +103,8 @@ def _ratio(cell: dict, a: str, b: str) -> str:
     runs = cell[a].get("peer_blocks", {})  # absent where the run timed one block a cell
     mine, theirs = runs.get(a), runs.get(b)
     if mine and theirs:
-        text += f" [{min(mine) / max(theirs):.2f}-{max(mine) / min(theirs):.2f}]"
+        lo, hi = block_ratio_range(mine, theirs)
+        text += f" [{lo:.2f}-{hi:.2f}]"
     return text
 
 

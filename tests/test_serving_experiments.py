@@ -139,6 +139,33 @@ def test_capacity_times_the_equal_n_cells_before_larger_batches(monkeypatch, tmp
     assert [(e["method"], e["batch"], e["step_ms"]) for e in equal] == [("leansparse", 76, 76.0)]
 
 
+def test_capacity_equal_n_ratio_and_its_block_range(monkeypatch, tmp_path):
+    """With ``repeats`` blocks a cell (stubbed), each timed record keeps its blocks, and the
+    equal-N record carries its step over the calibrated method's at that N with the widest
+    range the blocks allow (min mine / max theirs, max mine / min theirs)."""
+    import experiments.capacity as cap
+
+    blocks = {"hisparse": [10.0, 11.0, 12.0], "leansparse": [8.0, 9.5, 9.0]}
+
+    def fake_decode(cfg, params, books, pre, prompt, method, batch, *args, repeats=1, **kw):
+        got = blocks[method] if batch == 76 else [2.0 * b for b in blocks[method]]
+        assert repeats == 3
+        return {"step_ms": sorted(got)[1], "step_ms_blocks": got, "reuse": 0.0}
+
+    monkeypatch.setattr(cap, "_prefill", lambda *a, **k: (None, None, None, None, None))
+    monkeypatch.setattr(cap, "decode_cell", fake_decode)
+    monkeypatch.setattr(cap, "run_dir", lambda name: tmp_path)
+    lean = LeanSparseConfig(num_candidates=2048, key_cache_rows=4096)
+    records = cap.capacity("t", model=preset("v4_flash"), predict_model="v4_flash",
+                           contexts=(204800,), leansparse=lean, max_timed_batch=512, repeats=3)
+    his = next(r for r in records if r["method"] == "hisparse")
+    assert his["step_ms_blocks"] == blocks["hisparse"]
+    (equal,) = json.loads((tmp_path / "results.json").read_text())["equal_n"]
+    assert equal["step_ms_blocks"] == blocks["leansparse"]
+    assert equal["vs_calibrated"] == pytest.approx(9.0 / 11.0)
+    assert equal["vs_calibrated_range"] == pytest.approx([8.0 / 12.0, 9.5 / 10.0])
+
+
 @pytest.mark.parametrize("run", ["capacity_s34", "capacity_s35", "capacity_s36"])
 def test_capacity_s34_reruns_the_p03_jt_settings(run):
     """configs/experiments/capacity_s34.gin (and capacity_s35.gin, after session 35's HCA
