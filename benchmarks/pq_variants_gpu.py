@@ -24,7 +24,10 @@ falls on all alike. Each row: the median over rounds (ms, and its range), the co
 over that time (TB/s, HBM ~3.0 TB/s on an H100), the median of the per-round ratios to the
 default launch (and their range; rounds_faster counts the rounds it beat the default), and
 whether its scores equal the default's bit for bit (else the max relative difference).
-Writes OUT/results.json after each shape; prints the table last.
+Writes OUT/results.json after each shape and OUT/pq_variants.png (each variant's ratio to the
+default per precision and shape; the range as a bar); prints the table last.
+``--plot-runs A.json B.json ...`` only draws the ratios of earlier runs (one point a run) to
+OUT/pq_variants.png.
 """
 
 from __future__ import annotations
@@ -84,9 +87,14 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=400.0)
     ap.add_argument("--repeats", type=int, default=10, help="calls timed per variant a round")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--plot-runs", nargs="+", default=None, metavar="RESULTS_JSON")
     args = ap.parse_args(argv)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.plot_runs:
+        plot([json.loads(pathlib.Path(f).read_text())["rows"] for f in args.plot_runs],
+             out / "pq_variants.png")
+        return 0
     deadline = time.monotonic() + args.budget_s
     rows = []
 
@@ -124,6 +132,7 @@ def main(argv=None) -> int:
                 row.pop("_fn", None)
                 row.pop("_scores", None)
             save()
+    plot([rows], out / "pq_variants.png")
     print(f"\n{'precision':9} {'shape':15} {'variant':14} {'ms':>7} {'TB/s':>6} "
           f"{'/default':>8} {'range':>13} faster  equal")
     for r in rows:
@@ -136,6 +145,37 @@ def main(argv=None) -> int:
             print(f"{r['precision']:9} {r.get('shape', ''):15} {r.get('variant', ''):14} "
                   f"{r.get('skipped') or r.get('error')}")
     return 0
+
+
+def plot(runs: list[list[dict]], path: pathlib.Path) -> None:
+    """One panel per (precision, shape): each variant's ratio to the default, a point per run
+    (with its range over rounds where the run has one)."""
+    from experiments.common import pyplot
+    plt = pyplot()
+    panels = sorted({(r["precision"], r["shape"]) for rows in runs for r in rows if "ms" in r})
+    fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(4 * max(len(panels), 1), 3.6),
+                             sharey=True, squeeze=False)
+    names = list(VARIANTS)
+    for ax, panel in zip(axes[0], panels):
+        for i, rows in enumerate(runs):
+            got = {r["variant"]: r for r in rows if (r.get("precision"), r.get("shape")) == panel
+                   and "ms" in r}
+            xs = [names.index(v) + 0.1 * (i - (len(runs) - 1) / 2) for v in got]
+            ys = [r["vs_default"] for r in got.values()]
+            lo = [r["vs_default"] - r.get("vs_default_range", [r["vs_default"]] * 2)[0]
+                  for r in got.values()]
+            hi = [r.get("vs_default_range", [r["vs_default"]] * 2)[1] - r["vs_default"]
+                  for r in got.values()]
+            ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o", ms=4, label=f"run {i + 1}")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels(names, rotation=60, ha="right", fontsize=7)
+        ax.set_title(" ".join(panel), fontsize=9)
+    axes[0][0].set_ylabel("time / default launch")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def compiled_variants(precision, shape, inputs, extra, rows, save) -> list[dict]:
