@@ -117,10 +117,10 @@ def main(argv=None) -> int:
             if not group:  # the default launch failed (recorded): nothing to compare
                 continue
             interleaved_rounds(group, inputs, args, deadline)
-            base = group[0]  # the default launch
+            base = np.asarray(group[0]["_times"])  # the default launch's time each round
             for row in group:
                 per_round = np.asarray(row.pop("_times"))
-                ratios = per_round / np.asarray(base["_ratio_base"])
+                ratios = per_round / base
                 row.update(ms=1e3 * float(np.median(per_round)),
                            ms_range=[1e3 * float(per_round.min()), 1e3 * float(per_round.max())],
                            codes_tb_s=code_bytes / float(np.median(per_round)) / 1e12,
@@ -128,9 +128,7 @@ def main(argv=None) -> int:
                            vs_default_range=[float(ratios.min()), float(ratios.max())],
                            rounds_faster=int(np.sum(ratios < 1.0)))
             for row in group:
-                row.pop("_ratio_base", None)
-                row.pop("_fn", None)
-                row.pop("_scores", None)
+                del row["_fn"], row["_scores"]
             save()
     plot([rows], out / "pq_variants.png")
     print(f"\n{'precision':9} {'shape':15} {'variant':14} {'ms':>7} {'TB/s':>6} "
@@ -215,11 +213,9 @@ def interleaved_rounds(group, inputs, args, deadline) -> None:
         if r and time.monotonic() > deadline - 10:
             break
         order = group[r % len(group):] + group[:r % len(group)]
-        for row in order:
+        for row in order:  # one time a round for every variant: rounds stay aligned
             row["_times"].append(median_time(row["_fn"], lambda x=inputs: x,
                                              repeats=args.repeats, warmup=2))
-        for row in group:
-            row.setdefault("_ratio_base", []).append(group[0]["_times"][-1])
 
 
 if __name__ == "__main__":
