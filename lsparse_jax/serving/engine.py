@@ -293,7 +293,11 @@ class Engine:
         cfg = self.config.model
         saved = tuple(export_layer(self.config, self.state, slot, i)
                       for i in range(cfg.num_layers))
-        saved = jax.device_put(saved, jax.memory.Space.Host)
+        # to pinned_host by sharding, not by jax.memory.Space.Host: on jax 0.12.1's CPU client
+        # an array put there by Space.Host cannot be put back with a device sharding
+        # ("Unsupported layout used for PjRt CPU buffers"), which PrefixLoad.load does
+        saved = jax.device_put(saved, jax.tree.map(
+            lambda a: a.sharding.with_memory_kind("pinned_host"), saved))
         full = (length // cfg.csa_ratio) // self.config.cache.page_size
         pages = self.control.keep_pages(slot, full)
         host_bytes = tree_bytes(saved) + len(pages) * self._host_page_bytes()
