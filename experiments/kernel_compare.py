@@ -19,7 +19,8 @@ plus the top-512: XLA, and the fused one-kernel form), topk "triton_oneread" and
 one key), "jax_triton_smem" (the bank-swizzled book), "jax_triton_shuffle" (its warp-shuffle
 gather lowering), "jax_triton_linear" (the smem gather without the swizzle) and
 "jax_triton_sample_topk" (the default scores with the top-C of topk "triton", as before session
-30; "jax_triton" now takes topk "triton_fused"), hot_resolve
+30; "jax_triton" now takes topk "triton_fused"), "jax_triton_fp8" (the default kernel at
+precision "fp8": e4m3 q and codebooks, what LeanSparse's FP8 coarse pass runs), hot_resolve
 "triton_copy" (XLA control + the copy kernel, what "triton" ran before
 ``api.TRITON_RUNS`` moved to the fused kernel).
 ``per_call=True`` instead times separate jitted calls (what a caller dispatching one op pays).
@@ -98,6 +99,9 @@ def pq_topc_case(batch, history, heads=64, dim=128, subspaces=32, centroids=256,
 
             decode = PQ_DECODES[impl]
             return pq_topc_jax_triton(*args, num_candidates=c, params=Params(decode=decode))
+        if impl == "jax_triton_fp8":  # e4m3 q and codebooks (LeanSparse's FP8 coarse pass)
+            return pq_topc(*args, num_candidates=c, implementation="jax_triton",
+                           precision="fp8")
         if impl == "jax_triton_sample_topk":  # the jax-triton scores, then topk "triton" (its
             #  sample floor in XLA): the top-C before session 30
             from pallas_kernels.pq_topc.jax_triton import pq_topc_jax_triton
@@ -176,11 +180,12 @@ OPS = ("pq_topc", "topk", "index_scores", "sparse_attention", "hot_resolve", "ca
 IMPLEMENTATIONS = ("xla", "triton", "jax_triton", "mosaic", "triton_unfused", "triton_fused",
                    "triton_fp8", "triton_oneread", "xla_top512", "triton_fp8_top512",
                    "triton_fp8_split_top512", "jax_triton_shuffle", "jax_triton_linear",
-                   "jax_triton_smem", "jax_triton_sample_topk", "triton_copy")
+                   "jax_triton_smem", "jax_triton_sample_topk", "jax_triton_fp8",
+                   "triton_copy")
 PQ_DECODES = {"jax_triton_shuffle": "shuffle", "jax_triton_linear": "smem_linear",
               "jax_triton_smem": "smem"}  # pq_topc's jax-triton lowerings other than default
 SUPPORTED = {  # the implementations each op has (others are skipped, not timed)
-    "pq_topc": ("xla", "triton", "triton_unfused", "jax_triton", *PQ_DECODES,
+    "pq_topc": ("xla", "triton", "triton_unfused", "jax_triton", "jax_triton_fp8", *PQ_DECODES,
                 "jax_triton_sample_topk"),
     "topk": ("xla", "triton", "triton_oneread", "triton_fused"),
     "index_scores": ("xla", "triton", "jax_triton", "triton_fp8", "xla_top512",
