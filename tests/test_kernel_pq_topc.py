@@ -10,6 +10,7 @@ compare positions with the top-C of the kernel's own scores.
 """
 
 
+import dataclasses
 import functools
 
 import jax
@@ -676,19 +677,22 @@ def test_gpu_random_against_xla(q_dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("params", [dict(prefetch=True), dict(book_per_tile=True),
                                     dict(block_n=128, steps=16, prefetch=True,
-                                         book_per_tile=True)], ids=str)
+                                         book_per_tile=True),
+                                    dataclasses.asdict(pq_jt.FP8_PARAMS)], ids=str)
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_gpu_jax_triton_launch_variants_equal_the_default(params, precision):
-    """The code-prefetch and book-per-tile launches compute what the default launch does:
-    at the default tile the same scores bit for bit (each key's decode and dot are the same
-    instructions; only when its codes arrive changes), at another tile within f32 rounding
-    (the sum over heads may run in another order); -inf past each length exactly."""
+    """The code-prefetch and book-per-tile launches (and fp8's default launch, FP8_PARAMS)
+    compute what the BN-256 launch (DEFAULT_PARAMS) does: at its tile the same scores bit for
+    bit (each key's decode and dot are the same instructions; only when its codes arrive
+    changes), at another tile within f32 rounding (the sum over heads may run in another
+    order); -inf past each length exactly."""
     rng = np.random.default_rng(29)
     b, h, d, m, k, n = 8, 64, 128, 32, 256, 32768 + 77
     lengths = [n, 0, 100, 2048, 30000, n - 1, 5000, 17]
     args = [jnp.asarray(a) for a in make_inputs(rng, b, h, d, m, k, n, lengths, exact=False,
                                                 q_dtype=jnp.bfloat16)]
-    want = np.asarray(pq_jt.coarse_scores_jax_triton(*args, precision=precision))
+    want = np.asarray(pq_jt.coarse_scores_jax_triton(*args, params=pq_jt.DEFAULT_PARAMS,
+                                                     precision=precision))
     got = np.asarray(pq_jt.coarse_scores_jax_triton(*args, params=pq_jt.Params(**params),
                                                     precision=precision))
     if "block_n" not in params:
