@@ -32,9 +32,9 @@ from experiments.scale import PROFILED_STEPS, extrapolate
 from lsparse_jax.config import LeanSparseConfig
 from lsparse_jax.model import preset
 
-RUNS = ("scale_small_batch_fp8_s36", "scale_small_batch_1m_s35", "scale_small_batch_s33",
-        "scale_small_batch_s32", "scale_small_batch_s30", "scale_small_batch_1m",
-        "scale_small_batch",
+RUNS = ("scale_small_batch_fp8_s37", "scale_small_batch_fp8_s36", "scale_small_batch_1m_s35",
+        "scale_small_batch_s33", "scale_small_batch_s32", "scale_small_batch_s30",
+        "scale_small_batch_1m", "scale_small_batch",
         "scale_batch_1m_fp8_swizzle",
         "scale_lean_jt_swizzle", "scale_lean_jt", "scale_batch_1m_fp8", "scale_batch_1m",
         "scale_batch_short", "scale_batch",
