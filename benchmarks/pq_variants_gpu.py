@@ -5,7 +5,8 @@ reads its PQ codes at 0.27 TB/s where HiSparse's indexer reads FP8 keys at 0.86)
 
 Variants (``pallas_kernels.pq_topc.jax_triton.Params``; ptxas registers for sm_90a at fp8 from
 ``benchmarks/pq_ptx_census.py``-style compiles on a CPU, session 36):
-  default            BN 256, 8 warps (168 registers: one program a SM)
+  default            BN 256, 8 warps (168 registers: one program a SM; bf16's default launch,
+                     fp8's until session 37)
   prefetch           the next tile's codes loaded before this tile's decode (207)
   book_per_tile      the book reloaded from L1/L2 in each tile, not held in registers (146)
   prefetch+book      both (177)
@@ -14,6 +15,9 @@ Variants (``pallas_kernels.pq_topc.jax_triton.Params``; ptxas registers for sm_9
   w16                BN 256, 16 warps (123)
   w16+both           16 warps, both (126)
   bn512+w16+book     BN 512, 4 steps, 16 warps, book per tile (128, 40 bytes spilled)
+``--set fp8_s38``: variants of fp8's default since session 37 (FP8_PARAMS: BN 128, 16 steps,
+book per tile; the ratios' base): steps 8 / 32, 3 stages, 4 or 16 warps, BN 64; with
+``--precisions fp8``.
 Shapes: the decode step's at 512K (N 131072 codes a request): batch 64 contiguous (the
 kernel_compare target) and batch 36 paged (pages of 64 rows in a shuffled pool: the capacity
 study's 512K cell), fp8 then bf16. Random codes; row 0 of each batch holds N / 3 positions.
@@ -59,6 +63,19 @@ VARIANTS = {
     "w16+both": jt.Params(num_warps=16, prefetch=True, book_per_tile=True),
     "bn512+w16+book": jt.Params(block_n=512, steps=4, num_warps=16, book_per_tile=True),
 }
+# --set fp8_s38: around fp8's default since session 37 (FP8_PARAMS, bn128+book; the base of
+# the ratios), BN 256 beside it as the old launch; not yet run
+FP8_S38 = {
+    "default": jt.FP8_PARAMS,
+    "bn256 (before)": jt.DEFAULT_PARAMS,
+    "steps8": dataclasses.replace(jt.FP8_PARAMS, steps=8),
+    "steps32": dataclasses.replace(jt.FP8_PARAMS, steps=32),
+    "stages3": dataclasses.replace(jt.FP8_PARAMS, num_stages=3),
+    "w4": dataclasses.replace(jt.FP8_PARAMS, num_warps=4),
+    "bn64": dataclasses.replace(jt.FP8_PARAMS, block_n=64, steps=32),
+    "bn128+w16": dataclasses.replace(jt.FP8_PARAMS, num_warps=16),
+}
+SETS = {"s36": VARIANTS, "fp8_s38": FP8_S38}
 SHAPES = [dict(name="B64 contiguous", b=64, page=0), dict(name="B36 paged", b=36, page=64)]
 N, H, D, M, K = 131072, 64, 128, 32, 256
 
@@ -88,12 +105,19 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=10, help="calls timed per variant a round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--plot-runs", nargs="+", default=None, metavar="RESULTS_JSON")
+    ap.add_argument("--set", default="s36", choices=list(SETS),
+                    help="the variants (the first is the ratios' base)")
+    ap.add_argument("--precisions", default="fp8,bf16", help="comma-separated: fp8, bf16")
     args = ap.parse_args(argv)
+    variants = SETS[args.set]
+    precisions = args.precisions.split(",")
+    if not precisions or any(p not in ("fp8", "bf16") for p in precisions):
+        ap.error(f"--precisions {args.precisions!r}: a comma-separated list of fp8, bf16")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.plot_runs:
         plot([json.loads(pathlib.Path(f).read_text())["rows"] for f in args.plot_runs],
-             out / "pq_variants.png")
+             out / "pq_variants.png", list(variants))
         return 0
     deadline = time.monotonic() + args.budget_s
     rows = []
@@ -102,9 +126,9 @@ def main(argv=None) -> int:
         (out / "results.json").write_text(json.dumps(dict(
             device=str(jax.devices()[0].device_kind), jax=jax.__version__,
             shape=dict(N=N, H=H, D=D, M=M, K=K), rounds=args.rounds, repeats=args.repeats,
-            rows=rows), indent=1) + "\n")
+            set=args.set, rows=rows), indent=1) + "\n")
 
-    for precision in ("fp8", "bf16"):
+    for precision in precisions:
         for shape in SHAPES:
             if time.monotonic() > deadline - 30:
                 rows.append(dict(precision=precision, shape=shape["name"],
@@ -113,7 +137,7 @@ def main(argv=None) -> int:
                 continue
             inputs, extra = make_args(shape["b"], shape["page"])
             code_bytes = float(np.sum(np.clip(np.asarray(inputs[4]), 0, N))) * M
-            group = compiled_variants(precision, shape, inputs, extra, rows, save)
+            group = compiled_variants(variants, precision, shape, inputs, extra, rows, save)
             if not group:  # the default launch failed (recorded): nothing to compare
                 continue
             interleaved_rounds(group, inputs, args, deadline)
@@ -130,7 +154,7 @@ def main(argv=None) -> int:
             for row in group:
                 del row["_fn"], row["_scores"]
             save()
-    plot([rows], out / "pq_variants.png")
+    plot([rows], out / "pq_variants.png", list(variants))
     print(f"\n{'precision':9} {'shape':15} {'variant':14} {'ms':>7} {'TB/s':>6} "
           f"{'/default':>8} {'range':>13} faster  equal")
     for r in rows:
@@ -145,7 +169,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def plot(runs: list[list[dict]], path: pathlib.Path) -> None:
+def plot(runs: list[list[dict]], path: pathlib.Path, names: list[str]) -> None:
     """One panel per (precision, shape): each variant's ratio to the default, a point per run
     (with its range over rounds where the run has one)."""
     from experiments.common import pyplot
@@ -153,7 +177,6 @@ def plot(runs: list[list[dict]], path: pathlib.Path) -> None:
     panels = sorted({(r["precision"], r["shape"]) for rows in runs for r in rows if "ms" in r})
     fig, axes = plt.subplots(1, max(len(panels), 1), figsize=(4 * max(len(panels), 1), 3.6),
                              sharey=True, squeeze=False)
-    names = list(VARIANTS)
     for ax, panel in zip(axes[0], panels):
         for i, rows in enumerate(runs):
             got = {r["variant"]: r for r in rows if (r.get("precision"), r.get("shape")) == panel
@@ -176,11 +199,11 @@ def plot(runs: list[list[dict]], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def compiled_variants(precision, shape, inputs, extra, rows, save) -> list[dict]:
+def compiled_variants(variants, precision, shape, inputs, extra, rows, save) -> list[dict]:
     """One row per variant that compiled and ran once (the default first), its scores checked
     against the default's; failures recorded and left out."""
     group = []
-    for name, params in VARIANTS.items():
+    for name, params in variants.items():
         row = dict(precision=precision, shape=shape["name"], variant=name,
                    params=dataclasses.asdict(params))
         rows.append(row)
