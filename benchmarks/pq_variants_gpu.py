@@ -16,8 +16,9 @@ Variants (``pallas_kernels.pq_topc.jax_triton.Params``; ptxas registers for sm_9
   w16+both           16 warps, both (126)
   bn512+w16+book     BN 512, 4 steps, 16 warps, book per tile (128, 40 bytes spilled)
 ``--set fp8_s38``: variants of fp8's default since session 37 (FP8_PARAMS: BN 128, 16 steps,
-book per tile; the ratios' base): steps 8 / 32, 3 stages, 4 or 16 warps, BN 64; with
-``--precisions fp8``.
+book per tile; the ratios' base): steps 8 / 32, 3 stages, 4 or 16 warps, BN 64, and the keys
+as the dot's B operand (``Params.keys_as_b``: 90 instead of 108 registers, ptxas on a CPU);
+with ``--precisions fp8``.
 Shapes: the decode step's at 512K (N 131072 codes a request): batch 64 contiguous (the
 kernel_compare target) and batch 36 paged (pages of 64 rows in a shuffled pool: the capacity
 study's 512K cell), fp8 then bf16. Random codes; row 0 of each batch holds N / 3 positions.
@@ -74,6 +75,7 @@ FP8_S38 = {
     "w4": dataclasses.replace(jt.FP8_PARAMS, num_warps=4),
     "bn64": dataclasses.replace(jt.FP8_PARAMS, block_n=64, steps=32),
     "bn128+w16": dataclasses.replace(jt.FP8_PARAMS, num_warps=16),
+    "keys_as_b": dataclasses.replace(jt.FP8_PARAMS, keys_as_b=True),
 }
 SETS = {"s36": VARIANTS, "fp8_s38": FP8_S38}
 SHAPES = [dict(name="B64 contiguous", b=64, page=0), dict(name="B36 paged", b=36, page=64)]

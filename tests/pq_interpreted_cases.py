@@ -24,6 +24,7 @@ VARIANTS = {
     "prefetch+book_per_tile": jt.Params(block_n=64, steps=2, prefetch=True,
                                         book_per_tile=True),
     "smem (swizzled)": jt.Params(block_n=64, steps=2, decode="smem"),
+    "keys_as_b": jt.Params(block_n=64, steps=2, book_per_tile=True, keys_as_b=True),
 }
 
 

@@ -575,11 +575,13 @@ def test_jax_triton_compiles_for_sm90(fp8, decode):
 
 @pytest.mark.parametrize("params", [dict(prefetch=True), dict(book_per_tile=True),
                                     dict(block_n=128, steps=16, prefetch=True,
-                                         book_per_tile=True)], ids=str)
+                                         book_per_tile=True),
+                                    dict(block_n=128, steps=16, book_per_tile=True,
+                                         keys_as_b=True)], ids=str)
 def test_jax_triton_launch_variants_compile_for_sm90(params):
-    """With the triton package: the code-prefetch and book-per-tile variants (fp8, contiguous
-    and paged codes) compile for sm_90 to e4m3 wgmma; what each costs is the GPU's to say
-    (``benchmarks/pq_variants_gpu.py``)."""
+    """With the triton package: the code-prefetch, book-per-tile and keys-as-B variants (fp8,
+    contiguous and paged codes) compile for sm_90 to e4m3 wgmma; what each costs is the GPU's
+    to say (``benchmarks/pq_variants_gpu.py``)."""
     pytest.importorskip("triton")
     lay = pq_jt.layout(64, 32, 256, 4, fp8=True)
     for page in (0, 64):
@@ -678,14 +680,16 @@ def test_gpu_random_against_xla(q_dtype):
 @pytest.mark.parametrize("params", [dict(prefetch=True), dict(book_per_tile=True),
                                     dict(block_n=128, steps=16, prefetch=True,
                                          book_per_tile=True),
-                                    dataclasses.asdict(pq_jt.FP8_PARAMS)], ids=str)
+                                    dataclasses.asdict(pq_jt.FP8_PARAMS),
+                                    dict(keys_as_b=True)], ids=str)
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_gpu_jax_triton_launch_variants_equal_the_default(params, precision):
-    """The code-prefetch and book-per-tile launches (and fp8's default launch, FP8_PARAMS)
-    compute what the BN-256 launch (DEFAULT_PARAMS) does: at its tile the same scores bit for
-    bit (each key's decode and dot are the same instructions; only when its codes arrive
-    changes), at another tile within f32 rounding (the sum over heads may run in another
-    order); -inf past each length exactly."""
+    """The code-prefetch and book-per-tile launches (and fp8's default launch, FP8_PARAMS,
+    and keys as the dot's B operand) compute what the BN-256 launch (DEFAULT_PARAMS) does: at
+    its tile and operand order the same scores bit for bit (each key's decode and dot are the
+    same instructions; only when its codes arrive changes), at another tile or with keys as B
+    within f32 rounding (the sum over heads may run in another order); -inf past each length
+    exactly."""
     rng = np.random.default_rng(29)
     b, h, d, m, k, n = 8, 64, 128, 32, 256, 32768 + 77
     lengths = [n, 0, 100, 2048, 30000, n - 1, 5000, 17]
@@ -695,7 +699,7 @@ def test_gpu_jax_triton_launch_variants_equal_the_default(params, precision):
                                                      precision=precision))
     got = np.asarray(pq_jt.coarse_scores_jax_triton(*args, params=pq_jt.Params(**params),
                                                     precision=precision))
-    if "block_n" not in params:
+    if "block_n" not in params and "keys_as_b" not in params:
         np.testing.assert_array_equal(got, want)
     assert np.array_equal(np.isneginf(got), np.isneginf(want))
     assert_close(got, want, "float32", mask=np.isfinite(want))

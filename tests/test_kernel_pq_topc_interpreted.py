@@ -34,7 +34,8 @@ def test_every_variant_and_layout_ran(cases):
 
 
 def test_interpreted_kernel_matches_its_decomposition(cases):
-    """Each variant (code prefetch, book per tile, swizzled book), contiguous and paged codes
+    """Each variant (code prefetch, book per tile, swizzled book, keys as the dot's B
+    operand), contiguous and paged codes
     with lengths N, a partial tile and 0: -inf exactly past each length, and scores within
     f32 rounding of the kernel's math in jnp (e4m3 products are exact; only the order of
     the f32 sums differs)."""

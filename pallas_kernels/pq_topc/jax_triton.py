@@ -66,11 +66,14 @@ would take ~1/4 of the measured time (an estimate). ``prefetch`` issues tile t +
 loads before tile t's decode (207 registers); ``book_per_tile`` reloads the 32 KiB book
 from L1/L2 in each tile instead of holding it in 32 registers across the loop (146; with
 BN 128: 108, two programs a SM).
-The scores are the default's bit for bit (GPU test). Timed on an H100 (three runs,
-results/pq_variants_s36/): no consistent gain; on paged FP8 codes prefetch 0.89-0.94x and
-book_per_tile 0.84-0.94x of the default, on contiguous codes 1.01-1.22x; run-to-run drift
-was up to 30%. ``interpreted.py`` runs this kernel on a CPU under Triton's interpreter
-(fp8: the interpreter's bf16 dot is wrong).
+The scores are the default's bit for bit (GPU test). Timed on an H100 in 9 interleaved rounds
+(session 37, results/pq_variants_s37/; three fixed-order runs in session 36 had drifted by up
+to 30%): at fp8 prefetch and book per tile alone are slower in every round (1.05-1.19x), and
+BN 128 with the book per tile faster in every round (0.938x contiguous, 0.946x paged): fp8's
+default since (FP8_PARAMS). ``keys_as_b`` (session 37, not yet timed): the keys as the dot's
+B operand; ptxas gives 90 registers at FP8_PARAMS' tile (108 without), and the head sum
+becomes a reduction across warps through shared memory. ``interpreted.py`` runs this kernel
+on a CPU under Triton's interpreter (fp8: the interpreter's bf16 dot is wrong).
 
 Top-C: ``pallas_kernels.topk`` on the [B, N] scores, "triton_fused" by default since session 30
 (its sample floor and fallback in-kernel: no XLA glue; before, "triton", whose sample floor
@@ -123,7 +126,10 @@ class Params:
     carried across the loop), so their latency overlaps this tile's work; book_per_tile: the
     book is loaded from global memory (L1/L2) in each tile instead of held in registers
     across the loop (fewer live registers, more programs per SM). Both off: the kernel of
-    sessions 28-35."""
+    sessions 28-35. keys_as_b: the decoded keys are the dot's B operand, dots [HP, BN] =
+    q . keys^T (wgmma reads B from shared memory, so the keys are stored there once instead
+    of relayed through shared memory into the A operand's registers; the head sum then
+    reduces across warps); off: dots [BN, HP] = keys . q^T."""
 
     block_n: int = 256
     steps: int = 8
@@ -132,6 +138,7 @@ class Params:
     decode: str = "smem_lanes"  # session 28: 0.864 vs 0.985 ms bf16, 0.644 vs 0.671 fp8
     prefetch: bool = False
     book_per_tile: bool = False
+    keys_as_b: bool = False
 
 
 DEFAULT_PARAMS = Params()  # bf16
@@ -338,6 +345,7 @@ def _kernel():
         MPG: tl.constexpr,  # MP page-table entries per request
         PREFETCH: tl.constexpr,  # Params.prefetch
         BOOK_PER_TILE: tl.constexpr,  # Params.book_per_tile
+        KEYS_B: tl.constexpr,  # Params.keys_as_b
     ):
         b = tl.program_id(0).to(tl.int64)
         first = tl.program_id(1) * (BN * STEPS)
@@ -400,8 +408,12 @@ def _kernel():
                 keys = tl.reshape(tl.join(tl.join(f0, f2), tl.join(f1, f3)), (BN, DP))
                 if FP8:
                     keys = keys.to(tl.float8e4nv, bitcast=True)
-                dots = tl.dot(keys, qt, out_dtype=tl.float32)  # [BN, HP] f32
-                s = tl.sum(tl.maximum(dots, 0.0) * w[None, :], axis=1)  # [BN]
+                if KEYS_B:  # [HP, BN] f32, the heads reduced across the warps
+                    dots = tl.dot(tl.trans(qt), tl.trans(keys), out_dtype=tl.float32)
+                    s = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)  # [BN]
+                else:
+                    dots = tl.dot(keys, qt, out_dtype=tl.float32)  # [BN, HP] f32
+                    s = tl.sum(tl.maximum(dots, 0.0) * w[None, :], axis=1)  # [BN]
                 s = tl.where(rows < length, s, float("-inf"))
             else:
                 s = tl.full((BN,), float("-inf"), tl.float32)
@@ -444,7 +456,8 @@ def _constexprs(lay: Layout, n: int, p: Params, page: int = 0, max_pages: int = 
     return dict(N=n, M=lay.m, K=lay.k, KP=lay.kp, W=lay.words, WPS=lay.wps, DP=lay.dp,
                 HP=lay.hp, BN=block_n, STEPS=steps, FLAT=p.decode != "shuffle", FP8=lay.fp8,
                 SWZ=swizzle_mask(lay, p.decode), LANES=p.decode == "smem_lanes", PAGE=page,
-                MPG=max_pages, PREFETCH=p.prefetch, BOOK_PER_TILE=p.book_per_tile)
+                MPG=max_pages, PREFETCH=p.prefetch, BOOK_PER_TILE=p.book_per_tile,
+                KEYS_B=p.keys_as_b)
 
 
 def _tile(n: int, params: Params) -> tuple[int, int]:
