@@ -16,7 +16,8 @@ Variants (``pallas_kernels.pq_topc.jax_triton.Params``; ptxas registers for sm_9
   w16+both           16 warps, both (126)
   bn512+w16+book     BN 512, 4 steps, 16 warps, book per tile (128, 40 bytes spilled)
 ``--set fp8_s38``: variants of fp8's default since session 37 (FP8_PARAMS: BN 128, 16 steps,
-book per tile; the ratios' base): steps 8 / 32, 3 stages, 4 or 16 warps, BN 64, and the keys
+book per tile; the ratios' base): steps 8 / 32, 3 stages, 4 or 16 warps, BN 64, BN 256 with
+16 warps (half the book's re-staging a key: 40 KB of shared stores a tile), and the keys
 as the dot's B operand (``Params.keys_as_b``: 90 instead of 108 registers, ptxas on a CPU);
 with ``--precisions fp8``.
 Shapes: the decode step's at 512K (N 131072 codes a request): batch 64 contiguous (the
@@ -75,6 +76,7 @@ FP8_S38 = {
     "w4": dataclasses.replace(jt.FP8_PARAMS, num_warps=4),
     "bn64": dataclasses.replace(jt.FP8_PARAMS, block_n=64, steps=32),
     "bn128+w16": dataclasses.replace(jt.FP8_PARAMS, num_warps=16),
+    "bn256+w16": dataclasses.replace(jt.FP8_PARAMS, block_n=256, steps=8, num_warps=16),
     "keys_as_b": dataclasses.replace(jt.FP8_PARAMS, keys_as_b=True),
 }
 SETS = {"s36": VARIANTS, "fp8_s38": FP8_S38}
