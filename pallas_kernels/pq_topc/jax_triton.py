@@ -127,9 +127,9 @@ class Params:
     book is loaded from global memory (L1/L2) in each tile instead of held in registers
     across the loop (fewer live registers, more programs per SM). Both off: the kernel of
     sessions 28-35. keys_as_b: the decoded keys are the dot's B operand, dots [HP, BN] =
-    q . keys^T (wgmma reads B from shared memory, so the keys are stored there once instead
-    of relayed through shared memory into the A operand's registers; the head sum then
-    reduces across warps); off: dots [BN, HP] = keys . q^T."""
+    q . keys^T (wgmma reads B from shared memory; the head sum then reduces across warps, and
+    the PTX keeps the A form's stmatrix / ldmatrix count, so whether it saves time is the
+    GPU's to say); off: dots [BN, HP] = keys . q^T."""
 
     block_n: int = 256
     steps: int = 8
