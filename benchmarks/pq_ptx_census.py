@@ -39,7 +39,9 @@ VARIANTS = {"default (BN 256, 8 warps; codes one a thread)": jt.Params(),
             "16 warps": jt.Params(num_warps=16),
             "16 warps, prefetch + book per tile": jt.Params(num_warps=16, prefetch=True,
                                                             book_per_tile=True),
-            "BN 128, 16 steps, book per tile (fp8's default)": jt.FP8_PARAMS,
+            "BN 128, 16 steps, book per tile (fp8's default in session 37)": jt.Params(
+                block_n=128, steps=16, book_per_tile=True),
+            "BN 128, 16 steps, 4 warps, book per tile (fp8's default)": jt.FP8_PARAMS,
             "fp8's default, keys as the dot's B operand": jt.Params(
                 block_n=128, steps=16, book_per_tile=True, keys_as_b=True),
             "keys as the dot's B operand": jt.Params(keys_as_b=True)}

@@ -79,7 +79,16 @@ FP8_S38 = {
     "bn256+w16": dataclasses.replace(jt.FP8_PARAMS, block_n=256, steps=8, num_warps=16),
     "keys_as_b": dataclasses.replace(jt.FP8_PARAMS, keys_as_b=True),
 }
-SETS = {"s36": VARIANTS, "fp8_s38": FP8_S38}
+# --set fp8_w4: session 38's second look at 4 warps (faster in 7 of 9 noisy rounds of fp8_s38)
+W4 = dataclasses.replace(jt.FP8_PARAMS, num_warps=4)
+FP8_W4 = {
+    "default": jt.FP8_PARAMS,
+    "w4": W4,
+    "w4+steps8": dataclasses.replace(W4, steps=8),
+    "w4+stages3": dataclasses.replace(W4, num_stages=3),
+    "w4+bn64": dataclasses.replace(W4, block_n=64, steps=32),
+}
+SETS = {"s36": VARIANTS, "fp8_s38": FP8_S38, "fp8_w4": FP8_W4}
 SHAPES = [dict(name="B64 contiguous", b=64, page=0), dict(name="B36 paged", b=36, page=64)]
 N, H, D, M, K = 131072, 64, 128, 32, 256
 

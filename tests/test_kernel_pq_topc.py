@@ -681,6 +681,7 @@ def test_gpu_random_against_xla(q_dtype):
                                     dict(block_n=128, steps=16, prefetch=True,
                                          book_per_tile=True),
                                     dataclasses.asdict(pq_jt.FP8_PARAMS),
+                                    dict(block_n=128, steps=16, book_per_tile=True),
                                     dict(keys_as_b=True)], ids=str)
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_gpu_jax_triton_launch_variants_equal_the_default(params, precision):
