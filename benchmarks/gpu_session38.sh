@@ -9,6 +9,9 @@
 # STEP=pqkc (~250 s): the GPU tests of pq_topc (fp8's launch now 4 warps), then kernel_compare
 #   at pq_topc's target shape (B 64, N 131072) with every call traced ->
 #   $OUT/kc/kernel_compare_s38_pq/ (commit to results/kernel_compare_s38_pq/).
+# STEP=launch (~300 s; prepared, not yet run): benchmarks/launch_variants_gpu.py, the launch
+#   tunables of topk, sparse_attention and index_scores in interleaved rounds at their issue-16
+#   target shapes -> $OUT/launch/ (commit to results/launch_variants_s39/).
 source "$(dirname "$0")/gpu_lib.sh"
 case "${STEP:-pqw4}" in
   pqw4)
@@ -21,5 +24,8 @@ case "${STEP:-pqw4}" in
       tests/test_kernel_pq_topc.py -k 'launch_variants or fp8 or jax_triton'"
     TAIL=30 part kc ${KC_S:-200} "python3 -m experiments.cli run \
       configs/experiments/kernel_compare_s38_pq.gin 2>&1 | grep -v ' spent$'" ;;
-  *) echo "STEP=${STEP}: unknown (pqw4 | serve | serve38 | pqkc)"; exit 2 ;;
+  launch)  # prepared in session 38, not yet run
+    TAIL=40 part launch ${LAUNCH_S:-300} "python3 benchmarks/launch_variants_gpu.py --out \$OUT \
+      --budget-s $(( ${LAUNCH_S:-300} - 20 ))" ;;
+  *) echo "STEP=${STEP}: unknown (pqw4 | serve | serve38 | pqkc | launch)"; exit 2 ;;
 esac

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # benchmarks/timing.py
-from timing import median_time  # noqa: E402
+from timing import interleaved_rounds, median_time, summarize_rounds  # noqa: E402
 
 from pallas_kernels.pq_topc import jax_triton as jt  # noqa: E402
 
@@ -153,17 +153,11 @@ def main(argv=None) -> int:
             group = compiled_variants(variants, precision, shape, inputs, extra, rows, save)
             if not group:  # the default launch failed (recorded): nothing to compare
                 continue
-            interleaved_rounds(group, inputs, args, deadline)
-            base = np.asarray(group[0]["_times"])  # the default launch's time each round
+            interleaved_rounds(group, lambda row, x=inputs: median_time(
+                row["_fn"], lambda: x, repeats=args.repeats, warmup=2), args.rounds, deadline)
+            summarize_rounds(group)
             for row in group:
-                per_round = np.asarray(row.pop("_times"))
-                ratios = per_round / base
-                row.update(ms=1e3 * float(np.median(per_round)),
-                           ms_range=[1e3 * float(per_round.min()), 1e3 * float(per_round.max())],
-                           codes_tb_s=code_bytes / float(np.median(per_round)) / 1e12,
-                           vs_default=float(np.median(ratios)),
-                           vs_default_range=[float(ratios.min()), float(ratios.max())],
-                           rounds_faster=int(np.sum(ratios < 1.0)))
+                row["codes_tb_s"] = code_bytes / (row["ms"] / 1e3) / 1e12
             for row in group:
                 del row["_fn"], row["_scores"]
             save()
@@ -239,19 +233,6 @@ def compiled_variants(variants, precision, shape, inputs, extra, rows, save) -> 
                                       / np.abs(want[live]).max()))
         group.append(row)
     return group
-
-
-def interleaved_rounds(group, inputs, args, deadline) -> None:
-    """Each round times every variant (median of --repeats calls), in an order rotated by
-    one each round, so drift between rounds (clocks, temperature) falls on all variants
-    alike; the default's time of the same round is each ratio's base."""
-    for r in range(args.rounds):
-        if r and time.monotonic() > deadline - 10:
-            break
-        order = group[r % len(group):] + group[:r % len(group)]
-        for row in order:  # one time a round for every variant: rounds stay aligned
-            row["_times"].append(median_time(row["_fn"], lambda x=inputs: x,
-                                             repeats=args.repeats, warmup=2))
 
 
 if __name__ == "__main__":

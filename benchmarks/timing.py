@@ -38,6 +38,35 @@ def program_time(fn, sets, repeats=10, warmup=2):
     return float(np.median(times))
 
 
+def interleaved_rounds(group: list[dict], time_row, rounds: int, deadline: float) -> None:
+    """Times each row of ``group`` (dicts with a "_times" list; the base of the ratios first)
+    once a round, ``time_row(row)`` seconds, the order rotated by one each round, so drift
+    between rounds (clocks, temperature: session 36 saw one launch move 30% between
+    back-to-back runs) falls on all rows alike. Stops after a round past ``deadline - 10``
+    (time.monotonic()); every row then holds the same number of rounds."""
+    for r in range(rounds):
+        if r and time.monotonic() > deadline - 10:
+            break
+        order = group[r % len(group):] + group[:r % len(group)]
+        for row in order:
+            row["_times"].append(time_row(row))
+
+
+def summarize_rounds(group: list[dict]) -> None:
+    """Replaces each row's "_times" (seconds a round) with ms (median over rounds), ms_range,
+    vs_default (the median of its per-round ratios to group[0]'s time of the same round),
+    vs_default_range and rounds_faster (rounds with a ratio below 1)."""
+    base = np.asarray(group[0]["_times"])
+    for row in group:
+        per_round = np.asarray(row.pop("_times"))
+        ratios = per_round / base
+        row.update(ms=1e3 * float(np.median(per_round)),
+                   ms_range=[1e3 * float(per_round.min()), 1e3 * float(per_round.max())],
+                   vs_default=float(np.median(ratios)),
+                   vs_default_range=[float(ratios.min()), float(ratios.max())],
+                   rounds_faster=int(np.sum(ratios < 1.0)))
+
+
 def write_results(out, filename: str, args, results: list) -> None:
     """``results`` (rows so far) with the run's arguments, device and jax version as JSON at
     ``out``/``filename`` (a script calls it after every row; ``out`` None writes nothing)."""

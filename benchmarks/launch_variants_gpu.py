@@ -1,0 +1,243 @@
+"""Launch tunables of the topk, sparse_attention and index_scores kernels in interleaved rounds
+(issue 16: the targets these three miss).
+
+    PYTHONPATH=/tmp/site:$PWD python3 benchmarks/launch_variants_gpu.py --out $OUT/launch
+    python benchmarks/launch_variants_gpu.py --dry --out /tmp/lv   # CPU: tiny shapes, interpreter
+
+Their launch parameters were last swept in fixed order (topk: sessions 16-18,
+``topk_launch_gpu.py --sweep``; sparse_attention: ``sparse_attention_v2_gpu.py``; index_scores:
+``index_scores_sweep.py``), and fixed-order runs drift by up to 30% between back-to-back
+runs (session 36). Session 38 found, in interleaved rounds, a 0.91x launch of the pq score
+kernel (4 warps) that the fixed-order sweeps had not shown; this script asks the same of the
+other three at their issue-16 target shapes:
+  topk: 64 x 262144, k 2048, ``topk.fused.topk_fused`` (``fused_config``'s tunables; "floor":
+        the row's true k-th score as its floor hint, what a decode step could pass from the
+        previous step);
+  sparse_attention: B 64, k 512, W 128, H 64, D 512, bf16 rows, the Triton kernel
+        (``default_config``'s block_h / block_k / splits / num_warps / num_stages, col_splits);
+  index_scores: B 64, C 2048, H 64, D 128, FP8 keys, the jax-triton kernel (block_c, steps,
+        num_warps).
+Timing: ``timing.program_time`` (one jitted program calling the op on --sets input sets, so
+dispatch is amortized as in kernel_compare; median of --repeats programs) once a round for
+each variant, --rounds rounds, the order rotated a round (``timing.interleaved_rounds``); each
+row: us a call (median over rounds, range), the median of its per-round ratios to the default
+launch (range, rounds faster), and its check against the default's outputs (topk: the same
+index sets, and values; the others: max relative difference, 0 = bit for bit). A variant that
+fails to compile or run is recorded with its error. Writes OUT/results.json after every op and
+OUT/launch_variants.png; prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from timing import interleaved_rounds, program_time, summarize_rounds  # noqa: E402
+
+from experiments.cases.sparse_attention import make_inputs as attention_inputs  # noqa: E402
+
+TOPK = {"default": {}, "sw4": dict(select_warps=4), "sw16": dict(select_warps=16),
+        "fw4": dict(finish_warps=4), "fw16": dict(finish_warps=16),
+        "c2048": dict(chunk=2048), "b8192": dict(block=8192),
+        "b8192c2048sw4": dict(block=8192, chunk=2048, select_warps=4),
+        "b32768": dict(block=32768), "r128": dict(scan_rows=128), "floor": dict(floor=True)}
+ATTENTION = {"default": {}, "w4": dict(num_warps=4), "w16": dict(num_warps=16),
+             "splits1": dict(splits=1), "splits3": dict(splits=3), "splits4": dict(splits=4),
+             "bk16": dict(block_k=16), "bk64": dict(block_k=64), "stages1": dict(num_stages=1),
+             "stages3": dict(num_stages=3), "bh32": dict(block_h=32),
+             "cols2": dict(col_splits=2)}
+INDEX = {"default": {}, "bc64": dict(block_c=64), "bc256": dict(block_c=256),
+         "steps1": dict(steps=1), "steps4": dict(steps=4), "w8": dict(num_warps=8),
+         "bc64w2": dict(block_c=64, num_warps=2)}
+SHAPES = {"topk": dict(b=64, n=262144, k=2048), "sparse_attention": dict(b=64, k=512, w=128),
+          "index_scores": dict(b=64, c=2048)}
+DRY = {"topk": dict(b=3, n=4096, k=64), "sparse_attention": dict(b=2, k=32, w=16),
+       "index_scores": dict(b=2, c=256)}
+
+
+def topk_op(shape, interpret):
+    """(make(key) -> args, call(params, *args) -> outputs, check(out, want) -> dict)."""
+    from pallas_kernels.topk.fused import topk_fused
+
+    b, n, k = shape["b"], shape["n"], shape["k"]
+
+    def make(key):
+        scores = jax.random.normal(key, (b, n), jnp.float32)
+        floor = -jnp.sort(-scores, axis=1)[:, k - 1]  # the true k-th: the fast path
+        return scores, jnp.full((b,), n, jnp.int32), floor
+
+    def call(params, scores, lengths, floor):
+        params = dict(params)
+        hint = floor if params.pop("floor", False) else None
+        return topk_fused(scores, lengths, k, floor=hint, interpret=interpret, **params)
+
+    def check(out, want):
+        same = all(set(np.asarray(out[0][i]).tolist()) == set(np.asarray(want[0][i]).tolist())
+                   for i in range(b))
+        values = np.array_equal(np.sort(np.asarray(out[1]), 1), np.sort(np.asarray(want[1]), 1))
+        return dict(equal_default=bool(same and values))
+
+    return make, call, check
+
+
+def attention_op(shape, interpret):
+    from pallas_kernels.sparse_attention.triton import sparse_attention_triton
+
+    b, k, w = shape["b"], shape["k"], shape["w"]
+    heads, dim = (64, 512) if not interpret else (64, 64)
+
+    def make(key):
+        return attention_inputs(key, b, k, w, heads, dim, rows=max(2048, 2 * k))
+
+    def call(params, *args):
+        return sparse_attention_triton(*args, **params)
+
+    return make, call, _close
+
+
+def index_op(shape, interpret):
+    b, c, heads, dim = shape["b"], shape["c"], 64, 128
+
+    def make(key):
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        q = jax.random.normal(k1, (b, heads, dim), jnp.float32)
+        w = jax.random.normal(k2, (b, heads), jnp.float32)
+        values = jax.random.normal(k3, (b, c, dim), jnp.float32).astype(jnp.float8_e4m3fn)
+        scales = jax.random.uniform(k4, (b, c, 1), jnp.float32, 0.5, 2.0)
+        return q, w, values, scales, jnp.ones((b, c), bool)
+
+    def call(params, *args):
+        if interpret:  # no jax-triton on a CPU: the Pallas kernel with the same knobs
+            from pallas_kernels.index_scores.triton import index_scores_triton
+
+            return index_scores_triton(*args, **params)
+        from pallas_kernels.index_scores.jax_triton import index_scores_jax_triton
+
+        return index_scores_jax_triton(*args, **params)
+
+    return make, call, _close
+
+
+def _close(out, want):
+    out, want = np.asarray(out, np.float64), np.asarray(want, np.float64)
+    live = np.isfinite(want)
+    scale = max(float(np.abs(want[live]).max()), 1e-30) if live.any() else 1.0
+    diff = float(np.abs(out[live] - want[live]).max()) / scale if live.any() else 0.0
+    return dict(equal_default=bool(np.array_equal(out, want, equal_nan=True)),
+                mask_equal=bool(np.array_equal(np.isfinite(out), live)), max_rel_diff=diff)
+
+
+OPS = {"topk": (topk_op, TOPK), "sparse_attention": (attention_op, ATTENTION),
+       "index_scores": (index_op, INDEX)}
+
+
+def run_op(name, args, deadline, rows, save) -> None:
+    build, variants = OPS[name]
+    shape = (DRY if args.dry else SHAPES)[name]
+    make, call, check = build(shape, args.dry)
+    sets = [make(jax.random.key(i)) for i in range(args.sets)]
+    group = []
+    for variant, params in variants.items():
+        row = dict(op=name, shape=shape, variant=variant, params=params)
+        rows.append(row)
+        fn = jax.jit(lambda *a, p=params: call(p, *a))
+        try:
+            out = jax.block_until_ready(fn(*sets[0]))
+        except Exception as e:  # record, go on with the others
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            save()
+            if not group:  # the default failed: nothing to compare with
+                return
+            continue
+        if group:
+            row.update(check(out, group[0]["_out"]))
+        row.update(_fn=fn, _out=out, _times=[])
+        group.append(row)
+    interleaved_rounds(group, lambda row: program_time(row["_fn"], sets, repeats=args.repeats,
+                                                       warmup=1), args.rounds, deadline)
+    summarize_rounds(group)
+    for row in group:
+        del row["_fn"], row["_out"]
+    save()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="results/launch_variants")
+    ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated: {', '.join(OPS)}")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--repeats", type=int, default=5, help="programs timed a variant a round")
+    ap.add_argument("--sets", type=int, default=4, help="input sets (calls) a program")
+    ap.add_argument("--budget-s", type=float, default=300.0)
+    ap.add_argument("--dry", action="store_true", help="tiny shapes in interpret mode (CPU)")
+    args = ap.parse_args(argv)
+    ops = args.ops.split(",")
+    if not ops or any(o not in OPS for o in ops):
+        ap.error(f"--ops {args.ops!r}: a comma-separated list of {', '.join(OPS)}")
+    if args.rounds < 1 or args.repeats < 1 or args.sets < 1:
+        ap.error("--rounds, --repeats and --sets must be >= 1")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + args.budget_s
+    rows: list[dict] = []
+
+    def save():
+        (out / "results.json").write_text(json.dumps(dict(
+            device=str(jax.devices()[0].device_kind), jax=jax.__version__, dry=args.dry,
+            rounds=args.rounds, repeats=args.repeats, sets=args.sets,
+            rows=[{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]),
+            indent=1) + "\n")
+
+    for name in ops:
+        if time.monotonic() > deadline - 30:
+            rows.append(dict(op=name, skipped="budget spent"))
+            save()
+            continue
+        run_op(name, args, deadline, rows, save)
+    plot(rows, out / "launch_variants.png")
+    print(f"\n{'op':17} {'variant':14} {'us':>8} {'/default':>8} {'range':>13} faster  check")
+    for r in rows:
+        if "ms" in r:
+            lo, hi = r["vs_default_range"]
+            check = ("equal" if r.get("equal_default", True) else
+                     f"rel {r.get('max_rel_diff', float('nan')):.1e}")
+            print(f"{r['op']:17} {r['variant']:14} {1e3 * r['ms']:8.1f} {r['vs_default']:8.3f} "
+                  f"{lo:6.3f}-{hi:6.3f} {r['rounds_faster']:>3}/{args.rounds}  {check}")
+        else:
+            print(f"{r['op']:17} {r.get('variant', ''):14} {r.get('skipped') or r.get('error')}")
+    return 0
+
+
+def plot(rows: list[dict], path: pathlib.Path) -> None:
+    """One panel per op: each variant's median ratio to the default, its range as a bar."""
+    from experiments.common import pyplot
+    plt = pyplot()
+    ops = [o for o in OPS if any(r.get("op") == o and "ms" in r for r in rows)]
+    fig, axes = plt.subplots(1, max(len(ops), 1), figsize=(4.5 * max(len(ops), 1), 3.6),
+                             squeeze=False)
+    for ax, op in zip(axes[0], ops):
+        got = [r for r in rows if r.get("op") == op and "ms" in r]
+        ys = [r["vs_default"] for r in got]
+        err = [[r["vs_default"] - r["vs_default_range"][0] for r in got],
+               [r["vs_default_range"][1] - r["vs_default"] for r in got]]
+        ax.errorbar(range(len(got)), ys, yerr=err, fmt="o", ms=4)
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xticks(range(len(got)))
+        ax.set_xticklabels([r["variant"] for r in got], rotation=60, ha="right", fontsize=7)
+        ax.set_title(op, fontsize=9)
+    axes[0][0].set_ylabel("time / default launch")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
