@@ -104,15 +104,9 @@ def attention_op(shape, interpret):
 
 
 def index_op(shape, interpret):
-    b, c, heads, dim = shape["b"], shape["c"], 64, 128
+    from experiments.kernel_compare import index_scores_case
 
-    def make(key):
-        k1, k2, k3, k4 = jax.random.split(key, 4)
-        q = jax.random.normal(k1, (b, heads, dim), jnp.float32)
-        w = jax.random.normal(k2, (b, heads), jnp.float32)
-        values = jax.random.normal(k3, (b, c, dim), jnp.float32).astype(jnp.float8_e4m3fn)
-        scales = jax.random.uniform(k4, (b, c, 1), jnp.float32, 0.5, 2.0)
-        return q, w, values, scales, jnp.ones((b, c), bool)
+    make = index_scores_case(shape["b"], shape["c"]).make  # H 64, D 128, FP8 keys
 
     def call(params, *args):
         if interpret:  # no jax-triton on a CPU: the Pallas kernel with the same knobs
