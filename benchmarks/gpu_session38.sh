@@ -11,7 +11,8 @@
 #   $OUT/kc/kernel_compare_s38_pq/ (commit to results/kernel_compare_s38_pq/).
 # STEP=launch (~300 s; prepared, not yet run): benchmarks/launch_variants_gpu.py, the launch
 #   tunables of topk, sparse_attention and index_scores in interleaved rounds at their issue-16
-#   target shapes -> $OUT/launch/ (commit to results/launch_variants_s39/).
+#   target shapes -> $OUT/launch/ (commit to results/launch_variants_s39/); then the pq score
+#   kernel's bf16 launch with 4 warps (pq_variants_gpu.py --set bf16_w4) -> $OUT/pqbf16/.
 source "$(dirname "$0")/gpu_lib.sh"
 case "${STEP:-pqw4}" in
   pqw4)
@@ -26,6 +27,8 @@ case "${STEP:-pqw4}" in
       configs/experiments/kernel_compare_s38_pq.gin 2>&1 | grep -v ' spent$'" ;;
   launch)  # prepared in session 38, not yet run
     TAIL=40 part launch ${LAUNCH_S:-300} "python3 benchmarks/launch_variants_gpu.py --out \$OUT \
-      --budget-s $(( ${LAUNCH_S:-300} - 20 ))" ;;
+      --budget-s $(( ${LAUNCH_S:-300} - 20 ))"
+    TAIL=14 part pqbf16 ${VARIANTS_S:-150} "python3 benchmarks/pq_variants_gpu.py --set bf16_w4 \
+      --precisions bf16 --rounds 25 --repeats 50 --out \$OUT --budget-s $(( ${VARIANTS_S:-150} - 15 ))" ;;
   *) echo "STEP=${STEP}: unknown (pqw4 | serve | serve38 | pqkc | launch)"; exit 2 ;;
 esac

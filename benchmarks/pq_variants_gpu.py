@@ -88,7 +88,18 @@ FP8_W4 = {
     "w4+stages3": dataclasses.replace(W4, num_stages=3),
     "w4+bn64": dataclasses.replace(W4, block_n=64, steps=32),
 }
-SETS = {"s36": VARIANTS, "fp8_s38": FP8_S38, "fp8_w4": FP8_W4}
+# --set bf16_w4 (prepared in session 38, not yet run; with --precisions bf16): 4 warps at bf16,
+# whose default (BN 256, 8 warps, 234 registers) runs one program a SM; ptxas (sm_90a, CPU):
+# BN 256 / 128 / 64 with 4 warps and the book per tile 243 / 218 / 197 registers (two programs
+# of 4 warps a SM), no spills; BN 512 with 16 warps and the book won 0.93-0.94x in session 37
+BF16_W4 = {
+    "default": jt.DEFAULT_PARAMS,
+    "w4+book": jt.Params(num_warps=4, book_per_tile=True),
+    "bn128+w4+book": jt.Params(block_n=128, steps=16, num_warps=4, book_per_tile=True),
+    "bn64+w4+book": jt.Params(block_n=64, steps=32, num_warps=4, book_per_tile=True),
+    "bn512+w16+book": jt.Params(block_n=512, steps=4, num_warps=16, book_per_tile=True),
+}
+SETS = {"s36": VARIANTS, "fp8_s38": FP8_S38, "fp8_w4": FP8_W4, "bf16_w4": BF16_W4}
 SHAPES = [dict(name="B64 contiguous", b=64, page=0), dict(name="B36 paged", b=36, page=64)]
 N, H, D, M, K = 131072, 64, 128, 32, 256
 
