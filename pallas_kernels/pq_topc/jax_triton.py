@@ -74,8 +74,9 @@ default since (FP8_PARAMS), with 4 warps a program since session 38 (0.91-0.92x 
 results/pq_variants_s38/w4/). ``keys_as_b`` (session 37): the keys as the dot's B operand;
 ptxas gives 90 registers at that tile (108 without), and the head sum becomes a reduction
 across warps through shared memory; timed in session 38 at 1.35x the default (slower in 9 of
-9 rounds, results/pq_variants_s38/), kept as an option, not the default. ``interpreted.py`` runs this kernel
-on a CPU under Triton's interpreter (fp8: the interpreter's bf16 dot is wrong).
+9 rounds, results/pq_variants_s38/), kept as an option, not the default. ``interpreted.py``
+runs this kernel on a CPU under Triton's interpreter (fp8: the interpreter's bf16 dot is
+wrong).
 
 Top-C: ``pallas_kernels.topk`` on the [B, N] scores, "triton_fused" by default since session 30
 (its sample floor and fallback in-kernel: no XLA glue; before, "triton", whose sample floor
@@ -150,9 +151,9 @@ DEFAULT_PARAMS = Params()  # bf16
 # in 9 of 9 rounds each, scores bit for bit equal; at bf16 the same launch takes 1.19-1.29x.
 # Session 38 (H100, 25 interleaved rounds of 50 calls, results/pq_variants_s38/w4/): the same
 # with 4 warps a program (155 registers: three programs of 4 warps a SM, where 8 warps at 108
-# registers ran two programs of 8) takes 0.920 of the
-# 8-warp time at batch 64 (faster in 20 of 25 rounds) and 0.907 at batch 36 paged (25 of 25),
-# scores bit for bit equal; keys as B took 1.35x, BN 64 1.27-1.31x (9 rounds).
+# registers ran two programs of 8) takes 0.920 of the 8-warp time at batch 64 (faster in 20 of
+# 25 rounds) and 0.907 at batch 36 paged (25 of 25), scores bit for bit equal; keys as B took
+# 1.35x, BN 64 1.27-1.31x (9 rounds).
 FP8_PARAMS = Params(block_n=128, steps=16, num_warps=4, book_per_tile=True)
 
 
