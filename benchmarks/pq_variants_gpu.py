@@ -15,11 +15,13 @@ Variants (``pallas_kernels.pq_topc.jax_triton.Params``; ptxas registers for sm_9
   w16                BN 256, 16 warps (123)
   w16+both           16 warps, both (126)
   bn512+w16+book     BN 512, 4 steps, 16 warps, book per tile (128, 40 bytes spilled)
-``--set fp8_s38``: variants of fp8's default since session 37 (FP8_PARAMS: BN 128, 16 steps,
-book per tile; the ratios' base): steps 8 / 32, 3 stages, 4 or 16 warps, BN 64, BN 256 with
+``--set fp8_s38``: variants of fp8's session-37 launch (BN 128, 16 steps, 8 warps, book per
+tile; the ratios' base): steps 8 / 32, 3 stages, 4 or 16 warps, BN 64, BN 256 with
 16 warps (half the book's re-staging a key: 40 KB of shared stores a tile), and the keys
 as the dot's B operand (``Params.keys_as_b``: 90 instead of 108 registers, ptxas on a CPU);
-with ``--precisions fp8``.
+with ``--precisions fp8``. ``--set fp8_w4``: 4 warps (fp8's default since session 38,
+``FP8_PARAMS``) and three variants of it against the same base; ``--set bf16_w4``: 4-warp
+launches at bf16 against DEFAULT_PARAMS (``--precisions bf16``).
 Shapes: the decode step's at 512K (N 131072 codes a request): batch 64 contiguous (the
 kernel_compare target) and batch 36 paged (pages of 64 rows in a shuffled pool: the capacity
 study's 512K cell), fp8 then bf16. Random codes; row 0 of each batch holds N / 3 positions.
@@ -65,24 +67,26 @@ VARIANTS = {
     "w16+both": jt.Params(num_warps=16, prefetch=True, book_per_tile=True),
     "bn512+w16+book": jt.Params(block_n=512, steps=4, num_warps=16, book_per_tile=True),
 }
-# --set fp8_s38: around fp8's default since session 37 (FP8_PARAMS, bn128+book; the base of
-# the ratios), BN 256 beside it as the old launch; not yet run
+# --set fp8_s38 (run in session 38): around fp8's session-37 launch (BN 128, 16 steps, 8 warps,
+# book per tile: S37, the base of the ratios), BN 256 beside it as the launch before
+S37 = jt.Params(block_n=128, steps=16, book_per_tile=True)
 FP8_S38 = {
-    "default": jt.FP8_PARAMS,
+    "default": S37,
     "bn256 (before)": jt.DEFAULT_PARAMS,
-    "steps8": dataclasses.replace(jt.FP8_PARAMS, steps=8),
-    "steps32": dataclasses.replace(jt.FP8_PARAMS, steps=32),
-    "stages3": dataclasses.replace(jt.FP8_PARAMS, num_stages=3),
-    "w4": dataclasses.replace(jt.FP8_PARAMS, num_warps=4),
-    "bn64": dataclasses.replace(jt.FP8_PARAMS, block_n=64, steps=32),
-    "bn128+w16": dataclasses.replace(jt.FP8_PARAMS, num_warps=16),
-    "bn256+w16": dataclasses.replace(jt.FP8_PARAMS, block_n=256, steps=8, num_warps=16),
-    "keys_as_b": dataclasses.replace(jt.FP8_PARAMS, keys_as_b=True),
+    "steps8": dataclasses.replace(S37, steps=8),
+    "steps32": dataclasses.replace(S37, steps=32),
+    "stages3": dataclasses.replace(S37, num_stages=3),
+    "w4": dataclasses.replace(S37, num_warps=4),
+    "bn64": dataclasses.replace(S37, block_n=64, steps=32),
+    "bn128+w16": dataclasses.replace(S37, num_warps=16),
+    "bn256+w16": dataclasses.replace(S37, block_n=256, steps=8, num_warps=16),
+    "keys_as_b": dataclasses.replace(S37, keys_as_b=True),
 }
-# --set fp8_w4: session 38's second look at 4 warps (faster in 7 of 9 noisy rounds of fp8_s38)
-W4 = dataclasses.replace(jt.FP8_PARAMS, num_warps=4)
+# --set fp8_w4: session 38's second look at 4 warps (faster in 7 of 9 noisy rounds of fp8_s38);
+# "w4" became FP8_PARAMS
+W4 = dataclasses.replace(S37, num_warps=4)
 FP8_W4 = {
-    "default": jt.FP8_PARAMS,
+    "default": S37,
     "w4": W4,
     "w4+steps8": dataclasses.replace(W4, steps=8),
     "w4+stages3": dataclasses.replace(W4, num_stages=3),
