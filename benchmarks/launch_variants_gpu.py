@@ -17,14 +17,15 @@ other three at their issue-16 target shapes:
         (``default_config``'s block_h / block_k / splits / num_warps / num_stages, col_splits);
   index_scores: B 64, C 2048, H 64, D 128, FP8 keys, the jax-triton kernel (block_c, steps,
         num_warps).
-Timing: ``timing.program_time`` (one jitted program calling the op on --sets input sets, so
-dispatch is amortized as in kernel_compare; median of --repeats programs) once a round for
-each variant, --rounds rounds, the order rotated a round (``timing.interleaved_rounds``); each
-row: us a call (median over rounds, range), the median of its per-round ratios to the default
-launch (range, rounds faster), and its check against the default's outputs (topk: the same
-index sets, and values; the others: max relative difference, 0 = bit for bit). A variant that
-fails to compile or run is recorded with its error. Writes OUT/results.json after every op and
-OUT/launch_variants.png; prints the table last.
+Timing: ``timing.time_program`` (one jitted program, built once a variant, calling the op on
+--sets input sets, so dispatch is amortized as in kernel_compare; median of --repeats
+programs) once a round for each variant, --rounds rounds, the order rotated a round
+(``timing.interleaved_rounds``). Each row: us a call (median over rounds, range), the median
+of its per-round ratios to the default launch (range, rounds faster), and its check against
+the default's outputs (topk: the same index sets and values; the others: the max relative
+difference, equal = bit for bit). A variant that fails to compile or run is recorded with its
+error. Writes OUT/results.json after every op and OUT/launch_variants.png; prints the table
+last.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from timing import interleaved_rounds, program_time, summarize_rounds  # noqa: E402
+import timing  # noqa: E402  (benchmarks/timing.py)
 
 from experiments.cases.sparse_attention import make_inputs as attention_inputs  # noqa: E402
 
@@ -153,13 +154,15 @@ def run_op(name, args, deadline, rows, save) -> None:
             continue
         if group:
             row.update(check(out, group[0]["_out"]))
-        row.update(_fn=fn, _out=out, _times=[])
+        row.update(_program=timing.batched_program(lambda *a, p=params: call(p, *a)), _out=out,
+                   _times=[])
         group.append(row)
-    interleaved_rounds(group, lambda row: program_time(row["_fn"], sets, repeats=args.repeats,
-                                                       warmup=1), args.rounds, deadline)
-    summarize_rounds(group)
+    timing.interleaved_rounds(group, lambda row: timing.time_program(row["_program"], sets,
+                                                       repeats=args.repeats, warmup=1),
+                       args.rounds, deadline)
+    timing.summarize_rounds(group)
     for row in group:
-        del row["_fn"], row["_out"]
+        del row["_program"], row["_out"]
     save()
 
 

@@ -27,7 +27,17 @@ def program_time(fn, sets, repeats=10, warmup=2):
     """Median seconds of one call of ``fn``, timed as one jitted program calling it on each of
     ``sets`` (distinct argument tuples, so one dispatch covers len(sets) calls and host launch
     overhead is amortized; experiments/kernel_compare.py times the same way)."""
-    program = jax.jit(lambda sets: [fn(*s) for s in sets])
+    return time_program(batched_program(fn), sets, repeats, warmup)
+
+
+def batched_program(fn):
+    """The jitted program ``program_time`` times: ``fn`` on each argument tuple of a list."""
+    return jax.jit(lambda sets: [fn(*s) for s in sets])
+
+
+def time_program(program, sets, repeats=10, warmup=2):
+    """``program_time`` of a ``batched_program`` built once (a caller timing it again, e.g.
+    once a round, compiles it once)."""
     for _ in range(warmup):
         jax.block_until_ready(program(sets))
     times = []
