@@ -2,9 +2,9 @@
 # Session 38's GPU calls (device tool, carry [".whl"]):
 # STEP=pqw4 (~60 s): benchmarks/pq_variants_gpu.py --set fp8_w4, 25 interleaved rounds of 50
 #   calls (fp8_s38's 9 rounds of 20 were too noisy to rank 4 warps; results/pq_variants_s38/).
-# STEP=serve: configs/experiments/capacity_s37.gin (session 37's fp8 launch) at CONTEXTS
-#   (default "(524288,)"), resumed from results/capacity_s37/. Its 972800 cells ran after the
-#   change below to fp8's launch (4 warps), its 524288 cells before it.
+# STEP=serve: configs/experiments/capacity_s37.gin at CONTEXTS (default "(524288,)"), resumed
+#   from results/capacity_s37/. Its committed 524288 cells ran fp8's 8-warp launch (session
+#   37's), its 972800 cells the 4-warp launch (FP8_PARAMS since session 38, as any rerun).
 # STEP=serve38: configs/experiments/capacity_s38.gin (the same with the 4-warp launch).
 # STEP=pqkc (~250 s): the GPU tests of pq_topc (fp8's launch now 4 warps), then kernel_compare
 #   at pq_topc's target shape (B 64, N 131072) with every call traced ->

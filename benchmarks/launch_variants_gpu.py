@@ -101,7 +101,7 @@ def attention_op(shape, interpret):
     def call(params, *args):
         return sparse_attention_triton(*args, **params)
 
-    return make, call, _close
+    return make, call, timing.compare_outputs
 
 
 def index_op(shape, interpret):
@@ -118,16 +118,7 @@ def index_op(shape, interpret):
 
         return index_scores_jax_triton(*args, **params)
 
-    return make, call, _close
-
-
-def _close(out, want):
-    out, want = np.asarray(out, np.float64), np.asarray(want, np.float64)
-    live = np.isfinite(want)
-    scale = max(float(np.abs(want[live]).max()), 1e-30) if live.any() else 1.0
-    diff = float(np.abs(out[live] - want[live]).max()) / scale if live.any() else 0.0
-    return dict(equal_default=bool(np.array_equal(out, want, equal_nan=True)),
-                mask_equal=bool(np.array_equal(np.isfinite(out), live)), max_rel_diff=diff)
+    return make, call, timing.compare_outputs
 
 
 OPS = {"topk": (topk_op, TOPK), "sparse_attention": (attention_op, ATTENTION),
@@ -143,9 +134,9 @@ def run_op(name, args, deadline, rows, save) -> None:
     for variant, params in variants.items():
         row = dict(op=name, shape=shape, variant=variant, params=params)
         rows.append(row)
-        fn = jax.jit(lambda *a, p=params: call(p, *a))
-        try:
-            out = jax.block_until_ready(fn(*sets[0]))
+        program = timing.batched_program(lambda *a, p=params: call(p, *a))
+        try:  # the timed program's first run: compiles it once, gives the outputs to check
+            out = jax.block_until_ready(program(sets))[0]
         except Exception as e:  # record, go on with the others
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             save()
@@ -154,12 +145,13 @@ def run_op(name, args, deadline, rows, save) -> None:
             continue
         if group:
             row.update(check(out, group[0]["_out"]))
-        row.update(_program=timing.batched_program(lambda *a, p=params: call(p, *a)), _out=out,
-                   _times=[])
+        row.update(_program=program, _out=out, _times=[])
         group.append(row)
-    timing.interleaved_rounds(group, lambda row: timing.time_program(row["_program"], sets,
-                                                       repeats=args.repeats, warmup=1),
-                       args.rounds, deadline)
+
+    def time_row(row):
+        return timing.time_program(row["_program"], sets, repeats=args.repeats, warmup=1)
+
+    timing.interleaved_rounds(group, time_row, args.rounds, deadline)
     timing.summarize_rounds(group)
     for row in group:
         del row["_program"], row["_out"]

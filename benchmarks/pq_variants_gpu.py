@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # benchmarks/timing.py
-from timing import interleaved_rounds, median_time, summarize_rounds  # noqa: E402
+from timing import compare_outputs, interleaved_rounds, median_time, summarize_rounds  # noqa: E402
 
 from pallas_kernels.pq_topc import jax_triton as jt  # noqa: E402
 
@@ -239,13 +239,8 @@ def compiled_variants(variants, precision, shape, inputs, extra, rows, save) -> 
             if name == "default":
                 return []
             continue
-        want = group[0]["_scores"] if group else scores
-        live = np.isfinite(want)
         row.update(_fn=fn, _scores=scores, _times=[],
-                   equal_default=bool(np.array_equal(scores, want)),
-                   mask_equal=bool(np.array_equal(np.isfinite(scores), live)),
-                   max_rel_diff=float(np.abs(scores[live] - want[live]).max()
-                                      / np.abs(want[live]).max()))
+                   **compare_outputs(scores, group[0]["_scores"] if group else scores))
         group.append(row)
     return group
 

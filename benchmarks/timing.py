@@ -77,6 +77,18 @@ def summarize_rounds(group: list[dict]) -> None:
                    rounds_faster=int(np.sum(ratios < 1.0)))
 
 
+def compare_outputs(out, want) -> dict:
+    """A launch variant's output against the default's: equal_default (bit for bit, NaN equal
+    to NaN), mask_equal (the same finite entries) and max_rel_diff (the largest difference on
+    the default's finite entries over their largest magnitude; 0 when there are none)."""
+    out, want = np.asarray(out, np.float64), np.asarray(want, np.float64)
+    live = np.isfinite(want)
+    diff = (float(np.abs(out[live] - want[live]).max())
+            / max(float(np.abs(want[live]).max()), 1e-30) if live.any() else 0.0)
+    return dict(equal_default=bool(np.array_equal(out, want, equal_nan=True)),
+                mask_equal=bool(np.array_equal(np.isfinite(out), live)), max_rel_diff=diff)
+
+
 def write_results(out, filename: str, args, results: list) -> None:
     """``results`` (rows so far) with the run's arguments, device and jax version as JSON at
     ``out``/``filename`` (a script calls it after every row; ``out`` None writes nothing)."""
