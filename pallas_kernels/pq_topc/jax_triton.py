@@ -145,15 +145,14 @@ class Params:
 
 
 DEFAULT_PARAMS = Params()  # bf16
-# fp8: 128-key tiles, 16 a program, the book reloaded in each tile (108 registers: two programs
-# a SM). Session 37, H100, benchmarks/pq_variants_gpu.py in 9 interleaved rounds at 512K: 0.938
-# of DEFAULT_PARAMS' time at batch 64 (contiguous codes) and 0.946 at batch 36 (paged), faster
-# in 9 of 9 rounds each, scores bit for bit equal; at bf16 the same launch takes 1.19-1.29x.
-# Session 38 (H100, 25 interleaved rounds of 50 calls, results/pq_variants_s38/w4/): the same
-# with 4 warps a program (155 registers: three programs of 4 warps a SM, where 8 warps at 108
-# registers ran two programs of 8) takes 0.920 of the 8-warp time at batch 64 (faster in 20 of
-# 25 rounds) and 0.907 at batch 36 paged (25 of 25), scores bit for bit equal; keys as B took
-# 1.35x, BN 64 1.27-1.31x (9 rounds).
+# fp8: 128-key tiles, 16 a program, the book reloaded in each tile, 4 warps a program (ptxas:
+# 155 registers, three programs a SM). Session 37 (8 warps then: 108 registers, two programs a
+# SM; H100, benchmarks/pq_variants_gpu.py, 9 interleaved rounds at 512K): 0.938 of
+# DEFAULT_PARAMS' time at batch 64 (contiguous codes) and 0.946 at batch 36 (paged), faster in
+# 9 of 9 rounds each, scores bit for bit equal; at bf16 the same launch takes 1.19-1.29x.
+# Session 38 (H100, 25 interleaved rounds of 50 calls, results/pq_variants_s38/w4/): 4 warps
+# take 0.920 of the 8-warp time at batch 64 (faster in 20 of 25 rounds) and 0.907 at batch 36
+# paged (25 of 25), scores bit for bit equal; keys as B took 1.35x, BN 64 1.27-1.31x (9 rounds).
 FP8_PARAMS = Params(block_n=128, steps=16, num_warps=4, book_per_tile=True)
 
 
