@@ -58,6 +58,23 @@ ATTENTION = {"default": {}, "w4": dict(num_warps=4), "w16": dict(num_warps=16),
 INDEX = {"default": {}, "bc64": dict(block_c=64), "bc256": dict(block_c=256),
          "steps1": dict(steps=1), "steps4": dict(steps=4), "w8": dict(num_warps=8),
          "bc64w2": dict(block_c=64, num_warps=2)}
+# --set s39: session 39's second look, around what won most of session 38's 15 rounds
+# (results/launch_variants_s39/first/): topk finish_warps 16 (14/15), sparse_attention 3
+# stages (14/15) and 64-row blocks (14/15), index_scores 8 warps (15/15) and one step (14/15);
+# their combinations, each against the same default
+TOPK_S39 = {"default": {}, "fw16": dict(finish_warps=16), "fw32": dict(finish_warps=32),
+            "fw16b32768": dict(finish_warps=16, block=32768),
+            "fw16c2048": dict(finish_warps=16, chunk=2048)}
+ATTENTION_S39 = {"default": {}, "stages3": dict(num_stages=3), "stages4": dict(num_stages=4),
+                 "bk64": dict(block_k=64), "bk64stages3": dict(block_k=64, num_stages=3),
+                 "stages3splits3": dict(num_stages=3, splits=3),
+                 "bk64splits3": dict(block_k=64, splits=3)}
+INDEX_S39 = {"default": {}, "w8": dict(num_warps=8), "steps1": dict(steps=1),
+             "steps1w8": dict(steps=1, num_warps=8), "bc64w8": dict(block_c=64, num_warps=8),
+             "steps4w8": dict(steps=4, num_warps=8)}
+SETS = {"s38": {"topk": TOPK, "sparse_attention": ATTENTION, "index_scores": INDEX},
+        "s39": {"topk": TOPK_S39, "sparse_attention": ATTENTION_S39,
+                "index_scores": INDEX_S39}}
 SHAPES = {"topk": dict(b=64, n=262144, k=2048), "sparse_attention": dict(b=64, k=512, w=128),
           "index_scores": dict(b=64, c=2048)}
 DRY = {"topk": dict(b=3, n=4096, k=64), "sparse_attention": dict(b=2, k=32, w=16),
@@ -121,12 +138,11 @@ def index_op(shape, interpret):
     return make, call, timing.compare_outputs
 
 
-OPS = {"topk": (topk_op, TOPK), "sparse_attention": (attention_op, ATTENTION),
-       "index_scores": (index_op, INDEX)}
+OPS = {"topk": topk_op, "sparse_attention": attention_op, "index_scores": index_op}
 
 
 def run_op(name, args, deadline, rows, save) -> None:
-    build, variants = OPS[name]
+    build, variants = OPS[name], SETS[args.set][name]
     shape = (DRY if args.dry else SHAPES)[name]
     make, call, check = build(shape, args.dry)
     sets = [make(jax.random.key(i)) for i in range(args.sets)]
@@ -162,6 +178,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="results/launch_variants")
     ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated: {', '.join(OPS)}")
+    ap.add_argument("--set", default="s38", choices=sorted(SETS),
+                    help="the variants: s38 (one tunable at a time), s39 (combinations)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--repeats", type=int, default=5, help="programs timed a variant a round")
     ap.add_argument("--sets", type=int, default=4, help="input sets (calls) a program")
@@ -181,6 +199,7 @@ def main(argv=None) -> int:
     def save():
         (out / "results.json").write_text(json.dumps(dict(
             device=str(jax.devices()[0].device_kind), jax=jax.__version__, dry=args.dry,
+            set=args.set,
             rounds=args.rounds, repeats=args.repeats, sets=args.sets,
             rows=[{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]),
             indent=1) + "\n")

@@ -573,6 +573,20 @@ def test_jax_triton_compiles_for_sm90(fp8, decode):
     assert f".f32.{kind}" in ptx and "wgmma.mma_async" in ptx
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_jax_triton_default_launches_compile_for_sm90(precision):
+    """With the triton package: each precision's default launch (``default_params``: BF16_PARAMS'
+    512-key tiles with 16 warps, FP8_PARAMS' 128-key tiles with 4) compiles for sm_90 to a
+    wgmma of its operands, contiguous and paged codes."""
+    pytest.importorskip("triton")
+    lay = pq_jt.layout(64, 32, 256, 4, fp8=precision == "fp8")
+    kind = "e4m3.e4m3" if precision == "fp8" else "bf16.bf16"
+    for page in (0, 64):
+        ptx = pq_jt.compile_ptx(lay, V4_FLASH["n"], pq_jt.default_params(precision), page=page,
+                                max_pages=V4_FLASH["n"] // 64 if page else 1)
+        assert f".f32.{kind}" in ptx and "wgmma.mma_async" in ptx
+
+
 @pytest.mark.parametrize("params", [dict(prefetch=True), dict(book_per_tile=True),
                                     dict(block_n=128, steps=16, prefetch=True,
                                          book_per_tile=True),
@@ -681,12 +695,13 @@ def test_gpu_random_against_xla(q_dtype):
                                     dict(block_n=128, steps=16, prefetch=True,
                                          book_per_tile=True),
                                     dataclasses.asdict(pq_jt.FP8_PARAMS),
+                                    dataclasses.asdict(pq_jt.BF16_PARAMS),
                                     dict(block_n=128, steps=16, book_per_tile=True),
                                     dict(keys_as_b=True)], ids=str)
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_gpu_jax_triton_launch_variants_equal_the_default(params, precision):
-    """The code-prefetch and book-per-tile launches (and fp8's default launch, FP8_PARAMS,
-    and keys as the dot's B operand) compute what the BN-256 launch (DEFAULT_PARAMS) does: at
+    """The code-prefetch and book-per-tile launches (and the default launches, FP8_PARAMS and
+    BF16_PARAMS, and keys as the dot's B operand) compute what the BN-256 launch (DEFAULT_PARAMS) does: at
     its tile and operand order the same scores bit for bit (each key's decode and dot are the
     same instructions; only when its codes arrive changes), at another tile or with keys as B
     within f32 rounding (the sum over heads may run in another order); -inf past each length

@@ -71,7 +71,8 @@ The scores are the default's bit for bit (GPU test). Timed on an H100 in 9 inter
 to 30%): at fp8 prefetch and book per tile alone are slower in every round (1.05-1.19x), and
 BN 128 with the book per tile faster in every round (0.938x contiguous, 0.946x paged): fp8's
 default since (FP8_PARAMS), with 4 warps a program since session 38 (0.91-0.92x of 8 warps,
-results/pq_variants_s38/w4/). ``keys_as_b`` (session 37): the keys as the dot's B operand;
+results/pq_variants_s38/w4/); bf16's default since session 39 BN 512 with 16 warps and the
+book per tile (BF16_PARAMS, 0.93-0.94x). ``keys_as_b`` (session 37): the keys as the dot's B operand;
 ptxas gives 90 registers at that tile (108 without), and the head sum becomes a reduction
 across warps through shared memory; timed in session 38 at 1.35x the default (slower in 9 of
 9 rounds, results/pq_variants_s38/), kept as an option, not the default. ``interpreted.py``
@@ -144,7 +145,7 @@ class Params:
     keys_as_b: bool = False
 
 
-DEFAULT_PARAMS = Params()  # bf16
+DEFAULT_PARAMS = Params()  # the sessions-28-36 launch (BN 256, 8 warps): variants' base
 # fp8: 128-key tiles, 16 a program, the book reloaded in each tile, 4 warps a program (ptxas:
 # 155 registers, three programs a SM). Session 37 (8 warps then: 108 registers, two programs a
 # SM; H100, benchmarks/pq_variants_gpu.py, 9 interleaved rounds at 512K): 0.938 of
@@ -154,11 +155,17 @@ DEFAULT_PARAMS = Params()  # bf16
 # take 0.920 of the 8-warp time at batch 64 (faster in 20 of 25 rounds) and 0.907 at batch 36
 # paged (25 of 25), scores bit for bit equal; keys as B took 1.35x, BN 64 1.27-1.31x (9 rounds).
 FP8_PARAMS = Params(block_n=128, steps=16, num_warps=4, book_per_tile=True)
+# bf16: 512-key tiles, 4 a program, 16 warps, the book reloaded in each tile. H100, 512K,
+# benchmarks/pq_variants_gpu.py in interleaved rounds against DEFAULT_PARAMS, scores bit for
+# bit equal: session 37 (9 rounds) 0.93-0.94x; session 39 (--set bf16_w4, 25 rounds of 50
+# calls, results/pq_variants_s39_bf16/) 0.943x at batch 64 contiguous and 0.934x at batch 36
+# paged, faster in 25 of 25 rounds each (4 warps: 1.06-1.09x, BN 128 or 64 slower still).
+BF16_PARAMS = Params(block_n=512, steps=4, num_warps=16, book_per_tile=True)
 
 
 def default_params(precision: str) -> Params:
     """The launch a call at ``precision`` gets when it passes no ``params``."""
-    return FP8_PARAMS if precision == "fp8" else DEFAULT_PARAMS
+    return FP8_PARAMS if precision == "fp8" else BF16_PARAMS
 
 
 def _pow2(x: int) -> int:

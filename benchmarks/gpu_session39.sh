@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Session 39's GPU calls (device tool, carry [".whl"]):
+# STEP=launch2 (~150 s): benchmarks/launch_variants_gpu.py --set s39, combinations of what won
+#   session 39's first run of the one-at-a-time set (results/launch_variants_s39/first/), 25
+#   rounds -> $OUT/launch2/ (commit to results/launch_variants_s39/); then the pq_topc GPU
+#   tests with bf16's new default launch (jax_triton.BF16_PARAMS) and kernel_compare at the
+#   op's target shape, traced -> $OUT/kc/kernel_compare_s39_pq/.
+source "$(dirname "$0")/gpu_lib.sh"
+case "${STEP:-launch2}" in
+  launch2)
+    TAIL=40 part launch2 ${LAUNCH_S:-200} "python3 benchmarks/launch_variants_gpu.py --set s39 \
+      --rounds 25 --out \$OUT --budget-s $(( ${LAUNCH_S:-200} - 20 ))"
+    TAIL=8 part gpu_tests ${TESTS_S:-150} "python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/test_kernel_pq_topc.py -k 'launch_variants or jax_triton or bf16'"
+    TAIL=30 part kc ${KC_S:-150} "python3 -m experiments.cli run \
+      configs/experiments/kernel_compare_s39_pq.gin 2>&1 | grep -v ' spent$'" ;;
+  *) echo "STEP=${STEP}: unknown (launch2)"; exit 2 ;;
+esac
