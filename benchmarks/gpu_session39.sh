@@ -5,6 +5,10 @@
 #   rounds -> $OUT/launch2/ (commit to results/launch_variants_s39/); then the pq_topc GPU
 #   tests with bf16's new default launch (jax_triton.BF16_PARAMS) and kernel_compare at the
 #   op's target shape, traced -> $OUT/kc/kernel_compare_s39_pq/.
+# STEP=attn (~250 s): launch_variants_gpu.py --set s39b (sparse_attention: bf16 rows' new
+#   3-stage default against 2 stages; FP8 rows' tunables) -> $OUT/attn/ (commit to
+#   results/launch_variants_s39/attention/); the sparse_attention GPU tests; kernel_compare at
+#   its target shape, traced -> $OUT/kc/kernel_compare_s39_attention/.
 source "$(dirname "$0")/gpu_lib.sh"
 case "${STEP:-launch2}" in
   launch2)
@@ -14,5 +18,12 @@ case "${STEP:-launch2}" in
       tests/test_kernel_pq_topc.py -k 'launch_variants or jax_triton or bf16'"
     TAIL=30 part kc ${KC_S:-150} "python3 -m experiments.cli run \
       configs/experiments/kernel_compare_s39_pq.gin 2>&1 | grep -v ' spent$'" ;;
-  *) echo "STEP=${STEP}: unknown (launch2)"; exit 2 ;;
+  attn)
+    TAIL=14 part attn ${LAUNCH_S:-150} "python3 benchmarks/launch_variants_gpu.py --set s39b \
+      --rounds 25 --out \$OUT --budget-s $(( ${LAUNCH_S:-150} - 20 ))"
+    TAIL=8 part gpu_tests ${TESTS_S:-150} "python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/test_kernel_sparse_attention.py"
+    TAIL=12 part kc ${KC_S:-150} "python3 -m experiments.cli run \
+      configs/experiments/kernel_compare_s39_attention.gin 2>&1 | grep -v ' spent$'" ;;
+  *) echo "STEP=${STEP}: unknown (launch2 | attn)"; exit 2 ;;
 esac

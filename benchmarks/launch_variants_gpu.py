@@ -16,7 +16,10 @@ other three at their issue-16 target shapes:
   sparse_attention: B 64, k 512, W 128, H 64, D 512, bf16 rows, the Triton kernel
         (``default_config``'s block_h / block_k / splits / num_warps / num_stages, col_splits);
   index_scores: B 64, C 2048, H 64, D 128, FP8 keys, the jax-triton kernel (block_c, steps,
-        num_warps).
+        num_warps);
+  sparse_attention_fp8: sparse_attention's shape with V4's FP8 rows (the serving step's).
+--set: s38 one tunable at a time (session 38's set), s39 combinations of session 39's first
+run's winners, s39b bf16 rows' new default (3 stages) against 2 and FP8 rows' tunables.
 Timing: ``timing.time_program`` (one jitted program, built once a variant, calling the op on
 --sets input sets, so dispatch is amortized as in kernel_compare; median of --repeats
 programs) once a round for each variant, --rounds rounds, the order rotated a round
@@ -31,6 +34,7 @@ last.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import sys
@@ -72,13 +76,20 @@ ATTENTION_S39 = {"default": {}, "stages3": dict(num_stages=3), "stages4": dict(n
 INDEX_S39 = {"default": {}, "w8": dict(num_warps=8), "steps1": dict(steps=1),
              "steps1w8": dict(steps=1, num_warps=8), "bc64w8": dict(block_c=64, num_warps=8),
              "steps4w8": dict(steps=4, num_warps=8)}
+# --set s39b: bf16 rows' default launch since then (3 stages) against the 2 stages before,
+# and FP8 rows' (V4's 583 B rows: BK 32 blocks of 18.7 KB, 2 stages) tunables
+ATTENTION_S39B = {"default": {}, "stages2 (before)": dict(num_stages=2)}
+ATTENTION_FP8 = {"default": {}, "stages3": dict(num_stages=3), "stages4": dict(num_stages=4),
+                 "bk64": dict(block_k=64), "bk16stages4": dict(block_k=16, num_stages=4),
+                 "w4": dict(num_warps=4), "splits3": dict(splits=3)}
 SETS = {"s38": {"topk": TOPK, "sparse_attention": ATTENTION, "index_scores": INDEX},
         "s39": {"topk": TOPK_S39, "sparse_attention": ATTENTION_S39,
-                "index_scores": INDEX_S39}}
+                "index_scores": INDEX_S39},
+        "s39b": {"sparse_attention": ATTENTION_S39B, "sparse_attention_fp8": ATTENTION_FP8}}
 SHAPES = {"topk": dict(b=64, n=262144, k=2048), "sparse_attention": dict(b=64, k=512, w=128),
-          "index_scores": dict(b=64, c=2048)}
+          "sparse_attention_fp8": dict(b=64, k=512, w=128), "index_scores": dict(b=64, c=2048)}
 DRY = {"topk": dict(b=3, n=4096, k=64), "sparse_attention": dict(b=2, k=32, w=16),
-       "index_scores": dict(b=2, c=256)}
+       "sparse_attention_fp8": dict(b=2, k=32, w=16), "index_scores": dict(b=2, c=256)}
 
 
 def topk_op(shape, interpret):
@@ -106,14 +117,18 @@ def topk_op(shape, interpret):
     return make, call, check
 
 
-def attention_op(shape, interpret):
+def attention_op(shape, interpret, fp8=False):
+    from lsparse_jax.quant.kv_rows import quantize_fp8_rows
     from pallas_kernels.sparse_attention.triton import sparse_attention_triton
 
     b, k, w = shape["b"], shape["k"], shape["w"]
     heads, dim = (64, 512) if not interpret else (64, 64)
 
     def make(key):
-        return attention_inputs(key, b, k, w, heads, dim, rows=max(2048, 2 * k))
+        q, table, *rest = attention_inputs(key, b, k, w, heads, dim, rows=max(2048, 2 * k))
+        if fp8:  # V4's rows: FP8 non-RoPE part in 64-wide scale blocks, bf16 RoPE part
+            table = tuple(quantize_fp8_rows(table, min(64, dim // 2)))
+        return (q, table, *rest)
 
     def call(params, *args):
         return sparse_attention_triton(*args, **params)
@@ -138,7 +153,9 @@ def index_op(shape, interpret):
     return make, call, timing.compare_outputs
 
 
-OPS = {"topk": topk_op, "sparse_attention": attention_op, "index_scores": index_op}
+OPS = {"topk": topk_op, "sparse_attention": attention_op,
+       "sparse_attention_fp8": functools.partial(attention_op, fp8=True),
+       "index_scores": index_op}
 
 
 def run_op(name, args, deadline, rows, save) -> None:
@@ -177,7 +194,8 @@ def run_op(name, args, deadline, rows, save) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="results/launch_variants")
-    ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated: {', '.join(OPS)}")
+    ap.add_argument("--ops", default=None,
+                    help=f"comma-separated: {', '.join(OPS)} (default: the set's ops)")
     ap.add_argument("--set", default="s38", choices=sorted(SETS),
                     help="the variants: s38 (one tunable at a time), s39 (combinations)")
     ap.add_argument("--rounds", type=int, default=15)
@@ -186,9 +204,10 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=300.0)
     ap.add_argument("--dry", action="store_true", help="tiny shapes in interpret mode (CPU)")
     args = ap.parse_args(argv)
-    ops = args.ops.split(",")
-    if not ops or any(o not in OPS for o in ops):
-        ap.error(f"--ops {args.ops!r}: a comma-separated list of {', '.join(OPS)}")
+    ops = list(SETS[args.set]) if args.ops is None else args.ops.split(",")
+    if not ops or any(o not in SETS[args.set] for o in ops):
+        ap.error(f"--ops {args.ops!r}: a comma-separated list of {', '.join(SETS[args.set])} "
+                 f"(--set {args.set}'s ops)")
     if args.rounds < 1 or args.repeats < 1 or args.sets < 1:
         ap.error("--rounds, --repeats and --sets must be >= 1")
     out = pathlib.Path(args.out)
@@ -211,16 +230,16 @@ def main(argv=None) -> int:
             continue
         run_op(name, args, deadline, rows, save)
     plot(rows, out / "launch_variants.png")
-    print(f"\n{'op':17} {'variant':14} {'us':>8} {'/default':>8} {'range':>13} faster  check")
+    print(f"\n{'op':20} {'variant':14} {'us':>8} {'/default':>8} {'range':>13} faster  check")
     for r in rows:
         if "ms" in r:
             lo, hi = r["vs_default_range"]
             check = ("equal" if r.get("equal_default", True) else
                      f"rel {r.get('max_rel_diff', float('nan')):.1e}")
-            print(f"{r['op']:17} {r['variant']:14} {1e3 * r['ms']:8.1f} {r['vs_default']:8.3f} "
+            print(f"{r['op']:20} {r['variant']:14} {1e3 * r['ms']:8.1f} {r['vs_default']:8.3f} "
                   f"{lo:6.3f}-{hi:6.3f} {r['rounds_faster']:>3}/{args.rounds}  {check}")
         else:
-            print(f"{r['op']:17} {r.get('variant', ''):14} {r.get('skipped') or r.get('error')}")
+            print(f"{r['op']:20} {r.get('variant', ''):14} {r.get('skipped') or r.get('error')}")
     return 0
 
 

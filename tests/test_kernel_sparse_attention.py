@@ -561,3 +561,19 @@ def test_gpu_mosaic_v4_shape_matches_reference(s):
 def test_gpu_tiny_shape_matches_model():
     args = _inputs(4, 4, 64, 256, 16, 32, "float32", seed=5)
     _check(sparse_attention(*args, implementation="triton"), args, "float32")
+
+
+def test_default_stages_follow_the_block_bytes_by_row_format():
+    """default_config gives 3 stages of rows while a block (BK rows) is at most the format's
+    ``STAGE3_BLOCK_BYTES``: bf16 rows at D 512, BK 32 (32 KB, session 39's measured launch)
+    get 3, FP8 rows (583 B, 18.7 KB blocks) and f32 rows (BK 16 x 2 KB) 2; a given num_stages
+    is kept."""
+    from pallas_kernels.sparse_attention import triton as sa
+
+    def stages(row, fp8=False, f32=False, **kw):
+        return sa.default_config(64, 64, 512, 512, 128, row, fp8, f32, **kw)["num_stages"]
+
+    assert stages(1024) == 3 and stages(1024, block_k=64) == 2
+    assert stages(583, fp8=True) == 2 and stages(583, fp8=True, block_k=16) == 3
+    assert stages(2048, f32=True) == 2
+    assert stages(1024, num_stages=2) == 2

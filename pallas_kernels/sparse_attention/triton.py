@@ -108,6 +108,14 @@ def check_triton_shapes(op: str, table) -> None:
                          f">= {MIN_DOT} for the Triton kernel; use implementation='xla'")
 
 
+# The largest block of rows (BK x row bytes) that default_config gives 3 stages, by row format.
+# bf16: 32 KB blocks (BK 32 at D 512) took 0.937x / 0.928x of the 2-stage time at B 64, k 512
+# in two H100 runs of interleaved rounds (14 of 15, 19 of 25 rounds faster, outputs equal;
+# session 39, benchmarks/launch_variants_gpu.py, results/launch_variants_s39/); FP8 / f32: the
+# sessions-20s sweeps' 16 KB (2 stages at their BK 32 / 16 blocks).
+STAGE3_BLOCK_BYTES = {"bf16": 32768, "fp8": 16384, "f32": 16384}
+
+
 def default_config(s: int, h: int, d: int, k: int, w: int, row_bytes: int, fp8: bool = False,
                    f32: bool = False, *, block_h: int | None = None, block_k: int | None = None,
                    block_d: int | None = None, splits: int | None = None,
@@ -119,7 +127,8 @@ def default_config(s: int, h: int, d: int, k: int, w: int, row_bytes: int, fp8: 
     whole rows dequantized in registers; block_d = 64 reads them in their scale blocks, the
     only form when D is not a power of two). P = TARGET_PROGRAMS // (S HP / BH), at most the
     number of blocks: about one wave of programs (B = 64: 2, B = 8: 16). 8 warps (f32: 4); 3
-    stages of rows when a block of rows is at most 16 KB, else 2. f32 rows: BH = 16, BK = 16 and
+    stages of rows when a block of rows is at most ``STAGE3_BLOCK_BYTES`` (bf16 32 KB, FP8
+    and f32 16 KB), else 2. f32 rows: BH = 16, BK = 16 and
     D cut into F32_BLOCK_D = 64-wide chunks (``F32_BLOCK_D`` says why).
     """
     hp = max(MIN_DOT, _next_pow2(h))
@@ -149,8 +158,9 @@ def default_config(s: int, h: int, d: int, k: int, w: int, row_bytes: int, fp8: 
         raise ValueError(f"sparse_attention: splits={splits} must be >= 1")
     if num_warps is None:  # f32: 4 warps 0.66 ms vs 8 warps 1.03 ms (H200, B 64, k 512)
         num_warps = 4 if f32 else 8
-    if num_stages is None:  # 2 stages of 32 KB bf16 blocks ran on the H200; 3: in the sweep
-        num_stages = 3 if block_k * row_bytes <= 16384 else 2
+    if num_stages is None:  # 3 stages while a block of rows is at most STAGE3_BLOCK_BYTES
+        num_stages = 3 if block_k * row_bytes <= STAGE3_BLOCK_BYTES[
+            "fp8" if fp8 else "f32" if f32 else "bf16"] else 2
     return dict(block_h=block_h, block_k=block_k, block_d=block_d, splits=splits,
                 num_warps=num_warps, num_stages=num_stages)
 
