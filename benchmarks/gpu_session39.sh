@@ -9,6 +9,9 @@
 #   3-stage default against 2 stages; FP8 rows' tunables) -> $OUT/attn/ (commit to
 #   results/launch_variants_s39/attention/); the sparse_attention GPU tests; kernel_compare at
 #   its target shape, traced -> $OUT/kc/kernel_compare_s39_attention/.
+# STEP=third (~150 s): launch_variants_gpu.py --set s39c (topk finish_warps 16, index_scores
+#   warps / steps: split results in s38 and s39), 35 rounds -> $OUT/third/ (commit to
+#   results/launch_variants_s39/third/).
 source "$(dirname "$0")/gpu_lib.sh"
 case "${STEP:-launch2}" in
   launch2)
@@ -25,5 +28,8 @@ case "${STEP:-launch2}" in
       tests/test_kernel_sparse_attention.py"
     TAIL=12 part kc ${KC_S:-150} "python3 -m experiments.cli run \
       configs/experiments/kernel_compare_s39_attention.gin 2>&1 | grep -v ' spent$'" ;;
-  *) echo "STEP=${STEP}: unknown (launch2 | attn)"; exit 2 ;;
+  third)  # ~120 s: launch_variants_gpu.py --set s39c, 35 rounds -> $OUT/third/
+    TAIL=12 part third ${LAUNCH_S:-150} "python3 benchmarks/launch_variants_gpu.py --set s39c \
+      --rounds 35 --out \$OUT --budget-s $(( ${LAUNCH_S:-150} - 20 ))" ;;
+  *) echo "STEP=${STEP}: unknown (launch2 | attn | third)"; exit 2 ;;
 esac

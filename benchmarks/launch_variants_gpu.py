@@ -19,7 +19,8 @@ other three at their issue-16 target shapes:
         num_warps);
   sparse_attention_fp8: sparse_attention's shape with V4's FP8 rows (the serving step's).
 --set: s38 one tunable at a time (session 38's set), s39 combinations of session 39's first
-run's winners, s39b bf16 rows' new default (3 stages) against 2 and FP8 rows' tunables.
+run's winners, s39b bf16 rows' new default (3 stages) against 2 and FP8 rows' tunables, s39c
+a third run of topk's and index_scores' split winners.
 Timing: ``timing.time_program`` (one jitted program, built once a variant, calling the op on
 --sets input sets, so dispatch is amortized as in kernel_compare; median of --repeats
 programs) once a round for each variant, --rounds rounds, the order rotated a round
@@ -82,10 +83,16 @@ ATTENTION_S39B = {"default": {}, "stages2 (before)": dict(num_stages=2)}
 ATTENTION_FP8 = {"default": {}, "stages3": dict(num_stages=3), "stages4": dict(num_stages=4),
                  "bk64": dict(block_k=64), "bk16stages4": dict(block_k=16, num_stages=4),
                  "w4": dict(num_warps=4), "splits3": dict(splits=3)}
+# --set s39c: a third run of what won most rounds in one of s38 / s39 but not both
+TOPK_S39C = {"default": {}, "fw16": dict(finish_warps=16),
+             "fw16b32768": dict(finish_warps=16, block=32768)}
+INDEX_S39C = {"default": {}, "w8": dict(num_warps=8), "steps1": dict(steps=1),
+              "steps4": dict(steps=4), "steps4w8": dict(steps=4, num_warps=8)}
 SETS = {"s38": {"topk": TOPK, "sparse_attention": ATTENTION, "index_scores": INDEX},
         "s39": {"topk": TOPK_S39, "sparse_attention": ATTENTION_S39,
                 "index_scores": INDEX_S39},
-        "s39b": {"sparse_attention": ATTENTION_S39B, "sparse_attention_fp8": ATTENTION_FP8}}
+        "s39b": {"sparse_attention": ATTENTION_S39B, "sparse_attention_fp8": ATTENTION_FP8},
+        "s39c": {"topk": TOPK_S39C, "index_scores": INDEX_S39C}}
 SHAPES = {"topk": dict(b=64, n=262144, k=2048), "sparse_attention": dict(b=64, k=512, w=128),
           "sparse_attention_fp8": dict(b=64, k=512, w=128), "index_scores": dict(b=64, c=2048)}
 DRY = {"topk": dict(b=3, n=4096, k=64), "sparse_attention": dict(b=2, k=32, w=16),
