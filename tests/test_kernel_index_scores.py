@@ -105,6 +105,19 @@ def test_long_row_launch_rule_scores_exactly():
     _check(one(*map(jnp.asarray, args)), args, "float32")
 
 
+def test_rescoring_launch_rule():
+    """Rescoring (C < LONG_ROW) at H 64: BC 128; 4 warps and one block a program while fewer
+    than 2 x MIN_PROGRAMS blocks (one LeanSparse request's C + tail), and where blocks would
+    merge in pairs (B 64, C 2048: 1024 blocks) 8 warps with 4 blocks a program instead
+    (session 39's measured launch); 8 warps at HP 128 keep the merge rule alone."""
+    from pallas_kernels.index_scores import triton as tri
+
+    assert tri.default_config(1, 64, 2048 + 64) == (128, 1, 4)
+    assert tri.default_config(64, 64, 2048) == (128, 4, 8)
+    assert tri.default_config(256, 64, 2048) == (128, 4, 4)  # 4096 blocks: STEPS 4 already
+    assert tri.default_config(64, 128, 2048) == (128, 2, 8)
+
+
 def test_partial_last_program_pads_only_its_rows():
     """C not a multiple of a program's rows: the whole programs read the keys in place and
     only the last C mod rows keys are copied (padded to one program), never all C (a decode

@@ -105,7 +105,7 @@ def fits(n: int, k: int) -> bool:
 
 def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 4096, sample: int = 4096,
                  window: int = 8, floor_bits: int = 20, digit_bits: int = 4,
-                 fallback_chunk: int = 1024, select_warps: int = 8, finish_warps: int = 8,
+                 fallback_chunk: int = 1024, select_warps: int = 8, finish_warps: int = 16,
                  threshold_kernel: bool | None = None, scan_rows: int = 32,
                  interpret: bool | None = None) -> FusedConfig:
     """Tunables fitted to rows of N (call outside jit when interpret is None). threshold_kernel
@@ -120,6 +120,10 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 4096, sampl
     scans; the same slots, a power of two; clipped to CH). Default 32: H200, B 64, 262144 / k
     2048, session 18, busy 86.8 us a call vs 91.4 us with one scan (8: 120.7, 128: 87.8;
     ``topk_launch_gpu.py --sweep``).
+    finish_warps (the threshold and finish kernels' warps) 16: at 64 x 262144, k 2048 (H100,
+    session 39, ``benchmarks/launch_variants_gpu.py``, interleaved rounds against 8 warps,
+    the same index sets and values) 0.962x / 0.973x / 0.967x in three runs, faster in 14 of
+    15, 15 of 25 and 25 of 35 rounds (``results/launch_variants_s39/``).
     Raises ValueError when KP > 8192 (the finish keeps CR >= 2 KP keys in registers)."""
     for name, v in (("block", block), ("chunk", chunk), ("sample", sample), ("window", window),
                     ("fallback_chunk", fallback_chunk), ("scan_rows", scan_rows)):
