@@ -12,9 +12,9 @@
 # STEP=third (~150 s): launch_variants_gpu.py --set s39c (topk finish_warps 16, index_scores
 #   warps / steps: split results in s38 and s39), 35 rounds -> $OUT/third/ (commit to
 #   results/launch_variants_s39/third/).
-# STEP=ti (~450 s): GPU tests of topk (finish / threshold kernels 16 warps since session 39),
-#   index_scores (rescoring 8 warps x 4 blocks at B 64, C 2048), the paged pq_topc, the kernel
-#   map and the model; kernel_compare at topk's and index_scores' target shapes, traced ->
+# STEP=ti (~400 s): GPU tests of topk (finish / threshold kernels 16 warps since session 39)
+#   and index_scores (rescoring 8 warps x 4 blocks at B 64, C 2048), MORE_TESTS (more test
+#   files); kernel_compare at topk's and index_scores' target shapes, traced ->
 #   $OUT/kc/kernel_compare_s39_topk_index/.
 source "$(dirname "$0")/gpu_lib.sh"
 case "${STEP:-launch2}" in
@@ -36,11 +36,10 @@ case "${STEP:-launch2}" in
     TAIL=12 part third ${LAUNCH_S:-150} "python3 benchmarks/launch_variants_gpu.py --set s39c \
       --rounds 35 --out \$OUT --budget-s $(( ${LAUNCH_S:-150} - 20 ))" ;;
   ti)
-    TAIL=8 part gpu_tests ${TESTS_S:-280} "python3 -m pytest -q -p no:cacheprovider -m gpu \
+    TAIL=8 part gpu_tests ${TESTS_S:-220} "python3 -m pytest -q -p no:cacheprovider -m gpu \
       tests/test_kernel_topk.py tests/test_kernel_topk_nosync.py tests/test_kernel_index_scores.py \
-      tests/test_kernel_index_scores_paged.py tests/test_kernel_pq_topc_paged.py \
-      tests/test_kernels_map.py tests/test_model.py"
-    TAIL=20 part kc ${KC_S:-250} "python3 -m experiments.cli run \
+      tests/test_kernel_index_scores_paged.py ${MORE_TESTS:-}"
+    TAIL=20 part kc ${KC_S:-200} "python3 -m experiments.cli run \
       configs/experiments/kernel_compare_s39_topk_index.gin 2>&1 | grep -v ' spent$'" ;;
   *) echo "STEP=${STEP}: unknown (launch2 | attn | third | ti)"; exit 2 ;;
 esac
