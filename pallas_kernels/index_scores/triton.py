@@ -82,20 +82,20 @@ LONG_ROW_PROGRAMS = 128  # programs a long row keeps per request before merging 
 def default_config(b: int, h: int, c: int) -> tuple[int, int, int]:
     """(BC, STEPS, num_warps): the launch parameters the GPU sweeps chose.
 
-    Rescoring (C < LONG_ROW; LeanSparse's C candidates): BC = 128 keeps the [BC, HP] f32
-    accumulator at 64 registers per thread with 4 warps at HP = 64 (ptxas at sm_90: ~155-170
-    registers in all, no spills). STEPS (<= 4) merges blocks into a pipelined loop while at
-    least MIN_PROGRAMS programs remain, which cuts the re-reads of q from L2 (at the V4 shape:
-    64 x 16 blocks -> STEPS = 2, 512 programs); the session-1 sweep put this within 3% of the
-    best. Where that gives 4 warps and STEPS 2, the launch is 8 warps and STEPS 4 (as many
-    warps on the GPU in half the programs, q read half as often): at the V4 shape, B 64, C
-    2048, FP8 keys (H100, session 39, ``benchmarks/launch_variants_gpu.py``, interleaved
-    rounds, scores bit for bit equal) 0.944x (20 of 25 rounds faster) and 0.892x (34 of 35)
-    of the 4-warp STEPS-2 launch (``results/launch_variants_s39/``). Long rows (C >= LONG_ROW: a decode step scores a request's whole history, one [1, N]
-    call a request under a vmap, so b is 1): BC = 64, 4 warps and STEPS up to 8 while
-    LONG_ROW_PROGRAMS programs remain a request; session 33's sweep at B 8, N 131104 (f32 q,
-    ``benchmarks/index_scores_sweep.py --shape decode``, H100): 0.238 ms against 0.305 with
-    the rescoring rule (BC 128, STEPS 2), the best of 48 configurations, same scores.
+    Rescoring (C < LONG_ROW; LeanSparse's C candidates): BC = 128 keeps the [BC, HP] f32 accumulator
+    at 64 registers per thread with 4 warps at HP = 64 (ptxas at sm_90: ~155-170 registers in all,
+    no spills). STEPS (<= 4) merges blocks into a pipelined loop while at least MIN_PROGRAMS
+    programs remain, which cuts the re-reads of q from L2 (at the V4 shape: 64 x 16 blocks -> STEPS
+    = 2, 512 programs); the session-1 sweep put this within 3% of the best. Where that gives 4 warps
+    and STEPS 2, the launch is 8 warps and STEPS 4 (as many warps on the GPU in half the programs, q
+    read half as often): at the V4 shape, B 64, C 2048, FP8 keys (H100, session 39,
+    ``benchmarks/launch_variants_gpu.py``, interleaved rounds, scores bit for bit equal) 0.944x (20
+    of 25 rounds faster) and 0.892x (34 of 35) of the 4-warp STEPS-2 launch
+    (``results/launch_variants_s39/``). Long rows (C >= LONG_ROW: a decode step scores a request's
+    whole history, one [1, N] call a request under a vmap, so b is 1): BC = 64, 4 warps and STEPS up
+    to 8 while LONG_ROW_PROGRAMS programs remain a request; session 33's sweep at B 8, N 131104 (f32
+    q, ``benchmarks/index_scores_sweep.py --shape decode``, H100): 0.238 ms against 0.305 with the
+    rescoring rule (BC 128, STEPS 2), the best of 48 configurations, same scores.
     """
     if c >= LONG_ROW:
         block_c, steps = 64, 1

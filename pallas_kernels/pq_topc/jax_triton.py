@@ -67,17 +67,16 @@ loads before tile t's decode (207 registers); ``book_per_tile`` reloads the 32 K
 from L1/L2 in each tile instead of holding it in 32 registers across the loop (146; with
 BN 128: 108, two programs a SM).
 The scores are the default's bit for bit (GPU test). Timed on an H100 in 9 interleaved rounds
-(session 37, results/pq_variants_s37/; three fixed-order runs in session 36 had drifted by up
-to 30%): at fp8 prefetch and book per tile alone are slower in every round (1.05-1.19x), and
-BN 128 with the book per tile faster in every round (0.938x contiguous, 0.946x paged): fp8's
-default since (FP8_PARAMS), with 4 warps a program since session 38 (0.91-0.92x of 8 warps,
-results/pq_variants_s38/w4/); bf16's default since session 39 BN 512 with 16 warps and the
-book per tile (BF16_PARAMS, 0.93-0.94x). ``keys_as_b`` (session 37): the keys as the dot's B operand;
-ptxas gives 90 registers at that tile (108 without), and the head sum becomes a reduction
-across warps through shared memory; timed in session 38 at 1.35x the default (slower in 9 of
-9 rounds, results/pq_variants_s38/), kept as an option, not the default. ``interpreted.py``
-runs this kernel on a CPU under Triton's interpreter (fp8: the interpreter's bf16 dot is
-wrong).
+(session 37, results/pq_variants_s37/; three fixed-order runs in session 36 had drifted by up to
+30%): at fp8 prefetch and book per tile alone are slower in every round (1.05-1.19x), and BN 128
+with the book per tile faster in every round (0.938x contiguous, 0.946x paged): fp8's default since
+(FP8_PARAMS), with 4 warps a program since session 38 (0.91-0.92x of 8 warps,
+results/pq_variants_s38/w4/); bf16's default since session 39 BN 512 with 16 warps and the book per
+tile (BF16_PARAMS, 0.93-0.94x). ``keys_as_b`` (session 37): the keys as the dot's B operand; ptxas
+gives 90 registers at that tile (108 without), and the head sum becomes a reduction across warps
+through shared memory; timed in session 38 at 1.35x the default (slower in 9 of 9 rounds,
+results/pq_variants_s38/), kept as an option, not the default. ``interpreted.py`` runs this kernel
+on a CPU under Triton's interpreter (fp8: the interpreter's bf16 dot is wrong).
 
 Top-C: ``pallas_kernels.topk`` on the [B, N] scores, "triton_fused" by default since session 30
 (its sample floor and fallback in-kernel: no XLA glue; before, "triton", whose sample floor
