@@ -704,8 +704,8 @@ def test_gpu_jax_triton_launch_variants_equal_the_default(params, precision):
     BF16_PARAMS, and keys as the dot's B operand) compute what the BN-256 launch
     (DEFAULT_PARAMS) does: at its tile and operand order the same scores bit for bit (each
     key's decode and dot are the same instructions; only when its codes arrive changes), at
-    another tile or with keys as B within f32 rounding (the sum over heads may run in another order); -inf past each length
-    exactly."""
+    another tile or with keys as B within f32 rounding (the sum over heads may run in another
+    order); -inf past each length exactly."""
     rng = np.random.default_rng(29)
     b, h, d, m, k, n = 8, 64, 128, 32, 256, 32768 + 77
     lengths = [n, 0, 100, 2048, 30000, n - 1, 5000, 17]
