@@ -16,6 +16,8 @@
 #   and index_scores (rescoring 8 warps x 4 blocks at B 64, C 2048), MORE_TESTS (more test
 #   files); kernel_compare at topk's and index_scores' target shapes, traced ->
 #   $OUT/kc/kernel_compare_s39_topk_index/.
+# STEP=serve39: configs/experiments/capacity_s39.gin (capacity_s38 with those launches) at
+#   CONTEXTS (default "(524288,)") -> $OUT/capacity/capacity_s39/.
 source "$(dirname "$0")/gpu_lib.sh"
 case "${STEP:-launch2}" in
   launch2)
@@ -41,5 +43,6 @@ case "${STEP:-launch2}" in
       tests/test_kernel_index_scores_paged.py ${MORE_TESTS:-}"
     TAIL=20 part kc ${KC_S:-200} "python3 -m experiments.cli run \
       configs/experiments/kernel_compare_s39_topk_index.gin 2>&1 | grep -v ' spent$'" ;;
-  *) echo "STEP=${STEP}: unknown (launch2 | attn | third | ti)"; exit 2 ;;
+  serve39) capacity capacity_s39 ;;
+  *) echo "STEP=${STEP}: unknown (launch2 | attn | third | ti | serve39)"; exit 2 ;;
 esac
