@@ -18,6 +18,9 @@
 #   $OUT/kc/kernel_compare_s39_topk_index/.
 # STEP=serve39: configs/experiments/capacity_s39.gin (capacity_s38 with those launches) at
 #   CONTEXTS (default "(524288,)") -> $OUT/capacity/capacity_s39/.
+# STEP=topk40 (~250 s; prepared, not yet run): the GPU test of topk's select loop with
+#   prefetch (fused_config(prefetch=True)), then launch_variants_gpu.py --set s40 (prefetch
+#   with chunk 2048 / 1024 or 16 warps against the default), 35 rounds -> $OUT/topk40/.
 source "$(dirname "$0")/gpu_lib.sh"
 case "${STEP:-launch2}" in
   launch2)
@@ -44,5 +47,10 @@ case "${STEP:-launch2}" in
     TAIL=20 part kc ${KC_S:-200} "python3 -m experiments.cli run \
       configs/experiments/kernel_compare_s39_topk_index.gin 2>&1 | grep -v ' spent$'" ;;
   serve39) capacity capacity_s39 ;;
-  *) echo "STEP=${STEP}: unknown (launch2 | attn | third | ti | serve39)"; exit 2 ;;
+  topk40)  # prepared in session 39, not yet run
+    TAIL=8 part gpu_tests ${TESTS_S:-150} "python3 -m pytest -q -p no:cacheprovider -m gpu \
+      tests/test_kernel_topk.py -k prefetch"
+    TAIL=12 part topk40 ${LAUNCH_S:-150} "python3 benchmarks/launch_variants_gpu.py --set s40 \
+      --rounds 35 --out \$OUT --budget-s $(( ${LAUNCH_S:-150} - 20 ))" ;;
+  *) echo "STEP=${STEP}: unknown (launch2 | attn | third | ti | serve39 | topk40)"; exit 2 ;;
 esac

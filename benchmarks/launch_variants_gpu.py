@@ -20,7 +20,7 @@ other three at their issue-16 target shapes:
   sparse_attention_fp8: sparse_attention's shape with V4's FP8 rows (the serving step's).
 --set: s38 one tunable at a time (session 38's set), s39 combinations of session 39's first
 run's winners, s39b bf16 rows' new default (3 stages) against 2 and FP8 rows' tunables, s39c
-a third run of topk's and index_scores' split winners.
+a third run of topk's and index_scores' split winners, s40 topk's select loop with prefetch.
 Timing: ``timing.time_program`` (one jitted program, built once a variant, calling the op on
 --sets input sets, so dispatch is amortized as in kernel_compare; median of --repeats
 programs) once a round for each variant, --rounds rounds, the order rotated a round
@@ -88,11 +88,21 @@ TOPK_S39C = {"default": {}, "fw16": dict(finish_warps=16),
              "fw16b32768": dict(finish_warps=16, block=32768)}
 INDEX_S39C = {"default": {}, "w8": dict(num_warps=8), "steps1": dict(steps=1),
               "steps4": dict(steps=4), "steps4w8": dict(steps=4, num_warps=8)}
+# --set s40 (prepared in session 39, not yet run): topk's select loop with the next chunk's
+# scores loaded before this chunk's scan (fused_config(prefetch=True)); ptxas (sm_90a, CPU):
+# at the default chunk 4096 with 8 warps 216 registers (128 without: one program a SM instead
+# of two), so prefetch goes with a smaller chunk or 16 warps: chunk 2048 126 (122 without),
+# chunk 1024 80, 16 warps 126 (116 without)
+TOPK_S40 = {"default": {}, "c2048": dict(chunk=2048), "c1024": dict(chunk=1024),
+            "pf_c2048": dict(prefetch=True, chunk=2048),
+            "pf_c1024": dict(prefetch=True, chunk=1024),
+            "pf_sw16": dict(prefetch=True, select_warps=16)}
 SETS = {"s38": {"topk": TOPK, "sparse_attention": ATTENTION, "index_scores": INDEX},
         "s39": {"topk": TOPK_S39, "sparse_attention": ATTENTION_S39,
                 "index_scores": INDEX_S39},
         "s39b": {"sparse_attention": ATTENTION_S39B, "sparse_attention_fp8": ATTENTION_FP8},
-        "s39c": {"topk": TOPK_S39C, "index_scores": INDEX_S39C}}
+        "s39c": {"topk": TOPK_S39C, "index_scores": INDEX_S39C},
+        "s40": {"topk": TOPK_S40}}
 SHAPES = {"topk": dict(b=64, n=262144, k=2048), "sparse_attention": dict(b=64, k=512, w=128),
           "sparse_attention_fp8": dict(b=64, k=512, w=128), "index_scores": dict(b=64, c=2048)}
 DRY = {"topk": dict(b=3, n=4096, k=64), "sparse_attention": dict(b=2, k=32, w=16),

@@ -261,12 +261,31 @@ def test_fused_scan_rows_gives_the_same_sets(kind, scan_rows):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("kind", ["normal", "ties"])
+def test_fused_prefetch_gives_the_same_candidate_rows(kind):
+    """``prefetch`` (the select loop loads chunk i + 1 before it scans chunk i): the sets of the
+    reference and, bit for bit, the select kernel's candidate rows, counts and keys without
+    it, for rows of one chunk, of several, of a partial last chunk, and blocks past the
+    length (no chunk live: chunk 0 alone, as without prefetch)."""
+    scores, lengths, k = _fused_rows(41, kind)
+    lengths[1], lengths[2], lengths[3] = 2000, 50, 700  # several / one / partial chunks
+    scores[1] = np.sort(scores[1])
+    _check_fused(scores, lengths, k, prefetch=True, **FUSED_TUN)
+    args = (jnp.asarray(scores), jnp.asarray(lengths).reshape(-1, 1))
+    outs = [fused.select_call(*args, None, fused.fused_config(2000, k, prefetch=ahead,
+                                                              **FUSED_TUN))
+            for ahead in (False, True)]
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_fused_scan_rows_lowers_for_cuda():
     specs = (jax.ShapeDtypeStruct((64, 262144), jnp.float32),
              jax.ShapeDtypeStruct((64,), jnp.int32))
-    text = common.lower_for_cuda(functools.partial(fused.topk_fused, k=2048, scan_rows=32),
-                                 *specs)
-    assert text.count(common.TRITON_CALL_TARGET) == 3 and _xla_ops(text) == []
+    for ahead in (False, True):
+        text = common.lower_for_cuda(functools.partial(fused.topk_fused, k=2048, scan_rows=32,
+                                                       prefetch=ahead), *specs)
+        assert text.count(common.TRITON_CALL_TARGET) == 3 and _xla_ops(text) == []
     with pytest.raises(ValueError, match="scan_rows=3 must be a power of two"):
         fused.fused_config(2000, 64, scan_rows=3)
     assert fused.fused_config(262144, 2048, scan_rows=8192).scan_rows == 4096  # <= CH
@@ -437,7 +456,7 @@ def test_triton_matches_xla_on_gpu(b, n, k, kind):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["normal", "ties", "relu"])
 @pytest.mark.parametrize("variant", ["default", "thr_kernel", "b8192", "hint_above", "hint_ok",
-                                     "r1"])
+                                     "r1", "prefetch"])
 def test_fused_on_gpu(variant, kind):
     """fused.py's compiled kernels at the target shape against XLA: the defaults, the separate
     threshold launch, 32 programs a row, floor hints that send every row to the whole-row
@@ -456,5 +475,5 @@ def test_fused_on_gpu(variant, kind):
         floor = jnp.asarray(np.where(np.isfinite(floor) | (variant == "hint_above"), floor,
                                      -np.inf).astype(np.float32))
     tun = {"thr_kernel": dict(threshold_kernel=True), "b8192": dict(block=8192),
-           "r1": dict(scan_rows=1)}.get(variant, {})
+           "r1": dict(scan_rows=1), "prefetch": dict(prefetch=True)}.get(variant, {})
     assert_topk_equal(fused.topk_fused(*args, floor=floor, **tun), want)

@@ -79,6 +79,7 @@ class FusedConfig:
     scan_rows: int      # the select chunk's prefix count: one scan (1) or rows x (CH / rows)
     threshold_kernel: bool
     interpret: bool
+    prefetch: bool = False  # the select loop loads chunk i + 1 before it scans chunk i
 
     @property
     def kn(self) -> int:
@@ -107,7 +108,7 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 4096, sampl
                  window: int = 8, floor_bits: int = 20, digit_bits: int = 4,
                  fallback_chunk: int = 1024, select_warps: int = 8, finish_warps: int = 16,
                  threshold_kernel: bool | None = None, scan_rows: int = 32,
-                 interpret: bool | None = None) -> FusedConfig:
+                 prefetch: bool = False, interpret: bool | None = None) -> FusedConfig:
     """Tunables fitted to rows of N (call outside jit when interpret is None). threshold_kernel
     None: the separate threshold launch when a row has more than two select programs (H200,
     B 64, session 12, ms per call in a batch of 8: 262144 / k 2048 0.139 with it vs 0.197
@@ -124,6 +125,12 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 4096, sampl
     session 39, ``benchmarks/launch_variants_gpu.py``, interleaved rounds against 8 warps,
     the same index sets and values) 0.962x / 0.973x / 0.967x in three runs, faster in 14 of
     15, 15 of 25 and 25 of 35 rounds (``results/launch_variants_s39/``).
+    prefetch: the select loop carries the next chunk's scores, loaded before this chunk's
+    scan and stores, so their latency overlaps that work (Triton 3.6 does not pipeline the
+    loop's loads itself: no cp.async at num_stages 1-3, session 38); the same candidates in
+    the same slots. Off by default until the GPU says it is faster (session 39: prepared;
+    ptxas for sm_90a at 64 x 262144, k 2048: with 8 warps and chunk 4096 216 registers against
+    128 without, one program a SM instead of two; chunk 2048 126, chunk 1024 80, 16 warps 126).
     Raises ValueError when KP > 8192 (the finish keeps CR >= 2 KP keys in registers)."""
     for name, v in (("block", block), ("chunk", chunk), ("sample", sample), ("window", window),
                     ("fallback_chunk", fallback_chunk), ("scan_rows", scan_rows)):
@@ -154,7 +161,8 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 4096, sampl
                        floor_bits=int(floor_bits), cr=max(cr, kp), digit_bits=digit_bits,
                        fallback_chunk=min(fallback_chunk, np_), select_warps=select_warps,
                        finish_warps=finish_warps, threshold_kernel=bool(threshold_kernel),
-                       scan_rows=min(scan_rows, chunk), interpret=bool(interpret))
+                       scan_rows=min(scan_rows, chunk), interpret=bool(interpret),
+                       prefetch=bool(prefetch))
 
 
 # ----------------------------------------------------------------------------- in-kernel pieces
@@ -259,8 +267,19 @@ def _select_kernel(len_ref, t_src_ref, x_ref, pos_ref, val_ref, cnt_ref, *, cfg:
         s = pl.multiple_of(i * ch, ch)
         return take(s, x_ref[pl.ds(s, ch)], count)
 
+    def step_ahead(i, carry):  # chunk i's scores loaded, then chunk i - 1 scanned
+        count, x = carry
+        s = pl.multiple_of(i * ch, ch)
+        x_next = x_ref[pl.ds(s, ch)]
+        return take(s - ch, x, count), x_next
+
     # chunk 0 always (past L it holds no candidate), then the other chunks below L
-    count = lax.fori_loop(1, (live + ch - 1) // ch, step, take(0, x0, jnp.int32(0)))
+    chunks = jnp.maximum((live + ch - 1) // ch, 1)
+    if cfg.prefetch:
+        count, x = lax.fori_loop(1, chunks, step_ahead, (jnp.int32(0), x0))
+        count = take(pl.multiple_of((chunks - 1) * ch, ch), x, count)
+    else:
+        count = lax.fori_loop(1, chunks, step, take(0, x0, jnp.int32(0)))
     slots = lax.broadcasted_iota(jnp.int32, (cfg.cr,), 0)
     plgpu.store(pos_ref, jnp.full((cfg.cr,), -1, jnp.int32),
                 mask=(slots >= start + count) & (slots < end))
