@@ -21,6 +21,11 @@
 # STEP=topk40 (~250 s; prepared, not yet run): the GPU test of topk's select loop with
 #   prefetch (fused_config(prefetch=True)), then launch_variants_gpu.py --set s40 (prefetch
 #   with chunk 2048 / 1024 or 16 warps against the default), 35 rounds -> $OUT/topk40/.
+# STEP=profile36 (~420 s; prepared, not yet run): the decode profile (per-op kernel times,
+#   HLO census) of HiSparse and LeanSparse (FP8 jax-triton coarse pass) at issue 13's operating
+#   point, 512K, batch 36, trained-like reuse (input_repeat 0.3), bf16 weights and attention,
+#   FP8 rows; session 37's profile was batch 8 with random inputs (0.4% reuse)
+#   -> $OUT/profile_b36_512k_p03/.
 source "$(dirname "$0")/gpu_lib.sh"
 case "${STEP:-launch2}" in
   launch2)
@@ -52,5 +57,10 @@ case "${STEP:-launch2}" in
       tests/test_kernel_topk.py -k prefetch"
     TAIL=12 part topk40 ${LAUNCH_S:-150} "python3 benchmarks/launch_variants_gpu.py --set s40 \
       --rounds 35 --out \$OUT --budget-s $(( ${LAUNCH_S:-150} - 20 ))" ;;
-  *) echo "STEP=${STEP}: unknown (launch2 | attn | third | ti | serve39 | topk40)"; exit 2 ;;
+  profile36)  # prepared in session 39, not yet run
+    PROFILE_GIN="--gin \"model_preset.weight_dtype='bf16'\" \
+      --gin \"model_preset.attention_precision='bf16'\" --gin \"model_preset.kv_dtype='fp8_v4'\" \
+      --input-repeat 0.3" profile profile_b36_512k_p03 524288 36 ${PROFILE_S:-400} ;;
+  *) echo "STEP=${STEP}: unknown (launch2 | attn | third | ti | serve39 | topk40 | profile36)"
+     exit 2 ;;
 esac
