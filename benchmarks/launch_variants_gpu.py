@@ -50,6 +50,24 @@ import timing  # noqa: E402  (benchmarks/timing.py)
 
 from experiments.cases.sparse_attention import make_inputs as attention_inputs  # noqa: E402
 
+# The sets s38 / s39 / s39c ran before session 39 changed three defaults; their variants are
+# run on the launch that was the default then (``_on``), so that a rerun compares the same
+# launches: topk's finish kernels at 8 warps; sparse_attention's bf16 rows 2 stages at BK 32
+# (a variant that sets block_k keeps the stage rule, which gives BK 16 / 64 what it gave
+# then); index_scores' rescoring at B 64, C 2048 4 warps x 2 blocks (a variant that sets
+# block_c keeps the rule, unchanged away from BC 128).
+TOPK_S38_DEFAULT = dict(finish_warps=8)
+ATTENTION_S38_DEFAULT = dict(num_stages=2)
+INDEX_S38_DEFAULT = dict(steps=2, num_warps=4)
+
+
+def _on(base: dict, variants: dict, unless: str | None = None) -> dict:
+    """variants on base's launch (a variant's own settings win; a variant that sets
+    ``unless`` gets no base)."""
+    return {name: params if unless in params else base | params
+            for name, params in variants.items()}
+
+
 TOPK = {"default": {}, "sw4": dict(select_warps=4), "sw16": dict(select_warps=16),
         "fw4": dict(finish_warps=4), "fw16": dict(finish_warps=16),
         "c2048": dict(chunk=2048), "b8192": dict(block=8192),
@@ -97,11 +115,15 @@ TOPK_S40 = {"default": {}, "c2048": dict(chunk=2048), "c1024": dict(chunk=1024),
             "pf_c2048": dict(prefetch=True, chunk=2048),
             "pf_c1024": dict(prefetch=True, chunk=1024),
             "pf_sw16": dict(prefetch=True, select_warps=16)}
-SETS = {"s38": {"topk": TOPK, "sparse_attention": ATTENTION, "index_scores": INDEX},
-        "s39": {"topk": TOPK_S39, "sparse_attention": ATTENTION_S39,
-                "index_scores": INDEX_S39},
+SETS = {"s38": {"topk": _on(TOPK_S38_DEFAULT, TOPK),
+                "sparse_attention": _on(ATTENTION_S38_DEFAULT, ATTENTION, "block_k"),
+                "index_scores": _on(INDEX_S38_DEFAULT, INDEX, "block_c")},
+        "s39": {"topk": _on(TOPK_S38_DEFAULT, TOPK_S39),
+                "sparse_attention": _on(ATTENTION_S38_DEFAULT, ATTENTION_S39, "block_k"),
+                "index_scores": _on(INDEX_S38_DEFAULT, INDEX_S39, "block_c")},
         "s39b": {"sparse_attention": ATTENTION_S39B, "sparse_attention_fp8": ATTENTION_FP8},
-        "s39c": {"topk": TOPK_S39C, "index_scores": INDEX_S39C},
+        "s39c": {"topk": _on(TOPK_S38_DEFAULT, TOPK_S39C),
+                 "index_scores": _on(INDEX_S38_DEFAULT, INDEX_S39C, "block_c")},
         "s40": {"topk": TOPK_S40}}
 SHAPES = {"topk": dict(b=64, n=262144, k=2048), "sparse_attention": dict(b=64, k=512, w=128),
           "sparse_attention_fp8": dict(b=64, k=512, w=128), "index_scores": dict(b=64, c=2048)}
