@@ -24,8 +24,9 @@
 # STEP=profile36 (~420 s; prepared, not yet run): the decode profile (per-op kernel times,
 #   HLO census) of HiSparse and LeanSparse (FP8 jax-triton coarse pass) at issue 13's operating
 #   point, 512K, batch 36, trained-like reuse (input_repeat 0.3), bf16 weights and attention,
-#   FP8 rows; session 37's profile was batch 8 with random inputs (0.4% reuse)
-#   -> $OUT/profile_b36_512k_p03/.
+#   FP8 rows; session 37's profile was batch 8 with random inputs (0.4% reuse). It runs
+#   scale.gin's cells (C 2048, 4096-row key cache, a 4096-row KV hot cache for both methods,
+#   where capacity.gin gives LeanSparse 2048) -> $OUT/profile_b36_512k_p03/.
 source "$(dirname "$0")/gpu_lib.sh"
 case "${STEP:-launch2}" in
   launch2)
