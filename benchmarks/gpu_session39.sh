@@ -28,24 +28,25 @@
 #   scale.gin's cells (C 2048, 4096-row key cache, a 4096-row KV hot cache for both methods,
 #   where capacity.gin gives LeanSparse 2048) -> $OUT/profile_b36_512k_p03/.
 source "$(dirname "$0")/gpu_lib.sh"
+# variants NAME SET ROUNDS SECONDS: launch_variants_gpu.py --set SET as part NAME
+variants() {
+  TAIL=40 part "$1" "$4" "python3 benchmarks/launch_variants_gpu.py --set $2 --rounds $3 \
+    --out \$OUT --budget-s $(( $4 - 20 ))"
+}
 case "${STEP:-launch2}" in
   launch2)
-    TAIL=40 part launch2 ${LAUNCH_S:-200} "python3 benchmarks/launch_variants_gpu.py --set s39 \
-      --rounds 25 --out \$OUT --budget-s $(( ${LAUNCH_S:-200} - 20 ))"
+    variants launch2 s39 25 ${LAUNCH_S:-200}
     TAIL=8 part gpu_tests ${TESTS_S:-150} "python3 -m pytest -q -p no:cacheprovider -m gpu \
       tests/test_kernel_pq_topc.py -k 'launch_variants or jax_triton or bf16'"
     TAIL=30 part kc ${KC_S:-150} "python3 -m experiments.cli run \
       configs/experiments/kernel_compare_s39_pq.gin 2>&1 | grep -v ' spent$'" ;;
   attn)
-    TAIL=14 part attn ${LAUNCH_S:-150} "python3 benchmarks/launch_variants_gpu.py --set s39b \
-      --rounds 25 --out \$OUT --budget-s $(( ${LAUNCH_S:-150} - 20 ))"
+    variants attn s39b 25 ${LAUNCH_S:-150}
     TAIL=8 part gpu_tests ${TESTS_S:-150} "python3 -m pytest -q -p no:cacheprovider -m gpu \
       tests/test_kernel_sparse_attention.py"
     TAIL=12 part kc ${KC_S:-150} "python3 -m experiments.cli run \
       configs/experiments/kernel_compare_s39_attention.gin 2>&1 | grep -v ' spent$'" ;;
-  third)  # ~120 s: launch_variants_gpu.py --set s39c, 35 rounds -> $OUT/third/
-    TAIL=12 part third ${LAUNCH_S:-150} "python3 benchmarks/launch_variants_gpu.py --set s39c \
-      --rounds 35 --out \$OUT --budget-s $(( ${LAUNCH_S:-150} - 20 ))" ;;
+  third) variants third s39c 35 ${LAUNCH_S:-150} ;;
   ti)
     TAIL=8 part gpu_tests ${TESTS_S:-220} "python3 -m pytest -q -p no:cacheprovider -m gpu \
       tests/test_kernel_topk.py tests/test_kernel_topk_nosync.py tests/test_kernel_index_scores.py \
@@ -56,8 +57,7 @@ case "${STEP:-launch2}" in
   topk40)  # prepared in session 39, not yet run
     TAIL=8 part gpu_tests ${TESTS_S:-150} "python3 -m pytest -q -p no:cacheprovider -m gpu \
       tests/test_kernel_topk.py -k prefetch"
-    TAIL=12 part topk40 ${LAUNCH_S:-150} "python3 benchmarks/launch_variants_gpu.py --set s40 \
-      --rounds 35 --out \$OUT --budget-s $(( ${LAUNCH_S:-150} - 20 ))" ;;
+    variants topk40 s40 35 ${LAUNCH_S:-150} ;;
   profile36)  # prepared in session 39, not yet run
     PROFILE_GIN="--gin \"model_preset.weight_dtype='bf16'\" \
       --gin \"model_preset.attention_precision='bf16'\" --gin \"model_preset.kv_dtype='fp8_v4'\" \

@@ -236,7 +236,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", default=None,
                     help=f"comma-separated: {', '.join(OPS)} (default: the set's ops)")
     ap.add_argument("--set", default="s38", choices=sorted(SETS),
-                    help="the variants: s38 (one tunable at a time), s39 (combinations)")
+                    help="the variants (the module docstring says what each set holds)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--repeats", type=int, default=5, help="programs timed a variant a round")
     ap.add_argument("--sets", type=int, default=4, help="input sets (calls) a program")
