@@ -14,7 +14,10 @@ calls it (f32 q: the kernel's hi + lo split). Variants, each timed as one jitted
               "triton" on the copy (what ``PooledIndex.select`` ran before session 34)
   paged       ``index_scores_paged`` "triton" (``device_pool.pooled_decode_scores``)
   contiguous  ``index_scores`` "triton" on keys already contiguous (no pool: the floor)
-Each variant's scores must equal the paged kernel's bit for bit (printed).
+  paged_fp8   ``index_scores_paged`` "triton_fp8" (q quantized to e4m3 per head: V4's
+              fp8 x fp8 indexer arithmetic; other numerics, not compared)
+  paged_bf16q "triton" with q rounded to bf16 (one dot instead of the f32 hi + lo split)
+Each of gather's scores must equal the paged kernel's bit for bit (printed).
 Codes (B x 131072 positions of 32 PQ codes, pages of 64, C 2048, the coarse pass at
 ``--coarse``, default jax_triton fp8 as capacity_s34.gin): codes_gather (``common.paged_rows``
 gather, then ``pq_topc``) against codes_paged (``pq_topc(..., page_table=...)``); the top-C
@@ -60,6 +63,11 @@ def variant(name):
         view = PoolView(pool, table)
         if name == "paged":
             return pooled_decode_scores("triton", view, tail, paged, PAGE)(q, w, eligible)
+        if name == "paged_fp8":  # the fp8 x fp8 form (q quantized to e4m3 per head)
+            return pooled_decode_scores("triton_fp8", view, tail, paged, PAGE)(q, w, eligible)
+        if name == "paged_bf16q":  # q rounded to bf16: one dot, no hi + lo split
+            return pooled_decode_scores("triton", view, tail, paged, PAGE)(
+                q.astype(jnp.bfloat16), w, eligible)
         if name == "gather":
             values, scales = gather_slot_rows(view, jnp.arange(eligible.shape[-1]), tail,
                                               paged, PAGE)
@@ -107,7 +115,11 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="8,36")
     p.add_argument("--coarse", default="jax_triton:fp8",
-                   help="implementation:precision of the coarse pass, comma-separated")
+                   help="implementation:precision of the coarse pass, comma-separated "
+                   "(none: no codes rows)")
+    p.add_argument("--keys", default="paged,gather,contiguous",
+                   help="key variants, comma-separated: paged, gather, contiguous, paged_fp8 "
+                   "(fp8 x fp8), paged_bf16q (bf16 q); the first is the reference")
     p.add_argument("--n", type=int, default=131104)
     p.add_argument("--sets", type=int, default=4)
     p.add_argument("--repeats", type=int, default=10)
@@ -117,11 +129,12 @@ def main():
     for b in map(int, args.batches.split(",")):
         sets = [problem(i, b, args.n) for i in range(args.sets)]
         ref = None
-        for name in ("paged", "gather", "contiguous"):
+        for name in args.keys.split(","):
             fn = variant(name)
             ms = 1e3 * program_time(fn, sets, repeats=args.repeats)
             got = np.asarray(jax.jit(fn)(*sets[0]))
-            same = None if name == "contiguous" else (
+            # other numerics (contiguous: other launch; fp8 / bf16 q) are not compared
+            same = None if name in ("contiguous", "paged_fp8", "paged_bf16q") else (
                 True if ref is None else bool(np.array_equal(got, ref)))
             ref = got if ref is None else ref
             key_bytes = b * args.n * (D + 4)
@@ -131,7 +144,7 @@ def main():
             write_results(args.out, "results.json", args, rows)
         n = args.n // PAGE * PAGE
         sets = [codes_problem(i, b, n) for i in range(args.sets)]
-        for spec in args.coarse.split(","):
+        for spec in [] if args.coarse == "none" else args.coarse.split(","):
             impl, precision = spec.split(":")
             ref = None
             for name in ("codes_paged", "codes_gather"):

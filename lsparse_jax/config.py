@@ -18,6 +18,7 @@ LAYER_KINDS: tuple[str, ...] = ("swa", "csa", "hca", "dsa")
 KV_DTYPES: tuple[str, ...] = ("f32", "bf16", "fp8_v4")  # stored CSA KV rows (quant.kv_rows)
 MATMUL_PRECISIONS: tuple[str, ...] = ("highest", "tf32", "bf16")  # ModelConfig.matmul_precision
 ATTENTION_PRECISIONS: tuple[str, ...] = ("f32", "bf16")  # ModelConfig.attention_precision
+SCORE_PRECISIONS: tuple[str, ...] = ("f32", "fp8")  # IndexerConfig.score_precision
 WEIGHT_DTYPES: tuple[str, ...] = ("f32", "bf16")  # ModelConfig.weight_dtype
 
 
@@ -81,12 +82,20 @@ class IndexerConfig:
       head_dim: indexer key/query dim D (one shared key head per entry).
       top_k: positions selected per query.
       fp8_block: values per FP8 scale; a key of D values stores D / fp8_block fp32 scales.
+      score_precision: the arithmetic of a decode step's exact scores of the stored FP8 keys
+        (each decode or verification query's top-k, LeanSparse's rescoring; every method and
+        implementation alike, so the hierarchy identities hold at either): "f32" (q as is; the
+        kernels split it into bf16 hi + lo, ~1e-5 relative) or "fp8" (DeepSeek-V4's indexer
+        arithmetic: q quantized per head to e4m3, its scale moved into the head weight, an
+        fp8 x fp8 dot; ``index_scores``' "triton_fp8" / "xla_fp8"). A prefill chunk's scores
+        keep the model's matmul precision.
     """
 
     num_heads: int = 4
     head_dim: int = 32
     top_k: int = 16
     fp8_block: int = 32
+    score_precision: str = "f32"
 
     def __post_init__(self):
         _positive("IndexerConfig", num_heads=self.num_heads, head_dim=self.head_dim,
@@ -94,6 +103,9 @@ class IndexerConfig:
         if self.head_dim % self.fp8_block:
             invalid("IndexerConfig", "fp8_block", self.fp8_block,
                   f"must divide head_dim={self.head_dim}")
+        if self.score_precision not in SCORE_PRECISIONS:
+            invalid("IndexerConfig", "score_precision", self.score_precision,
+                    f"must be one of {SCORE_PRECISIONS}")
 
     @property
     def key_bytes(self) -> int:

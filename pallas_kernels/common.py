@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-Implementation = Literal["xla", "triton", "triton_fused", "triton_fused2", "triton_copy",
-                         "triton_fp8", "jax_triton", "mosaic"]
-IMPLEMENTATIONS: tuple[str, ...] = ("xla", "triton", "triton_fused", "triton_fused2",
+Implementation = Literal["xla", "xla_fp8", "triton", "triton_fused", "triton_fused2",
+                         "triton_copy", "triton_fp8", "jax_triton", "mosaic"]
+IMPLEMENTATIONS: tuple[str, ...] = ("xla", "xla_fp8", "triton", "triton_fused", "triton_fused2",
                                    "triton_copy", "triton_fp8", "jax_triton", "mosaic")
 
 

@@ -32,7 +32,7 @@ from lsparse_jax.memory.paged_kv import paged_rows
 from lsparse_jax.model.store import (
     HCAKernelView,
     RowView,
-    decode_kernel,
+    decode_scoring,
     each_query,
     exact_selection,
     ranked_selection,
@@ -209,7 +209,8 @@ class PooledIndex:
         (``pooled_decode_scores``); otherwise they are gathered first (one gather of the
         pool) for ``exact_selection``."""
         paged = paged_rows(self.page_size, completed)
-        kernel = decode_kernel(query.q.shape[0], self.implementation, "index_scores_paged")
+        kernel = decode_scoring(query.q.shape[0], self.implementation, query.precision,
+                                "index_scores_paged")
         if kernel is not None:
             scores = pooled_decode_scores(kernel, context, state.tail, paged, self.page_size)
             return state, ranked_selection(scores(query.q, query.weights, eligible), eligible,

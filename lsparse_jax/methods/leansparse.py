@@ -42,6 +42,7 @@ from lsparse_jax.model.store import (
     IndexerQuery,
     Selection,
     decode_kernel,
+    decode_scoring,
     select_each,
 )
 from lsparse_jax.model.traces import indexer_traces
@@ -192,6 +193,11 @@ class CoarseToFineIndex:
         # with kernels the exact scores read the key cache's rows in place (the candidate
         # gather fused into the scoring: ``index_scores_paged`` with rows for pages)
         in_place = decode_kernel(1, self.implementation, "index_scores_paged")
+        rescore = for_op("index_scores", self.implementation)
+        if query.precision != "f32":  # the same structure, each scoring op's fp8 form
+            rescore = decode_scoring(1, self.implementation, query.precision)
+            in_place = in_place and decode_scoring(1, self.implementation, query.precision,
+                                                   "index_scores_paged")
         fetch = on_stream(functools.partial(resolve if in_place is None else resolve_in_place,
                                             implementation=self.implementation), fetch_stream)
 
@@ -201,9 +207,8 @@ class CoarseToFineIndex:
             if in_place is None:
                 (values, scales), cache, sources = fetch(
                     state.cache, retained, state.tail, paged, context.page_table, context.pool)
-                exact = head_sum(functools.partial(
-                    index_scores, implementation=for_op("index_scores", self.implementation)),
-                    (1, 1, None, None, None))
+                exact = head_sum(functools.partial(index_scores, implementation=rescore),
+                                 (1, 1, None, None, None))
                 return exact(q[None], w[None], values[None], scales[None], ok[None])[0], (
                     cache, sources)
             cache, sources, row_of = fetch(state.cache, retained, state.tail, paged,

@@ -168,7 +168,7 @@ class AttentionLayer(nn.Module):
                 krows = rope(dense(ic.head_dim, "index_wk")(xi), positions,
                              min(cfg.rope_dim, ic.head_dim), cfg.rope_theta)
             kval, kscale = quantize_index_keys(krows, ic.fp8_block)
-            query = IndexerQuery(iq, iw)
+            query = IndexerQuery(iq, iw, ic.score_precision)
             if self.kind == "dsa":
                 index = self.dsa_stores.keys or ExactIndex(ic.top_k, self.implementation)
                 completed = start

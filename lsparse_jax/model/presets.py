@@ -47,10 +47,16 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def preset(name: str, **overrides) -> ModelConfig:
-    """A preset by name, with fields replaced (validation runs again)."""
+    """A preset by name, with fields replaced (validation runs again); ``score_precision``
+    replaces that field of its indexer (``IndexerConfig.score_precision``)."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; known presets: {sorted(PRESETS)}")
-    return dataclasses.replace(PRESETS[name], **overrides)
+    cfg = PRESETS[name]
+    if "score_precision" in overrides:
+        overrides["indexer"] = dataclasses.replace(overrides.get("indexer", cfg.indexer),
+                                                   score_precision=overrides.pop(
+                                                       "score_precision"))
+    return dataclasses.replace(cfg, **overrides)
 
 
 def fit_max_len(cfg: ModelConfig, tokens: int) -> ModelConfig:

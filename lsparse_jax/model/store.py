@@ -69,6 +69,8 @@ class IndexerQuery:
 
     q: jnp.ndarray  # [T, H, D] f32 RoPE'd indexer queries
     weights: jnp.ndarray  # [T, H] f32 head weights (already scaled by (H * D)^-1/2)
+    # the arithmetic of a decode step's exact scores (``IndexerConfig.score_precision``)
+    precision: str = struct.field(pytree_node=False, default="f32")
 
 
 @struct.dataclass
@@ -145,8 +147,8 @@ def select_each(select, state, completed, query: IndexerQuery, eligible, context
     axis)."""
     def one(st, xs):
         q, w, ok, *extra = xs
-        st, sel = select(st, completed, IndexerQuery(q[None], w[None]), ok[None], context,
-                         *extra)
+        st, sel = select(st, completed, IndexerQuery(q[None], w[None], query.precision),
+                         ok[None], context, *extra)
         return st, jax.tree.map(lambda a: a[0], sel)
 
     # unrolled: T is small, and a GPU while loop would copy its predicate to the host
@@ -223,6 +225,30 @@ def decode_kernel(num_queries: int, implementation: str | None,
     return None if kernel == "xla" else kernel
 
 
+FP8_SCORING = {"xla": "xla_fp8", "triton": "triton_fp8", "xla_fp8": "xla_fp8",
+               "triton_fp8": "triton_fp8"}  # a scoring op's implementation -> its fp8 form
+
+
+def decode_scoring(num_queries: int, implementation: str | None, precision: str = "f32",
+                   op: str = "index_scores") -> str | None:
+    """``decode_kernel``'s choice at ``IndexerConfig.score_precision`` ``precision``: at
+    "fp8" a decode step's scores always go through the op (its "triton_fp8", or "xla_fp8"
+    where ``decode_kernel`` leaves them to XLA's forms); a prefill chunk's (None) are
+    unchanged. Raises ValueError for an implementation with no fp8 form."""
+    kernel = decode_kernel(num_queries, implementation, op)
+    if precision == "f32" or num_queries >= FUSED_MIN_QUERIES:
+        return kernel
+    return fp8_scoring(kernel or "xla", op)
+
+
+def fp8_scoring(kernel: str, op: str = "index_scores") -> str:
+    """The fp8 form of the scoring op's implementation ``kernel`` (``FP8_SCORING``)."""
+    if kernel not in FP8_SCORING:
+        raise ValueError(f"{op}: implementation={kernel!r} has no fp8 form for "
+                         f"score_precision='fp8'; forms: {sorted(FP8_SCORING)}")
+    return FP8_SCORING[kernel]
+
+
 def decode_scores(kernel: str, values, scales):
     """fn(q [T, H, D], weights [T, H], eligible [T, N]) -> [T, N] f32 scores of the stored
     FP8 keys (values [N, D] e4m3, scales [N, D/b] f32) by the ``index_scores`` op's ``kernel``;
@@ -282,7 +308,7 @@ def exact_selection(query: IndexerQuery, values, scales, eligible, top_k: int,
     """
     num, heads = query.q.shape[:2]
     take = top_k + band
-    kernel = decode_kernel(num, implementation)
+    kernel = decode_scoring(num, implementation, query.precision)
     if kernel is not None:
         scores = decode_scores(kernel, values, scales)(query.q, query.weights, eligible)
         return ranked_selection(scores, eligible, top_k, implementation, band)
@@ -462,5 +488,6 @@ RESIDENT_DSA = DSAStores()
 __all__ = ["DSAStores", "ExactIndex", "IndexerQuery", "KVStore", "KeyIndex", "Locations",
            "NUM_SOURCES", "RESIDENT_DSA", "RESIDENT_KV", "RESIDENT_ROWS", "ResidentKV",
            "ResidentKVStore", "ResidentKeys", "ResidentRowStore",
-           "RowView", "Selection", "decode_kernel", "each_query", "exact_selection",
+           "RowView", "Selection", "decode_kernel", "decode_scoring", "each_query",
+           "exact_selection", "fp8_scoring",
            "ranked_selection", "resident_counts", "write_rows"]

@@ -11,10 +11,11 @@ Implementations: "xla" (``reference.py``, f32 HIGHEST), "triton" (Pallas lowered
 interpret mode without a GPU), "jax_triton" (a plain Triton kernel via jax-triton; GPU only).
 "triton_fp8" (the Pallas kernel as an fp8 x fp8
 tensor-core dot: q quantized per head to e4m3 with its scale moved into the head weight,
-``reference.quantize_queries``; twin ``reference.index_scores_fp8_xla``; ~3% per-value rounding
-of q). None picks "triton" on a GPU and "xla" elsewhere. "triton" splits an f32 q into bf16 hi + lo
-parts (~1e-5 relative error); "jax_triton" rounds q to bf16 (~1e-2). Both need D a power of two
->= 16 with scale blocks of >= 16 values.
+``reference.quantize_queries``; ~3% per-value rounding of q), "xla_fp8" (its XLA twin,
+``reference.index_scores_fp8_xla``: what a decode step at ``IndexerConfig.score_precision``
+"fp8" runs without kernels). None picks "triton" on a GPU and "xla" elsewhere. "triton"
+splits an f32 q into bf16 hi + lo parts (~1e-5 relative error); "jax_triton" rounds q to bf16
+(~1e-2). Both need D a power of two >= 16 with scale blocks of >= 16 values.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ import jax.numpy as jnp
 from pallas_kernels import common
 
 OP = "index_scores"
-AVAILABLE = ("xla", "triton", "triton_fp8", "jax_triton")
-PAGED_AVAILABLE = ("xla", "triton", "triton_fp8")
+AVAILABLE = ("xla", "xla_fp8", "triton", "triton_fp8", "jax_triton")
+PAGED_AVAILABLE = ("xla", "xla_fp8", "triton", "triton_fp8")
 TOPK_AVAILABLE = ("xla", "triton_fp8")
 FASTEST_ON_GPU = "triton"
 
@@ -90,6 +91,10 @@ def index_scores(q, weights, key_values, key_scales, valid, *,
         from pallas_kernels.index_scores.reference import index_scores_xla
 
         return index_scores_xla(*args)
+    if impl == "xla_fp8":
+        from pallas_kernels.index_scores.reference import index_scores_fp8_xla
+
+        return index_scores_fp8_xla(*args)
     if impl in ("triton", "triton_fp8"):
         from pallas_kernels.index_scores.triton import index_scores_triton
 
@@ -168,7 +173,8 @@ def index_scores_paged(q, weights, pool_values, pool_scales, page_table, valid, 
     Implementations: "xla" (``reference.index_scores_paged_xla``: gather, then
     ``index_scores_xla``), "triton" (``paged.py``: rows read in place, the contiguous kernel's
     arithmetic and launch, so a key scores bit for bit as there), "triton_fp8" (its fp8 x fp8
-    form). None: "triton" on a GPU, else "xla". Vmappable over requests, a shared pool with
+    form), "xla_fp8" (that form's twin: gather, then ``index_scores_fp8_xla``). None:
+    "triton" on a GPU, else "xla". Vmappable over requests, a shared pool with
     in_axes None, per-request pools mapped: the kernel then runs once over every request.
     Raises ValueError for bad shapes/dtypes (naming the argument) or implementations.
     """
@@ -192,10 +198,10 @@ def index_scores_paged(q, weights, pool_values, pool_scales, page_table, valid, 
     args = [*args, *tail, valid]
     if b == 0 or valid.shape[1] == 0:
         return jnp.zeros(valid.shape, jnp.float32)
-    if impl == "xla":
+    if impl in ("xla", "xla_fp8"):
         from pallas_kernels.index_scores.reference import index_scores_paged_xla
 
-        return index_scores_paged_xla(*args, page=page)
+        return index_scores_paged_xla(*args, page=page, fp8=impl == "xla_fp8")
     from pallas_kernels.index_scores.paged import index_scores_paged_triton
 
     kernel = partial(index_scores_paged_triton, page=page, fp8=impl == "triton_fp8")
