@@ -36,6 +36,12 @@ profile() {  # profile NAME CONTEXT BATCH SECONDS
     ${PROFILE_GIN:-} --out \$OUT --budget-s $(( $4 - 10 ))"
 }
 
+# variants NAME SET ROUNDS SECONDS: benchmarks/launch_variants_gpu.py --set SET as part NAME
+variants() {
+  TAIL=40 part "$1" "$4" "python3 benchmarks/launch_variants_gpu.py --set $2 --rounds $3 \
+    --out \$OUT --budget-s $(( $4 - 20 ))"
+}
+
 # pack NAME: everything under $OUT into $OUT/NAME.tar (the device tool returns few files)
 pack() {
   (cd "$OUT" && tar -cf "/tmp/$1.tar" . && find . -mindepth 1 -delete && mv "/tmp/$1.tar" .)

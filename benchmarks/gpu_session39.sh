@@ -28,11 +28,6 @@
 #   scale.gin's cells (C 2048, 4096-row key cache, a 4096-row KV hot cache for both methods,
 #   where capacity.gin gives LeanSparse 2048) -> $OUT/profile_b36_512k_p03/.
 source "$(dirname "$0")/gpu_lib.sh"
-# variants NAME SET ROUNDS SECONDS: launch_variants_gpu.py --set SET as part NAME
-variants() {
-  TAIL=40 part "$1" "$4" "python3 benchmarks/launch_variants_gpu.py --set $2 --rounds $3 \
-    --out \$OUT --budget-s $(( $4 - 20 ))"
-}
 case "${STEP:-launch2}" in
   launch2)
     variants launch2 s39 25 ${LAUNCH_S:-200}

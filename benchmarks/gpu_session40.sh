@@ -14,6 +14,9 @@
 #   (512K, batch 36, p = 0.3, bf16 weights and attention, FP8 rows) at
 #   IndexerConfig.score_precision "fp8" (V4's fp8 x fp8 indexer arithmetic for both methods'
 #   exact scores) -> $OUT/profile_b36_512k_p03_fp8/.
+# STEP=paged41 (~220 s): launch_variants_gpu.py --set s41, HiSparse's paged decode indexer at
+#   512K, batch 36 (launch tunables, bf16 q, fp8 x fp8), 25 rounds -> $OUT/paged41/ (commit
+#   to results/launch_variants_s41/).
 source "$(dirname "$0")/gpu_lib.sh"
 case "${STEP:-rows}" in
   rows)
@@ -33,5 +36,6 @@ case "${STEP:-rows}" in
       --gin \"model_preset.attention_precision='bf16'\" --gin \"model_preset.kv_dtype='fp8_v4'\" \
       --gin \"model_preset.score_precision='fp8'\" --input-repeat 0.3" \
       profile profile_b36_512k_p03_fp8 524288 36 ${PROFILE_S:-200} ;;
-  *) echo "STEP=${STEP}: unknown (rows | seq | keys | fp8)"; exit 2 ;;
+  paged41) variants paged41 s41 25 ${LAUNCH_S:-200} ;;
+  *) echo "STEP=${STEP}: unknown (rows | seq | keys | fp8 | paged41)"; exit 2 ;;
 esac

@@ -20,7 +20,8 @@ other three at their issue-16 target shapes:
   sparse_attention_fp8: sparse_attention's shape with V4's FP8 rows (the serving step's).
 --set: s38 one tunable at a time (session 38's set), s39 combinations of session 39's first
 run's winners, s39b bf16 rows' new default (3 stages) against 2 and FP8 rows' tunables, s39c
-a third run of topk's and index_scores' split winners, s40 topk's select loop with prefetch.
+a third run of topk's and index_scores' split winners, s40 topk's select loop with prefetch,
+s41 HiSparse's paged decode indexer at 512K, batch 36 (its launch and arithmetic).
 Timing: ``timing.time_program`` (one jitted program, built once a variant, calling the op on
 --sets input sets, so dispatch is amortized as in kernel_compare; median of --repeats
 programs) once a round for each variant, --rounds rounds, the order rotated a round
@@ -115,6 +116,18 @@ TOPK_S40 = {"default": {}, "c2048": dict(chunk=2048), "c1024": dict(chunk=1024),
             "pf_c2048": dict(prefetch=True, chunk=2048),
             "pf_c1024": dict(prefetch=True, chunk=1024),
             "pf_sw16": dict(prefetch=True, select_warps=16)}
+# --set s41 (prepared in session 40, not yet run): HiSparse's decode indexer over device pages
+# (``index_scores_paged``, B 36 requests x N 131104 keys at 512K, pages of 64, f32 q: the
+# operating point of issue 13), which session 40's profile put at 28% of HBM (0.74 ms a layer
+# for 0.62 GB of keys): the long-row launch rule (BC 64, 4 warps, STEPS up to 8; swept at B 8
+# in session 33) against other blocks, steps and warps, and two other arithmetics (recorded
+# with their difference to the default's scores): q rounded to bf16 (one dot, no hi + lo
+# split) and fp8 x fp8 (``IndexerConfig.score_precision = "fp8"``)
+INDEX_PAGED_S41 = {"default": {}, "bc32": dict(block_c=32), "bc128": dict(block_c=128),
+                   "steps4": dict(steps=4), "steps16": dict(steps=16),
+                   "w8": dict(num_warps=8), "bc128w8": dict(block_c=128, num_warps=8),
+                   "stages3": dict(num_stages=3), "bf16q": dict(bf16q=True),
+                   "fp8": dict(fp8=True), "fp8bc128w8": dict(fp8=True, block_c=128, num_warps=8)}
 SETS = {"s38": {"topk": _on(TOPK_S38_DEFAULT, TOPK),
                 "sparse_attention": _on(ATTENTION_S38_DEFAULT, ATTENTION, "block_k"),
                 "index_scores": _on(INDEX_S38_DEFAULT, INDEX, "block_c")},
@@ -124,11 +137,14 @@ SETS = {"s38": {"topk": _on(TOPK_S38_DEFAULT, TOPK),
         "s39b": {"sparse_attention": ATTENTION_S39B, "sparse_attention_fp8": ATTENTION_FP8},
         "s39c": {"topk": _on(TOPK_S38_DEFAULT, TOPK_S39C),
                  "index_scores": _on(INDEX_S38_DEFAULT, INDEX_S39C, "block_c")},
-        "s40": {"topk": TOPK_S40}}
+        "s40": {"topk": TOPK_S40},
+        "s41": {"index_scores_paged": INDEX_PAGED_S41}}
 SHAPES = {"topk": dict(b=64, n=262144, k=2048), "sparse_attention": dict(b=64, k=512, w=128),
-          "sparse_attention_fp8": dict(b=64, k=512, w=128), "index_scores": dict(b=64, c=2048)}
+          "sparse_attention_fp8": dict(b=64, k=512, w=128), "index_scores": dict(b=64, c=2048),
+          "index_scores_paged": dict(b=36, n=131104)}
 DRY = {"topk": dict(b=3, n=4096, k=64), "sparse_attention": dict(b=2, k=32, w=16),
-       "sparse_attention_fp8": dict(b=2, k=32, w=16), "index_scores": dict(b=2, c=256)}
+       "sparse_attention_fp8": dict(b=2, k=32, w=16), "index_scores": dict(b=2, c=256),
+       "index_scores_paged": dict(b=2, n=320)}
 
 
 def topk_op(shape, interpret):
@@ -192,9 +208,33 @@ def index_op(shape, interpret):
     return make, call, timing.compare_outputs
 
 
+def index_paged_op(shape, interpret):
+    """HiSparse's decode indexer: every request's N keys read in place from a shared pool of
+    pages through its page table (``pooled_reads_gpu.problem``: pages in a random order, the
+    last page in the tail), one call over the batch as the decode step's vmap folds it."""
+    from pooled_reads_gpu import problem  # benchmarks/pooled_reads_gpu.py
+
+    from pallas_kernels.index_scores.paged import index_scores_paged_triton
+
+    b, n = shape["b"], shape["n"]
+
+    def make(key):
+        seed = int(jax.random.randint(key, (), 0, 2**30))
+        q, w, (values, scales), tables, (tv, ts), paged, eligible = problem(seed, b, n)
+        return q[:, 0], w[:, 0], values, scales, tables, tv, ts, paged, eligible[:, 0]
+
+    def call(params, q, *args):
+        params = dict(params)
+        if params.pop("bf16q", False):
+            q = q.astype(jnp.bfloat16)
+        return index_scores_paged_triton(q, *args, page=64, **params)
+
+    return make, call, timing.compare_outputs
+
+
 OPS = {"topk": topk_op, "sparse_attention": attention_op,
        "sparse_attention_fp8": functools.partial(attention_op, fp8=True),
-       "index_scores": index_op}
+       "index_scores": index_op, "index_scores_paged": index_paged_op}
 
 
 def run_op(name, args, deadline, rows, save) -> None:
