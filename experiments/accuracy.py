@@ -757,6 +757,9 @@ MERGEABLE = (("model", "max_len"),)
 
 def _comparable(settings: dict) -> dict:
     out = json.loads(json.dumps(settings))
+    if isinstance(out.get("model"), dict):  # fields added since a run count at their defaults
+        out["model"] = fill_added_fields(
+            out["model"], json.loads(json.dumps(dataclasses.asdict(ModelConfig()))), ModelConfig)
     for outer, inner in MERGEABLE:
         out.get(outer, {}).pop(inner, None)
     return out

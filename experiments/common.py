@@ -73,7 +73,15 @@ def model_preset(name: str = gin.REQUIRED, **overrides) -> ModelConfig:
 def fill_added_fields(prev: dict, now: dict, cls) -> dict:
     """``prev``, an earlier run's ``dataclasses.asdict`` of a ``cls`` in JSON form, with the
     fields added to ``cls`` since then taken from ``now`` where ``now`` holds their defaults
-    (such a field counts as unchanged when a run resumes); otherwise ``prev`` as it is."""
+    (such a field counts as unchanged when a run resumes); otherwise ``prev`` as it is. A
+    field holding a config dataclass (e.g. ``ModelConfig.indexer``) is filled the same way."""
+    prev = dict(prev)
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING \
+            else f.default
+        if dataclasses.is_dataclass(default) and isinstance(prev.get(f.name), dict) \
+                and isinstance(now.get(f.name), dict):
+            prev[f.name] = fill_added_fields(prev[f.name], now[f.name], type(default))
     added = {f.name: json.loads(json.dumps(f.default)) for f in dataclasses.fields(cls)
              if f.name not in prev and f.default is not dataclasses.MISSING}
     if all(now.get(n) == d for n, d in added.items()):

@@ -345,3 +345,22 @@ def test_codebooks_are_calibrated_at_each_methods_subvector_width(monkeypatch):
                                 calibration_tokens=256, implementation=None, host_pages=None)
     assert sorted(widths) == [2, 4]
     assert set(engines) == {"resident", "leansparse_C32", "lean_w2", "direct_pq"}
+
+
+def test_merge_counts_a_field_added_since_at_its_default():
+    """A run written before a model field existed (here the indexer's score_precision) merges
+    with one that has it at its default, and not with one that set it otherwise."""
+    seeds, methods = range(10, 14), ("resident",)
+    rows = _rows("resident", seeds, [1, 1, 0, 1])
+    more = _rows("resident", range(14, 18), [1, 0, 1, 1])
+    indexer = {"num_heads": 4, "head_dim": 32, "top_k": 16, "fp8_block": 32}
+    old = _run(rows, methods, [("niah", 1024)], 1040)
+    old["settings"]["model"]["indexer"] = indexer
+    for precision, merges in (("f32", True), ("fp8", False)):
+        new = {**_run(more, methods, [("niah", 1024)], 1040), "evaluation_seeds": [14, 18]}
+        new["settings"]["model"]["indexer"] = indexer | {"score_precision": precision}
+        if merges:
+            assert merge_results([old, new], ["old", "new"])["cells"][0]["n"] == 8
+        else:
+            with pytest.raises(ValueError, match="other settings"):
+                merge_results([old, new], ["old", "new"])

@@ -176,3 +176,9 @@ def test_fill_added_fields_counts_a_new_field_at_its_default_as_unchanged():
     bf16 = now | {"matmul_precision": "bf16", "weight_dtype": "bf16"}
     old16 = {k: v for k, v in bf16.items() if k != "weight_dtype"}
     assert fill_added_fields(old16, bf16, ModelConfig) == old16  # not the default: differs
+    # a field added to a nested config (IndexerConfig.score_precision, session 40)
+    nested = {**now, "indexer": {k: v for k, v in now["indexer"].items()
+                                 if k != "score_precision"}}
+    assert fill_added_fields(nested, now, ModelConfig) == now
+    fp8 = now | {"indexer": now["indexer"] | {"score_precision": "fp8"}}
+    assert fill_added_fields(nested, fp8, ModelConfig) == nested
