@@ -191,13 +191,11 @@ class CoarseToFineIndex:
         tail = paged + jnp.arange(self.page_size)
         tail = jnp.where(eligible[0][jnp.clip(tail, 0, n - 1)] & (tail < n), tail, -1)
         # with kernels the exact scores read the key cache's rows in place (the candidate
-        # gather fused into the scoring: ``index_scores_paged`` with rows for pages)
-        in_place = decode_kernel(1, self.implementation, "index_scores_paged")
-        rescore = for_op("index_scores", self.implementation)
-        if query.precision != "f32":  # the same structure, each scoring op's fp8 form
-            rescore = decode_scoring(1, self.implementation, query.precision)
-            in_place = in_place and decode_scoring(1, self.implementation, query.precision,
-                                                   "index_scores_paged")
+        # gather fused into the scoring: ``index_scores_paged`` with rows for pages); either
+        # scoring op at the query's precision
+        in_place = decode_kernel(1, self.implementation, "index_scores_paged") and \
+            decode_scoring(1, self.implementation, query.precision, "index_scores_paged")
+        rescore = decode_scoring(1, self.implementation, query.precision) or "xla"
         fetch = on_stream(functools.partial(resolve if in_place is None else resolve_in_place,
                                             implementation=self.implementation), fetch_stream)
 
