@@ -84,14 +84,16 @@ def _kernel(ids_ref, *refs, kb, m, dims, first):
     jc = jnp.minimum(j, m - 1)
     src = plgpu.load(ids_ref.at[jc], mask=ok, other=0)
 
-    def load(pool, d):
+    def cols(d):  # a row's pow2 tile of columns and the tile's mask
         col = lax.broadcasted_iota(jnp.int32, (_pow2(d),), 0)
-        m2 = ok[:, None] & (col[None, :] < d)
+        return col, ok[:, None] & (col[None, :] < d)
+
+    def load(pool, d):
+        col, m2 = cols(d)
         return plgpu.load(pool.at[src[:, None], jnp.minimum(col, d - 1)[None, :]], mask=m2)
 
     def store(out, d, vals):
-        col = lax.broadcasted_iota(jnp.int32, (_pow2(d),), 0)
-        m2 = ok[:, None] & (col[None, :] < d)
+        col, m2 = cols(d)
         # j and col unclamped: masked lanes get distinct slots past the array (dropped by the
         # interpreter, whose masked scatter would let a clamped duplicate overwrite a value)
         plgpu.store(out.at[j[:, None], col[None, :]], vals, mask=m2)

@@ -44,13 +44,13 @@ def test_decode_scoring_picks_each_ops_fp8_form():
         fp8_scoring("jax_triton")
 
 
-def _problem(seed, b=3, c=40, h=4, d=32, nb=1):
+def _problem(seed, b=3, c=40, h=4, d=32, nb=1, p_valid=0.8):
     k = jax.random.split(jax.random.key(seed), 5)
     q = jax.random.normal(k[0], (b, h, d))
     w = jax.random.normal(k[1], (b, h))
     values = jax.random.normal(k[2], (b, c, d)).astype(jnp.float8_e4m3fn)
     scales = jax.random.uniform(k[3], (b, c, nb), jnp.float32, 0.5, 2.0)
-    valid = jax.random.bernoulli(k[4], 0.8, (b, c))
+    valid = jax.random.bernoulli(k[4], p_valid, (b, c))
     # NaN poison where invalid: it must never reach a score
     values = jnp.where(valid[..., None], values, jnp.nan).astype(jnp.float8_e4m3fn)
     scales = jnp.where(valid[..., None], scales, jnp.nan)
@@ -70,12 +70,9 @@ def test_xla_fp8_is_the_fp8_twin():
 
 
 def test_paged_xla_fp8_scores_the_pages_rows_as_the_gathered_twin():
-    q, w, values, scales, _ = _problem(1, b=2, c=32)
-    page, pages = 8, 8
-    pool_v = values.reshape(-1, values.shape[-1])[:pages * page]  # 8 pages of 8 rows
-    pool_v = jnp.where(jnp.isnan(pool_v.astype(jnp.float32)), 0, pool_v.astype(jnp.float32))
-    pool_v = pool_v.astype(jnp.float8_e4m3fn)
-    pool_s = jnp.abs(jnp.nan_to_num(scales.reshape(-1, 1)[:pages * page], nan=1.0))
+    q, w, values, scales, _ = _problem(1, b=2, c=32, p_valid=1.0)
+    page = 8
+    pool_v, pool_s = values.reshape(64, -1), scales.reshape(64, -1)  # 8 pages of 8 rows
     table = jnp.array([[3, 0, 5, -1], [7, 2, 1, 6]], jnp.int32)  # request 0: page 3 unmapped
     valid = jnp.ones((2, 4 * page), bool).at[1, 5].set(False)
     got = api.index_scores_paged(q, w, pool_v, pool_s, table, valid, page=page,
