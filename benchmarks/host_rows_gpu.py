@@ -76,10 +76,12 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _kernel(ids_ref, *refs, kb, m, dims, first):
+def _kernel(ids_ref, *refs, kb, m, dims, first, pid=None):
+    """Rows KB * pid .. KB * (pid + 1) - 1 (pid: the program id unless given, as by
+    benchmarks/colaunch_gpu.py's shared grid)."""
     n = len(dims)
     pools, outs = refs[:n], refs[n:]
-    j = pl.program_id(0) * kb + lax.broadcasted_iota(jnp.int32, (kb,), 0)
+    j = (pl.program_id(0) if pid is None else pid) * kb + lax.broadcasted_iota(jnp.int32, (kb,), 0)
     ok = j < m
     jc = jnp.minimum(j, m - 1)
     src = plgpu.load(ids_ref.at[jc], mask=ok, other=0)

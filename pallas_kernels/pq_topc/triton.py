@@ -95,7 +95,7 @@ def _pow2(x: int) -> int:
 
 
 def _coarse_kernel(*refs, block_n: int, blocks_per_program: int, num_centroids: int,
-                   fused: bool, paged: tuple[int, int, int] | None = None):
+                   fused: bool, paged: tuple[int, int, int] | None = None, ids=None):
     """Coarse PQ scores of one request's SPAN positions; fused: also their pass-1 counts.
 
     Refs: inputs  lengths_ref [1] int32 (lengths[b]), qt_ref [D, H] bf16 (q[b]^T), w_ref [H]
@@ -114,6 +114,8 @@ def _coarse_kernel(*refs, block_n: int, blocks_per_program: int, num_centroids: 
     (whole array, any space) and pt_ref [B * MP] int32 (after lengths_ref) the flattened page
     tables: position n reads pool row pt[b * MP + n // P] * P + n % P (row 0 where the page is
     -1: eligible positions must be mapped), subspaces >= M (padding to M') read code 0.
+    ids = (b, span index): given instead of read from the grid, for a launch whose grid also
+    holds another kernel's programs (``benchmarks/colaunch_gpu.py``).
     """
     if paged is None:
         lengths_ref, qt_ref, w_ref, codes_ref, books_ref, *rest = refs
@@ -127,8 +129,9 @@ def _coarse_kernel(*refs, block_n: int, blocks_per_program: int, num_centroids: 
     qt = qt_ref[...]  # [D, H] bf16, kept on chip for the whole span
     w = w_ref[...]  # [H] f32
     sub_base = jnp.arange(num_sub, dtype=jnp.int32) * num_centroids  # [M]: row of C_j[0]
-    span_start = pl.program_id(1) * (block_n * blocks_per_program)
-    request = pl.program_id(0)  # (read here: interpret mode has no program_id inside loops)
+    # (read here: interpret mode has no program_id inside loops)
+    request, span = ids if ids is not None else (pl.program_id(0), pl.program_id(1))
+    span_start = span * (block_n * blocks_per_program)
 
     def load_codes(start):  # [BN, M] codes of positions span_start + start + [0, BN)
         if paged is None:
