@@ -171,7 +171,7 @@ def plot(results: list[dict], path) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--rows", default="18432,36864", help="copied rows M per cell")
+    ap.add_argument("--rows", default="12288,36864", help="copied rows M per cell")
     ap.add_argument("--batch", default="18", help="coarse requests B per cell")
     ap.add_argument("--history", type=int, default=131104, help="coarse positions N")
     ap.add_argument("--leaves", default="32,1", help="words of each row leaf (uint32)")

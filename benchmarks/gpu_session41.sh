@@ -2,8 +2,9 @@
 # Session 41's GPU calls (device tool, carry [".whl"]):
 # STEP=colaunch (~150 s): benchmarks/colaunch_gpu.py, a host-row copy (the key fetch's
 #   132-byte rows) and the Pallas coarse PQ pass (fp8, N 131104) in one launch vs apart, at
-#   batch 18 (half of 36: one request group) and M 18432 / 36864 rows, the three program
-#   orders -> $OUT/colaunch/ (commit to results/colaunch_s41/); then the same at bf16.
+#   batch 18 (half of 36: one request group) and M 12288 / 36864 rows (the 512K step's key
+#   fetch: ~12.6K rows a layer for 18 requests), the three program orders -> $OUT/colaunch/
+#   (commit to results/colaunch_s41/); then the same at bf16.
 # STEP=p950 (~450 s): the decode profile of STEP=fp8 (gpu_session40.sh: bf16 weights and
 #   attention, FP8 rows, p = 0.3) at 950K (972800 tokens), batch 20 (HiSparse's capacity
 #   there, capacity_s37), with score_precision "fp8" then "f32" (the prefill cached between
@@ -13,7 +14,7 @@ case "${STEP:-colaunch}" in
   colaunch)
     TAIL=12 part colaunch ${CO_S:-100} "python3 benchmarks/colaunch_gpu.py --out \$OUT"
     TAIL=8 part colaunch_bf16 ${CO2_S:-60} "python3 benchmarks/colaunch_gpu.py --out \$OUT \
-      --precision bf16 --rows 18432" ;;
+      --precision bf16 --rows 12288" ;;
   p950)
     for sp in fp8 f32; do
       PROFILE_GIN="--gin \"model_preset.weight_dtype='bf16'\" \
