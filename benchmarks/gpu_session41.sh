@@ -9,18 +9,24 @@
 #   attention, FP8 rows, p = 0.3) at 950K (972800 tokens), batch 20 (HiSparse's capacity
 #   there, capacity_s37), with score_precision "fp8" then "f32" (the prefill cached between
 #   them) -> $OUT/profile_b20_950k_p03_{fp8,f32}/.
+# STEP=one (~420 s): STEP=colaunch's fp8 part, then STEP=p950's fp8 profile (one call: a
+#   refused start costs ~180 s of device time).
 source "$(dirname "$0")/gpu_lib.sh"
+p950() {  # p950 PRECISIONS: the 950K batch-20 profile at each score precision
+  for sp in $1; do
+    PROFILE_GIN="--gin \"model_preset.weight_dtype='bf16'\" \
+      --gin \"model_preset.attention_precision='bf16'\" --gin \"model_preset.kv_dtype='fp8_v4'\" \
+      --gin \"model_preset.score_precision='$sp'\" --input-repeat 0.3" \
+      profile profile_b20_950k_p03_$sp 972800 20 ${PROFILE_S:-260}
+  done
+}
 case "${STEP:-colaunch}" in
-  colaunch)
+  colaunch|one)
     TAIL=12 part colaunch ${CO_S:-100} "python3 benchmarks/colaunch_gpu.py --out \$OUT"
-    TAIL=8 part colaunch_bf16 ${CO2_S:-60} "python3 benchmarks/colaunch_gpu.py --out \$OUT \
-      --precision bf16 --rows 12288" ;;
-  p950)
-    for sp in fp8 f32; do
-      PROFILE_GIN="--gin \"model_preset.weight_dtype='bf16'\" \
-        --gin \"model_preset.attention_precision='bf16'\" --gin \"model_preset.kv_dtype='fp8_v4'\" \
-        --gin \"model_preset.score_precision='$sp'\" --input-repeat 0.3" \
-        profile profile_b20_950k_p03_$sp 972800 20 ${PROFILE_S:-260}
-    done ;;
-  *) echo "STEP=${STEP}: unknown (colaunch | p950)"; exit 2 ;;
+    if [ "${STEP:-}" = one ]; then p950 fp8; else
+      TAIL=8 part colaunch_bf16 ${CO2_S:-60} "python3 benchmarks/colaunch_gpu.py --out \$OUT \
+        --precision bf16 --rows 12288"
+    fi ;;
+  p950) p950 "fp8 f32" ;;
+  *) echo "STEP=${STEP}: unknown (colaunch | p950 | one)"; exit 2 ;;
 esac
