@@ -192,33 +192,34 @@ def main():
     dims = [int(x) for x in args.leaves.split(",")]
     pools = [make_pool(np.uint32, d, args.pool_rows, host) for d in dims]
     row_bytes = 4 * sum(dims)
+    # Every timed function takes the pools as an argument (a set is (ids, pools, coarse
+    # inputs)): a closed-over pool would become a constant of the program in device memory.
     cp = functools.partial(copy_alone, kb=args.kb, num_warps=args.warps)
     co = functools.partial(coarse_alone, precision=args.precision)
 
-    def run_copy(ids, *_):
+    def run_copy(ids, pools, *_):
         return cp(ids, pools)
 
-    def run_coarse(_, *c):
+    def run_coarse(_, __, *c):
         return co(*c)
 
-    def run_both(ids, *c):
+    def run_both(ids, pools, *c):
         return cp(ids, pools), co(*c)
 
     results = []
     for m in (int(x) for x in args.rows.split(",")):
         for b in (int(x) for x in args.batch.split(",")):
-            sets = [(jnp.asarray(rng.integers(0, args.pool_rows, m), jnp.int32),
+            sets = [(jnp.asarray(rng.integers(0, args.pool_rows, m), jnp.int32), tuple(pools),
                      *coarse_inputs(rng, b, args.history)) for _ in range(args.sets)]
             rows0, scores0 = run_both(*sets[0])
             variants = [("copy", run_copy, True), ("coarse", run_coarse, True),
                         ("both", run_both, True)]
             for order in args.orders.split(","):
-                fn = functools.partial(colaunch, pools=pools, kb=args.kb, order=order,
+                fn = functools.partial(colaunch, kb=args.kb, order=order,
                                        num_warps=args.warps, precision=args.precision)
 
-                def run_co(ids, *c, fn=fn):
-                    return fn(ids, q=c[0], weights=c[1], codes=c[2], codebooks=c[3],
-                              lengths=c[4])
+                def run_co(ids, pools, *c, fn=fn):
+                    return fn(ids, pools, *c)
 
                 rows1, scores1 = run_co(*sets[0])
                 same = (check(rows1, sets[0][0], pools)
