@@ -9,6 +9,8 @@
 #   attention, FP8 rows, p = 0.3) at 950K (972800 tokens), batch 20 (HiSparse's capacity
 #   there, capacity_s37), with score_precision "fp8" then "f32" (the prefill cached between
 #   them) -> $OUT/profile_b20_950k_p03_{fp8,f32}/.
+# STEP=serve41 (~450 s a context): configs/experiments/capacity_s41.gin (capacity_s39 at
+#   score_precision "fp8") at CONTEXTS (default "(524288,)") -> $OUT/capacity/capacity_s41/.
 # STEP=one (~420 s): STEP=colaunch's fp8 part, then STEP=p950's fp8 profile (one call: a
 #   refused start costs ~180 s of device time).
 source "$(dirname "$0")/gpu_lib.sh"
@@ -28,5 +30,6 @@ case "${STEP:-colaunch}" in
         --precision bf16 --rows 12288"
     fi ;;
   p950) p950 "fp8 f32" ;;
-  *) echo "STEP=${STEP}: unknown (colaunch | p950 | one)"; exit 2 ;;
+  serve41) capacity capacity_s41 ;;
+  *) echo "STEP=${STEP}: unknown (colaunch | p950 | serve41 | one)"; exit 2 ;;
 esac

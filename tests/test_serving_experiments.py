@@ -1,6 +1,7 @@
 """The serving experiments' arithmetic (no model runs): capacity's calibrated budget and
 predictions, replay's statistics from request records."""
 
+import dataclasses
 import json
 
 import pytest
@@ -214,3 +215,36 @@ def test_capacity_s34_reruns_the_p03_jt_settings(run):
     assert old_serving == dict.fromkeys(serving)
     want = dict.fromkeys(serving, "bf16") if run == "capacity_s36" else dict.fromkeys(serving)
     assert new_serving == want
+
+
+def test_capacity_s41_is_capacity_s39_with_v4_fp8_scores():
+    """configs/experiments/capacity_s41.gin binds what capacity_s39.gin binds, under its own
+    run name, and its model scores in V4's fp8 indexer arithmetic (s39's at the f32 default)."""
+    import gin
+
+    import experiments.registry  # noqa: F401  (the configurables)
+    from experiments.cli import CONFIG_ROOT
+    from experiments.common import model_preset
+
+    def parsed(run):
+        gin.clear_config()
+        gin.add_config_file_search_path(str(CONFIG_ROOT))
+        gin.parse_config_files_and_bindings([str(CONFIG_ROOT / f"experiments/{run}.gin")], None,
+                                            finalize_config=False)
+        text = gin.config_str()
+        model = model_preset()  # the gin-bound preset and its overrides
+        return text, gin.query_parameter("run.name"), model
+
+    try:
+        s39, name39, model39 = parsed("capacity_s39")
+        s41, name41, model41 = parsed("capacity_s41")
+    finally:
+        gin.clear_config()
+    assert (name39, name41) == ("capacity_s39", "capacity_s41")
+    assert model39.indexer.score_precision == "f32"
+    assert model41.indexer.score_precision == "fp8"
+    assert model41 == dataclasses.replace(
+        model39, indexer=dataclasses.replace(model39.indexer, score_precision="fp8"))
+    lines = lambda t: {ln for ln in t.splitlines() if ln and not ln.startswith("#")}  # noqa: E731
+    assert lines(s41) - lines(s39) == {"model_preset.score_precision = 'fp8'",
+                                       "run.name = 'capacity_s41'"}
