@@ -40,7 +40,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from host_rows_gpu import _kernel as copy_kernel  # noqa: E402
-from host_rows_gpu import check, make_pool  # noqa: E402
+from host_rows_gpu import bar_groups, check, make_pool  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as plgpu  # noqa: E402
 from timing import program_time, write_results  # noqa: E402
@@ -149,23 +149,11 @@ def coarse_inputs(rng, b, n, h=64, d=128, m=32, k=256):
 
 def plot(results: list[dict], path) -> None:
     """us by variant, one group of bars per (M, B) cell."""
-    from experiments.common import pyplot
-    plt = pyplot()
-    cells = list(dict.fromkeys((r["rows"], r["batch"]) for r in results))
-    names = list(dict.fromkeys(r["variant"] for r in results))
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(cells) + 2), 3.8))
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        got = {(r["rows"], r["batch"]): r["us"] for r in results if r["variant"] == name}
-        ax.bar([x + i * width for x in range(len(cells))], [got.get(c, 0.0) for c in cells],
-               width, label=name)
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(cells))])
-    ax.set_xticklabels([f"M {m}, B {b}" for m, b in cells], fontsize=8)
-    ax.set_ylabel("us per call")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    cell = lambda r: f"M {r['rows']}, B {r['batch']}"  # noqa: E731
+    series = {v: {cell(r): r["us"] for r in results if r["variant"] == v}
+              for v in dict.fromkeys(r["variant"] for r in results)}
+    bar_groups(list(dict.fromkeys(cell(r) for r in results)), series, path, "us per call",
+               width_per_group=1.4)
 
 
 def main():

@@ -145,28 +145,41 @@ def check(rows, ids, pools):
     return True
 
 
-def plot(results: list[dict], path) -> None:
-    """GB/s of row bytes by layout (one bar series per M), the 48 GB/s link as a line."""
+def bar_groups(groups: list[str], series: dict[str, dict[str, float]], path, ylabel: str,
+               width_per_group: float = 0.55, log: bool = False, rotate: bool = False,
+               line=None) -> None:
+    """One group of bars per name in ``groups``, one bar series per key of ``series``
+    (label -> {group: value}; a missing value draws 0); a log y axis, slanted group names
+    and ``line`` = (y, label), a dashed reference line, where asked. Saved to ``path``."""
     from experiments.common import pyplot
     plt = pyplot()
-    names = list(dict.fromkeys(f"{r['layout']} kb{r['kb']} w{r['num_warps']}" for r in results))
-    ms = sorted({r["rows"] for r in results})
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.55 * len(names) + 2), 3.8))
-    width = 0.8 / len(ms)
-    for i, m in enumerate(ms):
-        got = {f"{r['layout']} kb{r['kb']} w{r['num_warps']}": r["gb_per_s"]
-               for r in results if r["rows"] == m}
-        ax.bar([x + i * width for x in range(len(names))], [got.get(n, 0.0) for n in names],
-               width, label=f"M = {m} rows")
-    ax.axhline(PCIE / 1e9, color="grey", lw=0.8, ls="--", label="48 GB/s (H200 probe)")
-    ax.set_yscale("log")
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))])
-    ax.set_xticklabels(names, rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("GB/s of row bytes")
+    fig, ax = plt.subplots(figsize=(max(6.0, width_per_group * len(groups) + 2), 3.8))
+    width = 0.8 / len(series)
+    for i, (label, got) in enumerate(series.items()):
+        ax.bar([x + i * width for x in range(len(groups))], [got.get(g, 0.0) for g in groups],
+               width, label=label)
+    if line is not None:
+        ax.axhline(line[0], color="grey", lw=0.8, ls="--", label=line[1])
+    if log:
+        ax.set_yscale("log")
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(groups))])
+    ax.set_xticklabels(groups, rotation=60 if rotate else 0,
+                       ha="right" if rotate else "center", fontsize=7)
+    ax.set_ylabel(ylabel)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot(results: list[dict], path) -> None:
+    """GB/s of row bytes by layout (one bar series per M), the 48 GB/s link as a line."""
+    name = lambda r: f"{r['layout']} kb{r['kb']} w{r['num_warps']}"  # noqa: E731
+    series = {f"M = {m} rows": {name(r): r["gb_per_s"] for r in results if r["rows"] == m}
+              for m in sorted({r["rows"] for r in results})}
+    bar_groups(list(dict.fromkeys(name(r) for r in results)), series, path,
+               "GB/s of row bytes", log=True, rotate=True,
+               line=(PCIE / 1e9, "48 GB/s (H200 probe)"))
 
 
 def main():
