@@ -9,7 +9,10 @@ bindings with the Triton dialect (``jax._src.lib``: internal, a jax upgrade may 
 script, not the kernels), compiles it with the triton package for sm_90 (num_warps and
 num_stages as the kernel's defaults) and runs triton's bundled ptxas for sm_90a. Counts, not
 timings: whether the dots became wgmma, what goes through shared memory, register pressure.
-Kernels: index_logits at a V4 prefill tile (1024 queries x 64 heads x 128, 32768 keys).
+Sets (--set): index_logits (default) at a V4 prefill tile (1024 queries x 64 heads x 128,
+32768 keys); index_scores: the decode indexer at 512K (N 131104, 64 heads x 128, pages of
+64), contiguous (``index_scores``) and paged (``index_scores_paged``), each with f32 q (two
+bf16 dots) and fp8 x fp8 (``fp8=True``), at the launch ``default_config`` gives N.
 """
 
 from __future__ import annotations
@@ -30,20 +33,48 @@ from pallas_kernels import common
 from pallas_kernels.index_logits import index_logits
 from pallas_kernels.index_logits.triton import default_config, index_logits_triton
 
-IL_SHAPES = ((1024, 64, 128), (1024, 64), (32768, 128))
+S = jax.ShapeDtypeStruct
+IL_SPECS = tuple(S(shape, jnp.float32) for shape in ((1024, 64, 128), (1024, 64), (32768, 128)))
 
 
 def _index_logits_variant(**launch):
     """index_logits' Triton kernel with launch parameters changed from the default."""
-    return (functools.partial(index_logits_triton, **launch), IL_SHAPES,
-            default_config(*IL_SHAPES[0][:2], IL_SHAPES[2][0]) | launch)
+    return (functools.partial(index_logits_triton, **launch), IL_SPECS,
+            default_config(1024, 64, 32768) | launch)
 
 
-KERNELS = {
-    "index_logits": (functools.partial(index_logits, implementation="triton"), IL_SHAPES,
-                     default_config(1024, 64, 32768)),
-    "index_logits BT 2": _index_logits_variant(block_t=2),
-    "index_logits BT 8, 8 warps": _index_logits_variant(block_t=8, num_warps=8),
+def _index_scores_kernels() -> dict:
+    """The decode indexer's kernels at 512K (2 requests: a program's code does not depend on
+    B), contiguous and paged, f32 q and fp8 x fp8."""
+    from pallas_kernels.index_scores.paged import index_scores_paged_triton
+    from pallas_kernels.index_scores.triton import index_scores_triton, resolve_config
+
+    b, h, d, n, page, tail = 2, 64, 128, 131104, 64, 64
+    rows = b * -(-n // page) * page
+    f32, e4m3, i32 = jnp.float32, jnp.float8_e4m3fn, jnp.int32
+    _, _, warps = resolve_config(b, h, n, None, None, None)
+    cfg = {"num_warps": warps, "num_stages": 3}  # Pallas-Triton's default on CUDA (the kernels' None)
+    q = (S((b, h, d), f32), S((b, h), f32))
+    contiguous = (*q, S((b, n, d), e4m3), S((b, n, 1), f32), S((b, n), bool))
+    paged = (*q, S((rows, d), e4m3), S((rows, 1), f32), S((b, rows // b // page), i32),
+             S((b, tail, d), e4m3), S((b, tail, 1), f32), S((b,), i32), S((b, n), bool))
+    out = {}
+    for fp8 in (False, True):
+        arith = "fp8 x fp8" if fp8 else "f32 q"
+        out[f"index_scores {arith}"] = (functools.partial(index_scores_triton, fp8=fp8),
+                                        contiguous, cfg)
+        out[f"index_scores_paged {arith}"] = (
+            functools.partial(index_scores_paged_triton, page=page, fp8=fp8), paged, cfg)
+    return out
+
+
+SETS = {
+    "index_logits": lambda: {
+        "index_logits": (functools.partial(index_logits, implementation="triton"), IL_SPECS,
+                         default_config(1024, 64, 32768)),
+        "index_logits BT 2": _index_logits_variant(block_t=2),
+        "index_logits BT 8, 8 warps": _index_logits_variant(block_t=8, num_warps=8)},
+    "index_scores": _index_scores_kernels,
 }
 
 
@@ -115,23 +146,24 @@ def census(ptx: str) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="results/pallas_ptx")
+    ap.add_argument("--set", default="index_logits", choices=tuple(SETS))
     args = ap.parse_args(argv)
     import triton
 
     records = []
-    for name, (fn, shapes, cfg) in KERNELS.items():
-        specs = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+    for name, (fn, specs, cfg) in SETS[args.set]().items():
         ptx = compile_sm90(triton_ir_text(common.lower_for_cuda(fn, *specs)),
                            cfg["num_warps"], cfg["num_stages"])
+        shapes = [[list(x.shape), jnp.dtype(x.dtype).name] for x in specs]
         rec = dict(kernel=name, shapes=shapes, config=cfg, instructions=census(ptx),
                    ptxas=ptxas_resources(ptx))
         records.append(rec)
-        print(f"{name} {shapes}: ptxas {rec['ptxas']}\n  {rec['instructions']}")
+        print(f"{name}: ptxas {rec['ptxas']}\n  {rec['instructions']}")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(
         {"arch": "sm_90", "triton": triton.__version__, "jax": jax.__version__,
-         "records": records}, indent=1) + "\n")
+         "set": args.set, "records": records}, indent=1) + "\n")
     print(f"wrote {out / 'results.json'}")
     return 0
 
