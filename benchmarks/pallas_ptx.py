@@ -53,7 +53,7 @@ def _index_scores_kernels() -> dict:
     rows = b * -(-n // page) * page
     f32, e4m3, i32 = jnp.float32, jnp.float8_e4m3fn, jnp.int32
     _, _, warps = resolve_config(b, h, n, None, None, None)
-    cfg = {"num_warps": warps, "num_stages": 3}  # Pallas-Triton's default on CUDA (the kernels' None)
+    cfg = {"num_warps": warps, "num_stages": 3}  # Pallas-Triton's default on CUDA (None here)
     q = (S((b, h, d), f32), S((b, h), f32))
     contiguous = (*q, S((b, n, d), e4m3), S((b, n, 1), f32), S((b, n), bool))
     paged = (*q, S((rows, d), e4m3), S((rows, 1), f32), S((b, rows // b // page), i32),
