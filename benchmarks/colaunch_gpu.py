@@ -43,7 +43,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from host_rows_gpu import _kernel as copy_kernel  # noqa: E402
-from host_rows_gpu import bar_groups, check, make_pool  # noqa: E402
+from host_rows_gpu import bar_groups, check, gather, make_pool  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import triton as plgpu  # noqa: E402
 from timing import program_time, write_results  # noqa: E402
@@ -132,7 +132,6 @@ def colaunch(ids, pools, q, weights, codes, codebooks, lengths, *, kb, order, nu
 
 @functools.partial(jax.jit, static_argnames=("kb", "num_warps"))
 def copy_alone(ids, pools, *, kb, num_warps):
-    from host_rows_gpu import gather
     return tuple(gather(ids, pools, kb=kb, first=False, num_warps=num_warps))
 
 
