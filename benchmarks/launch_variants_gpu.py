@@ -21,7 +21,8 @@ other three at their issue-16 target shapes:
 --set: s38 one tunable at a time (session 38's set), s39 combinations of session 39's first
 run's winners, s39b bf16 rows' new default (3 stages) against 2 and FP8 rows' tunables, s39c
 a third run of topk's and index_scores' split winners, s40 topk's select loop with prefetch,
-s41 HiSparse's paged decode indexer at 512K, batch 36 (its launch and arithmetic).
+s41 HiSparse's paged decode indexer at 512K, batch 36 (its launch and arithmetic), s42 the
+Pallas kernels' fp8 dots on fp8 wgmma (``pallas_kernels.fp8_dot``) against the widened form.
 Timing: ``timing.time_program`` (one jitted program, built once a variant, calling the op on
 --sets input sets, so dispatch is amortized as in kernel_compare; median of --repeats
 programs) once a round for each variant, --rounds rounds, the order rotated a round
@@ -128,6 +129,14 @@ INDEX_PAGED_S41 = {"default": {}, "bc32": dict(block_c=32), "bc128": dict(block_
                    "w8": dict(num_warps=8), "bc128w8": dict(block_c=128, num_warps=8),
                    "stages3": dict(num_stages=3), "bf16q": dict(bf16q=True),
                    "fp8": dict(fp8=True), "fp8bc128w8": dict(fp8=True, block_c=128, num_warps=8)}
+# --set s42 (prepared in session 42): the Pallas kernels' e4m3 x e4m3 dots through
+# ``pallas_kernels.fp8_dot`` (fp8 wgmma, ``benchmarks/pallas_ptx.py --set fp8``) against the same
+# kernels traced under ``fp8_dot.widened()`` (session 41's form: e4m3 widened to f16 mma.sync),
+# the default being the widened form: HiSparse's paged indexer and the contiguous one at 512K
+# B 36 (f32 q for reference), the fused rescoring + top-512 at issue 16's B 64, C 2048, and
+# LeanSparse's Pallas coarse PQ pass at 512K B 36
+FP8_S42 = {"default": dict(widened=True), "wgmma": {}}
+INDEX_PAGED_S42 = FP8_S42 | {"f32q": dict(fp8=False)}
 SETS = {"s38": {"topk": _on(TOPK_S38_DEFAULT, TOPK),
                 "sparse_attention": _on(ATTENTION_S38_DEFAULT, ATTENTION, "block_k"),
                 "index_scores": _on(INDEX_S38_DEFAULT, INDEX, "block_c")},
@@ -138,13 +147,19 @@ SETS = {"s38": {"topk": _on(TOPK_S38_DEFAULT, TOPK),
         "s39c": {"topk": _on(TOPK_S38_DEFAULT, TOPK_S39C),
                  "index_scores": _on(INDEX_S38_DEFAULT, INDEX_S39C, "block_c")},
         "s40": {"topk": TOPK_S40},
-        "s41": {"index_scores_paged": INDEX_PAGED_S41}}
+        "s41": {"index_scores_paged": INDEX_PAGED_S41},
+        "s42": {"index_scores_paged_fp8": INDEX_PAGED_S42, "index_scores_fp8": FP8_S42,
+                "index_topk_fp8": FP8_S42, "pq_coarse_fp8": FP8_S42}}
 SHAPES = {"topk": dict(b=64, n=262144, k=2048), "sparse_attention": dict(b=64, k=512, w=128),
           "sparse_attention_fp8": dict(b=64, k=512, w=128), "index_scores": dict(b=64, c=2048),
-          "index_scores_paged": dict(b=36, n=131104)}
+          "index_scores_paged": dict(b=36, n=131104),
+          "index_scores_paged_fp8": dict(b=36, n=131104), "index_scores_fp8": dict(b=36, c=131104),
+          "index_topk_fp8": dict(b=64, c=2048), "pq_coarse_fp8": dict(b=36, n=131104)}
 DRY = {"topk": dict(b=3, n=4096, k=64), "sparse_attention": dict(b=2, k=32, w=16),
        "sparse_attention_fp8": dict(b=2, k=32, w=16), "index_scores": dict(b=2, c=256),
-       "index_scores_paged": dict(b=2, n=320)}
+       "index_scores_paged": dict(b=2, n=320), "index_scores_paged_fp8": dict(b=2, n=320),
+       "index_scores_fp8": dict(b=2, c=256), "index_topk_fp8": dict(b=2, c=256),
+       "pq_coarse_fp8": dict(b=2, n=512)}
 
 
 def topk_op(shape, interpret):
@@ -232,9 +247,86 @@ def index_paged_op(shape, interpret):
     return make, call, timing.compare_outputs
 
 
+def _fp8_switch(call):
+    """call with a ``widened`` parameter: True traces the kernel under ``fp8_dot.widened()``."""
+    from pallas_kernels import fp8_dot
+
+    def switched(params, *args):
+        params = dict(params)
+        if params.pop("widened", False):
+            with fp8_dot.widened():
+                return call(params, *args)
+        return call(params, *args)
+
+    return switched
+
+
+def index_paged_fp8_op(shape, interpret):
+    """``index_paged_op`` at fp8 x fp8 (a variant's fp8=False: its f32-q form)."""
+    make, call, check = index_paged_op(shape, interpret)
+    return make, _fp8_switch(lambda p, *a: call({"fp8": True} | p, *a)), check
+
+
+def index_fp8_op(shape, interpret):
+    """The Pallas index_scores kernel at fp8 x fp8 (FP8 keys, H 64, D 128; q quantized per
+    head as ``score_precision="fp8"`` does)."""
+    from experiments.kernel_compare import index_scores_case
+    from pallas_kernels.index_scores.triton import index_scores_triton
+
+    make = index_scores_case(shape["b"], shape["c"]).make
+
+    def call(params, *args):
+        return index_scores_triton(*args, **{"fp8": True} | params)
+
+    return make, _fp8_switch(call), timing.compare_outputs
+
+
+def index_topk_fp8_op(shape, interpret):
+    """LeanSparse's rescoring: fp8 x fp8 scores of C candidates and their top-512 in one
+    kernel (``index_scores.topk_fused``); checked as sets of positions."""
+    from experiments.kernel_compare import index_scores_case
+    from pallas_kernels.index_scores.topk_fused import index_topk_triton
+
+    make = index_scores_case(shape["b"], shape["c"]).make
+    k = min(512, shape["c"] // 2)
+
+    def call(params, *args):
+        return index_topk_triton(*args, k=k)
+
+    def check(out, want):
+        same = sum(set(np.asarray(out[0][i]).tolist()) == set(np.asarray(want[0][i]).tolist())
+                   for i in range(out[0].shape[0]))
+        scores = timing.compare_outputs(out[2], want[2])
+        return scores | dict(equal_default=scores["equal_default"] and same == out[0].shape[0],
+                             rows_same_set=int(same))
+
+    return make, _fp8_switch(call), check
+
+
+def pq_coarse_fp8_op(shape, interpret):
+    """LeanSparse's coarse pass: PQ scores of N positions (32 subspaces x 256 centroids, H 64,
+    D 128), the Pallas kernel at precision fp8."""
+    from pallas_kernels.pq_topc.triton import coarse_scores_triton
+
+    b, n, h, d, m = shape["b"], shape["n"], 64, 128, 32
+
+    def make(key):
+        k = jax.random.split(key, 4)
+        return (jax.random.normal(k[0], (b, h, d)), jax.random.uniform(k[1], (b, h)),
+                jax.random.randint(k[2], (b, n, m), 0, 256).astype(jnp.uint8),
+                jax.random.normal(k[3], (m, 256, d // m)), jnp.full((b,), n, jnp.int32))
+
+    def call(params, *args):
+        return coarse_scores_triton(*args, precision="fp8", interpret=interpret, **params)
+
+    return make, _fp8_switch(call), timing.compare_outputs
+
+
 OPS = {"topk": topk_op, "sparse_attention": attention_op,
        "sparse_attention_fp8": functools.partial(attention_op, fp8=True),
-       "index_scores": index_op, "index_scores_paged": index_paged_op}
+       "index_scores": index_op, "index_scores_paged": index_paged_op,
+       "index_scores_paged_fp8": index_paged_fp8_op, "index_scores_fp8": index_fp8_op,
+       "index_topk_fp8": index_topk_fp8_op, "pq_coarse_fp8": pq_coarse_fp8_op}
 
 
 def run_op(name, args, deadline, rows, save) -> None:
@@ -247,7 +339,9 @@ def run_op(name, args, deadline, rows, save) -> None:
         row = dict(op=name, shape=shape, variant=variant, params=params)
         rows.append(row)
         program = timing.batched_program(lambda *a, p=params: call(p, *a))
-        try:  # the timed program's first run: compiles it once, gives the outputs to check
+        try:  # compiled ahead (a trace-cache clear, as fp8_dot.widened() does, cannot
+            # retrace it); its first run gives the outputs to check
+            program = program.lower(sets).compile()
             out = jax.block_until_ready(program(sets))[0]
         except Exception as e:  # record, go on with the others
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"

@@ -23,10 +23,10 @@ import json
 import pathlib
 
 import jax
-from pallas_ptx import attribute_bytes  # benchmarks/pallas_ptx.py
 
 from experiments.cases.sparse_attention import make_inputs
 from pallas_kernels import common
+from pallas_kernels.ptx import attribute_bytes
 from pallas_kernels.sparse_attention.mosaic import sparse_attention_mosaic
 
 KINDS = ("scf.index_switch", "scf.for", "llvm.inline_asm")

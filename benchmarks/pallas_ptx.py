@@ -12,7 +12,8 @@ timings: whether the dots became wgmma, what goes through shared memory, registe
 Sets (--set): index_logits (default) at a V4 prefill tile (1024 queries x 64 heads x 128,
 32768 keys); index_scores: the decode indexer at 512K (N 131104, 64 heads x 128, pages of
 64), contiguous (``index_scores``) and paged (``index_scores_paged``), each with f32 q (two
-bf16 dots) and fp8 x fp8 (``fp8=True``), at the launch ``default_config`` gives N.
+bf16 dots) and fp8 x fp8 (``fp8=True``), at the launch ``default_config`` gives N; fp8: every
+kernel with e4m3 x e4m3 dots (``_fp8_kernels``), which should show ``wgmma ... e4m3.e4m3``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 from pallas_kernels import common
 from pallas_kernels.index_logits import index_logits
 from pallas_kernels.index_logits.triton import default_config, index_logits_triton
+from pallas_kernels.ptx import compile_sm90, triton_ir_text
 
 S = jax.ShapeDtypeStruct
 IL_SPECS = tuple(S(shape, jnp.float32) for shape in ((1024, 64, 128), (1024, 64), (32768, 128)))
@@ -68,6 +70,29 @@ def _index_scores_kernels() -> dict:
     return out
 
 
+def _fp8_kernels() -> dict:
+    """Every Pallas-Triton kernel with e4m3 x e4m3 dots (``pallas_kernels.fp8_dot``): the
+    decode indexer at 512K (contiguous and paged, as the index_scores set), LeanSparse's
+    rescoring with its top-512 fused (C 2048 candidates), and the Pallas coarse PQ pass at
+    precision fp8 (N 131104, 32 subspaces of 256 centroids)."""
+    from pallas_kernels.index_scores.topk_fused import index_topk_triton
+    from pallas_kernels.pq_topc.triton import _params_for, coarse_scores_triton
+
+    out = {k: v for k, v in _index_scores_kernels().items() if "fp8" in k}
+    b, h, d, c, n, m = 2, 64, 128, 2048, 131104, 32
+    f32, e4m3 = jnp.float32, jnp.float8_e4m3fn
+    out["index_topk fp8 (fused top-512)"] = (
+        functools.partial(index_topk_triton, k=512),
+        (S((b, h, d), f32), S((b, h), f32), S((b, c, d), e4m3), S((b, c, 1), f32),
+         S((b, c), bool)), {"num_warps": 8, "num_stages": 3})
+    p = _params_for(h, d, m, 256, n, None)
+    out["pq coarse_scores fp8"] = (
+        functools.partial(coarse_scores_triton, precision="fp8"),
+        (S((b, h, d), f32), S((b, h), f32), S((b, n, m), jnp.uint8), S((m, 256, d // m), f32),
+         S((b,), jnp.int32)), {"num_warps": p.num_warps, "num_stages": p.num_stages})
+    return out
+
+
 SETS = {
     "index_logits": lambda: {
         "index_logits": (functools.partial(index_logits, implementation="triton"), IL_SPECS,
@@ -75,39 +100,8 @@ SETS = {
         "index_logits BT 2": _index_logits_variant(block_t=2),
         "index_logits BT 8, 8 warps": _index_logits_variant(block_t=8, num_warps=8)},
     "index_scores": _index_scores_kernels,
+    "fp8": _fp8_kernels,
 }
-
-
-def attribute_bytes(stablehlo: str, name: str) -> bytes:
-    """The bytes of the first custom-call string attribute ``name = "..."`` in ``stablehlo``
-    (MLIR prints non-printable bytes as \\XX escapes)."""
-    raw = re.search(name + r' = "((?:[^"\\]|\\.)*)"', stablehlo).group(1)
-    return re.sub(rb"\\([0-9A-Fa-f]{2}|.)", lambda m: bytes([int(m[1], 16)])
-                  if len(m[1]) == 2 else m[1], raw.encode("latin-1"))
-
-
-def triton_ir_text(stablehlo: str) -> str:
-    """The Triton IR of the (single) Pallas-Triton custom call in ``stablehlo``, as text."""
-    from jax._src.lib import triton as jax_triton_dialect
-    from jax._src.lib.mlir import ir
-
-    data = attribute_bytes(stablehlo, "ir")
-    with ir.Context() as ctx, ir.Location.unknown():
-        jax_triton_dialect.dialect.register_dialect(ctx)
-        return ir.Module.parse(data).operation.get_asm()
-
-
-def compile_sm90(ttir: str, num_warps: int, num_stages: int) -> str:
-    """PTX of Triton IR text for sm_90."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    with tempfile.TemporaryDirectory() as tmp:
-        src = pathlib.Path(tmp) / "kernel.ttir"
-        src.write_text(ttir)
-        return triton.compile(str(src), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=num_warps,
-                                           num_stages=num_stages)).asm["ptx"]
 
 
 def ptxas_resources(ptx: str) -> dict | None:

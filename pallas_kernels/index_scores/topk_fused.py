@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import common
+from pallas_kernels.fp8_dot import dot_f32
 from pallas_kernels.index_scores.reference import quantize_queries
 from pallas_kernels.index_scores.triton import check_triton_shapes, padded_heads
 from pallas_kernels.topk.candidates import candidate_topk_triton, pow2, select_rows
@@ -56,8 +57,7 @@ def _kernel(q_ref, w_ref, kv_ref, ks_ref, valid_ref, scores_ref, pos_ref, val_re
         rows = pl.ds(start, bc)
         dots = None
         for j, col in enumerate(cols):
-            part = lax.dot_general(kv_ref[rows, col], qs[j], (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)  # [BC, HP]
+            part = dot_f32(kv_ref[rows, col], qs[j], (((1,), (1,)), ((), ())))  # [BC, HP]
             part = part * (ks_ref[rows] if nb == 1 else ks_ref[rows, j])[:, None]
             dots = part if dots is None else dots + part
         ok = valid_ref[rows] & (start + lane < c)

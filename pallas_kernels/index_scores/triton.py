@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import common
+from pallas_kernels.fp8_dot import dot_f32
 from pallas_kernels.index_scores.reference import quantize_queries
 
 MIN_DOT = 16  # smallest dimension of a Triton tl.dot
@@ -148,7 +149,7 @@ def block_scores(keys, scale, parts, w, nb: int, barrier: bool):
     dots = None                                                    # [BC, HP] f32
     for j in range(nb):
         k = operand(keys(j))                                       # [BC, BS] (exact)
-        part = jax.lax.dot_general(k, qs[j], dims, preferred_element_type=jnp.float32)
+        part = dot_f32(k, qs[j], dims)
         if q_lo is not None:
             lo = jax.lax.dot_general(k, q_lo[j], dims, preferred_element_type=jnp.float32)
             if barrier:

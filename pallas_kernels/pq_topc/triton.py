@@ -58,6 +58,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels import common
+from pallas_kernels.fp8_dot import dot_f32
 from pallas_kernels.pq_topc import reference
 from pallas_kernels.topk import topk
 from pallas_kernels.topk import triton as topk_impl
@@ -156,7 +157,7 @@ def _coarse_kernel(*refs, block_n: int, blocks_per_program: int, num_centroids: 
         codes = jnp.minimum(codes.astype(jnp.int32), num_centroids - 1)
         flat = (codes + sub_base[None, :]).reshape(block_n * num_sub)  # [BN * M]
         keys = books_ref[flat, :].reshape(block_n, dim)  # [BN, D] bf16, decoded keys
-        dots = jnp.dot(keys, qt, preferred_element_type=jnp.float32)  # [BN, H]
+        dots = dot_f32(keys, qt, (((1,), (0,)), ((), ())))  # [BN, H]
         s = jnp.sum(jnp.maximum(dots, 0.0) * w[None, :], axis=1)  # [BN]
         pos = span_start + start + jnp.arange(block_n, dtype=jnp.int32)  # [BN]
         scores_ref[rows] = jnp.where(pos < length, s, -jnp.inf)

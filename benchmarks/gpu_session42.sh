@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Session 42's GPU calls (device tool, carry [".whl"]):
+# STEP=fp8mma (~520 s): the Pallas kernels' e4m3 x e4m3 dots on fp8 wgmma
+#   (pallas_kernels/fp8_dot.py):
+#   1. their GPU tests (tests/test_fp8_dot.py; index_scores contiguous, paged, fused top-k;
+#      the pq kernels' fp8 paths) -> $OUT/gputests/;
+#   2. launch_variants_gpu.py --set s42: each fp8 kernel on wgmma against its widened form
+#      (session 41's f16 mma.sync), 15 interleaved rounds -> $OUT/s42/ (commit to
+#      results/launch_variants_s42/);
+#   3. session 41's 512K batch-36 decode profile at score_precision "fp8" (gpu_session40.sh
+#      STEP=fp8) with these kernels -> $OUT/profile_b36_512k_p03_fp8/ (commit to
+#      results/profile_b36_512k_p03_fp8_s42/).
+# STEP=p950fp8 (~260 s): gpu_session41.sh's 950K batch-20 profile at score_precision "fp8"
+#   with these kernels -> $OUT/profile_b20_950k_p03_fp8/ (commit to
+#   results/profile_b20_950k_p03_fp8_s42/).
+# Session 41's queue (gpu_session41.sh) stands: STEP=colaunch, STEP=serve41, STEP=p950.
+source "$(dirname "$0")/gpu_lib.sh"
+FP8_GIN="--gin \"model_preset.weight_dtype='bf16'\" \
+  --gin \"model_preset.attention_precision='bf16'\" --gin \"model_preset.kv_dtype='fp8_v4'\" \
+  --gin \"model_preset.score_precision='fp8'\" --input-repeat 0.3"
+case "${STEP:-fp8mma}" in
+  fp8mma)
+    TAIL=12 part gputests ${TESTS_S:-130} "python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/test_fp8_dot.py tests/test_kernel_index_scores.py \
+      tests/test_kernel_index_scores_paged.py 'tests/test_kernel_pq_topc.py::test_gpu_fp8_against_its_reference'"
+    variants s42 s42 15 ${LAUNCH_S:-150}
+    PROFILE_GIN=$FP8_GIN profile profile_b36_512k_p03_fp8 524288 36 ${PROFILE_S:-210} ;;
+  p950fp8) PROFILE_GIN=$FP8_GIN profile profile_b20_950k_p03_fp8 972800 20 ${PROFILE_S:-260} ;;
+  *) echo "STEP=${STEP}: unknown (fp8mma | p950fp8)"; exit 2 ;;
+esac
