@@ -13,6 +13,9 @@
 # STEP=p950fp8 (~260 s): gpu_session41.sh's 950K batch-20 profile at score_precision "fp8"
 #   with these kernels -> $OUT/profile_b20_950k_p03_fp8/ (commit to
 #   results/profile_b20_950k_p03_fp8_s42/).
+# STEP=kc42 (~150 s; prepared, not yet run): kernel_compare at
+#   index_scores' issue-16 shape with the fp8 kernels on wgmma
+#   (configs/experiments/kernel_compare_s42_index.gin) -> $OUT/kc/kernel_compare_s42_index/.
 # Session 41's queue (gpu_session41.sh) stands: STEP=colaunch, STEP=serve41, STEP=p950.
 source "$(dirname "$0")/gpu_lib.sh"
 FP8_GIN="--gin \"model_preset.weight_dtype='bf16'\" \
@@ -26,5 +29,8 @@ case "${STEP:-fp8mma}" in
     variants s42 s42 15 ${LAUNCH_S:-150}
     PROFILE_GIN=$FP8_GIN profile profile_b36_512k_p03_fp8 524288 36 ${PROFILE_S:-210} ;;
   p950fp8) PROFILE_GIN=$FP8_GIN profile profile_b20_950k_p03_fp8 972800 20 ${PROFILE_S:-260} ;;
-  *) echo "STEP=${STEP}: unknown (fp8mma | p950fp8)"; exit 2 ;;
+  kc42)
+    TAIL=30 part kc ${KC_S:-150} "python3 -m experiments.cli run \
+      configs/experiments/kernel_compare_s42_index.gin 2>&1 | grep -v ' spent$'" ;;
+  *) echo "STEP=${STEP}: unknown (fp8mma | p950fp8 | kc42)"; exit 2 ;;
 esac

@@ -48,3 +48,28 @@ def test_kernel_compare_profile_on_cpu_records_no_kernels(tmp_path, monkeypatch)
     rows = json.loads((tmp_path / "kc" / "results.json").read_text())["rows"]
     assert len(rows) == 1 and rows[0]["seconds"] > 0
     assert rows[0]["profile"] == {"kernels": None}
+
+
+@pytest.mark.parametrize("run", ["kernel_compare_s39_topk_index", "kernel_compare_s42_index"])
+def test_kernel_compare_variant_configs_name_only_what_their_ops_have(run):
+    """The per-session kernel_compare configs parse, name their own run, and list only ops
+    kernel_compare knows and implementations one of those ops has (an unknown name would
+    be skipped on the GPU, not timed)."""
+    import gin
+
+    import experiments.registry  # noqa: F401  (the configurables)
+    from experiments.cli import CONFIG_ROOT
+    from experiments.kernel_compare import SUPPORTED
+
+    try:
+        gin.clear_config()
+        gin.add_config_file_search_path(str(CONFIG_ROOT))
+        gin.parse_config_files_and_bindings([str(CONFIG_ROOT / f"experiments/{run}.gin")],
+                                            None, finalize_config=False)
+        assert gin.query_parameter("run.name") == run
+        ops = gin.query_parameter("kernel_compare.ops")
+        impls = gin.query_parameter("kernel_compare.implementations")
+    finally:
+        gin.clear_config()
+    assert ops and set(ops) <= set(SUPPORTED)
+    assert all(any(i in SUPPORTED[op] for op in ops) for i in impls), impls
