@@ -132,7 +132,7 @@ def test_fp8_kernels_lower_to_fp8_wgmma(name):
     assert "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3" in ptx
     assert "mma.sync" not in ptx
     with fp8_dot.widened():
-        widened = kernel_ptx(lambda *a: fn(*a), *specs, num_warps=warps, num_stages=2)
+        widened = kernel_ptx(fn, *specs, num_warps=warps, num_stages=2)
     assert "e4m3.e4m3" not in widened and "mma.sync.aligned.m16n8k16" in widened
 
 
