@@ -21,6 +21,11 @@ masked pow2 tiles), by layout:
   f32_2k        2048-byte rows (512 f32: the session-17 reference)
   packed146_dev packed146 from a device pool (the kernel's own ceiling, HBM)
   packed146_small packed146 from a 38 MB host pool (the same reads, few host pages: TLB)
+  keys_*        LeanSparse's indexer-key rows (``--layouts keys``: the KEY_LAYOUTS set): split
+                (today's host key pages: 32 words of e4m3 values + a 1-word f32 scale, two
+                arrays; _first: both loaded before any store), keys33 (the two packed in
+                one 132-byte row), keys36 / keys64 (padded to 144 / 256 bytes), keys32 (the
+                values alone: a floor)
   *_seq         that layout's rows read in order (M consecutive rows from a random start:
                 the link's streaming rate through the same kernel; not in the default set)
 each at M = --rows (default 4096 and 29952) and KB = --kb rows a program. Ids are random
@@ -67,7 +72,17 @@ LAYOUTS = {
     "rows512_seq": ((np.uint32, 128),),
     "packed160_seq": ((np.uint32, 160),),
     "f32_2k_seq": ((np.uint32, 512),),
+    # LeanSparse's indexer-key rows (128 e4m3 values = 32 words, one f32 scale): as the host
+    # key pages store them (two arrays), packed into one 132-byte row, padded to 144 / 256
+    # bytes, and the values alone (the floor)
+    "keys_split": ((np.uint32, 32), (np.uint32, 1)),
+    "keys_split_first": ((np.uint32, 32), (np.uint32, 1)),
+    "keys33": ((np.uint32, 33),),
+    "keys36": ((np.uint32, 36),),
+    "keys64": ((np.uint32, 64),),
+    "keys32": ((np.uint32, 32),),
 }
+KEY_LAYOUTS = ("keys_split", "keys_split_first", "keys33", "keys36", "keys64", "keys32")
 DEFAULT_LAYOUTS = ("split3", "split3_first", "packed146", "packed160", "nope112", "rows512",
                    "f32_2k", "packed146_dev", "packed146_small")
 
@@ -192,7 +207,7 @@ def main():
     ap.add_argument("--sets", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS),
-                    help=f"comma-separated, of {', '.join(LAYOUTS)}")
+                    help=f"comma-separated, of {', '.join(LAYOUTS)}; or 'keys'")
     ap.add_argument("--dry", action="store_true", help="CPU: small pools, 2 sets, 1 repeat")
     ap.add_argument("--plot", help="comma-separated results.json files: redraw, run nothing")
     args = ap.parse_args()
@@ -206,7 +221,8 @@ def main():
     host = jax.memory.Space.Host if common.on_gpu() else jax.memory.Space.Device
     rng = np.random.default_rng(0)
     results = []
-    for name in args.layouts.split(","):
+    layouts = ",".join(KEY_LAYOUTS) if args.layouts == "keys" else args.layouts
+    for name in layouts.split(","):
         leaves = LAYOUTS[name]
         n = (args.pool_rows // 4 if name.startswith("f32_2k") else args.pool_rows)
         n = 1 << 16 if name.endswith("_small") and not args.dry else n

@@ -24,6 +24,9 @@ precision "fp8": e4m3 q and codebooks, what LeanSparse's FP8 coarse pass runs), 
 "triton_copy" (XLA control + the copy kernel, what "triton" ran before
 ``api.TRITON_RUNS`` moved to the fused kernel).
 ``per_call=True`` instead times separate jitted calls (what a caller dispatching one op pays).
+A case may donate state the op updates in place (``Case.donate``: hot_resolve's hot rows,
+positions and stamps, as the decode step donates its state): the program then takes fresh
+copies of those arguments each run, made before the clock starts.
 
 Order and budget: each op's issue-16 target shape runs first (pq_topc B=64 N=131072, the first
 topk shape, index_scores and sparse_attention at B=64, hot_resolve), then the other shapes;
@@ -62,6 +65,8 @@ class Case:
     bytes: float
     make: callable  # key -> args tuple
     call: callable  # (implementation, *args) -> outputs
+    donate: tuple[int, ...] = ()  # positions of args the program donates (state the op
+    #   updates in place, as the decode step donates it); fresh copies each run, untimed
 
     def _floors(self) -> dict:
         return {"flops": self.flops / PEAK_FLOPS, "bytes": self.bytes / PEAK_BYTES,
@@ -235,22 +240,36 @@ def time_case(case: Case, impl: str, repeats: int, warmup: int = 2,
     size = sum(x.nbytes for x in jax.tree.leaves(one))
     rotate = int(min(32, max(8, math.ceil(2 * L2_BYTES / max(size, 1)))))
     sets = [one] + [case.make(jax.random.key(i)) for i in range(1, rotate)]
+    # donated args leave the kept sets (None there) and come fresh for every run
+    kept = [tuple(None if i in case.donate else x for i, x in enumerate(s)) for s in sets]
+
+    def fresh():
+        return jax.block_until_ready([[jnp.copy(s[i]) for i in case.donate] for s in sets])
+
+    def merged(own, args):
+        args = list(args)
+        for i, x in zip(case.donate, own):
+            args[i] = x
+        return args
+
     if per_call:
-        single = jax.jit(lambda *a: case.call(impl, *a))
-        program = lambda sets: [single(*s) for s in sets]  # noqa: E731
+        single = jax.jit(lambda own, a: case.call(impl, *merged(own, a)), donate_argnums=0)
+        program = lambda own, kept: [single(o, s) for o, s in zip(own, kept)]  # noqa: E731
     else:
-        program = jax.jit(lambda sets: [case.call(impl, *s) for s in sets])
+        program = jax.jit(lambda own, kept: [case.call(impl, *merged(o, s))
+                                             for o, s in zip(own, kept)], donate_argnums=0)
     for _ in range(warmup):
-        jax.block_until_ready(program(sets))
+        jax.block_until_ready(program(fresh(), kept))
     times = []
     for _ in range(repeats):
+        own = fresh()
         t0 = time.perf_counter()
-        jax.block_until_ready(program(sets))
+        jax.block_until_ready(program(own, kept))
         times.append((time.perf_counter() - t0) / rotate)
     out = {"seconds": float(np.median(times))}
     if profile:
         try:
-            out["profile"] = profile_program(program, (sets,), rotate)
+            out["profile"] = profile_program(program, (fresh(), kept), rotate)
         except Exception as err:  # noqa: BLE001  (a profiler problem must not cost the timing)
             out["profile"] = {"kernels": None, "error": f"{type(err).__name__}: {err}"[:300]}
     return out

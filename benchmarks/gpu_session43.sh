@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Session 43's GPU calls (device tool, carry [".whl"]); the card (H100 or H200) is printed
+# first and named in benchmarks/RESULTS.md:
+# STEP=keys (~280 s): host_rows_gpu.py --layouts keys: LeanSparse's indexer-key rows read at
+#   random from a 16.8M-row pinned-host pool as the host key pages store them (values and
+#   scale in two arrays) against one packed 132-byte row, padded forms and the values alone,
+#   M 12288 / 24576 rows (the 512K key fetch of 18 / 36 requests a CSA layer) -> $OUT/keys/;
+#   then gpu_session42.sh's kc42 (kernel_compare_s42_index.gin, ~150 s) -> $OUT/kc/.
+# STEP=kc (~450 s): the default kernel_compare config, all five ops at issue 16's shapes,
+#   traced (as gpu_session37.sh STEP=kc) -> $OUT/kc/kernel_compare/.
+# STEP=profiles (~480 s): the fp8 decode profiles of session 42 (512K batch 36, 950K batch
+#   20; gpu_session42.sh STEP=fp8mma's third part and STEP=p950fp8) -> $OUT/p512/, $OUT/p950/.
+source "$(dirname "$0")/gpu_lib.sh"
+FP8_GIN="--gin \"model_preset.weight_dtype='bf16'\" \
+  --gin \"model_preset.attention_precision='bf16'\" --gin \"model_preset.kv_dtype='fp8_v4'\" \
+  --gin \"model_preset.score_precision='fp8'\" --input-repeat 0.3"
+case "${STEP:-keys}" in
+  keys)
+    TAIL=12 part keys ${KEYS_S:-150} "python3 benchmarks/host_rows_gpu.py --layouts keys \
+      --rows 12288,24576 --pool-rows 16777216 --out \$OUT"
+    TAIL=30 part kc ${KC_S:-170} "python3 -m experiments.cli run \
+      configs/experiments/kernel_compare_s42_index.gin 2>&1 | grep -v ' spent$'" ;;
+  kc)
+    TAIL=60 part kc $(( ${KC_BUDGET_S:-300} + 150 )) "python3 -m experiments.cli run \
+      configs/experiments/kernel_compare.gin --gin.kernel_compare.budget_s=${KC_BUDGET_S:-300} \
+      --gin.kernel_compare.profile=True 2>&1 | grep -v ' spent$'" ;;
+  profiles)
+    PROFILE_GIN=$FP8_GIN profile p512 524288 36 ${PROFILE_S:-220}
+    PROFILE_GIN=$FP8_GIN profile p950 972800 20 ${P950_S:-260} ;;
+  *) echo "STEP=${STEP}: unknown (keys | kc | profiles)"; exit 2 ;;
+esac
