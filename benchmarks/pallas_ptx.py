@@ -13,7 +13,11 @@ Sets (--set): index_logits (default) at a V4 prefill tile (1024 queries x 64 hea
 32768 keys); index_scores: the decode indexer at 512K (N 131104, 64 heads x 128, pages of
 64), contiguous (``index_scores``) and paged (``index_scores_paged``), each with f32 q (two
 bf16 dots) and fp8 x fp8 (``fp8=True``), at the launch ``default_config`` gives N; fp8: every
-kernel with e4m3 x e4m3 dots (``_fp8_kernels``), which should show ``wgmma ... e4m3.e4m3``.
+kernel with e4m3 x e4m3 dots (``_fp8_kernels``), which should show ``wgmma ... e4m3.e4m3``;
+attention: sparse_attention at issue 16's shape (``_attention_kernels``).
+The IR goes through the TTIR stage's passes first (``pallas_kernels.ptx.ttir_passes``, as XLA
+does on the GPU; before session 43 this script skipped them, which changed registers and
+spills, e.g. sparse_attention's ~1.2 KB of spills that the GPU's kernel does not have).
 """
 
 from __future__ import annotations
@@ -93,6 +97,26 @@ def _fp8_kernels() -> dict:
     return out
 
 
+def _attention_kernels() -> dict:
+    """sparse_attention's Triton kernel at issue 16's shape (B 64, 64 heads, D 512, K 512, W
+    128, bf16 rows) at its default launch and the launches sessions 24-39 timed."""
+    from pallas_kernels.sparse_attention.triton import default_config, sparse_attention_triton
+
+    s, h, d, k, w, r = 64, 64, 512, 512, 128, 4096
+    bf16 = jnp.bfloat16
+    specs = (S((s, h, d), bf16), S((s, r, d), bf16), S((s, k), jnp.int32), S((s, w, d), bf16),
+             S((s, w), bool), S((h,), jnp.float32))
+    out = {}
+    for name, launch in (("default", {}), ("2 stages", dict(num_stages=2)),
+                         ("BK 64, 2 stages", dict(block_k=64, num_stages=2)),
+                         ("BK 16", dict(block_k=16))):
+        cfg = default_config(s, h, d, k, w, 2 * d, **launch)
+        out[f"sparse_attention {name}"] = (
+            functools.partial(sparse_attention_triton, **launch), specs,
+            {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+    return out
+
+
 SETS = {
     "index_logits": lambda: {
         "index_logits": (functools.partial(index_logits, implementation="triton"), IL_SPECS,
@@ -101,6 +125,7 @@ SETS = {
         "index_logits BT 8, 8 warps": _index_logits_variant(block_t=8, num_warps=8)},
     "index_scores": _index_scores_kernels,
     "fp8": _fp8_kernels,
+    "attention": _attention_kernels,
 }
 
 

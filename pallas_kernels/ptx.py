@@ -48,12 +48,41 @@ def upstream_attrs(ttir: str) -> str:
                   r"eviction_policy = (\w+)>", one, ttir)
 
 
+def ttir_passes(ttir: str, num_warps: int, num_stages: int) -> str:
+    """Triton IR text after the triton package's TTIR stage (``make_ttir``: inliner,
+    canonicalize, combine, CSE, LICM, ...), which XLA's own Triton pipeline also runs on a
+    Pallas kernel before the GPU stages. ``triton.compile`` of an IR file skips the passes of
+    the file's own stage, so without this the PTX below would miss e.g. the combine of
+    ``acc + dot(a, b)`` into ``dot(a, b, acc)`` (sparse_attention: ptxas then spilled ~1.2 KB
+    a thread that the kernel on the GPU does not spill)."""
+    import inspect
+
+    import triton
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = triton.compiler.make_backend(target)
+    opts = backend.parse_options(dict(num_warps=num_warps, num_stages=num_stages))
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    backend.load_dialects(ctx)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = pathlib.Path(tmp) / "kernel.ttir"
+        src.write_text(upstream_attrs(ttir))
+        mod = ir.parse_mlir_module(str(src), ctx)
+    mod.context = ctx
+    args = (mod, {}, opts, target.arch)
+    return str(backend.make_ttir(*args[:len(inspect.signature(backend.make_ttir).parameters)]))
+
+
 def compile_sm90(ttir: str, num_warps: int, num_stages: int) -> str:
-    """PTX of Triton IR text for sm_90."""
+    """PTX of Triton IR text (as Pallas emits it) for sm_90: the TTIR stage's passes
+    (``ttir_passes``), then the GPU stages."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    ttir = upstream_attrs(ttir)
+    ttir = ttir_passes(ttir, num_warps, num_stages)
     with tempfile.TemporaryDirectory() as tmp:
         src = pathlib.Path(tmp) / "kernel.ttir"
         src.write_text(ttir)
