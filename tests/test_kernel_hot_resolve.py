@@ -23,7 +23,7 @@ from lsparse_jax.memory import HotCache, empty_pool, resolve
 from lsparse_jax.memory.host_pool import write_host_page
 from pallas_kernels import common
 from pallas_kernels.hot_resolve import api as hot_api
-from pallas_kernels.hot_resolve import hot_resolve
+from pallas_kernels.hot_resolve import hot_resolve, packed
 from tests.helpers import assert_resolved_rows
 
 IMPLS = ["xla", "triton_copy"]
@@ -115,12 +115,18 @@ class World:
         return out
 
     def device_args(self, pytree):
+        """pytree: False (one leaf), True (a tuple of leaves) or "packed" (a tuple of row
+        leaves, the pool a ``PackedPool`` of them)."""
         rows = [jnp.asarray(r) for r in self.rows]
         pool = [jax.device_put(p, HOST) for p in self.pool]
         if not pytree:
             rows, pool = rows[0], pool[0]
         else:
             rows, pool = tuple(rows), tuple(pool)
+        if pytree == "packed":
+            layout, treedef = packed.layout_of(rows)
+            pool = packed.PackedPool(jax.device_put(packed.pack(self.pool), HOST), layout,
+                                     treedef)
         return (rows, jnp.asarray(self.positions), jnp.asarray(self.stamps),
                 jnp.asarray(self.clock), jnp.asarray(self.table), pool)
 
@@ -235,6 +241,33 @@ def test_fused_moves_e8m0_scales_bit_for_bit():
 def test_fused_pytree_rows_fp8_keys_and_scales():
     world = World(seed=3, s=2, b=10, k=7, leaves=[(32, "float8_e4m3fn"), (1, "float32")])
     _run_case(world, steps=4, pytree=True, impls=("xla", FUSED))
+
+
+@pytest.mark.parametrize("impls", [("xla", FUSED2), ("xla", "triton_copy")])
+def test_packed_pool_of_fp8_keys_and_scales(impls):
+    """LeanSparse's host key rows packed (``packed.PackedPool``: 32 e4m3 values and an f32
+    scale side by side in 9 words a row): every implementation equals the LRU model and
+    "xla" bit for bit (NaN payloads included), the hot rows stay (values, scales)."""
+    world = World(seed=8, s=2, b=10, k=7, leaves=[(32, "float8_e4m3fn"), (1, "float32")])
+    _run_case(world, steps=4, pytree="packed", impls=impls)
+
+
+def test_packed_rows_round_trip_bit_for_bit():
+    """pack / unpack (and unpack_numpy) are inverse bitcasts for every leaf dtype the pools
+    hold, NaN payloads included; a leaf that is not whole words is refused."""
+    rng = np.random.default_rng(0)
+    rows = (_rows(rng, (5, 16), "float8_e4m3fn"), _rows(rng, (5, 1), "float32"),
+            _rows(rng, (5, 4), "bfloat16"), _rows(rng, (5, 4), "float8_e8m0fnu"))
+    rows = tuple(np.where(rng.random(r.shape) < 0.2, _nan(r.dtype), r) for r in rows)
+    layout, treedef = packed.layout_of(rows)
+    words = packed.pack(tuple(jnp.asarray(r) for r in rows))
+    assert words.shape == (5, 4 + 1 + 2 + 1) and words.dtype == jnp.uint32
+    for back in (packed.unpack(words, layout, treedef),
+                 packed.unpack_numpy(np.asarray(words), layout, treedef)):
+        assert [_bytes(a) for a in back] == [_bytes(r) for r in rows]
+        assert [np.asarray(a).dtype for a in back] == [r.dtype for r in rows]
+    with pytest.raises(ValueError, match="not whole 4-byte words"):
+        packed.layout_of((jnp.zeros((2, 3), jnp.bfloat16),))
 
 
 def test_pytree_rows_fp8_keys_and_scales():
@@ -356,6 +389,32 @@ def test_fused_lowers_for_cuda_under_vmap(impl, launches):
     assert "stablehlo.sort" not in text and "stablehlo.while" not in text
     call = text[text.rindex(common.TRITON_CALL_TARGET):]
     assert "output_operand_aliases" in call[:call.index("\n")]
+
+
+def test_fused_lowers_for_cuda_with_a_packed_pool():
+    """LeanSparse's key cache at batch 36 (k = C + P = 2112 of B = 4096 rows of (128 e4m3, 1
+    f32)) from a packed host pool of 33-word rows: two Triton calls (front, apply) for all
+    requests, the apply taking the one [N, 33] uint32 pool (10 operands: 7 + 2 row leaves +
+    1 pool), the hot rows aliased."""
+    s = jax.ShapeDtypeStruct
+    req, k, b, page, n = 36, 2112, 4096, 64, 1 << 20
+    rows = (s((req, b, 128), jnp.float8_e4m3fn), s((req, b, 1), jnp.float32))
+    layout, treedef = packed.layout_of((s((b, 128), jnp.float8_e4m3fn), s((b, 1), jnp.float32)))
+    pool = packed.PackedPool(s((n, 33), jnp.uint32), layout, treedef)
+
+    def fn(sel, rows, pos, stamps, clock, table, pool):
+        one = lambda *a: hot_resolve(*a, pool, page_size=page,  # noqa: E731
+                                     implementation="triton")
+        return jax.vmap(one)(sel, rows, pos, stamps, clock, table)
+
+    text = common.lower_for_cuda(fn, s((req, k), jnp.int32), rows, s((req, b), jnp.int32),
+                                 s((req, b), jnp.int32), s((req,), jnp.int32),
+                                 s((req, 2048), jnp.int32), pool)
+    assert text.count(common.TRITON_CALL_TARGET) == 2
+    call = text[text.rindex(common.TRITON_CALL_TARGET):]
+    call = call[:call.index("\n")]
+    assert "output_operand_aliases" in call and "tensor<1048576x33xui32>" in call
+    assert call.count("tensor<1048576x") == 1  # the pool is one operand
 
 
 def test_fused_lowers_for_cuda_with_e8m0_leaf():

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import common
+from pallas_kernels.hot_resolve.packed import PackedPool, pack, unpack
 
 OP = "hot_resolve"
 AVAILABLE = ("xla", "triton", "triton_fused", "triton_fused2", "triton_copy")
@@ -44,6 +45,7 @@ FASTEST_ON_GPU = "triton"
 # 97.3 / 26.0 us, "triton_copy" 0.317 / 0.262 ms); tests pin each explicitly.
 TRITON_RUNS = "triton_fused2"
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn, jnp.float8_e8m0fnu)
+WORDS = (jnp.uint32,)  # the packed rows of a PackedPool on the paths that move one array
 
 
 def _array(x):
@@ -79,15 +81,29 @@ def _check(selected, hot_rows, hot_positions, hot_stamps, clock, page_table, poo
     rows, treedef = jax.tree.flatten(hot_rows)
     if not rows:
         fail("hot_rows", "must hold at least one array")
+    for r in rows:
+        if r.ndim != 2 or r.shape[0] != b:
+            fail("hot_rows", f"leaves must be [B, D] with B={b}, got shape {r.shape}")
+        if r.dtype not in DTYPES + WORDS:
+            fail("hot_rows", f"must be float32, bfloat16, float8_e4m3fn, float8_e8m0fnu (or "
+                 f"uint32 words of packed rows), got {r.dtype}")
+    if isinstance(pool, PackedPool):
+        want = tuple((jnp.dtype(r.dtype).name, int(r.shape[1])) for r in rows)
+        if pool.treedef != treedef or pool.layout != want:
+            fail("pool", f"packs rows {pool.layout} ({pool.treedef}); hot_rows are {want} "
+                 f"({treedef})")
+        w = sum(width for _, width in pool.offsets)
+        if pool.words.ndim != 2 or pool.words.shape[1] != w or pool.words.dtype != jnp.uint32:
+            fail("pool", f"words must be [N, W={w}] uint32, got {pool.words.shape} "
+                 f"{pool.words.dtype}")
+        if pool.words.shape[0] < page_size or pool.words.shape[0] % page_size:
+            fail("pool", f"must hold whole pages of P={page_size} rows, got "
+                 f"{pool.words.shape[0]} rows")
+        return
     pools, pool_def = jax.tree.flatten(pool)
     if pool_def != treedef:
         fail("pool", f"must have the structure of hot_rows ({treedef}), got {pool_def}")
     for r, p in zip(rows, pools):
-        if r.ndim != 2 or r.shape[0] != b:
-            fail("hot_rows", f"leaves must be [B, D] with B={b}, got shape {r.shape}")
-        if r.dtype not in DTYPES:
-            fail("hot_rows", f"must be float32, bfloat16, float8_e4m3fn or float8_e8m0fnu, "
-                 f"got {r.dtype}")
         if p.ndim != 2 or p.shape[1] != r.shape[1]:
             fail("pool", f"leaves must be [N, D] with D={r.shape[1]}, got shape {p.shape}")
         if p.dtype != r.dtype:
@@ -109,7 +125,10 @@ def hot_resolve(selected, hot_rows, hot_positions, hot_stamps, clock, page_table
       clock         []        int32 steps served
       page_table    [MP]      int32 physical host page of each logical page
       pool          [N, D]    device or pinned_host flat pool (pytree like hot_rows); row r of
-                              physical page p at p * P + r; left where it is
+                              physical page p at p * P + r; left where it is. Or a
+                              ``packed.PackedPool`` [N, W] of the same rows' leaves side by
+                              side (one read a missed row; "triton_fused*" read it in place,
+                              the other paths pack the hot rows alike and unpack them after)
     Outputs:
       slots [k] int32 hot row of each selected position (-1 where selected is -1),
       hot_rows, hot_positions, hot_stamps (new), clock + 1, counts [2] int32 (hits, misses)
@@ -128,6 +147,11 @@ def hot_resolve(selected, hot_rows, hot_positions, hot_stamps, clock, page_table
     _check(selected, hot_rows, hot_positions, hot_stamps, clock, page_table, pool, page_size,
            dtypes)
     args = (selected, hot_rows, hot_positions, hot_stamps, clock, page_table, pool)
+    if isinstance(pool, PackedPool) and impl not in ("triton_fused", "triton_fused2"):
+        # the other paths move one array: the hot rows packed alike, then unpacked (copies)
+        out = hot_resolve(selected, pack(hot_rows), hot_positions, hot_stamps, clock,
+                          page_table, pool.words, page_size=page_size, implementation=impl)
+        return (out[0], unpack(out[1], pool.layout, pool.treedef)) + tuple(out[2:])
     if impl in ("triton_fused", "triton_fused2"):
         from pallas_kernels.hot_resolve.fused import hot_resolve_fused
 

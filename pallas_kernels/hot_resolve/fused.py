@@ -52,6 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
+from pallas_kernels.hot_resolve.packed import PackedPool, as_words, from_words
 
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
@@ -188,16 +189,18 @@ def _front_kernel(sel_ref, hp_ref, st_ref, code_ref, vict_ref, cnt_ref, pos_map_
              cnt_ref, k=k, b=b, npos=npos)
 
 
-def _apply_kernel(*refs, k, kb, page, pools, dims):
+def _apply_kernel(*refs, k, kb, page, pools, dims, sources):
     # inputs  sel_ref / code_ref [S, k], vict_ref [S, KP], clock_ref [S], table_ref [S, MP],
     #         hp_in / st_in [S, B] and rows_in (L leaves [S, B, D_l]) aliased (not read),
-    #         pools (L leaves [N_l, D_l], device or pinned_host)
+    #         pools (Q arrays [N_q, W_q], device or pinned_host: one a leaf, or Q = 1 packed
+    #         pool whose words [o_l, o_l + D_l) are leaf l's)
     # outputs slots_ref [S, k], hp_ref / st_ref [S, B], rows (L leaves [S, B, D_l])
-    n_leaves = len(dims)
+    # sources: (q, o_l) of every leaf
+    n_leaves, n_pools = len(dims), len(pools)
     sel_ref, code_ref, vict_ref, clock_ref, table_ref = refs[:5]
-    pool_refs = refs[7 + n_leaves:7 + 2 * n_leaves]
-    slots_ref, hp_ref, st_ref = refs[7 + 2 * n_leaves:10 + 2 * n_leaves]
-    row_refs = refs[10 + 2 * n_leaves:]
+    pool_refs = refs[7 + n_leaves:7 + n_leaves + n_pools]
+    slots_ref, hp_ref, st_ref = refs[7 + n_leaves + n_pools:10 + n_leaves + n_pools]
+    row_refs = refs[10 + n_leaves + n_pools:]
     s, blk = pl.program_id(0), pl.program_id(1)
     j = blk * kb + _iota(kb)
     ok = j < k
@@ -216,18 +219,32 @@ def _apply_kernel(*refs, k, kb, page, pools, dims):
     psel = jnp.where(miss, sel, 0)
     page_of = jnp.minimum(psel // page, table_ref.shape[1] - 1)
     src = plgpu.load(table_ref.at[s, page_of], mask=miss, other=0) * page + psel % page
-    for pool_ref, row_ref, n_rows, d in zip(pool_refs, row_refs, pools, dims):
+    def load(q, off, d):
         col = _iota(_pow2(d))
         m2 = miss[:, None] & (col[None, :] < d)
-        src2 = jnp.clip(src, 0, n_rows - 1)[:, None]
-        vals = plgpu.load(pool_ref.at[src2, jnp.minimum(col, d - 1)[None, :]], mask=m2)
+        src2 = jnp.clip(src, 0, pools[q] - 1)[:, None]
+        return plgpu.load(pool_refs[q].at[src2, off + jnp.minimum(col, d - 1)[None, :]],
+                          mask=m2)
+
+    def store(row_ref, d, vals):
+        col = _iota(_pow2(d))
+        m2 = miss[:, None] & (col[None, :] < d)
         plgpu.store(row_ref.at[s, vic[:, None], col[None, :]], vals, mask=m2)
+
+    if n_pools == 1 < n_leaves:  # one packed row: every leaf's load in flight before a store
+        vals = [load(q, off, d) for (q, off), d in zip(sources, dims)]
+        for row_ref, d, v in zip(row_refs, dims, vals):
+            store(row_ref, d, v)
+    else:
+        for (q, off), row_ref, d in zip(sources, row_refs, dims):
+            store(row_ref, d, load(q, off, d))
 
 
 # ----------------------------------------------------------------------------- XLA glue
 
 
-def _call(sel, rows, hp, st, clock, table, pools, *, page, interpret, num_warps, launches):
+def _call(sel, rows, hp, st, clock, table, pools, *, page, interpret, num_warps, launches,
+          sources=None):
     """The launches on S requests (3: map, control, apply; 2: front, apply).
     sel [S, k]; rows, pools: tuples of leaves."""
     s_n, k = sel.shape
@@ -260,11 +277,13 @@ def _call(sel, rows, hp, st, clock, table, pools, *, page, interpret, num_warps,
     dims = tuple(r.shape[2] for r in rows)
     widest = max(_pow2(d) * jnp.dtype(r.dtype).itemsize for d, r in zip(dims, rows))
     kb = max(1, min(_pow2(k), 32768 // widest, 64))  # a [KB, D] tile of <= 32 KB per leaf
-    n = len(rows)
+    n, q = len(rows), len(pools)
+    if sources is None:  # one pool a leaf
+        sources = tuple((i, 0) for i in range(n))
     outs = pl.pallas_call(
         functools.partial(_apply_kernel, k=k, kb=kb, page=page,
-                          pools=tuple(p.shape[0] for p in pools), dims=dims),
-        grid=(s_n, -(-k // kb)), in_specs=[any_] * (7 + 2 * n), out_specs=[any_] * (3 + n),
+                          pools=tuple(p.shape[0] for p in pools), dims=dims, sources=sources),
+        grid=(s_n, -(-k // kb)), in_specs=[any_] * (7 + n + q), out_specs=[any_] * (3 + n),
         out_shape=[i32(s_n, k), i32(s_n, b), i32(s_n, b)]
         + [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in rows],
         input_output_aliases={5: 1, 6: 2, **{7 + i: 3 + i for i in range(n)}},
@@ -279,13 +298,14 @@ def _flat(x, lead):
 
 
 @functools.lru_cache(maxsize=None)
-def _batched_op(treedef, page, interpret, num_warps, launches):
+def _batched_op(treedef, page, interpret, num_warps, launches, sources=None):
     """custom_vmap'd op on S requests (leading axis); a vmap over it folds into S."""
 
     @custom_vmap
     def op(sel, rows, hp, st, clock, table, pools):
         out = _call(sel, tuple(rows), hp, st, clock, table, tuple(pools), page=page,
-                    interpret=interpret, num_warps=num_warps, launches=launches)
+                    interpret=interpret, num_warps=num_warps, launches=launches,
+                    sources=sources)
         return out
 
     @op.def_vmap
@@ -340,15 +360,23 @@ def hot_resolve_fused(selected, hot_rows, hot_positions, hot_stamps, clock, page
             raise ValueError(f"hot_resolve: implementation='triton_fused' moves float32, "
                              f"bfloat16, float8_e4m3fn and float8_e8m0fnu rows, got {r.dtype} "
                              "(use 'xla')")
-    rows = [_kernel_view(r) for r in rows]
-    pools = [_kernel_view(p) for p in jax.tree.leaves(pool)]
     if launches not in (2, 3):
         raise ValueError(f"hot_resolve: launches={launches} must be 3 (map, control, apply) "
                          "or 2 (front, apply)")
-    op = _batched_op(treedef, page_size, interpret, num_warps, launches)
+    if isinstance(pool, PackedPool):  # every leaf as its words, read from one packed row
+        rows, pools, sources = [as_words(r) for r in rows], [pool.words], tuple(
+            (0, off) for off, _ in pool.offsets)
+        like_view = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in rows]
+        back = lambda r, lk, lv: from_words(r, lk.dtype, lk.shape[-1])  # noqa: E731
+    else:
+        rows, sources = [_kernel_view(r) for r in rows], None
+        pools = [_kernel_view(p) for p in jax.tree.leaves(pool)]
+        like_view = like
+        back = lambda r, lk, lv: _from_kernel_view(r, lk)  # noqa: E731
+    op = _batched_op(treedef, page_size, interpret, num_warps, launches, sources)
     one = lambda x: x[None]  # noqa: E731
     slots, rows, hp, st, clk, counts = op(
         one(selected), tuple(one(r) for r in rows), one(hot_positions), one(hot_stamps),
         one(clock), one(page_table), tuple(pools))
-    rows = [_from_kernel_view(r[0], lk) for r, lk in zip(rows, like)]
+    rows = [back(r[0], lk, lv) for r, lk, lv in zip(rows, like, like_view)]
     return (slots[0], jax.tree.unflatten(treedef, rows), hp[0], st[0], clk[0], counts[0])
