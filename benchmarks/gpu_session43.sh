@@ -10,6 +10,10 @@
 #   traced (as gpu_session37.sh STEP=kc) -> $OUT/kc/kernel_compare/.
 # STEP=profiles (~480 s): the fp8 decode profiles of session 42 (512K batch 36, 950K batch
 #   20; gpu_session42.sh STEP=fp8mma's third part and STEP=p950fp8) -> $OUT/p512/, $OUT/p950/.
+# STEP=packed (~500 s): LeanSparse's host key rows packed (LeanSparseConfig.host_key_rows =
+#   "packed": one 33-word row a key): the hot_resolve GPU tests of packed pools, then the
+#   512K batch-36 fp8 decode profile of hisparse, leansparse_fp8_jt (split rows) and
+#   leansparse_fp8_jt_pk (packed) -> $OUT/p512pk/.
 source "$(dirname "$0")/gpu_lib.sh"
 FP8_GIN="--gin \"model_preset.weight_dtype='bf16'\" \
   --gin \"model_preset.attention_precision='bf16'\" --gin \"model_preset.kv_dtype='fp8_v4'\" \
@@ -27,5 +31,10 @@ case "${STEP:-keys}" in
   profiles)
     PROFILE_GIN=$FP8_GIN profile p512 524288 36 ${PROFILE_S:-220}
     PROFILE_GIN=$FP8_GIN profile p950 972800 20 ${P950_S:-260} ;;
-  *) echo "STEP=${STEP}: unknown (keys | kc | profiles)"; exit 2 ;;
+  packed)
+    TAIL=8 part gputests ${TESTS_S:-150} "python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/test_kernel_hot_resolve.py -k 'packed or fp8_v4'"
+    METHODS=hisparse,leansparse_fp8_jt,leansparse_fp8_jt_pk PROFILE_GIN=$FP8_GIN \
+      profile p512pk 524288 36 ${PROFILE_S:-330} ;;
+  *) echo "STEP=${STEP}: unknown (keys | kc | profiles | packed)"; exit 2 ;;
 esac

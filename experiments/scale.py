@@ -76,7 +76,7 @@ from lsparse_jax.serving.request import Request
 from lsparse_jax.serving.steps import prefill
 
 PROFILED_STEPS = 3  # extra steps traced in profiled cells (not timed)
-_VARIANT = re.compile(r"leansparse(?:_g(\d+))?(_fp8)?(_jt)?$")
+_VARIANT = re.compile(r"leansparse(?:_g(\d+))?(_fp8)?(_jt)?(_pk)?$")
 
 
 def method_variant(name: str, lean: LeanSparseConfig) -> tuple[str, LeanSparseConfig]:
@@ -84,15 +84,16 @@ def method_variant(name: str, lean: LeanSparseConfig) -> tuple[str, LeanSparseCo
     leansparse with G request groups, a ``_fp8`` suffix (``leansparse_fp8``,
     ``leansparse_g2_fp8``) its FP8 coarse pass (``coarse_precision="fp8"``), a last ``_jt``
     suffix (``leansparse_fp8_jt``) its coarse pass through the jax-triton kernel
-    (``coarse_implementation="jax_triton"``, GPU only); any other entry is a method name,
-    unchanged."""
+    (``coarse_implementation="jax_triton"``, GPU only), a final ``_pk`` its host key rows
+    packed (``host_key_rows="packed"``); any other entry is a method name, unchanged."""
     match = _VARIANT.match(name)
     if match:
-        groups, fp8, jt = match.groups()
+        groups, fp8, jt, pk = match.groups()
         return "leansparse", dataclasses.replace(
             lean, groups=int(groups) if groups else lean.groups,
             coarse_precision="fp8" if fp8 else lean.coarse_precision,
-            coarse_implementation="jax_triton" if jt else lean.coarse_implementation)
+            coarse_implementation="jax_triton" if jt else lean.coarse_implementation,
+            host_key_rows="packed" if pk else lean.host_key_rows)
     return name, lean
 
 
@@ -100,7 +101,7 @@ def _check(methods, contexts, batches, steps, by_context=None):
     for m in methods:
         if method_variant(m, LeanSparseConfig())[0] not in method_names():
             raise ValueError(f"scale.methods: unknown method {m!r}; allowed: {method_names()} "
-                             "or leansparse[_g<groups>][_fp8][_jt]")
+                             "or leansparse[_g<groups>][_fp8][_jt][_pk]")
     for context, values in (by_context or {}).items():
         if context not in contexts or not values \
                 or any(not isinstance(v, int) or v < 1 for v in values):

@@ -357,6 +357,9 @@ class SamplingConfig:
             invalid("SamplingConfig", "temperature", self.temperature, "must be >= 0")
 
 
+HOST_KEY_ROWS = ("split", "packed")
+
+
 @dataclasses.dataclass(frozen=True)
 class LeanSparseConfig:
     """LeanSparse coarse-to-fine indexing (paper defaults: C = 2048, 4K key cache, offset 1).
@@ -387,6 +390,11 @@ class LeanSparseConfig:
         "triton", "jax_triton"), None: the engine's ``implementation``. "jax_triton" (GPU
         only) is the fastest FP8 form in isolation (1.33 ms at B 64, N 131072; the Pallas
         kernel 3.01 ms); it runs in the decode step's vmap through ``batch_folding``.
+      host_key_rows: how the host key pages store a key row: "split" (the D_I e4m3 values
+        and the nb f32 scales in two arrays: two host reads a missed row) or "packed" (both
+        side by side in one row of D_I / 4 + nb words, ``PackedPool``: one read; the same
+        bytes). H100, session 43, a bare copy of 12288 random rows of a 2.2 GB pool: 157 us
+        packed vs 287 us split (``benchmarks/host_rows_gpu.py --layouts keys``).
     """
 
     num_candidates: int = 2048
@@ -398,8 +406,12 @@ class LeanSparseConfig:
     fetch_stream: int | None = 1
     coarse_precision: str = "bf16"
     coarse_implementation: str | None = None
+    host_key_rows: str = "split"
 
     def __post_init__(self):
+        if self.host_key_rows not in HOST_KEY_ROWS:
+            invalid("LeanSparseConfig", "host_key_rows", self.host_key_rows,
+                    f"must be one of {HOST_KEY_ROWS}")
         _positive("LeanSparseConfig", num_candidates=self.num_candidates,
                   key_cache_rows=self.key_cache_rows, pq_subspace_dim=self.pq_subspace_dim)
         if self.miss_filter_offset is not None and not self.miss_filter_offset >= 0:

@@ -546,3 +546,13 @@ def test_gpu_fp8_host_pool_of_3gib_fused_equals_xla():
     world = World(seed=9, s=s, b=256, k=64, leaves=leaves, page=page, mp=mp,
                   spare=(3 << 30) // (page * 448) - s * mp)
     _run_case(world, steps=2, pytree=True, impls=("xla", "triton"))
+
+
+@pytest.mark.gpu
+def test_gpu_packed_key_pool_fused_equals_xla():
+    """LeanSparse's key rows (128 e4m3 values + an f32 scale) in a packed pinned_host pool of
+    33-word rows (``packed.PackedPool``): the fused kernels read each missed row in place and
+    equal "xla" and the model bit for bit on the GPU."""
+    leaves = [(128, "float8_e4m3fn"), (1, "float32")]
+    world = World(seed=10, s=4, b=512, k=256, leaves=leaves, page=64, mp=32, spare=256)
+    _run_case(world, steps=3, pytree="packed", impls=("xla", "triton", FUSED2))

@@ -330,3 +330,49 @@ def test_rescoring_reads_the_key_cache_in_place_as_the_gathered_copy():
                         implementation="triton")[0]
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert np.isneginf(np.asarray(got)[~ok]).all() and np.isfinite(np.asarray(got)[ok]).all()
+
+
+@pytest.mark.parametrize("implementation", [  # the fused kernels on packed rows: also
+    "xla", pytest.param("triton", marks=pytest.mark.slow)])  # test_kernel_hot_resolve's
+def test_packed_host_key_rows_equal_split_bit_for_bit(implementation):
+    """``host_key_rows="packed"`` (each host key row's values and scale side by side in one
+    row of words) changes where the bytes sit, not what is computed: logits, selections and
+    key sources equal the split pools' bit for bit step by step (admission pages out the
+    prompt, decode completes a page and writes it back), the packed pools
+    read back unpacked hold the split pools' bytes (NaN poison included), and the host bytes
+    are the same. "triton" (interpret mode) resolves misses with the fused kernels reading the
+    packed rows in place."""
+    from lsparse_jax.memory.key_store import host_rows_numpy
+    from pallas_kernels.hot_resolve.packed import PackedPool
+
+    lean = dict(num_candidates=32, miss_filter_offset=1.0, key_cache_rows=48)
+    engines = [make("leansparse", LeanSparseConfig(**lean, host_key_rows=rows), slots=1,
+                    implementation=implementation) for rows in ("split", "packed")]
+    split, packed = engines
+    layers = [i for i, p in enumerate(packed.state.tier.key_pools) if p is not None]
+    assert layers and all(isinstance(packed.state.tier.key_pools[i], PackedPool)
+                          for i in layers)
+    prompt = np.random.default_rng(9).integers(0, 256, 94).astype(np.int32)
+    for e in engines:
+        e.admit(prompt, max_new_tokens=40)
+
+    def same_pools():  # -> rows written (scale not NaN) over the layers
+        written = 0
+        for i in layers:
+            a, b = (host_rows_numpy(e.state.tier.key_pools[i]) for e in engines)
+            assert [x.tobytes() for x in a] == [y.tobytes() for y in b], f"layer {i}"
+            written += int((~np.isnan(b[1])).sum())
+        return written
+
+    admitted = same_pools()
+    for _ in range(4):
+        inputs = split.next_token.copy()
+        a, b = split.step(), packed.step(tokens=inputs)
+        for x, y in ((a.logits, b.logits), (a.selected, b.selected),
+                     (a.key_sources, b.key_sources)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert same_pools() > admitted  # decode wrote completed pages back
+    host_bytes = [sum(x.nbytes for x in jax.tree.leaves(e.state.tier.key_pools))
+                  for e in engines]
+    assert host_bytes[0] == host_bytes[1]
+    assert packed.metrics()["selection"]["host_key_rows"] > 0

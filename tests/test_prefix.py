@@ -34,7 +34,8 @@ from tests.helpers import assert_same_continuation, model_and_tokens, slot0_step
 CHUNK, PAGE = 16, 4
 slow = pytest.mark.slow
 METHODS = ["hisparse", pytest.param("resident", marks=slow),
-           pytest.param("leansparse", marks=slow), pytest.param("adaptive", marks=slow)]
+           pytest.param("leansparse", marks=slow), pytest.param("adaptive", marks=slow),
+           pytest.param("leansparse_packed", marks=slow)]  # host_key_rows="packed"
 
 
 @functools.cache
@@ -53,13 +54,16 @@ def codebooks():
 
 def make(method, streamed=True, slots=2, host_pages=None, device_pages=None):
     cfg, params, _ = setup()
+    rows = "packed" if method == "leansparse_packed" else "split"
+    method = method.removesuffix("_packed")
     cache = CacheConfig(num_slots=slots, prefill_chunk=CHUNK, page_size=PAGE,
                         hot_cache_rows=None if method == "resident" else 16,
                         streamed_prefill=streamed, host_pages=host_pages,
                         optional_pages=6 if method == "adaptive" else None,
                         device_pages=device_pages)
     engine = EngineConfig(model=cfg, cache=cache, method=method,
-                          leansparse=LeanSparseConfig(num_candidates=32, key_cache_rows=32))
+                          leansparse=LeanSparseConfig(num_candidates=32, key_cache_rows=32,
+                                                      host_key_rows=rows))
     return Engine(engine, params, codebooks() if method == "leansparse" else None)
 
 

@@ -68,6 +68,11 @@ def test_variants_estimates_and_grid_checks():
     assert method_variant("leansparse_fp8_jt", lean) == ("leansparse", LeanSparseConfig(
         num_candidates=32, key_cache_rows=48, coarse_precision="fp8",
         coarse_implementation="jax_triton"))
+    assert method_variant("leansparse_fp8_jt_pk", lean) == ("leansparse", LeanSparseConfig(
+        num_candidates=32, key_cache_rows=48, coarse_precision="fp8",
+        coarse_implementation="jax_triton", host_key_rows="packed"))
+    with pytest.raises(ValueError, match="unknown method 'leansparse_pk_fp8'"):
+        _check(("leansparse_pk_fp8",), (256,), (1,), 2)
     with pytest.raises(ValueError, match="unknown method 'leansparse_jt_fp8'"):
         _check(("leansparse_jt_fp8",), (256,), (1,), 2)
     assert method_variant("hisparse", lean) == ("hisparse", lean)

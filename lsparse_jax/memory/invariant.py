@@ -11,6 +11,7 @@ import numpy as np
 
 from lsparse_jax.config import EngineConfig
 from lsparse_jax.memory.hot_cache import HotCache
+from lsparse_jax.memory.key_store import host_rows_numpy
 from lsparse_jax.model.cache import CSACache, DSACache
 
 
@@ -119,8 +120,8 @@ def hierarchy_violations(engine: EngineConfig, state, truth_caches, active,
                             bad)
             if has_keys:
                 _check_store(f"layer {layer} keys", np_tree(cache.keys.tail),
-                             np_tree(tier.key_pools[layer]), cache.keys.cache, table, want_keys,
-                             done, paged, page, s, bad)
+                             host_rows_numpy(tier.key_pools[layer]), cache.keys.cache, table,
+                             want_keys, done, paged, page, s, bad)
                 if encode_keys is not None and paged:
                     want = _read(encode_keys(want_keys[0][s, :paged],
                                              want_keys[1][s, :paged], layer))

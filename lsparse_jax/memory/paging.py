@@ -20,13 +20,19 @@ def clear_table_row(table, slot):
     return table.at[slot].set(-1)
 
 
+def tail_page(rows, count, page: int):
+    """rows[count*P:(count+1)*P] (a pytree of [N, ...] leaves), NaN past N."""
+    return jax.tree.map(lambda r: jax.lax.dynamic_slice_in_dim(jnp.concatenate(
+        [r, jnp.full((page,) + r.shape[1:], jnp.nan, r.dtype)]), count * page, page), rows)
+
+
 def page_out(pool, rows, pages, count, page: int, start=0):
     """Writes rows[j*P:(j+1)*P] to host page pages[j] for start <= j < count (pytrees of
     rows/pools; pages before ``start`` already hold their rows, e.g. a reused prefix's);
-    returns (pool, the next P rows as the tail)."""
+    returns (pool, the next P rows as the tail: ``tail_page``)."""
+    tail = tail_page(rows, count, page)
     rows = jax.tree.map(lambda r: jnp.concatenate([r, jnp.full((page,) + r.shape[1:], jnp.nan,
                                                                  r.dtype)]), rows)
-    tail = jax.tree.map(lambda r: jax.lax.dynamic_slice_in_dim(r, count * page, page), rows)
     viewed, written = byte_view(pool, rows)
 
     def body(j, out):
@@ -106,4 +112,4 @@ class CompletedPages:
             full.reshape((-1,) + (1,) * (t.ndim - 1)), jnp.nan, t), tail)
 
 
-__all__ = ["CompletedPages", "page_out", "put_pages"]
+__all__ = ["CompletedPages", "page_out", "put_pages", "tail_page"]

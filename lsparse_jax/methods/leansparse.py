@@ -32,9 +32,14 @@ from lsparse_jax.memory.device_pool import (
     scatter_pages,
 )
 from lsparse_jax.memory.hot_cache import resolve, resolve_in_place
-from lsparse_jax.memory.key_store import KeyPageView, PagedKeys
+from lsparse_jax.memory.key_store import (
+    KeyPageView,
+    PagedKeys,
+    empty_packed_pool,
+    stored_form,
+)
 from lsparse_jax.memory.paged_kv import PageView, paged_rows
-from lsparse_jax.memory.paging import CompletedPages, page_out
+from lsparse_jax.memory.paging import CompletedPages, page_out, tail_page
 from lsparse_jax.methods.base import register
 from lsparse_jax.methods.hisparse import HiSparse
 from lsparse_jax.model.store import (
@@ -241,8 +246,9 @@ class LeanTier:
 
     kv_pools: tuple[jax.Array | None, ...]  # per layer [NP * P, D] f32 pinned_host KV pages
     #   (a pytree of arrays for another kv_dtype, as hisparse's)
-    key_pools: tuple[tuple[jax.Array, jax.Array] | None, ...]  # per layer ([NP * P, D_I] e4m3,
-    #   [NP * P, D_I / fp8_block] f32) pinned_host pages of FP8 indexer keys
+    key_pools: tuple  # per layer ([NP * P, D_I] e4m3, [NP * P, D_I / fp8_block] f32)
+    #   pinned_host pages of FP8 indexer keys, or a PackedPool of those rows
+    #   (LeanSparseConfig.host_key_rows = "packed"); None for layers without keys
     page_table: jnp.ndarray  # [S, max_pages] int32 physical page of each logical page, -1 none
     codebooks: tuple[jnp.ndarray | None, ...]  # per layer [M, K, D_I / M] f32 PQ codebooks
     pools: DevicePools | None = None  # the device pools of the PQ codes
@@ -300,9 +306,15 @@ class LeanSparse(HiSparse):
 
     def empty_tier(self, codebooks=None) -> LeanTier:
         ic = self.engine.model.indexer
-        values = self._pools(ic.head_dim, jnp.float8_e4m3fn, self.key_layers)
-        scales = self._pools(ic.head_dim // ic.fp8_block, layers=self.key_layers)
-        keys = tuple(None if v is None else (v, s) for v, s in zip(values, scales))
+        nb = ic.head_dim // ic.fp8_block
+        if self.settings.host_key_rows == "packed":
+            keys = tuple(empty_packed_pool(self.engine.host_pages * self.page_rows(i),
+                                           ic.head_dim, nb) if i in self.key_layers else None
+                         for i in range(self.engine.model.num_layers))
+        else:
+            values = self._pools(ic.head_dim, jnp.float8_e4m3fn, self.key_layers)
+            scales = self._pools(nb, layers=self.key_layers)
+            keys = tuple(None if v is None else (v, s) for v, s in zip(values, scales))
         return LeanTier(self._kv_pools(), keys, self._page_table(),
                         self._check_codebooks(codebooks), self.empty_pools())
 
@@ -345,8 +357,9 @@ class LeanSparse(HiSparse):
         page = self.page_rows(layer)
         rows = (cache.keys.values, cache.keys.scales)
         pools = list(tier.key_pools)
-        pools[layer], key_tail = page_out(pools[layer], rows, grant.pages, full_pages, page,
-                                          grant.written)
+        target, stored, pool_of, _ = stored_form(pools[layer], rows)
+        target, _ = page_out(target, stored, grant.pages, full_pages, page, grant.written)
+        pools[layer], key_tail = pool_of(target), tail_page(rows, full_pages, page)
         codes = encode_keys(*rows, tier.codebooks[layer])
         paged = jnp.arange(codes.shape[0]) < full_pages * page
         codes = jnp.where(paged[:, None], codes, 0)
@@ -369,7 +382,8 @@ class LeanSparse(HiSparse):
             return cache, tier
         keys, book = cache.keys, tier.codebooks[layer]
         pools = list(tier.key_pools)
-        pools[layer] = host.write_tails(pools[layer], keys.tail)
+        target, tails, pool_of, _ = stored_form(pools[layer], keys.tail)
+        pools[layer] = pool_of(host.write_tails(target, tails))
         encoded = lambda s: encode_keys(keys.tail[0][s], keys.tail[1][s], book)  # noqa: E731
         if device is None:
             codes = host.for_each(lambda j, s, codes: jax.lax.dynamic_update_slice(

@@ -36,6 +36,7 @@ from flax import struct
 
 from lsparse_jax.config import EngineConfig, invalid
 from lsparse_jax.memory.device_pool import PoolView, gather_slot_rows
+from lsparse_jax.memory.key_store import stored_form
 from lsparse_jax.methods import policy
 from lsparse_jax.model.cache import LayerCache
 from lsparse_jax.model.store import ResidentKeys, ResidentKV
@@ -169,8 +170,11 @@ def _assemble(saved, kv_pool, key_pool, pages, full, num_rows: int, page: int):
     kv, keys = saved.kv, saved.keys
     if isinstance(kv, HostPaged):
         kv = ResidentKV(_from_host(kv_pool, pages, full, kv.tail, page, num_rows))
-    if isinstance(keys, HostPaged):
-        keys = ResidentKeys(*_from_host(key_pool, pages, full, keys.tail, page, num_rows))
+    if isinstance(keys, HostPaged):  # packed key pools: read as words, unpacked here
+        target, tail, _, rows_of = stored_form(key_pool, keys.tail)
+        rows = rows_of(_from_host(target, pages, full, tail, page, num_rows))
+        past = (jnp.arange(num_rows) >= (full + 1) * page)[:, None]  # NaN as a split read
+        keys = ResidentKeys(*jax.tree.map(lambda r: jnp.where(past, jnp.nan, r), rows))
     return saved.replace(kv=kv, keys=keys)
 
 
