@@ -34,7 +34,7 @@ case "${STEP:-keys}" in
   packed)
     TAIL=8 part gputests ${TESTS_S:-150} "python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/test_kernel_hot_resolve.py -k 'packed or fp8_v4'"
-    METHODS=hisparse,leansparse_fp8_jt,leansparse_fp8_jt_pk PROFILE_GIN=$FP8_GIN \
+    METHODS=${METHODS:-hisparse,leansparse_fp8_jt,leansparse_fp8_jt_pk} PROFILE_GIN=$FP8_GIN \
       profile p512pk 524288 36 ${PROFILE_S:-330} ;;
   *) echo "STEP=${STEP}: unknown (keys | kc | profiles | packed)"; exit 2 ;;
 esac
