@@ -30,6 +30,9 @@ Kernel boundaries order the scratch writes and reads; launches=2 ("triton_fused2
 steps 1-2 of a request in one program, ordered by a block barrier (``plgpu.debug_barrier``,
 ``__syncthreads``: the steps of one request never read another request's scratch), then 3.
 Results equal ``reference.hot_resolve_xla`` bit for bit (same LRU rule, rows copied as bytes).
+A ``packed.PackedPool`` (the leaves of a row side by side in one row of words) is one pool
+array: every hot-row leaf crosses the kernels as its words, leaf l loads words [o_l, o_l + w_l)
+of the missed row, and all leaves' loads of a block are issued before its stores.
 e8m0 leaves (the power-of-two scales of ``kv_dtype="fp8_v4"`` rows) cross the kernels as their
 bytes: Triton 3.6 rejects f8E8M0FNU tensors (``tt.load`` verifies element types), so such a leaf
 and its pool are bitcast to uint8 before the launches and the hot rows back after. Every 1-byte
@@ -366,17 +369,15 @@ def hot_resolve_fused(selected, hot_rows, hot_positions, hot_stamps, clock, page
     if isinstance(pool, PackedPool):  # every leaf as its words, read from one packed row
         rows, pools, sources = [as_words(r) for r in rows], [pool.words], tuple(
             (0, off) for off, _ in pool.offsets)
-        like_view = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in rows]
-        back = lambda r, lk, lv: from_words(r, lk.dtype, lk.shape[-1])  # noqa: E731
+        back = lambda r, lk: from_words(r, lk.dtype, lk.shape[-1])  # noqa: E731
     else:
         rows, sources = [_kernel_view(r) for r in rows], None
         pools = [_kernel_view(p) for p in jax.tree.leaves(pool)]
-        like_view = like
-        back = lambda r, lk, lv: _from_kernel_view(r, lk)  # noqa: E731
+        back = _from_kernel_view
     op = _batched_op(treedef, page_size, interpret, num_warps, launches, sources)
     one = lambda x: x[None]  # noqa: E731
     slots, rows, hp, st, clk, counts = op(
         one(selected), tuple(one(r) for r in rows), one(hot_positions), one(hot_stamps),
         one(clock), one(page_table), tuple(pools))
-    rows = [back(r[0], lk, lv) for r, lk, lv in zip(rows, like, like_view)]
+    rows = [back(r[0], lk) for r, lk in zip(rows, like)]
     return (slots[0], jax.tree.unflatten(treedef, rows), hp[0], st[0], clk[0], counts[0])
