@@ -25,6 +25,12 @@ part() {
     echo "-- $name exit ${PIPESTATUS[0]} (124: cut by its timeout)")
 }
 
+# FP8_GIN: decode_profile_gpu.py options of the fp8 profiles (sessions 41-43): bf16 weights and
+# attention, V4's FP8 KV rows, fp8 indexer scores, input repeat 0.3 (PROFILE_GIN=$FP8_GIN)
+FP8_GIN="--gin \"model_preset.weight_dtype='bf16'\" \
+  --gin \"model_preset.attention_precision='bf16'\" --gin \"model_preset.kv_dtype='fp8_v4'\" \
+  --gin \"model_preset.score_precision='fp8'\" --input-repeat 0.3"
+
 # profile NAME CONTEXT BATCH SECONDS: benchmarks/decode_profile_gpu.py's decode profile of
 # $METHODS (default hisparse and leansparse_fp8_jt) at bf16 matmuls, with the HLO census, as
 # part NAME (prefills cached in /tmp/lsparse_scale_prefill while the machine stays warm);

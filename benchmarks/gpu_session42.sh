@@ -18,9 +18,6 @@
 #   (configs/experiments/kernel_compare_s42_index.gin) -> $OUT/kc/kernel_compare_s42_index/.
 # Session 41's queue (gpu_session41.sh) stands: STEP=colaunch, STEP=serve41, STEP=p950.
 source "$(dirname "$0")/gpu_lib.sh"
-FP8_GIN="--gin \"model_preset.weight_dtype='bf16'\" \
-  --gin \"model_preset.attention_precision='bf16'\" --gin \"model_preset.kv_dtype='fp8_v4'\" \
-  --gin \"model_preset.score_precision='fp8'\" --input-repeat 0.3"
 case "${STEP:-fp8mma}" in
   fp8mma)
     TAIL=12 part gputests ${TESTS_S:-130} "python3 -m pytest -q -m gpu -p no:cacheprovider \

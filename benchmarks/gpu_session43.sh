@@ -15,9 +15,6 @@
 #   512K batch-36 fp8 decode profile of hisparse, leansparse_fp8_jt (split rows) and
 #   leansparse_fp8_jt_pk (packed) -> $OUT/p512pk/.
 source "$(dirname "$0")/gpu_lib.sh"
-FP8_GIN="--gin \"model_preset.weight_dtype='bf16'\" \
-  --gin \"model_preset.attention_precision='bf16'\" --gin \"model_preset.kv_dtype='fp8_v4'\" \
-  --gin \"model_preset.score_precision='fp8'\" --input-repeat 0.3"
 case "${STEP:-keys}" in
   keys)
     TAIL=12 part keys ${KEYS_S:-150} "python3 benchmarks/host_rows_gpu.py --layouts keys \
