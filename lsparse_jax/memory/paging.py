@@ -20,19 +20,27 @@ def clear_table_row(table, slot):
     return table.at[slot].set(-1)
 
 
+def _padded(rows, page: int):
+    """rows (a pytree of [N, ...] leaves) with P NaN rows after them."""
+    return jax.tree.map(lambda r: jnp.concatenate(
+        [r, jnp.full((page,) + r.shape[1:], jnp.nan, r.dtype)]), rows)
+
+
+def _tail(padded, count, page: int):
+    return jax.tree.map(lambda r: jax.lax.dynamic_slice_in_dim(r, count * page, page), padded)
+
+
 def tail_page(rows, count, page: int):
     """rows[count*P:(count+1)*P] (a pytree of [N, ...] leaves), NaN past N."""
-    return jax.tree.map(lambda r: jax.lax.dynamic_slice_in_dim(jnp.concatenate(
-        [r, jnp.full((page,) + r.shape[1:], jnp.nan, r.dtype)]), count * page, page), rows)
+    return _tail(_padded(rows, page), count, page)
 
 
 def page_out(pool, rows, pages, count, page: int, start=0):
     """Writes rows[j*P:(j+1)*P] to host page pages[j] for start <= j < count (pytrees of
     rows/pools; pages before ``start`` already hold their rows, e.g. a reused prefix's);
     returns (pool, the next P rows as the tail: ``tail_page``)."""
-    tail = tail_page(rows, count, page)
-    rows = jax.tree.map(lambda r: jnp.concatenate([r, jnp.full((page,) + r.shape[1:], jnp.nan,
-                                                                 r.dtype)]), rows)
+    rows = _padded(rows, page)
+    tail = _tail(rows, count, page)
     viewed, written = byte_view(pool, rows)
 
     def body(j, out):
