@@ -222,16 +222,19 @@ def _apply_kernel(*refs, k, kb, page, pools, dims, sources):
     psel = jnp.where(miss, sel, 0)
     page_of = jnp.minimum(psel // page, table_ref.shape[1] - 1)
     src = plgpu.load(table_ref.at[s, page_of], mask=miss, other=0) * page + psel % page
-    def load(q, off, d):
+
+    def tile(d):  # a leaf's pow2 columns and the [KB, D] mask of missed rows
         col = _iota(_pow2(d))
-        m2 = miss[:, None] & (col[None, :] < d)
+        return col, miss[:, None] & (col[None, :] < d)
+
+    def load(q, off, d):
+        col, m2 = tile(d)
         src2 = jnp.clip(src, 0, pools[q] - 1)[:, None]
         return plgpu.load(pool_refs[q].at[src2, off + jnp.minimum(col, d - 1)[None, :]],
                           mask=m2)
 
     def store(row_ref, d, vals):
-        col = _iota(_pow2(d))
-        m2 = miss[:, None] & (col[None, :] < d)
+        col, m2 = tile(d)
         plgpu.store(row_ref.at[s, vic[:, None], col[None, :]], vals, mask=m2)
 
     if n_pools == 1 < n_leaves:  # one packed row: every leaf's load in flight before a store

@@ -41,16 +41,7 @@ class PackedPool:
     @property
     def offsets(self) -> tuple[tuple[int, int], ...]:
         """(o_l, w_l) of every leaf."""
-        out, o = [], 0
-        for name, d in self.layout:
-            w = leaf_words(jnp.dtype(name), d)
-            out.append((o, w))
-            o += w
-        return tuple(out)
-
-    @property
-    def nbytes(self) -> int:
-        return self.words.nbytes
+        return offsets(self.layout)
 
 
 def leaf_words(dtype, d: int) -> int:
@@ -61,6 +52,16 @@ def leaf_words(dtype, d: int) -> int:
         raise ValueError(f"packed pool: a leaf of {d} x {jnp.dtype(dtype).name} is {size} "
                          "bytes, not whole 4-byte words")
     return size // 4
+
+
+def offsets(layout) -> tuple[tuple[int, int], ...]:
+    """(o_l, w_l) of every leaf of ``layout``."""
+    out, o = [], 0
+    for name, d in layout:
+        w = leaf_words(name, d)
+        out.append((o, w))
+        o += w
+    return tuple(out)
 
 
 def layout_of(rows) -> tuple[tuple[tuple[str, int], ...], jax.tree_util.PyTreeDef]:
@@ -101,24 +102,16 @@ def pack(rows):
 
 def unpack(words, layout, treedef):
     """Inverse of ``pack``: words [..., W] -> the pytree of leaves ``layout`` describes."""
-    out, o = [], 0
-    for name, d in layout:
-        w = leaf_words(name, d)
-        out.append(from_words(words[..., o:o + w], name, d))
-        o += w
-    return jax.tree.unflatten(treedef, out)
+    return jax.tree.unflatten(treedef, [from_words(words[..., o:o + w], name, d) for (name, d),
+                                        (o, w) in zip(layout, offsets(layout))])
 
 
 def unpack_numpy(words: np.ndarray, layout, treedef):
     """``unpack`` of a host numpy copy, in numpy (for checks that read pools back)."""
-    out, o = [], 0
-    for name, d in layout:
-        w = leaf_words(name, d)
-        out.append(np.ascontiguousarray(words[..., o:o + w]).view(jnp.dtype(name))
-                   .reshape(*words.shape[:-1], d))
-        o += w
-    return jax.tree.unflatten(treedef, out)
+    return jax.tree.unflatten(treedef, [
+        np.ascontiguousarray(words[..., o:o + w]).view(jnp.dtype(name))
+        .reshape(*words.shape[:-1], d) for (name, d), (o, w) in zip(layout, offsets(layout))])
 
 
-__all__ = ["PackedPool", "as_words", "from_words", "layout_of", "leaf_words", "pack",
+__all__ = ["PackedPool", "as_words", "from_words", "layout_of", "leaf_words", "offsets", "pack",
            "unpack", "unpack_numpy"]
