@@ -31,6 +31,8 @@ from pallas_kernels.topk.candidates import candidate_topk_triton
 VARIANTS = [("xla", None), ("xla_sort", None)] + [
     (f"triton nw {w} bc {bc}", dict(num_warps=w, block_c=bc))
     for w in (4, 8, 16) for bc in (128, 256)] + [
+    (f"triton {s} nw {w}", dict(num_warps=w, search=s)) for s in ("flat1", "flat2")
+    for w in (4, 8)] + [
     ("miss_filter xla", None), ("miss_filter triton", None)]
 
 

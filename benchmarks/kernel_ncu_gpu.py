@@ -13,6 +13,11 @@ Two modes:
                         largest warp-stall reasons (cycles per issued instruction), and
                         shared-memory instructions, wavefronts and bank conflicts (loads and
                         stores apart) where the CSV has them.
+  --sass CSV...         reads ncu's `--page source --csv --print-source sass` output (one
+                        or more kernels) and prints / writes, per kernel, where the warp-stall
+                        samples fall: the instructions holding the most and the totals by
+                        opcode (a stall is charged to the instruction that waits; its cause is
+                        an earlier one, e.g. the load whose register it reads).
 Ops beyond the four targets: pq_topc_zero_codes (the score kernel with every code 0),
 pq_topc_linear (with the row-major codebook, no bank swizzle), sparse_attention_mosaic and
 sparse_attention_mosaic_unrolled (the Mosaic GPU kernel, its row copies issued by a loop or
@@ -37,6 +42,8 @@ OPS = {  # op -> (implementation, ncu kernel-name regex)
     "pq_topc_linear": ("jax_triton_linear", "pq_scores"),
     "topk": ("triton_fused", "topk_fused"),
     "index_scores": ("triton_fp8", "index_scores"),
+    # index_scores' split top-512 form: the score kernel, then candidate_topk on its scores
+    "index_top512": ("triton_fp8_split_top512", "candidate_topk|index_scores"),
     "sparse_attention": ("triton", "sparse_attention"),
     # Mosaic GPU names a kernel after its body's __name__, "anonymous" for mosaic.py's
     # functools.partial (jax/_src/pallas/mosaic_gpu/core.py::kernel)
@@ -79,6 +86,7 @@ def child(op: str, impl: str) -> None:
     case = {"pq_topc": lambda: kc.pq_topc_case(64, 131072),
             "topk": lambda: kc.topk_case(64, 262144, 2048),
             "index_scores": lambda: kc.index_scores_case(64),
+            "index_top512": lambda: kc.index_scores_case(64),
             "sparse_attention": lambda: sparse_attention_case(64)}[
         op.split("_mosaic")[0].removesuffix("_zero_codes").removesuffix("_linear")]()
     args = case.make(jax.random.key(0))
@@ -132,14 +140,100 @@ def summarize(paths: list[str]) -> list[dict]:
     return rows
 
 
+def _segments(path: str) -> list[tuple[str, list[dict]]]:
+    """ncu's source page as (kernel, rows): a header row is one with a "Source" cell; the rows
+    after it, until the next header, are one kernel's instructions (the kernel named by the
+    last non-CSV line before the header, else by the file)."""
+    segs, head, name = [], None, pathlib.Path(path).stem
+    for line in pathlib.Path(path).read_text(errors="replace").splitlines():
+        if not line.startswith('"'):
+            if line.strip():
+                name = line.strip()[:80]
+            continue
+        cells = next(csv.reader([line]))
+        if cells[0] == "Kernel Name" and len(cells) > 1:  # ncu 2025: "Kernel Name","<name>",
+            name, head = cells[1][:80], None
+        elif any(c.strip().lower() == "source" for c in cells):
+            head = [c.strip() for c in cells]
+            segs.append((name, []))
+        elif head is not None:
+            segs[-1][1].append(dict(zip(head, cells)))
+    return segs
+
+
+def sass_summary(paths: list[str], top: int = 40) -> list[dict]:
+    """Per kernel of each source-page CSV: total stall samples, the ``top`` instructions by
+    samples (address, SASS, samples, share, their largest stall reasons) and the samples by
+    opcode (the SASS's first token, predicate dropped) and by stall reason (``stall_*``
+    columns)."""
+    out = []
+    for path in paths:
+        for name, rows in _segments(path):
+            if not rows:
+                continue
+            cols = list(rows[0])
+            samp = next((c for c in cols if "Sampling (All" in c), None) or next(
+                (c for c in cols if "Sampl" in c), None)
+            if samp is None:
+                print(f"{path}: no sampling column in {cols}")
+                continue
+            addr = next((c for c in cols if "Address" in c), cols[0])
+            reasons = [c for c in cols if c.startswith("stall_") and "(Not Issued)" not in c]
+            insts = []
+            for index, r in enumerate(rows):
+                n = _number(r.get(samp, "")) or 0.0
+                src = r.get("Source", "").strip()
+                op = src.split()[1] if src.startswith("@") and len(src.split()) > 1 else (
+                    src.split() or ["?"])[0]
+                why = {c[len("stall_"):]: _number(r.get(c, "")) or 0.0 for c in reasons}
+                insts.append({"index": index, "address": r.get(addr, ""), "sass": src,
+                              "samples": n, "opcode": op.rstrip(";"), "stalls": why})
+            total = sum(i["samples"] for i in insts) or 1.0
+            by_op: dict[str, float] = {}
+            by_why: dict[str, float] = {}
+            for i in insts:
+                by_op[i["opcode"]] = by_op.get(i["opcode"], 0.0) + i["samples"]
+                for k, v in i["stalls"].items():
+                    by_why[k] = by_why.get(k, 0.0) + v
+            ranked = sorted(insts, key=lambda i: -i["samples"])[:top]
+            for i in ranked:
+                i["share"] = i["samples"] / total
+                i["stalls"] = dict(sorted(((k, v) for k, v in i["stalls"].items() if v),
+                                          key=lambda kv: -kv[1])[:3])
+            for i in insts:
+                if "share" not in i:
+                    i.pop("stalls")
+            out.append({"file": pathlib.Path(path).name, "kernel": name, "columns": cols,
+                        "instructions": len(insts), "samples": total, "top": ranked,
+                        "by_opcode": sorted(((k, v / total) for k, v in by_op.items()),
+                                            key=lambda kv: -kv[1])[:25],
+                        "by_stall": sorted(((k, v / total) for k, v in by_why.items() if v),
+                                           key=lambda kv: -kv[1])})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--op", choices=sorted(OPS))
     ap.add_argument("--impl", default=None, help="default: the op's entry in OPS")
     ap.add_argument("--summarize", nargs="*", default=None, metavar="CSV")
-    ap.add_argument("--json", default=None, help="with --summarize: write the rows here")
+    ap.add_argument("--sass", nargs="*", default=None, metavar="CSV")
+    ap.add_argument("--json", default=None, help="with --summarize / --sass: write the rows here")
     ap.add_argument("--regex", action="store_true", help="print the op's kernel regex and exit")
     args = ap.parse_args()
+    if args.sass is not None:
+        recs = sass_summary(args.sass)
+        for rec in recs:
+            print(f"== {rec['file']} {rec['kernel']}: {rec['instructions']} instructions, "
+                  f"{rec['samples']:.0f} samples")
+            print("   by opcode: " + ", ".join(f"{k} {v:.1%}" for k, v in rec["by_opcode"][:14]))
+            print("   by stall: " + ", ".join(f"{k} {v:.1%}" for k, v in rec["by_stall"][:8]))
+            for i in rec["top"][:24]:
+                why = " ".join(f"{k}:{v:.0f}" for k, v in i["stalls"].items())
+                print(f"   #{i['index']:<5} {i['share']:6.1%}  {i['sass'][:64]:64} {why}")
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(recs, indent=1))
+        return
     if args.summarize is not None:
         rows = summarize(args.summarize)
         for r in rows:

@@ -15,6 +15,10 @@
 # skips step 1. Session 25 ran the default (80 s wall, results/kernel_ncu/). Shared-memory
 # wavefronts and bank conflicts (loads, stores) are in the CSVs and summary.json since
 # session 26.
+# SOURCE=1 (session 44): instead, per-instruction warp-stall sampling (ncu's SourceCounters)
+# of one launch of each of $OPS' kernels ($SOURCE_REGEX_<op> overrides the op's regex), the
+# SASS page as CSV ($OUT/sass_<op>.csv) and its summary (kernel_ncu_gpu.py --sass: the
+# instructions and opcodes that hold the samples) -> $OUT/sass_summary.json.
 source "$(dirname "$0")/gpu_lib.sh"
 if [ "${ABLATE:-1}" = 1 ]; then
   echo "== ablations"
@@ -25,6 +29,25 @@ uname -r
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 echo "ncu: ${NCU:-not found}"; [ -n "$NCU" ] || { pack kernel_ncu; exit 1; }
 export XLA_FLAGS="--xla_gpu_enable_command_buffer="
+if [ "${SOURCE:-0}" = 1 ]; then
+  for op in ${OPS:-sparse_attention topk index_scores}; do
+    var="SOURCE_REGEX_$op"; re=${!var:-$(python3 benchmarks/kernel_ncu_gpu.py --op "$op" --regex)}
+    echo "== $op source (kernels: $re)"
+    timeout "${NCU_S:-150}" "$NCU" --clock-control none --target-processes all -k "regex:$re" \
+      -c "${LAUNCHES:-1}" --set none --section SourceCounters --section WarpStateStats \
+      --warp-sampling-interval "${SAMPLING:-0}" \
+      --import-source no -f -o "$OUT/src_$op" python3 benchmarks/kernel_ncu_gpu.py --op "$op" \
+      > "$OUT/src_$op.log" 2>&1
+    echo "-- $op exit $?"; tail -3 "$OUT/src_$op.log"
+    "$NCU" -i "$OUT/src_$op.ncu-rep" --page source --csv --print-source sass \
+      > "$OUT/sass_$op.csv" 2> "$OUT/sass_$op.err"
+    echo "-- $op sass: $(wc -l < "$OUT/sass_$op.csv") lines"; head -c 600 "$OUT/sass_$op.csv"; echo
+  done
+  python3 benchmarks/kernel_ncu_gpu.py --sass "$OUT"/sass_*.csv --json "$OUT/sass_summary.json"
+  rm -f "$OUT"/*.ncu-rep  # MBs each; the CSVs hold what is read here
+  pack kernel_ncu_source
+  exit 0
+fi
 SECTIONS="--section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats"
 METRICS="--metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"
 METRICS+=",l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum"

@@ -22,7 +22,8 @@ other three at their issue-16 target shapes:
 run's winners, s39b bf16 rows' new default (3 stages) against 2 and FP8 rows' tunables, s39c
 a third run of topk's and index_scores' split winners, s40 topk's select loop with prefetch,
 s41 HiSparse's paged decode indexer at 512K, batch 36 (its launch and arithmetic), s42 the
-Pallas kernels' fp8 dots on fp8 wgmma (``pallas_kernels.fp8_dot``) against the widened form.
+Pallas kernels' fp8 dots on fp8 wgmma (``pallas_kernels.fp8_dot``) against the widened form,
+s44 sparse_attention with one warpgroup a program (column splits).
 Timing: ``timing.time_program`` (one jitted program, built once a variant, calling the op on
 --sets input sets, so dispatch is amortized as in kernel_compare; median of --repeats
 programs) once a round for each variant, --rounds rounds, the order rotated a round
@@ -137,6 +138,18 @@ INDEX_PAGED_S41 = {"default": {}, "bc32": dict(block_c=32), "bc128": dict(block_
 # LeanSparse's Pallas coarse PQ pass at 512K B 36
 FP8_S42 = {"default": dict(widened=True), "wgmma": {}}
 INDEX_PAGED_S42 = FP8_S42 | {"f32q": dict(fp8=False)}
+# --set s44 (session 44): sparse_attention with one warpgroup a program. At 8 warps (the
+# default) Triton gives the [64, BK] logits dot the warp layout [8, 1] with N = BK / 2 wgmma
+# instructions, so both warpgroups compute all the logits, each issuing two n16 wgmma per
+# k-step (each rereading the [64, 16] query tile from shared memory: ~10 KB of shared reads
+# a row of K); 4 warps issue one m64n32k16 a k-step. With col_splits 2 a program's
+# accumulator is [64, 256] (128 registers a thread), and at BK 16 / 2 stages (114688 B of
+# shared memory) two programs fit an SM (benchmarks/pallas_ptx.py-style compile, CPU)
+ATTENTION_S44 = {"default": {}, "c2w4": dict(col_splits=2, num_warps=4),
+                 "c2w4bk16s2": dict(col_splits=2, num_warps=4, block_k=16, num_stages=2),
+                 "c2w4bk16s3": dict(col_splits=2, num_warps=4, block_k=16, num_stages=3),
+                 "c2w4s2": dict(col_splits=2, num_warps=4, num_stages=2),
+                 "bk64s2": dict(block_k=64, num_stages=2)}
 SETS = {"s38": {"topk": _on(TOPK_S38_DEFAULT, TOPK),
                 "sparse_attention": _on(ATTENTION_S38_DEFAULT, ATTENTION, "block_k"),
                 "index_scores": _on(INDEX_S38_DEFAULT, INDEX, "block_c")},
@@ -149,7 +162,8 @@ SETS = {"s38": {"topk": _on(TOPK_S38_DEFAULT, TOPK),
         "s40": {"topk": TOPK_S40},
         "s41": {"index_scores_paged": INDEX_PAGED_S41},
         "s42": {"index_scores_paged_fp8": INDEX_PAGED_S42, "index_scores_fp8": FP8_S42,
-                "index_topk_fp8": FP8_S42, "pq_coarse_fp8": FP8_S42}}
+                "index_topk_fp8": FP8_S42, "pq_coarse_fp8": FP8_S42},
+        "s44": {"sparse_attention": ATTENTION_S44}}
 SHAPES = {"topk": dict(b=64, n=262144, k=2048), "sparse_attention": dict(b=64, k=512, w=128),
           "sparse_attention_fp8": dict(b=64, k=512, w=128), "index_scores": dict(b=64, c=2048),
           "index_scores_paged": dict(b=36, n=131104),

@@ -71,6 +71,20 @@ def test_kernel_matches_twin_as_sets(kind, r, k):
                         candidate_topk(scores, ids, k, implementation="xla"))
 
 
+@pytest.mark.parametrize("search", ["flat1", "flat2"])
+@pytest.mark.parametrize("kind", ["ties", "special"])
+def test_radix_search_forms_pick_the_same_winners(search, kind):
+    """The 1D radix-count forms (1 or 2 bits a step) against the twin, ties included (the id
+    search runs)."""
+    from pallas_kernels.topk.candidates import candidate_topk_triton
+
+    rng = np.random.default_rng(len(search) + len(kind))
+    scores, ids = make_rows(rng, 3, 300, kind)
+    assert_same_winners(candidate_topk_triton(jnp.asarray(scores), jnp.asarray(ids), k=40,
+                                              block_c=64, search=search),
+                        candidate_topk(scores, ids, 40, implementation="xla"))
+
+
 def test_ties_go_to_the_lower_id_not_the_earlier_entry():
     """All scores equal, ids falling along the row: the k smallest ids (the last entries)
     win, in the kernel as in the twin."""

@@ -61,11 +61,29 @@ def radix_search(count_at, m):
     return lax.fori_loop(0, 32 // RADIX_BITS, step, jnp.int32(0))
 
 
-def select_rows(keys, vals, pos_ref, val_ref, *, k, ids=None):
+def radix_search_scalar(count_one, m, bits: int = 1):
+    """``radix_search`` with one count a threshold: count_one(u, a scalar) -> scalar count of
+    keys >= u; 32 / bits steps of 2^bits - 1 counts each (digit 0 needs none: the prefix
+    already holds >= m). Each count is one reduction of the row in its own layout, where the
+    [..., 4] count of ``radix_search`` reduces a broadcast tensor through layout conversions
+    (session 44: ``search="flat1"`` / ``"flat2"`` of ``candidate_topk_triton``)."""
+    def step(p, u):
+        shift = 32 - bits * (p + 1)
+        digit = jnp.int32(0)
+        for d in range(1, 1 << bits):
+            digit += (count_one(u | (d << shift)) >= m).astype(jnp.int32)
+        return u | (digit << shift)
+
+    return lax.fori_loop(0, 32 // bits, step, jnp.int32(0))
+
+
+def select_rows(keys, vals, pos_ref, val_ref, *, k, ids=None, search="blocks"):
     """Top-k of one row held as keys [NBLK, BC] (INT32_MIN = not eligible; entry n of the row
     = row * BC + lane) with values ``vals`` alike: the winners' ids (``ids`` [NBLK, BC]
     int32, >= 0 where eligible, distinct; None: the entry n) and values into pos_ref / val_ref
-    [KP] in row order, -1 / -inf after the m winners."""
+    [KP] in row order, -1 / -inf after the m winners. search: "blocks" (``radix_search``: a
+    [NBLK, BC, 4] count a step) or "flat1" / "flat2" (``radix_search_scalar`` over the row
+    flattened, 1 or 2 bits a step)."""
     nblk, bc = keys.shape
     blk_of = lax.broadcasted_iota(jnp.int32, (nblk, bc), 0)
     flat = blk_of * bc + lax.broadcasted_iota(jnp.int32, (nblk, bc), 1)
@@ -86,7 +104,13 @@ def select_rows(keys, vals, pos_ref, val_ref, *, k, ids=None):
             thr = thr_u ^ INT32_MIN
             return total((keys[:, :, None] >= thr[None, None, :]).astype(jnp.int32))
 
-        t = radix_search(at_least, m) ^ INT32_MIN
+        if search == "blocks":
+            t = radix_search(at_least, m) ^ INT32_MIN
+        else:
+            flat_keys = keys.reshape(nblk * bc)
+            t = radix_search_scalar(
+                lambda u: jnp.sum((flat_keys >= (u ^ INT32_MIN)).astype(jnp.int32)), m,
+                bits=int(search[-1])) ^ INT32_MIN
         ties = m - total((keys > t).astype(jnp.int32))
         tie = keys == t
         if ids is None:
@@ -103,8 +127,15 @@ def select_rows(keys, vals, pos_ref, val_ref, *, k, ids=None):
             # searched only when some tied entries lose (rare with continuous scores)
             # (the else branch computes INT32_MAX from a traced value: Pallas-Triton's cond
             # cannot yield a constant)
-            u = lax.cond(n_tie > ties, lambda: radix_search(above, n_tie - ties + 1),
-                         lambda: jnp.maximum(ties, INT32_MAX))
+            if search == "blocks":
+                search_ids = lambda: radix_search(above, n_tie - ties + 1)  # noqa: E731
+            else:
+                flat_tie = tie.reshape(nblk * bc)
+                flat_ids = (ids ^ INT32_MIN).reshape(nblk * bc)
+                search_ids = lambda: radix_search_scalar(  # noqa: E731
+                    lambda u: jnp.sum((flat_tie & (flat_ids >= (u ^ INT32_MIN))).astype(
+                        jnp.int32)), n_tie - ties + 1, bits=int(search[-1]))
+            u = lax.cond(n_tie > ties, search_ids, lambda: jnp.maximum(ties, INT32_MAX))
             won = tie & (ids <= u)
             out = ids
         keep = (keys > t) | won
@@ -113,19 +144,21 @@ def select_rows(keys, vals, pos_ref, val_ref, *, k, ids=None):
         plt.store(val_ref.at[slot], vals, mask=keep)
 
 
-def _kernel(x_ref, ids_ref, pos_ref, val_ref, *, k):
+def _kernel(x_ref, ids_ref, pos_ref, val_ref, *, k, search="blocks"):
     # inputs  x_ref [NBLK, BC] f32 scores of one row, ids_ref [NBLK, BC] int32 (-1 = none)
     # outputs pos_ref / val_ref [KP]
     ids = ids_ref[...]
     x = canonical_scores(x_ref[...])
     keys = jnp.where(ids >= 0, order_keys(x), INT32_MIN)
-    select_rows(keys, x, pos_ref, val_ref, k=k, ids=ids)
+    select_rows(keys, x, pos_ref, val_ref, k=k, ids=ids, search=search)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "block_c", "num_warps"))
-def candidate_topk_triton(scores, ids, *, k: int, block_c: int = 256, num_warps: int = 8):
+@functools.partial(jax.jit, static_argnames=("k", "block_c", "num_warps", "search"))
+def candidate_topk_triton(scores, ids, *, k: int, block_c: int = 256, num_warps: int = 8,
+                          search: str = "blocks"):
     """scores [B, R] f32, ids [B, R] int32 -> (ids [B, k] of the winners in row order, values
-    [B, k]), -1 / -inf padded (shapes checked by ``api.candidate_topk``)."""
+    [B, k]), -1 / -inf padded (shapes checked by ``api.candidate_topk``). search: the radix
+    count's form (``select_rows``)."""
     b, r = scores.shape
     bc = min(block_c, pow2(r))
     nblk = pow2(-(-r // bc))
@@ -136,7 +169,7 @@ def candidate_topk_triton(scores, ids, *, k: int, block_c: int = 256, num_warps:
     spec = pl.BlockSpec((None, nblk, bc), lambda i: (i, 0, 0))
     out = pl.BlockSpec((None, kp), lambda i: (i, 0))
     pos, val = pl.pallas_call(
-        functools.partial(_kernel, k=k),
+        functools.partial(_kernel, k=k, search=search),
         out_shape=[jax.ShapeDtypeStruct((b, kp), jnp.int32),
                    jax.ShapeDtypeStruct((b, kp), jnp.float32)],
         grid=(b,),

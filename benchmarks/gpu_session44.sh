@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Session 44's GPU calls (device tool, carry [".whl"]); the card (H100 or H200) is printed
+# first and named in benchmarks/RESULTS.md:
+# STEP=a (~200 s): candidate_topk's radix-search forms at B 64 (R 2048 / 2112, k 512; "blocks":
+#   the [NBLK, BC, 4] count a step, "flat1" / "flat2": 1D counts, 1 or 2 bits a step) ->
+#   $OUT/ct/; then per-instruction warp-stall sampling (kernel_ncu_gpu.sh SOURCE=1) of
+#   sparse_attention v2 and index_scores' split top-512 (score kernel + candidate_topk) ->
+#   $OUT/sa/, $OUT/it/; then launch_variants_gpu.py --set s44 (sparse_attention with one
+#   warpgroup a program, 15 rounds) -> $OUT/lv/.
+source "$(dirname "$0")/gpu_lib.sh"
+case "${STEP:-a}" in
+  a)
+    TAIL=30 part ct ${CT_S:-150} "python3 benchmarks/candidate_topk_gpu.py --batches 64 \
+      --out \$OUT --variants '${CT_VARIANTS:-xla,triton nw 8 bc 256,triton flat1 nw 4,triton flat1 nw 8,triton flat2 nw 4,triton flat2 nw 8}'"
+    (OUT=$OUT/sa SOURCE=1 ABLATE=0 LAUNCHES=1 SAMPLING=auto OPS=sparse_attention \
+      bash benchmarks/kernel_ncu_gpu.sh 2>&1 | tail -32)
+    (OUT=$OUT/it SOURCE=1 ABLATE=0 LAUNCHES=2 OPS=index_top512 \
+      bash benchmarks/kernel_ncu_gpu.sh 2>&1 | tail -40)
+    variants lv s44 15 ${LV_S:-120} ;;
+esac
