@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Session 44's GPU calls (device tool, carry [".whl"]); the card (H100 or H200) is printed
 # first and named in benchmarks/RESULTS.md:
-# STEP=a (~200 s): candidate_topk's radix-search forms at B 64 (R 2048 / 2112, k 512; "blocks":
+# STEP=a (~450 s): kernel_compare_s42_index.gin (index_scores at B 64, C 2048 with its
+#   query quantized in-kernel, + top-512 split / fused, candidate_topk's default now "flat1")
+#   -> $OUT/kc/; candidate_topk's radix-search forms at B 64 (R 2048 / 2112, k 512; "blocks":
 #   the [NBLK, BC, 4] count a step, "flat1" / "flat2": 1D counts, 1 or 2 bits a step) ->
 #   $OUT/ct/; then per-instruction warp-stall sampling (kernel_ncu_gpu.sh SOURCE=1) of
 #   sparse_attention v2 and index_scores' split top-512 (score kernel + candidate_topk) ->
@@ -10,8 +12,10 @@
 source "$(dirname "$0")/gpu_lib.sh"
 case "${STEP:-a}" in
   a)
-    TAIL=30 part ct ${CT_S:-150} "python3 benchmarks/candidate_topk_gpu.py --batches 64 \
-      --out \$OUT --variants '${CT_VARIANTS:-xla,triton nw 8 bc 256,triton flat1 nw 4,triton flat1 nw 8,triton flat2 nw 4,triton flat2 nw 8}'"
+    TAIL=30 part kc ${KC_S:-170} "python3 -m experiments.cli run \
+      configs/experiments/kernel_compare_s42_index.gin 2>&1 | grep -v ' spent$'"
+    TAIL=30 part ct ${CT_S:-110} "python3 benchmarks/candidate_topk_gpu.py --batches 64 \
+      --out \$OUT --variants '${CT_VARIANTS:-xla,triton blocks nw 8,triton flat1 nw 8,triton flat2 nw 8,triton blocks nw 4,triton flat1 nw 4}'"
     (OUT=$OUT/sa SOURCE=1 ABLATE=0 LAUNCHES=1 SAMPLING=auto OPS=sparse_attention \
       bash benchmarks/kernel_ncu_gpu.sh 2>&1 | tail -32)
     (OUT=$OUT/it SOURCE=1 ABLATE=0 LAUNCHES=2 OPS=index_top512 \

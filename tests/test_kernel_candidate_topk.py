@@ -71,11 +71,12 @@ def test_kernel_matches_twin_as_sets(kind, r, k):
                         candidate_topk(scores, ids, k, implementation="xla"))
 
 
-@pytest.mark.parametrize("search", ["flat1", "flat2"])
+@pytest.mark.parametrize("search", ["blocks", "flat2"])
 @pytest.mark.parametrize("kind", ["ties", "special"])
 def test_radix_search_forms_pick_the_same_winners(search, kind):
-    """The 1D radix-count forms (1 or 2 bits a step) against the twin, ties included (the id
-    search runs)."""
+    """The radix count's other forms (the default is "flat1": 1 bit a step on the flattened
+    row): "blocks" ([NBLK, BC, 4] counts) and "flat2" (2 bits a step), against the twin, ties
+    included (the id search runs)."""
     from pallas_kernels.topk.candidates import candidate_topk_triton
 
     rng = np.random.default_rng(len(search) + len(kind))

@@ -52,7 +52,7 @@ def _kernel(q_ref, w_ref, pt_ref, kv_ref, ks_ref, tv_ref, ts_ref, t0_ref, valid_
             *, nb: int, bs: int, bc: int, steps: int, page: int, max_pages: int,
             tail_rows: int, fp8: bool, barrier: bool):
     # inputs
-    #   q_ref      [HP, D]           f32 or bf16 (request b; FP8 when fp8)
+    #   q_ref      [HP, D]           f32 or bf16 (request b; quantized here when fp8)
     #   w_ref      [HP]              f32
     #   pt_ref     [B * MP]          int32 page tables, flattened (whole array, ANY)
     #   kv_ref     [R, D]            uint8 bits of the e4m3 pool values (ANY)
@@ -64,8 +64,7 @@ def _kernel(q_ref, w_ref, pt_ref, kv_ref, ks_ref, tv_ref, ts_ref, t0_ref, valid_
     # outputs
     #   out_ref    [steps * BC]      f32
     b, base = pl.program_id(0), pl.program_id(1) * (steps * bc)
-    parts = query_parts(q_ref, nb, bs, fp8)
-    w = w_ref[...].astype(jnp.float32)                             # [HP]
+    parts, w = query_parts(q_ref, w_ref[...].astype(jnp.float32), nb, bs, fp8)  # w [HP]
     offs = jax.lax.broadcasted_iota(jnp.int32, (bc,), 0)
     cols = jax.lax.broadcasted_iota(jnp.int32, (1, bs), 1)
     tail0 = plt.load(t0_ref.at[b])                                 # scalar
@@ -134,7 +133,7 @@ def index_scores_paged_triton(q, weights, pool_values, pool_scales, page_table, 
     check_triton_shapes("index_scores_paged", d, nb, fp8)
     common.check_offsets("index_scores_paged", pool_values=pool_values)
     block_c, steps, num_warps = resolve_config(b, h, n, block_c, steps, num_warps)
-    q, weights = kernel_queries(q, weights, fp8)
+    q, weights = kernel_queries(q, weights)
     hp = q.shape[1]
     rows = block_c * steps                                         # positions per program
     npad = -(-n // rows) * rows

@@ -73,26 +73,45 @@ def index_scores_xla(q: jnp.ndarray, weights: jnp.ndarray, key_values: jnp.ndarr
     return jnp.where(valid, scores, -jnp.inf)                      # [B, C]
 
 
-E4M3_MAX = 448.0
+def query_scale(amax: jnp.ndarray):
+    """(s, 1 / s) for rows of queries with max |q| = amax: s = 2^(E - 7) with E the exponent of
+    amax (amax = 1.m x 2^E), so amax / s lies in [128, 256), inside e4m3's 448 (clamped to
+    [2^-126, 2^120]: zero, subnormal and non-finite rows). Both are powers of two built from
+    the exponent bits, so q / s = q * (1 / s) and w * s are exact in any arithmetic: the
+    kernels quantize in-kernel to the same bits as this reference (a division would not: the
+    GPU kernels divide approximately, XLA exactly). Usable inside Pallas kernels."""
+    e = jax.lax.bitcast_convert_type(amax.astype(jnp.float32), jnp.int32) >> 23
+    se = jnp.clip((e & 0xFF) - 7, 1, 247)                  # biased exponent of s
+    s = jax.lax.bitcast_convert_type(se << 23, jnp.float32)
+    inv = jax.lax.bitcast_convert_type((254 - se) << 23, jnp.float32)
+    return s, inv
 
 
 def quantize_queries(q: jnp.ndarray, weights: jnp.ndarray):
     """FP8 queries for an fp8 x fp8 score (DeepGEMM ``fp8_mqa_logits`` form).
 
-    Notation: q [B, H, D], weights [B, H]; s[b, h] = max_d |q[b, h, d]| / 448 (1 for a zero
-    row). Returns (q8 [B, H, D] float8_e4m3fn = round(q / s), w8 [B, H] f32 = weights * s).
-    Since s > 0, w * ReLU(q . k) ~= w8 * ReLU(q8 . k): the query scale moves into the head
-    weight and the dot runs on FP8 operands. q8 carries e4m3's 3 mantissa bits (~3% per value).
+    Notation: q [B, H, D], weights [B, H]; s[b, h] = ``query_scale``(max_d |q[b, h, d]|), a
+    power of two with max |q| / s in [128, 256). Returns (q8 [B, H, D] float8_e4m3fn =
+    round(q / s), w8 [B, H] f32 = weights * s). Since s > 0, w * ReLU(q . k) ~= w8 *
+    ReLU(q8 . k): the query scale moves into the head weight and the dot runs on FP8 operands.
+    q8 carries e4m3's 3 mantissa bits (~3% per value; a power-of-two s changes no rounding
+    against amax / 448, only where q8's exponents sit; session 44, before: s = amax / 448).
+    The Pallas kernels quantize in-kernel with the same ops (``quantize_rows``).
     q8 comes out of an optimization barrier so that the twin, which widens it back to f32 in
     the same jitted program, keeps the rounding on the GPU too (see
     ``pallas_kernels.pq_topc.reference._to_e4m3``).
     """
-    q = q.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(q), axis=-1)
-    s = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
-    q8 = jax.lax.optimization_barrier(
-        jnp.clip(q / s[..., None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn))
-    return q8, weights.astype(jnp.float32) * s
+    (q8,), w8 = quantize_rows([q.astype(jnp.float32)], weights.astype(jnp.float32))
+    return jax.lax.optimization_barrier(q8), w8
+
+
+def quantize_rows(blocks: list, weights: jnp.ndarray):
+    """``quantize_queries`` without the barrier, also inside kernels: blocks, column blocks
+    [..., H, D_j] f32 of q (whole rows: [q]; a kernel: its scale blocks, loaded apart), weights
+    [..., H] f32 -> (the blocks in e4m3, w8); one scale a row over all blocks."""
+    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(b), axis=-1) for b in blocks])
+    s, inv = query_scale(amax)
+    return [(b * inv[..., None]).astype(jnp.float8_e4m3fn) for b in blocks], weights * s
 
 
 @jax.jit

@@ -8,7 +8,7 @@ Notation:
 
 Design: grid (B,), one program per request (the top-k needs all C scores of a request):
   1. for each block of BC candidates (a loop): FP8 keys [BC, D] dot FP8 queries [HP, D]
-     (``reference.quantize_queries``: the query scale is in the head weight) on the tensor
+     (``reference.quantize_rows`` in-kernel: the query scale is in the head weight) on the tensor
      cores in f32, times each key's scale, ReLU, weighted head sum -> [BC] scores, written out
      (-inf for invalid) and kept in registers as keys [NBLK, BC] (INT32_MIN when invalid);
   2. ``topk.candidates.select_rows`` on them: T by a 2-bit radix search from the top bit (16
@@ -33,8 +33,8 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import common
 from pallas_kernels.fp8_dot import dot_f32
-from pallas_kernels.index_scores.reference import quantize_queries
-from pallas_kernels.index_scores.triton import check_triton_shapes, padded_heads
+from pallas_kernels.index_scores.reference import quantize_rows
+from pallas_kernels.index_scores.triton import check_triton_shapes, kernel_queries
 from pallas_kernels.topk.candidates import candidate_topk_triton, pow2, select_rows
 from pallas_kernels.topk.reference import canonical_scores, order_keys
 from pallas_kernels.topk.triton import INT32_MIN
@@ -42,12 +42,12 @@ from pallas_kernels.topk.triton import INT32_MIN
 
 def _kernel(q_ref, w_ref, kv_ref, ks_ref, valid_ref, scores_ref, pos_ref, val_ref, *, nb, bs,
             bc, nblk, c, k):
-    # inputs  q_ref [HP, D] fp8, w_ref [HP] f32, kv_ref [CP, D] fp8, ks_ref [CP] (NB = 1) or
+    # inputs  q_ref [HP, D] f32 / bf16 (quantized here: ``reference.quantize_rows``), w_ref
+    #         [HP] f32, kv_ref [CP, D] fp8, ks_ref [CP] (NB = 1) or
     #         [CP, NB] f32, valid_ref [CP] bool (rows past C: masked loads, never used)
     # outputs scores_ref [CP] f32 (-inf invalid), pos_ref / val_ref [KP] winners
     cols = [pl.ds(j * bs, bs) for j in range(nb)]
-    qs = [q_ref[:, col] for col in cols]
-    w = w_ref[...]
+    qs, w = quantize_rows([q_ref[:, col].astype(jnp.float32) for col in cols], w_ref[...])
     lane = lax.broadcasted_iota(jnp.int32, (bc,), 0)
     blk_of = lax.broadcasted_iota(jnp.int32, (nblk, bc), 0)
 
@@ -104,11 +104,8 @@ def index_topk_triton(q, weights, key_values, key_scales, valid, *, k: int,
     b, h, d = q.shape
     c, nb = key_values.shape[1], key_scales.shape[2]
     check_triton_shapes("index_topk", d, nb, fp8=True)
-    q8, w8 = quantize_queries(q, weights)
-    hp = padded_heads(h)
-    if hp != h:
-        q8 = jnp.pad(q8, ((0, 0), (0, hp - h), (0, 0)))
-        w8 = jnp.pad(w8, ((0, 0), (0, hp - h)))
+    q, weights = kernel_queries(q, weights.astype(jnp.float32))
+    hp = q.shape[1]
     bc = min(block_c, pow2(c))
     nblk = pow2(-(-c // bc))
     cp, kp = nblk * bc, pow2(k)
@@ -130,5 +127,5 @@ def index_topk_triton(q, weights, key_values, key_scales, valid, *, k: int,
         compiler_params=plt.CompilerParams(num_warps=num_warps),
         interpret=common.interpret(),
         name="index_topk_fp8",
-    )(q8, w8, key_values, key_scales, valid)
+    )(q, weights, key_values, key_scales, valid)
     return pos[:, :k], val[:, :k], scores

@@ -40,7 +40,7 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import common
 from pallas_kernels.fp8_dot import dot_f32
-from pallas_kernels.index_scores.reference import quantize_queries
+from pallas_kernels.index_scores.reference import quantize_rows
 
 MIN_DOT = 16  # smallest dimension of a Triton tl.dot
 FP8_MIN_DOT = 32  # smallest contraction of an FP8 tensor-core dot
@@ -113,25 +113,33 @@ def default_config(b: int, h: int, c: int) -> tuple[int, int, int]:
     return block_c, steps, num_warps
 
 
-def query_parts(q_ref, nb: int, bs: int, fp8: bool):
-    """Inside a kernel: (operand, qs, q_lo, w-free parts) of q_ref [HP, D] for the block dots.
+def query_parts(q_ref, w, nb: int, bs: int, fp8: bool):
+    """Inside a kernel: ((operand, qs, q_lo), w) of q_ref [HP, D] and the head weights w [HP]
+    f32 for the block dots.
 
     operand: the cast a key block gets before its dot (none for fp8 x fp8, bf16 otherwise);
     qs: NB x [HP, BS] q in that form, loaded once; q_lo: NB x [HP, BS] 2^8 * (q - bf16(q))
     when an f32 q is split into bf16 hi + lo (else None).
-    fp8: q_ref holds FP8 queries (``reference.quantize_queries``) and the dot takes FP8 keys
-    as they are (an fp8 x fp8 tensor-core dot); else both are widened to bf16. An f32 q is
-    split into bf16 parts q = hi + lo (+ ~2^-17 |q|), each dotted with the keys: scores within
-    ~1e-5 of f32, so a query's 1e-6 noise cannot flip near-ties the way a bf16 rounding of q
-    (~4e-3) does. lo is kept as 2^8 * lo (exact; clear of bf16 subnormals).
+    fp8: q (f32 / bf16) is quantized here to e4m3, one power-of-two scale a head moved into
+    w (``reference.quantize_rows``, the twin's own ops: exact, so the same bits), and the dot
+    takes FP8 keys as they are (an fp8 x fp8 tensor-core dot); else both are widened to bf16
+    and w is returned as given. An f32 q is split into bf16 parts q = hi + lo (+ ~2^-17 |q|),
+    each dotted with the keys: scores within ~1e-5 of f32, so a query's 1e-6 noise cannot flip
+    near-ties the way a bf16 rounding of q (~4e-3) does. lo is kept as 2^8 * lo (exact; clear
+    of bf16 subnormals).
     """
-    operand = (lambda x: x) if fp8 else (lambda x: x.astype(jnp.bfloat16))
     cols = [pl.ds(j * bs, bs) for j in range(nb)]
+    if fp8:
+        qs, w = quantize_rows([q_ref[:, col].astype(jnp.float32) for col in cols], w)
+        return ((lambda x: x), qs, None), w
+    def operand(x):
+        return x.astype(jnp.bfloat16)
+
     qs = [operand(q_ref[:, col]) for col in cols]                 # NB x [HP, BS]
-    split = not fp8 and q_ref.dtype == jnp.float32
+    split = q_ref.dtype == jnp.float32
     q_lo = [((q_ref[:, col] - q.astype(jnp.float32)) * LO_SCALE).astype(jnp.bfloat16)
             for col, q in zip(cols, qs)] if split else None       # NB x [HP, BS] 2^8 * lo
-    return operand, qs, q_lo
+    return (operand, qs, q_lo), w
 
 
 def block_scores(keys, scale, parts, w, nb: int, barrier: bool):
@@ -163,7 +171,7 @@ def block_scores(keys, scale, parts, w, nb: int, barrier: bool):
 def _kernel(q_ref, w_ref, kv_ref, ks_ref, valid_ref, out_ref, *, nb: int, bs: int, bc: int,
             steps: int, fp8: bool = False, barrier: bool = False):
     # inputs
-    #   q_ref      [HP, D]          f32 or bf16 (request b; FP8 when fp8)
+    #   q_ref      [HP, D]          f32 or bf16 (request b; quantized here when fp8)
     #   w_ref      [HP]             f32
     #   kv_ref     [steps * BC, D]  float8_e4m3fn (candidates of program i)
     #   ks_ref     [steps * BC] f32 when NB = 1, else [steps * BC, NB] f32
@@ -171,8 +179,7 @@ def _kernel(q_ref, w_ref, kv_ref, ks_ref, valid_ref, out_ref, *, nb: int, bs: in
     # outputs
     #   out_ref    [steps * BC]     f32
     # scratch: none
-    parts = query_parts(q_ref, nb, bs, fp8)
-    w = w_ref[...].astype(jnp.float32)                             # [HP]
+    parts, w = query_parts(q_ref, w_ref[...].astype(jnp.float32), nb, bs, fp8)  # w [HP]
 
     def score_block(start):
         rows = pl.ds(start, bc)
@@ -205,7 +212,7 @@ def index_scores_triton(q: jnp.ndarray, weights: jnp.ndarray, key_values: jnp.nd
     c, nb = key_values.shape[1], key_scales.shape[2]
     check_triton_shapes("index_scores", d, nb, fp8)
     block_c, steps, num_warps = resolve_config(b, h, c, block_c, steps, num_warps)
-    q, weights = kernel_queries(q, weights, fp8)
+    q, weights = kernel_queries(q, weights)
     rows = block_c * steps                                         # candidates per program
     call = functools.partial(_call, block_c=block_c, steps=steps, num_warps=num_warps,
                              num_stages=num_stages, fp8=fp8, rows=rows)
@@ -229,12 +236,9 @@ def index_scores_triton(q: jnp.ndarray, weights: jnp.ndarray, key_values: jnp.nd
     return jnp.concatenate([head, tail], axis=1)
 
 
-def kernel_queries(q, weights, fp8: bool):
-    """(q, weights) as the kernels take them: e4m3 queries with their scales in the weights
-    when fp8 (``reference.quantize_queries``), heads zero-padded to HP (zero heads with zero
-    weight add nothing)."""
-    if fp8:
-        q, weights = quantize_queries(q, weights)
+def kernel_queries(q, weights):
+    """(q, weights) as the kernels take them: heads zero-padded to HP (zero heads with zero
+    weight add nothing; fp8 kernels quantize q in-kernel, ``query_parts``)."""
     h, hp = q.shape[1], padded_heads(q.shape[1])
     if hp != h:
         q = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))

@@ -77,7 +77,7 @@ def radix_search_scalar(count_one, m, bits: int = 1):
     return lax.fori_loop(0, 32 // bits, step, jnp.int32(0))
 
 
-def select_rows(keys, vals, pos_ref, val_ref, *, k, ids=None, search="blocks"):
+def select_rows(keys, vals, pos_ref, val_ref, *, k, ids=None, search="flat1"):
     """Top-k of one row held as keys [NBLK, BC] (INT32_MIN = not eligible; entry n of the row
     = row * BC + lane) with values ``vals`` alike: the winners' ids (``ids`` [NBLK, BC]
     int32, >= 0 where eligible, distinct; None: the entry n) and values into pos_ref / val_ref
@@ -144,7 +144,7 @@ def select_rows(keys, vals, pos_ref, val_ref, *, k, ids=None, search="blocks"):
         plt.store(val_ref.at[slot], vals, mask=keep)
 
 
-def _kernel(x_ref, ids_ref, pos_ref, val_ref, *, k, search="blocks"):
+def _kernel(x_ref, ids_ref, pos_ref, val_ref, *, k, search="flat1"):
     # inputs  x_ref [NBLK, BC] f32 scores of one row, ids_ref [NBLK, BC] int32 (-1 = none)
     # outputs pos_ref / val_ref [KP]
     ids = ids_ref[...]
@@ -155,7 +155,7 @@ def _kernel(x_ref, ids_ref, pos_ref, val_ref, *, k, search="blocks"):
 
 @functools.partial(jax.jit, static_argnames=("k", "block_c", "num_warps", "search"))
 def candidate_topk_triton(scores, ids, *, k: int, block_c: int = 256, num_warps: int = 8,
-                          search: str = "blocks"):
+                          search: str = "flat1"):
     """scores [B, R] f32, ids [B, R] int32 -> (ids [B, k] of the winners in row order, values
     [B, k]), -1 / -inf padded (shapes checked by ``api.candidate_topk``). search: the radix
     count's form (``select_rows``)."""
