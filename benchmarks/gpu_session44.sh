@@ -9,6 +9,10 @@
 #   sparse_attention v2 and index_scores' split top-512 (score kernel + candidate_topk) ->
 #   $OUT/sa/, $OUT/it/; then launch_variants_gpu.py --set s44 (sparse_attention with one
 #   warpgroup a program, 15 rounds) -> $OUT/lv/.
+# STEP=b (~380 s): the GPU tests of the kernels changed in session 44 (candidate_topk, the
+#   miss filter, index_scores / index_scores_paged / index_topk with in-kernel fp8 query
+#   quantization) -> $OUT/gputests/; then the 512K batch-36 fp8 decode profile of hisparse
+#   and leansparse_fp8_jt (as gpu_session43.sh STEP=profiles' first part) -> $OUT/p512/.
 source "$(dirname "$0")/gpu_lib.sh"
 case "${STEP:-a}" in
   a)
@@ -21,4 +25,10 @@ case "${STEP:-a}" in
     (OUT=$OUT/it SOURCE=1 ABLATE=0 LAUNCHES=2 OPS=index_top512 \
       bash benchmarks/kernel_ncu_gpu.sh 2>&1 | tail -40)
     variants lv s44 15 ${LV_S:-120} ;;
+  b)
+    TAIL=8 part gputests ${TESTS_S:-150} "python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/test_kernel_candidate_topk.py tests/test_kernel_miss_filter.py \
+      tests/test_kernel_index_scores.py tests/test_kernel_index_scores_paged.py"
+    PROFILE_GIN=$FP8_GIN profile p512 524288 36 ${PROFILE_S:-220} ;;
+  *) echo "STEP=${STEP}: unknown (a | b)"; exit 2 ;;
 esac

@@ -30,6 +30,7 @@ NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -
 echo "ncu: ${NCU:-not found}"; [ -n "$NCU" ] || { pack kernel_ncu; exit 1; }
 export XLA_FLAGS="--xla_gpu_enable_command_buffer="
 if [ "${SOURCE:-0}" = 1 ]; then
+  mkdir -p "$OUT"
   for op in ${OPS:-sparse_attention topk index_scores}; do
     var="SOURCE_REGEX_$op"; re=${!var:-$(python3 benchmarks/kernel_ncu_gpu.py --op "$op" --regex)}
     echo "== $op source (kernels: $re)"
