@@ -13,6 +13,9 @@
 #   miss filter, index_scores / index_scores_paged / index_topk with in-kernel fp8 query
 #   quantization) -> $OUT/gputests/; then the 512K batch-36 fp8 decode profile of hisparse
 #   and leansparse_fp8_jt (as gpu_session43.sh STEP=profiles' first part) -> $OUT/p512/.
+# STEP=c (~200 s): after the key search's early stop (candidates.radix_search_scalar
+#   stop_at_m): candidate_topk's GPU tests, kernel_compare_s42_index.gin again -> $OUT/kc/,
+#   candidate_topk blocks vs flat1 (8 warps) -> $OUT/ct/.
 source "$(dirname "$0")/gpu_lib.sh"
 case "${STEP:-a}" in
   a)
@@ -30,5 +33,12 @@ case "${STEP:-a}" in
       tests/test_kernel_candidate_topk.py tests/test_kernel_miss_filter.py \
       tests/test_kernel_index_scores.py tests/test_kernel_index_scores_paged.py"
     PROFILE_GIN=$FP8_GIN profile p512 524288 36 ${PROFILE_S:-220} ;;
-  *) echo "STEP=${STEP}: unknown (a | b)"; exit 2 ;;
+  c)
+    TAIL=8 part gputests ${TESTS_S:-120} "python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/test_kernel_candidate_topk.py tests/test_kernel_index_scores.py -k 'topk or top_k'"
+    TAIL=30 part kc ${KC_S:-120} "python3 -m experiments.cli run \
+      configs/experiments/kernel_compare_s42_index.gin 2>&1 | grep -v ' spent$'"
+    TAIL=16 part ct ${CT_S:-90} "python3 benchmarks/candidate_topk_gpu.py --batches 64 \
+      --out \$OUT --variants 'triton blocks nw 8,triton flat1 nw 8'" ;;
+  *) echo "STEP=${STEP}: unknown (a | b | c)"; exit 2 ;;
 esac

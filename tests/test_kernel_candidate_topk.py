@@ -86,6 +86,18 @@ def test_radix_search_forms_pick_the_same_winners(search, kind):
                         candidate_topk(scores, ids, 40, implementation="xla"))
 
 
+@pytest.mark.parametrize("k", [3, 4, 5])
+def test_search_stops_on_a_prefix_that_is_a_key(k):
+    """The key search stops once a prefix has exactly m keys at or above it; with powers of two
+    (keys with trailing zero bits) that prefix is the m-th key itself, some winners equal it,
+    and k = 4 cuts through a tie (4.0 twice at ranks 3-4 of 5 keys >= 4)."""
+    row = np.array([1.0, 16.0, 0.5, 4.0, 8.0, 4.0, 2.0, 4.0, 0.25, 1.0, 64.0], np.float32)
+    scores = np.stack([row, row[::-1]])
+    ids = np.stack([np.arange(row.size), np.arange(row.size)[::-1] + 100]).astype(np.int32)
+    assert_same_winners(candidate_topk(scores, ids, k, implementation="triton"),
+                        candidate_topk(scores, ids, k, implementation="xla"))
+
+
 def test_ties_go_to_the_lower_id_not_the_earlier_entry():
     """All scores equal, ids falling along the row: the k smallest ids (the last entries)
     win, in the kernel as in the twin."""

@@ -61,20 +61,34 @@ def radix_search(count_at, m):
     return lax.fori_loop(0, 32 // RADIX_BITS, step, jnp.int32(0))
 
 
-def radix_search_scalar(count_one, m, bits: int = 1):
+def radix_search_scalar(count_one, m, bits: int = 1, stop_at_m: bool = False):
     """``radix_search`` with one count a threshold: count_one(u, a scalar) -> scalar count of
     keys >= u; 32 / bits steps of 2^bits - 1 counts each (digit 0 needs none: the prefix
     already holds >= m). Each count is one reduction of the row in its own layout, where the
     [..., 4] count of ``radix_search`` reduces a broadcast tensor through layout conversions
-    (session 44: ``search="flat1"`` / ``"flat2"`` of ``candidate_topk_triton``)."""
-    def step(p, u):
-        shift = 32 - bits * (p + 1)
-        digit = jnp.int32(0)
-        for d in range(1, 1 << bits):
-            digit += (count_one(u | (d << shift)) >= m).astype(jnp.int32)
-        return u | (digit << shift)
+    (session 44: ``search="flat1"`` / ``"flat2"`` of ``candidate_topk_triton``).
+    stop_at_m: stop at the first step whose chosen prefix has exactly m keys >= it; the result
+    is then that prefix, not the m-th key itself, but the keys >= it are still exactly the m
+    largest (and keys > it / == it split them as the m-th key would: none are equal to a
+    prefix below every winner, or all of them are). For a top-k of distinct keys this ends
+    after the bits that separate the m-th key from the (m + 1)-th (continuous scores: ~20 of
+    32 steps)."""
+    steps = 32 // bits
 
-    return lax.fori_loop(0, 32 // bits, step, jnp.int32(0))
+    def body(state):
+        p, u, _ = state
+        shift = 32 - bits * (p + 1)
+        digit, hit = jnp.int32(0), jnp.int32(0)
+        for d in range(1, 1 << bits):
+            n = count_one(u | (d << shift))
+            digit += (n >= m).astype(jnp.int32)
+            hit = jnp.where(n >= m, n, hit)
+        return p + 1, u | (digit << shift), (hit == m) & stop_at_m
+
+    if not stop_at_m:
+        return lax.fori_loop(0, steps, lambda p, u: body((p, u, False))[1], jnp.int32(0))
+    return lax.while_loop(lambda s: (s[0] < steps) & jnp.logical_not(s[2]), body,
+                          (jnp.int32(0), jnp.int32(0), jnp.bool_(False)))[1]
 
 
 def select_rows(keys, vals, pos_ref, val_ref, *, k, ids=None, search="flat1"):
@@ -110,7 +124,7 @@ def select_rows(keys, vals, pos_ref, val_ref, *, k, ids=None, search="flat1"):
             flat_keys = keys.reshape(nblk * bc)
             t = radix_search_scalar(
                 lambda u: jnp.sum((flat_keys >= (u ^ INT32_MIN)).astype(jnp.int32)), m,
-                bits=int(search[-1])) ^ INT32_MIN
+                bits=int(search[-1]), stop_at_m=True) ^ INT32_MIN
         ties = m - total((keys > t).astype(jnp.int32))
         tie = keys == t
         if ids is None:
