@@ -258,6 +258,20 @@ def test_fp8_kernel_matches_its_twin_and_the_exact_scores(case):
         initial=0), 1e-6)
 
 
+def test_fp8_query_quantized_in_kernel_equals_quantized_before(monkeypatch):
+    """The fp8 kernel quantizes q in-kernel (few programs a request) or once before it (long
+    rows): the same exact ops (power-of-two scales), so the same scores bit for bit."""
+    from pallas_kernels.index_scores import triton as tri
+
+    args = _inputs(*CASES[0])
+    got = {}
+    for programs in (0, 1 << 20):  # 0: every row is "long"
+        monkeypatch.setattr(tri, "IN_KERNEL_QUANT_PROGRAMS", programs)
+        jax.clear_caches()
+        got[programs] = np.asarray(index_scores(*args, implementation="triton_fp8"))
+    np.testing.assert_array_equal(got[0], got[1 << 20])
+
+
 def _assert_topk(pos, val, scores, valid, k):
     """pos/val: the top-k of ``scores`` over ``valid`` as a set (ties within 1e-5 relative of
     the k-th score may swap), -1 / -inf after the min(k, #valid) winners."""

@@ -40,11 +40,16 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import common
 from pallas_kernels.fp8_dot import dot_f32
-from pallas_kernels.index_scores.reference import quantize_rows
+from pallas_kernels.index_scores.reference import quantize_queries, quantize_rows
 
 MIN_DOT = 16  # smallest dimension of a Triton tl.dot
 FP8_MIN_DOT = 32  # smallest contraction of an FP8 tensor-core dot
 LO_SCALE = 256.0  # the f32 q's low bf16 part is held as 2^8 * (q - bf16(q))
+# fp8: a request's q is quantized in-kernel (``query_parts``) while its candidates span at most
+# this many programs (issue 16's B 64, C 2048: 4; the XLA pre-pass cost 5.6 of 16.8 us busy,
+# session 44), else once before the kernel: each program would read the [HP, D] f32 q (4x
+# q8's bytes) and redo the work (HiSparse's paged indexer at 512K: +7%, session 44).
+IN_KERNEL_QUANT_PROGRAMS = 8
 
 
 def _pow2(n: int) -> bool:
@@ -121,14 +126,17 @@ def query_parts(q_ref, w, nb: int, bs: int, fp8: bool):
     qs: NB x [HP, BS] q in that form, loaded once; q_lo: NB x [HP, BS] 2^8 * (q - bf16(q))
     when an f32 q is split into bf16 hi + lo (else None).
     fp8: q (f32 / bf16) is quantized here to e4m3, one power-of-two scale a head moved into
-    w (``reference.quantize_rows``, the twin's own ops: exact, so the same bits), and the dot
-    takes FP8 keys as they are (an fp8 x fp8 tensor-core dot); else both are widened to bf16
-    and w is returned as given. An f32 q is split into bf16 parts q = hi + lo (+ ~2^-17 |q|),
+    w (``reference.quantize_rows``, the twin's own ops: exact, so the same bits; an e4m3 q_ref
+    was quantized before the kernel and w is its w8), and the dot takes FP8 keys as they are
+    (an fp8 x fp8 tensor-core dot); else both are widened to bf16 and w is returned as given.
+    An f32 q is split into bf16 parts q = hi + lo (+ ~2^-17 |q|),
     each dotted with the keys: scores within ~1e-5 of f32, so a query's 1e-6 noise cannot flip
     near-ties the way a bf16 rounding of q (~4e-3) does. lo is kept as 2^8 * lo (exact; clear
     of bf16 subnormals).
     """
     cols = [pl.ds(j * bs, bs) for j in range(nb)]
+    if fp8 and q_ref.dtype == jnp.float8_e4m3fn:  # quantized before the kernel (w8 given)
+        return ((lambda x: x), [q_ref[:, col] for col in cols], None), w
     if fp8:
         qs, w = quantize_rows([q_ref[:, col].astype(jnp.float32) for col in cols], w)
         return ((lambda x: x), qs, None), w
@@ -212,8 +220,10 @@ def index_scores_triton(q: jnp.ndarray, weights: jnp.ndarray, key_values: jnp.nd
     c, nb = key_values.shape[1], key_scales.shape[2]
     check_triton_shapes("index_scores", d, nb, fp8)
     block_c, steps, num_warps = resolve_config(b, h, c, block_c, steps, num_warps)
-    q, weights = kernel_queries(q, weights)
     rows = block_c * steps                                         # candidates per program
+    if fp8 and c > IN_KERNEL_QUANT_PROGRAMS * rows:  # long rows: quantize q once, before
+        q, weights = quantize_queries(q, weights)
+    q, weights = kernel_queries(q, weights)
     call = functools.partial(_call, block_c=block_c, steps=steps, num_warps=num_warps,
                              num_stages=num_stages, fp8=fp8, rows=rows)
     full = c // rows * rows
