@@ -130,6 +130,9 @@ def test_bad_inputs_raise():
         candidate_topk(s, i.astype(np.int16), 2)
     with pytest.raises(ValueError, match="not available"):
         candidate_topk(s, i, 2, implementation="triton_fused")
+    from pallas_kernels.topk.candidates import candidate_topk_triton
+    with pytest.raises(ValueError, match="search='flat'"):
+        candidate_topk_triton(s, i, k=2, search="flat")
 
 
 def test_lowers_for_cuda_at_leansparse_shape():
