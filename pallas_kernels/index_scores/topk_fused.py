@@ -8,13 +8,15 @@ Notation:
 
 Design: grid (B,), one program per request (the top-k needs all C scores of a request):
   1. for each block of BC candidates (a loop): FP8 keys [BC, D] dot FP8 queries [HP, D]
-     (``reference.quantize_rows`` in-kernel: the query scale is in the head weight) on the tensor
-     cores in f32, times each key's scale, ReLU, weighted head sum -> [BC] scores, written out
-     (-inf for invalid) and kept in registers as keys [NBLK, BC] (INT32_MIN when invalid);
-  2. ``topk.candidates.select_rows`` on them: T by a 2-bit radix search from the top bit (16
-     steps, each one count of 4 thresholds over the NBLK x BC keys), then keys > T and the
-     first (in candidate order) keys == T up to m, compacted by prefix sums into positions /
-     values; slots [m, KP) get -1 / -inf.
+     (quantized in-kernel, ``reference.quantize_rows``: the query scale is in the head weight)
+     on the tensor cores in f32, times each key's scale, ReLU, weighted head sum -> [BC]
+     scores, written out (-inf for invalid) and kept in registers as keys [NBLK, BC]
+     (INT32_MIN when invalid);
+  2. ``topk.candidates.select_rows`` on them: T by a radix search from the top bit (1 bit a
+     step, one count over the keys flattened, stopping once a prefix holds exactly m keys;
+     before session 44, 16 steps of 4 thresholds over the NBLK x BC keys), then keys > T and
+     the first (in candidate order) keys == T up to m, compacted by prefix sums into
+     positions / values; slots [m, KP) get -1 / -inf.
 Equal scores go to the lower candidate index, as ``topk_positions``; positions come out in
 candidate order, not best-first. Twin: ``reference.index_topk_xla(..., fp8=True)``.
 Split form (``index_topk_split``, to compare): the "triton_fp8" score kernel (many programs per

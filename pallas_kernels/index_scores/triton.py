@@ -46,7 +46,7 @@ MIN_DOT = 16  # smallest dimension of a Triton tl.dot
 FP8_MIN_DOT = 32  # smallest contraction of an FP8 tensor-core dot
 LO_SCALE = 256.0  # the f32 q's low bf16 part is held as 2^8 * (q - bf16(q))
 # fp8: a request's q is quantized in-kernel (``query_parts``) while its candidates span at most
-# this many programs (issue 16's B 64, C 2048: 4; the XLA pre-pass cost 5.6 of 16.8 us busy,
+# this many programs (issue 16's B 64, C 2048: 4; the XLA pre-pass cost 6.2 of 16.8 us busy,
 # session 44), else once before the kernel: each program would read the [HP, D] f32 q (4x
 # q8's bytes) and redo the work (HiSparse's paged indexer at 512K: +7%, session 44).
 IN_KERNEL_QUANT_PROGRAMS = 8
@@ -129,10 +129,9 @@ def query_parts(q_ref, w, nb: int, bs: int, fp8: bool):
     w (``reference.quantize_rows``, the twin's own ops: exact, so the same bits; an e4m3 q_ref
     was quantized before the kernel and w is its w8), and the dot takes FP8 keys as they are
     (an fp8 x fp8 tensor-core dot); else both are widened to bf16 and w is returned as given.
-    An f32 q is split into bf16 parts q = hi + lo (+ ~2^-17 |q|),
-    each dotted with the keys: scores within ~1e-5 of f32, so a query's 1e-6 noise cannot flip
-    near-ties the way a bf16 rounding of q (~4e-3) does. lo is kept as 2^8 * lo (exact; clear
-    of bf16 subnormals).
+    An f32 q is split into bf16 parts q = hi + lo (+ ~2^-17 |q|), each dotted with the keys:
+    scores within ~1e-5 of f32, so a query's 1e-6 noise cannot flip near-ties the way a bf16
+    rounding of q (~4e-3) does. lo is kept as 2^8 * lo (exact; clear of bf16 subnormals).
     """
     cols = [pl.ds(j * bs, bs) for j in range(nb)]
     if fp8 and q_ref.dtype == jnp.float8_e4m3fn:  # quantized before the kernel (w8 given)
@@ -140,6 +139,7 @@ def query_parts(q_ref, w, nb: int, bs: int, fp8: bool):
     if fp8:
         qs, w = quantize_rows([q_ref[:, col].astype(jnp.float32) for col in cols], w)
         return ((lambda x: x), qs, None), w
+
     def operand(x):
         return x.astype(jnp.bfloat16)
 
@@ -179,7 +179,8 @@ def block_scores(keys, scale, parts, w, nb: int, barrier: bool):
 def _kernel(q_ref, w_ref, kv_ref, ks_ref, valid_ref, out_ref, *, nb: int, bs: int, bc: int,
             steps: int, fp8: bool = False, barrier: bool = False):
     # inputs
-    #   q_ref      [HP, D]          f32 or bf16 (request b; quantized here when fp8)
+    #   q_ref      [HP, D]          f32 or bf16 (request b; fp8: quantized here, or e4m3 for
+    #                               long rows, ``IN_KERNEL_QUANT_PROGRAMS``)
     #   w_ref      [HP]             f32
     #   kv_ref     [steps * BC, D]  float8_e4m3fn (candidates of program i)
     #   ks_ref     [steps * BC] f32 when NB = 1, else [steps * BC, NB] f32
