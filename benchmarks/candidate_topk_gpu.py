@@ -6,9 +6,9 @@ replaces in LeanSparse's decode step (session 30), at the step's shapes.
 Rows: B requests in {1, 8, 64}; R = 2048 (the miss filter's C coarse scores) and 2112 (the
 rerank's C + P); k = 512. Variants: "xla" (the op's twin: one two-key sort a row, what the
 rerank ran before), "xla_sort" (a one-key sort of the scores: what the miss filter ran),
-"triton nw W bc BC" (the kernel with W warps and BC lanes a register row), "triton S nw W"
-(its radix count's form S, ``candidates.select_rows``: "blocks", "flat1" (the default since
-session 44), "flat2", at the default 256 lanes); at R = 2048 also
+"triton nw W bc BC" (the kernel with W warps and BC lanes a register row; session 44 also
+timed the radix count's forms, "triton blocks / flat1 / flat2 nw W", before keeping flat1:
+git history, ``results/candidate_topk_s44/``); at R = 2048 also
 the whole ``miss_filter`` op, "miss_filter xla" and "miss_filter triton" (k-th score,
 statistics and threshold in one kernel; 10% of the candidates cached). Each kernel row's
 winners are checked against the twin's as sets (ties by id: scores drawn from 64 values so
@@ -33,8 +33,6 @@ from pallas_kernels.topk.candidates import candidate_topk_triton
 VARIANTS = [("xla", None), ("xla_sort", None)] + [
     (f"triton nw {w} bc {bc}", dict(num_warps=w, block_c=bc))
     for w in (4, 8, 16) for bc in (128, 256)] + [
-    (f"triton {s} nw {w}", dict(num_warps=w, search=s)) for s in ("blocks", "flat1", "flat2")
-    for w in (4, 8)] + [
     ("miss_filter xla", None), ("miss_filter triton", None)]
 
 

@@ -71,21 +71,6 @@ def test_kernel_matches_twin_as_sets(kind, r, k):
                         candidate_topk(scores, ids, k, implementation="xla"))
 
 
-@pytest.mark.parametrize("search", ["blocks", "flat2"])
-@pytest.mark.parametrize("kind", ["ties", "special"])
-def test_radix_search_forms_pick_the_same_winners(search, kind):
-    """The radix count's other forms (the default is "flat1": 1 bit a step on the flattened
-    row): "blocks" ([NBLK, BC, 4] counts) and "flat2" (2 bits a step), against the twin, ties
-    included (the id search runs)."""
-    from pallas_kernels.topk.candidates import candidate_topk_triton
-
-    rng = np.random.default_rng(len(search) + len(kind))
-    scores, ids = make_rows(rng, 3, 300, kind)
-    assert_same_winners(candidate_topk_triton(jnp.asarray(scores), jnp.asarray(ids), k=40,
-                                              block_c=64, search=search),
-                        candidate_topk(scores, ids, 40, implementation="xla"))
-
-
 @pytest.mark.parametrize("k", [3, 4, 5])
 def test_search_stops_on_a_prefix_that_is_a_key(k):
     """The key search stops once a prefix has exactly m keys at or above it; with powers of two
@@ -130,9 +115,6 @@ def test_bad_inputs_raise():
         candidate_topk(s, i.astype(np.int16), 2)
     with pytest.raises(ValueError, match="not available"):
         candidate_topk(s, i, 2, implementation="triton_fused")
-    from pallas_kernels.topk.candidates import candidate_topk_triton
-    with pytest.raises(ValueError, match="search='flat'"):
-        candidate_topk_triton(s, i, k=2, search="flat")
 
 
 def test_lowers_for_cuda_at_leansparse_shape():

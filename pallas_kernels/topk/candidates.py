@@ -13,8 +13,8 @@ Rule (``reference.candidate_topk_xla``): higher score first; among equal scores 
 Selection (``select_rows``), all counts over the row in registers:
   1. T by a radix search from the top bit, 1 bit a step, each step one sum over the row
      flattened to 1D, stopping once a prefix holds exactly m keys (then T is that prefix:
-     ``radix_search_scalar``; session 44, 17.1 -> 6.5 us at B 64, R 2048 on an H100; before,
-     16 steps of a [NBLK, BC, 4] count of 4 thresholds, ``search="blocks"``);
+     ``radix_search``; session 44, 17.1 -> 6.5 us at B 64, R 2048 on an H100; before, 16
+     steps of a [NBLK, BC, 4] count of 4 thresholds);
   2. the t tied winners: with ids, U = the t-th smallest id among entries with key == T by a
      second radix search over the (non-negative) ids (no early stop), run only when some tied entry
      loses (else U = INT32_MAX); without ids, the first t tied entries of the row by a prefix
@@ -39,69 +39,45 @@ from pallas_kernels import common
 from pallas_kernels.topk.reference import canonical_scores, order_keys
 from pallas_kernels.topk.triton import INT32_MAX, INT32_MIN
 
-RADIX_BITS = 2
-SEARCH_FORMS = ("flat1", "flat2", "blocks")  # select_rows' radix count (flat1 the default)
-
 
 def pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def total(x):  # sum over a block's first two axes, one at a time (Triton reduces one axis
-    #  per op): [NBLK, BC] -> scalar, [NBLK, BC, 4] -> [4]
+def total(x):  # sum over a block's two axes, one at a time (Triton reduces one axis per op)
     return jnp.sum(jnp.sum(x, axis=1), axis=0)
 
 
-def radix_search(count_at, m):
-    """The largest int32 u (as unsigned bits, MSB first) with count_at(u) >= m for a count
-    that falls as u grows (count_at(threshold [4]) -> [4]); 16 steps of RADIX_BITS bits."""
-    digits = lax.broadcasted_iota(jnp.int32, (1 << RADIX_BITS,), 0)
-
-    def step(p, u):
-        shift = 32 - RADIX_BITS * (p + 1)
-        count = count_at(u | (digits << shift))
-        return u | ((jnp.sum((count >= m).astype(jnp.int32)) - 1) << shift)
-
-    return lax.fori_loop(0, 32 // RADIX_BITS, step, jnp.int32(0))
-
-
-def radix_search_scalar(count_one, m, bits: int = 1, stop_at_m: bool = False):
-    """``radix_search`` with one count a threshold: count_one(u, a scalar) -> scalar count of
-    keys >= u; 32 / bits steps of 2^bits - 1 counts each (digit 0 needs none: the prefix
-    already holds >= m). Each count is one reduction of the row in its own layout, where the
-    [..., 4] count of ``radix_search`` reduces a broadcast tensor through layout conversions
-    (session 44: ``search="flat1"`` / ``"flat2"`` of ``candidate_topk_triton``).
+def radix_search(count_at, m, stop_at_m: bool = False):
+    """The largest int32 u (as unsigned bits, MSB first) with count_at(u) >= m for a count that
+    falls as u grows (count_at(u), a scalar threshold -> the scalar count of keys >= u): 32
+    steps of one bit, each one count. A caller's count is one reduction of its row flattened
+    to 1D (session 44: before, 16 steps of 2 bits counted 4 thresholds over a [NBLK, BC, 4]
+    broadcast of the row, which Triton reduced through layout conversions; candidate_topk at
+    B 64, R 2048: 17.1 -> 7.5 us on an H100, 2 bits a step as 1D counts slower than 1).
     stop_at_m: stop at the first step whose chosen prefix has exactly m keys >= it; the result
     is then that prefix, not the m-th key itself, but the keys >= it are exactly the m largest,
     and a caller that takes keys > it plus ties == it still takes those m: either no key equals
     the prefix, or every key equal to it is a winner. For distinct keys the search ends after
-    the bits that separate the m-th key from the (m + 1)-th (continuous scores: ~20 of 32
-    steps). Not for a caller that needs the m-th key's value (``miss_filter``)."""
-    steps = 32 // bits
-
+    the bits that separate the m-th key from the (m + 1)-th (7.5 -> 6.5 us above). Not for a
+    caller that needs the m-th key's value (``miss_filter``) or the m-th id (the tie search)."""
     def body(state):
         p, u, _ = state
-        shift = 32 - bits * (p + 1)
-        digit, hit = jnp.int32(0), jnp.int32(0)
-        for d in range(1, 1 << bits):
-            n = count_one(u | (d << shift))
-            digit += (n >= m).astype(jnp.int32)
-            hit = jnp.where(n >= m, n, hit)
-        return p + 1, u | (digit << shift), (hit == m) & stop_at_m
+        c = u | lax.shift_left(jnp.int32(1), 31 - p)
+        n = count_at(c)
+        return p + 1, jnp.where(n >= m, c, u), (n == m) & stop_at_m
 
     if not stop_at_m:
-        return lax.fori_loop(0, steps, lambda p, u: body((p, u, False))[1], jnp.int32(0))
-    return lax.while_loop(lambda s: (s[0] < steps) & jnp.logical_not(s[2]), body,
+        return lax.fori_loop(0, 32, lambda p, u: body((p, u, False))[1], jnp.int32(0))
+    return lax.while_loop(lambda s: (s[0] < 32) & jnp.logical_not(s[2]), body,
                           (jnp.int32(0), jnp.int32(0), jnp.bool_(False)))[1]
 
 
-def select_rows(keys, vals, pos_ref, val_ref, *, k, ids=None, search="flat1"):
+def select_rows(keys, vals, pos_ref, val_ref, *, k, ids=None):
     """Top-k of one row held as keys [NBLK, BC] (INT32_MIN = not eligible; entry n of the row
     = row * BC + lane) with values ``vals`` alike: the winners' ids (``ids`` [NBLK, BC]
     int32, >= 0 where eligible, distinct; None: the entry n) and values into pos_ref / val_ref
-    [KP] in row order, -1 / -inf after the m winners. search: "blocks" (``radix_search``: a
-    [NBLK, BC, 4] count a step) or "flat1" / "flat2" (``radix_search_scalar`` over the row
-    flattened, 1 or 2 bits a step)."""
+    [KP] in row order, -1 / -inf after the m winners."""
     nblk, bc = keys.shape
     blk_of = lax.broadcasted_iota(jnp.int32, (nblk, bc), 0)
     flat = blk_of * bc + lax.broadcasted_iota(jnp.int32, (nblk, bc), 1)
@@ -116,44 +92,29 @@ def select_rows(keys, vals, pos_ref, val_ref, *, k, ids=None, search="flat1"):
         row = jnp.sum(x, axis=1)
         return jnp.cumsum(x, axis=1) - x + (jnp.cumsum(row) - row)[:, None]
 
+    def count_ge(x, u_u, among=None):  # #{x >= u} over the row flattened (unsigned u)
+        ge = x.reshape(nblk * bc) >= (u_u ^ INT32_MIN)
+        return jnp.sum((ge if among is None else ge & among).astype(jnp.int32))
+
     @pl.when(m > 0)
     def _pick():
-        def at_least(thr_u):  # #{key >= T} for 4 candidate T (unsigned u <-> signed u ^ MIN)
-            thr = thr_u ^ INT32_MIN
-            return total((keys[:, :, None] >= thr[None, None, :]).astype(jnp.int32))
-
-        if search == "blocks":
-            t = radix_search(at_least, m) ^ INT32_MIN
-        else:
-            flat_keys = keys.reshape(nblk * bc)
-            t = radix_search_scalar(
-                lambda u: jnp.sum((flat_keys >= (u ^ INT32_MIN)).astype(jnp.int32)), m,
-                bits=int(search[-1]), stop_at_m=True) ^ INT32_MIN
+        t = radix_search(lambda u: count_ge(keys, u), m, stop_at_m=True) ^ INT32_MIN
         ties = m - total((keys > t).astype(jnp.int32))
         tie = keys == t
         if ids is None:
             won = tie & (before(tie.astype(jnp.int32)) < ties)
             out = flat
         else:
-            def above(u_u):  # #{tied ids >= u}, unsigned as the radix builds u (ids >= 0)
-                ge = tie[:, :, None] & ((ids ^ INT32_MIN)[:, :, None]
-                                        >= (u_u ^ INT32_MIN)[None, None, :])
-                return total(ge.astype(jnp.int32))
-
             n_tie = total(tie.astype(jnp.int32))
-            # the largest u with #{tied ids >= u} >= n_tie - ties + 1 is the ties-th smallest;
-            # searched only when some tied entries lose (rare with continuous scores)
-            # (the else branch computes INT32_MAX from a traced value: Pallas-Triton's cond
-            # cannot yield a constant)
-            if search == "blocks":
-                search_ids = lambda: radix_search(above, n_tie - ties + 1)  # noqa: E731
-            else:
-                flat_tie = tie.reshape(nblk * bc)
-                flat_ids = (ids ^ INT32_MIN).reshape(nblk * bc)
-                search_ids = lambda: radix_search_scalar(  # noqa: E731
-                    lambda u: jnp.sum((flat_tie & (flat_ids >= (u ^ INT32_MIN))).astype(
-                        jnp.int32)), n_tie - ties + 1, bits=int(search[-1]))
-            u = lax.cond(n_tie > ties, search_ids, lambda: jnp.maximum(ties, INT32_MAX))
+            # the largest u with #{tied ids >= u} >= n_tie - ties + 1 is the ties-th smallest
+            # (ids >= 0: compared as unsigned as the radix builds u); searched only when some
+            # tied entries lose (rare with continuous scores); the else branch computes
+            # INT32_MAX from a traced value: Pallas-Triton's cond cannot yield a constant
+            flat_tie = tie.reshape(nblk * bc)
+            u = lax.cond(n_tie > ties,
+                         lambda: radix_search(lambda u: count_ge(ids ^ INT32_MIN, u, flat_tie),
+                                              n_tie - ties + 1),
+                         lambda: jnp.maximum(ties, INT32_MAX))
             won = tie & (ids <= u)
             out = ids
         keep = (keys > t) | won
@@ -162,23 +123,19 @@ def select_rows(keys, vals, pos_ref, val_ref, *, k, ids=None, search="flat1"):
         plt.store(val_ref.at[slot], vals, mask=keep)
 
 
-def _kernel(x_ref, ids_ref, pos_ref, val_ref, *, k, search="flat1"):
+def _kernel(x_ref, ids_ref, pos_ref, val_ref, *, k):
     # inputs  x_ref [NBLK, BC] f32 scores of one row, ids_ref [NBLK, BC] int32 (-1 = none)
     # outputs pos_ref / val_ref [KP]
     ids = ids_ref[...]
     x = canonical_scores(x_ref[...])
     keys = jnp.where(ids >= 0, order_keys(x), INT32_MIN)
-    select_rows(keys, x, pos_ref, val_ref, k=k, ids=ids, search=search)
+    select_rows(keys, x, pos_ref, val_ref, k=k, ids=ids)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "block_c", "num_warps", "search"))
-def candidate_topk_triton(scores, ids, *, k: int, block_c: int = 256, num_warps: int = 8,
-                          search: str = "flat1"):
+@functools.partial(jax.jit, static_argnames=("k", "block_c", "num_warps"))
+def candidate_topk_triton(scores, ids, *, k: int, block_c: int = 256, num_warps: int = 8):
     """scores [B, R] f32, ids [B, R] int32 -> (ids [B, k] of the winners in row order, values
-    [B, k]), -1 / -inf padded (shapes checked by ``api.candidate_topk``). search: the radix
-    count's form (``select_rows``)."""
-    if search not in SEARCH_FORMS:
-        raise ValueError(f"candidate_topk: search={search!r}, expected one of {SEARCH_FORMS}")
+    [B, k]), -1 / -inf padded (shapes checked by ``api.candidate_topk``)."""
     b, r = scores.shape
     bc = min(block_c, pow2(r))
     nblk = pow2(-(-r // bc))
@@ -189,7 +146,7 @@ def candidate_topk_triton(scores, ids, *, k: int, block_c: int = 256, num_warps:
     spec = pl.BlockSpec((None, nblk, bc), lambda i: (i, 0, 0))
     out = pl.BlockSpec((None, kp), lambda i: (i, 0))
     pos, val = pl.pallas_call(
-        functools.partial(_kernel, k=k, search=search),
+        functools.partial(_kernel, k=k),
         out_shape=[jax.ShapeDtypeStruct((b, kp), jnp.int32),
                    jax.ShapeDtypeStruct((b, kp), jnp.float32)],
         grid=(b,),
