@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import common
-from pallas_kernels.index_scores.reference import one_pool, quantize_queries
+from pallas_kernels.index_scores.reference import one_pool
 from pallas_kernels.index_scores.triton import (
     block_scores,
     check_triton_shapes,
@@ -52,7 +52,8 @@ def _kernel(q_ref, w_ref, pt_ref, kv_ref, ks_ref, tv_ref, ts_ref, t0_ref, valid_
             *, nb: int, bs: int, bc: int, steps: int, page: int, max_pages: int,
             tail_rows: int, fp8: bool, barrier: bool):
     # inputs
-    #   q_ref      [HP, D]           f32 or bf16 (request b; e4m3 when fp8)
+    #   q_ref      [HP, D]           f32 or bf16 (request b; fp8: quantized in the kernel or,
+    #                                past ``IN_KERNEL_QUANT_PROGRAMS`` programs, e4m3)
     #   w_ref      [HP]              f32
     #   pt_ref     [B * MP]          int32 page tables, flattened (whole array, ANY)
     #   kv_ref     [R, D]            uint8 bits of the e4m3 pool values (ANY)
@@ -133,13 +134,9 @@ def index_scores_paged_triton(q, weights, pool_values, pool_scales, page_table, 
     check_triton_shapes("index_scores_paged", d, nb, fp8)
     common.check_offsets("index_scores_paged", pool_values=pool_values)
     block_c, steps, num_warps = resolve_config(b, h, n, block_c, steps, num_warps)
-    if fp8:  # once, before the kernel: a request's row spans thousands of programs here, and
-        # each quantizing its own [HP, D] f32 q in-kernel read 4x the bytes of q8 and redid the
-        # work (H100, 512K batch 36: the paged indexer 0.466 -> 0.498 ms a step, session 44)
-        q, weights = quantize_queries(q, weights)
-    q, weights = kernel_queries(q, weights)
-    hp = q.shape[1]
     rows = block_c * steps                                         # positions per program
+    q, weights = kernel_queries(q, weights, fp8, -(-n // rows))
+    hp = q.shape[1]
     npad = -(-n // rows) * rows
     valid = jnp.pad(valid, ((0, 0), (0, npad - n)))
     max_pages = page_table.shape[1]

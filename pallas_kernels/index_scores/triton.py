@@ -47,8 +47,9 @@ FP8_MIN_DOT = 32  # smallest contraction of an FP8 tensor-core dot
 LO_SCALE = 256.0  # the f32 q's low bf16 part is held as 2^8 * (q - bf16(q))
 # fp8: a request's q is quantized in-kernel (``query_parts``) while its candidates span at most
 # this many programs (issue 16's B 64, C 2048: 4; the XLA pre-pass cost 6.2 of 16.8 us busy,
-# session 44), else once before the kernel: each program would read the [HP, D] f32 q (4x
-# q8's bytes) and redo the work (HiSparse's paged indexer at 512K: +7%, session 44).
+# session 44), else once before the kernel (``kernel_queries``, every kernel): each program
+# would read the [HP, D] f32 q (4x q8's bytes) and redo the work (H100, HiSparse's paged
+# indexer at 512K batch 36 quantizing in-kernel: 0.466 -> 0.498 ms a step, session 44).
 IN_KERNEL_QUANT_PROGRAMS = 8
 
 
@@ -222,9 +223,7 @@ def index_scores_triton(q: jnp.ndarray, weights: jnp.ndarray, key_values: jnp.nd
     check_triton_shapes("index_scores", d, nb, fp8)
     block_c, steps, num_warps = resolve_config(b, h, c, block_c, steps, num_warps)
     rows = block_c * steps                                         # candidates per program
-    if fp8 and c > IN_KERNEL_QUANT_PROGRAMS * rows:  # long rows: quantize q once, before
-        q, weights = quantize_queries(q, weights)
-    q, weights = kernel_queries(q, weights)
+    q, weights = kernel_queries(q, weights, fp8, -(-c // rows))
     call = functools.partial(_call, block_c=block_c, steps=steps, num_warps=num_warps,
                              num_stages=num_stages, fp8=fp8, rows=rows)
     full = c // rows * rows
@@ -247,9 +246,13 @@ def index_scores_triton(q: jnp.ndarray, weights: jnp.ndarray, key_values: jnp.nd
     return jnp.concatenate([head, tail], axis=1)
 
 
-def kernel_queries(q, weights):
+def kernel_queries(q, weights, fp8: bool = False, programs: int = 1):
     """(q, weights) as the kernels take them: heads zero-padded to HP (zero heads with zero
-    weight add nothing; fp8 kernels quantize q in-kernel, ``query_parts``)."""
+    weight add nothing). fp8 with more than ``IN_KERNEL_QUANT_PROGRAMS`` programs a request:
+    q quantized here, once (``reference.quantize_queries``: e4m3 q, w8); else the kernel
+    quantizes it (``query_parts``), to the same bits."""
+    if fp8 and programs > IN_KERNEL_QUANT_PROGRAMS:
+        q, weights = quantize_queries(q, weights)
     h, hp = q.shape[1], padded_heads(q.shape[1])
     if hp != h:
         q = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
