@@ -43,9 +43,10 @@ profile() {  # profile NAME CONTEXT BATCH SECONDS
 }
 
 # variants NAME SET ROUNDS SECONDS: benchmarks/launch_variants_gpu.py --set SET as part NAME
+# (LV_ARGS: more options, e.g. "--busy 3")
 variants() {
   TAIL=40 part "$1" "$4" "python3 benchmarks/launch_variants_gpu.py --set $2 --rounds $3 \
-    --out \$OUT --budget-s $(( $4 - 20 ))"
+    --out \$OUT --budget-s $(( $4 - 20 )) ${LV_ARGS:-}"
 }
 
 # pack NAME: everything under $OUT into $OUT/NAME.tar (the device tool returns few files)

@@ -23,7 +23,8 @@ run's winners, s39b bf16 rows' new default (3 stages) against 2 and FP8 rows' tu
 a third run of topk's and index_scores' split winners, s40 topk's select loop with prefetch,
 s41 HiSparse's paged decode indexer at 512K, batch 36 (its launch and arithmetic), s42 the
 Pallas kernels' fp8 dots on fp8 wgmma (``pallas_kernels.fp8_dot``) against the widened form,
-s44 sparse_attention with one warpgroup a program (column splits).
+s44 sparse_attention with one warpgroup a program (column splits), s45 topk's select compare
+and finish search (with --busy: device time a call from profiles).
 Timing: ``timing.time_program`` (one jitted program, built once a variant, calling the op on
 --sets input sets, so dispatch is amortized as in kernel_compare; median of --repeats
 programs) once a round for each variant, --rounds rounds, the order rotated a round
@@ -52,6 +53,7 @@ import numpy as np  # noqa: E402
 import timing  # noqa: E402  (benchmarks/timing.py)
 
 from experiments.cases.sparse_attention import make_inputs as attention_inputs  # noqa: E402
+from experiments.profiling import profile_program  # noqa: E402
 
 # The sets s38 / s39 / s39c ran before session 39 changed three defaults; their variants are
 # run on the launch that was the default then (``_on``), so that a rerun compares the same
@@ -150,6 +152,14 @@ ATTENTION_S44 = {"default": {}, "c2w4": dict(col_splits=2, num_warps=4),
                  "c2w4bk16s3": dict(col_splits=2, num_warps=4, block_k=16, num_stages=3),
                  "c2w4s2": dict(col_splits=2, num_warps=4, num_stages=2),
                  "bk64s2": dict(block_k=64, num_stages=2)}
+# --set s45 (session 45): topk's select testing a score with one f32 compare (the default,
+# ``fused_config(compare="float")``) against the order-key path (canonical score, key,
+# compare: session 44's select), the finish's radix search with and without the early stop
+# at a prefix of exactly m candidates, and the threshold / finish kernels at 8 warps; run
+# with --busy (device time a call from profiles, the ratios of interleaved wall times too)
+TOPK_S45 = {"default": {}, "keys": dict(compare="keys"), "nostop": dict(stop_early=False),
+            "s44": dict(compare="keys", stop_early=False), "fw8": dict(finish_warps=8),
+            "floor": dict(floor=True)}
 SETS = {"s38": {"topk": _on(TOPK_S38_DEFAULT, TOPK),
                 "sparse_attention": _on(ATTENTION_S38_DEFAULT, ATTENTION, "block_k"),
                 "index_scores": _on(INDEX_S38_DEFAULT, INDEX, "block_c")},
@@ -163,7 +173,8 @@ SETS = {"s38": {"topk": _on(TOPK_S38_DEFAULT, TOPK),
         "s41": {"index_scores_paged": INDEX_PAGED_S41},
         "s42": {"index_scores_paged_fp8": INDEX_PAGED_S42, "index_scores_fp8": FP8_S42,
                 "index_topk_fp8": FP8_S42, "pq_coarse_fp8": FP8_S42},
-        "s44": {"sparse_attention": ATTENTION_S44}}
+        "s44": {"sparse_attention": ATTENTION_S44},
+        "s45": {"topk": TOPK_S45}}
 SHAPES = {"topk": dict(b=64, n=262144, k=2048), "sparse_attention": dict(b=64, k=512, w=128),
           "sparse_attention_fp8": dict(b=64, k=512, w=128), "index_scores": dict(b=64, c=2048),
           "index_scores_paged": dict(b=36, n=131104),
@@ -377,6 +388,13 @@ def run_op(name, args, deadline, rows, save) -> None:
 
     timing.interleaved_rounds(group, time_row, args.rounds, deadline)
     timing.summarize_rounds(group)
+    for row in group if args.busy else ():
+        runs = [profile_program(row["_program"], (sets,), len(sets)) for _ in range(args.busy)]
+        busy = sorted(r for r in (x.get("busy_us") for x in runs) if r is not None)
+        if busy:  # device time a call (median run), with that run's largest kernels
+            mid = next(x for x in runs if x.get("busy_us") == busy[len(busy) // 2])
+            row.update(busy_us=mid["busy_us"], busy_us_range=[busy[0], busy[-1]],
+                       kernels=mid["kernels"], top_kernels_us=mid["top_kernels_us"])
     for row in group:
         del row["_program"], row["_out"]
     save()
@@ -394,13 +412,16 @@ def main(argv=None) -> int:
     ap.add_argument("--sets", type=int, default=4, help="input sets (calls) a program")
     ap.add_argument("--budget-s", type=float, default=300.0)
     ap.add_argument("--dry", action="store_true", help="tiny shapes in interpret mode (CPU)")
+    ap.add_argument("--busy", type=int, default=0,
+                    help="after the rounds, profile each variant's program this many times: "
+                         "busy_us (device time a call, the median run) and its top kernels")
     args = ap.parse_args(argv)
     ops = list(SETS[args.set]) if args.ops is None else args.ops.split(",")
     if not ops or any(o not in SETS[args.set] for o in ops):
         ap.error(f"--ops {args.ops!r}: a comma-separated list of {', '.join(SETS[args.set])} "
                  f"(--set {args.set}'s ops)")
-    if args.rounds < 1 or args.repeats < 1 or args.sets < 1:
-        ap.error("--rounds, --repeats and --sets must be >= 1")
+    if args.rounds < 1 or args.repeats < 1 or args.sets < 1 or args.busy < 0:
+        ap.error("--rounds, --repeats and --sets must be >= 1, --busy >= 0")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.budget_s
@@ -427,8 +448,9 @@ def main(argv=None) -> int:
             lo, hi = r["vs_default_range"]
             check = ("equal" if r.get("equal_default", True) else
                      f"rel {r.get('max_rel_diff', float('nan')):.1e}")
+            busy = f"  busy {r['busy_us']:.1f} us" if "busy_us" in r else ""
             print(f"{r['op']:20} {r['variant']:14} {1e3 * r['ms']:8.1f} {r['vs_default']:8.3f} "
-                  f"{lo:6.3f}-{hi:6.3f} {r['rounds_faster']:>3}/{args.rounds}  {check}")
+                  f"{lo:6.3f}-{hi:6.3f} {r['rounds_faster']:>3}/{args.rounds}  {check}{busy}")
         else:
             print(f"{r['op']:20} {r.get('variant', ''):14} {r.get('skipped') or r.get('error')}")
     return 0

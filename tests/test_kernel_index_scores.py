@@ -7,6 +7,7 @@ as exactly -inf and never leak into valid rows. "triton" runs in Pallas interpre
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -367,6 +368,8 @@ def test_fp8_variants_lower_for_cuda_at_v4_shape():
     text = common.lower_for_cuda(functools.partial(index_topk_split, k=512),
                                  *_specs(**V4, nb=1))
     assert text.count(common.TRITON_CALL_TARGET) == 2
+    # the two kernels alone: valid goes to the top-k as is (no [B, C] ids made between them)
+    assert not re.search(r"stablehlo\.(iota|select|convert|broadcast_in_dim)", text)
 
 
 @pytest.mark.gpu

@@ -279,6 +279,51 @@ def test_fused_prefetch_gives_the_same_candidate_rows(kind):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("kind", ["normal", "extreme", "relu"])
+def test_fused_float_compare_gives_the_key_paths_candidate_rows(kind):
+    """select's f32 compare (``compare="float"``, the default) against the order-key path:
+    the reference's sets, and bit for bit the same candidate rows, counts and floors, where
+    the floor is a normal float (normal), and where it is +-0, denormal or -inf (relu,
+    extreme: the kernel's key branch)."""
+    scores, lengths, k = _fused_rows(51, kind)
+    lengths[1], lengths[2] = 2000, 700
+    _check_fused(scores, lengths, k, **FUSED_TUN)
+    args = (jnp.asarray(scores), jnp.asarray(lengths).reshape(-1, 1))
+    outs = [fused.select_call(*args, None, fused.fused_config(2000, k, compare=how,
+                                                              **FUSED_TUN))
+            for how in ("float", "keys")]
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_float_compare_is_exact_where_it_is_used():
+    """``fused._float_exact(tf)`` => (x >= tf) == (key(canonical(x)) >= key(tf)) for every x,
+    denormals, +-0, +-inf and NaN included, under this backend's compare (XLA:CPU flushes
+    denormals); it refuses exactly the floors that are +-0, denormal or -inf; ``from_key``
+    inverts ``order_keys``."""
+    from pallas_kernels.topk.reference import canonical_scores, order_keys
+
+    tiny = np.finfo(np.float32).tiny
+    special = [0.0, -0.0, 1e-45, -1e-45, tiny / 2, -tiny / 2, tiny, -tiny, 1.0, -1.0, 3e38,
+               -3e38, np.inf, -np.inf, np.nan, 2.5, -2.5, 1.5 * tiny, -1.5 * tiny]
+    x = jnp.asarray(np.array(special, np.float32))
+    floors = np.array([t for t in special if not np.isnan(t)], np.float32)
+
+    @jax.jit
+    def table(tf):
+        exact = fused._float_exact(tf)
+        by_float = x[:, None] >= tf[None, :]
+        by_key = order_keys(canonical_scores(x))[:, None] >= order_keys(tf)[None, :]
+        return exact, by_float, by_key
+
+    exact, by_float, by_key = map(np.asarray, table(jnp.asarray(floors)))
+    np.testing.assert_array_equal(by_float[:, exact], by_key[:, exact])
+    assert exact.tolist() == [abs(t) >= tiny and t > -np.inf for t in floors.tolist()]
+    for t in (1.0, -2.5, -1e-45, 0.0, np.inf, -np.inf, 3e38):  # from_key inverts order_keys
+        key = order_keys(jnp.float32(t))
+        assert np.asarray(fused.from_key(key)).tobytes() == np.float32(t).tobytes()
+
+
 def test_fused_scan_rows_lowers_for_cuda():
     specs = (jax.ShapeDtypeStruct((64, 262144), jnp.float32),
              jax.ShapeDtypeStruct((64,), jnp.int32))
@@ -456,13 +501,13 @@ def test_triton_matches_xla_on_gpu(b, n, k, kind):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["normal", "ties", "relu"])
 @pytest.mark.parametrize("variant", ["default", "thr_kernel", "b8192", "hint_above", "hint_ok",
-                                     "r1", "prefetch"])
+                                     "r1", "prefetch", "keys", "nostop"])
 def test_fused_on_gpu(variant, kind):
     """fused.py's compiled kernels at the target shape against XLA: the defaults, the separate
     threshold launch, 32 programs a row, floor hints that send every row to the whole-row
-    scan or finish it from the candidates, and the prefix count in one scan (the default: 32
-    row scans); one ascending
-    row (crowded last blocks) in each."""
+    scan or finish it from the candidates, the prefix count in one scan (the default: 32
+    row scans), select's order-key compare and the finish's search without its early stop;
+    one ascending row (crowded last blocks) in each."""
     b, n, k = 64, 262144, 2048
     scores, lengths = _gpu_case(3 * b + k, b, n, k, kind)
     scores[9] = np.sort(scores[9])
@@ -475,5 +520,6 @@ def test_fused_on_gpu(variant, kind):
         floor = jnp.asarray(np.where(np.isfinite(floor) | (variant == "hint_above"), floor,
                                      -np.inf).astype(np.float32))
     tun = {"thr_kernel": dict(threshold_kernel=True), "b8192": dict(block=8192),
-           "r1": dict(scan_rows=1), "prefetch": dict(prefetch=True)}.get(variant, {})
+           "r1": dict(scan_rows=1), "prefetch": dict(prefetch=True),
+           "keys": dict(compare="keys"), "nostop": dict(stop_early=False)}.get(variant, {})
     assert_topk_equal(fused.topk_fused(*args, floor=floor, **tun), want)

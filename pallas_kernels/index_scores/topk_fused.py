@@ -78,11 +78,11 @@ def _kernel(q_ref, w_ref, kv_ref, ks_ref, valid_ref, scores_ref, pos_ref, val_re
 def short_rows_topk(scores, valid, *, k: int, block_c: int = 128, num_warps: int = 8):
     """Top-k of short rows in one kernel, one program per row holding the row in registers
     (the split form's second kernel): ``topk.candidates.candidate_topk_triton`` with each
-    valid entry's index as its id (ties to the lower index). scores [B, C] f32, valid [B, C]
-    bool -> (positions [B, k] in row order, values [B, k]), -1 / -inf padded; C up to a few
-    thousand."""
-    ids = jnp.where(valid, jnp.arange(scores.shape[1], dtype=jnp.int32)[None, :], -1)
-    return candidate_topk_triton(scores, ids, k=k, block_c=block_c, num_warps=num_warps)
+    valid entry's index as its id (ties to the lower index; ``valid`` passed as is, so no ids
+    array is made). scores [B, C] f32, valid [B, C] bool -> (positions [B, k] in row order,
+    values [B, k]), -1 / -inf padded; C up to a few thousand."""
+    return candidate_topk_triton(scores, valid.astype(jnp.bool_), k=k, block_c=block_c,
+                                 num_warps=num_warps)
 
 
 def index_topk_split(q, weights, key_values, key_scales, valid, *, k: int):

@@ -2,7 +2,7 @@
 scores in registers (before session 30: a sort of the scores and XLA reductions around it).
 
 Notation: C candidates (CP = NBLK * BC >= C), m = min(k, #valid), T = the m-th largest
-``order_keys`` key of the valid scores (``topk.candidates.radix_search``: 32 steps of
+``order_keys`` key of the valid scores (``topk.triton.radix_search``: 32 steps of
 a 1-bit count over the flattened row, session 44; before, 16 steps of a [NBLK, BC, 4] count),
 s_(k) its score, mu and sigma^2 the mean and ddof-1 variance of the valid
 scores (two passes over the registers).
@@ -22,9 +22,9 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import common
 from pallas_kernels.miss_filter.reference import from_order_keys
-from pallas_kernels.topk.candidates import pow2, radix_search, total
+from pallas_kernels.topk.candidates import pow2, total
 from pallas_kernels.topk.reference import canonical_scores, order_keys
-from pallas_kernels.topk.triton import INT32_MIN
+from pallas_kernels.topk.triton import INT32_MIN, radix_search
 
 
 def _kernel(x_ref, valid_ref, cached_ref, keep_ref, *, k, offset):

@@ -37,7 +37,7 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import common
 from pallas_kernels.topk.reference import canonical_scores, order_keys
-from pallas_kernels.topk.triton import INT32_MAX, INT32_MIN
+from pallas_kernels.topk.triton import INT32_MAX, INT32_MIN, radix_search
 
 
 def pow2(n: int) -> int:
@@ -46,31 +46,6 @@ def pow2(n: int) -> int:
 
 def total(x):  # sum over a block's two axes, one at a time (Triton reduces one axis per op)
     return jnp.sum(jnp.sum(x, axis=1), axis=0)
-
-
-def radix_search(count_at, m, stop_at_m: bool = False):
-    """The largest int32 u (as unsigned bits, MSB first) with count_at(u) >= m for a count that
-    falls as u grows (count_at(u), a scalar threshold -> the scalar count of keys >= u): 32
-    steps of one bit, each one count. A caller's count is one reduction of its row flattened
-    to 1D (session 44: before, 16 steps of 2 bits counted 4 thresholds over a [NBLK, BC, 4]
-    broadcast of the row, which Triton reduced through layout conversions; candidate_topk at
-    B 64, R 2048: 17.1 -> 7.5 us on an H100, 2 bits a step as 1D counts slower than 1).
-    stop_at_m: stop at the first step whose chosen prefix has exactly m keys >= it; the result
-    is then that prefix, not the m-th key itself, but the keys >= it are exactly the m largest,
-    and a caller that takes keys > it plus ties == it still takes those m: either no key equals
-    the prefix, or every key equal to it is a winner. For distinct keys the search ends after
-    the bits that separate the m-th key from the (m + 1)-th (7.5 -> 6.5 us above). Not for a
-    caller that needs the m-th key's value (``miss_filter``) or the m-th id (the tie search)."""
-    def body(state):
-        p, u, _ = state
-        c = u | lax.shift_left(jnp.int32(1), 31 - p)
-        n = count_at(c)
-        return p + 1, jnp.where(n >= m, c, u), (n == m) & stop_at_m
-
-    if not stop_at_m:
-        return lax.fori_loop(0, 32, lambda p, u: body((p, u, False))[1], jnp.int32(0))
-    return lax.while_loop(lambda s: (s[0] < 32) & jnp.logical_not(s[2]), body,
-                          (jnp.int32(0), jnp.int32(0), jnp.bool_(False)))[1]
 
 
 def select_rows(keys, vals, pos_ref, val_ref, *, k, ids=None):
@@ -124,10 +99,14 @@ def select_rows(keys, vals, pos_ref, val_ref, *, k, ids=None):
 
 
 def _kernel(x_ref, ids_ref, pos_ref, val_ref, *, k):
-    # inputs  x_ref [NBLK, BC] f32 scores of one row, ids_ref [NBLK, BC] int32 (-1 = none)
+    # inputs  x_ref [NBLK, BC] f32 scores of one row, ids_ref [NBLK, BC] int32 (-1 = none),
+    #         or a bool [NBLK, BC] (eligible; an entry's id is its index in the row)
     # outputs pos_ref / val_ref [KP]
-    ids = ids_ref[...]
     x = canonical_scores(x_ref[...])
+    if ids_ref.dtype == jnp.bool_:
+        select_rows(jnp.where(ids_ref[...], order_keys(x), INT32_MIN), x, pos_ref, val_ref, k=k)
+        return
+    ids = ids_ref[...]
     keys = jnp.where(ids >= 0, order_keys(x), INT32_MIN)
     select_rows(keys, x, pos_ref, val_ref, k=k, ids=ids)
 
@@ -135,14 +114,17 @@ def _kernel(x_ref, ids_ref, pos_ref, val_ref, *, k):
 @functools.partial(jax.jit, static_argnames=("k", "block_c", "num_warps"))
 def candidate_topk_triton(scores, ids, *, k: int, block_c: int = 256, num_warps: int = 8):
     """scores [B, R] f32, ids [B, R] int32 -> (ids [B, k] of the winners in row order, values
-    [B, k]), -1 / -inf padded (shapes checked by ``api.candidate_topk``)."""
+    [B, k]), -1 / -inf padded (shapes checked by ``api.candidate_topk``). ids may instead be
+    a [B, R] bool (eligible): each entry's index in its row is its id, read in-kernel (no
+    [B, R] int32 of ids made and read)."""
     b, r = scores.shape
     bc = min(block_c, pow2(r))
     nblk = pow2(-(-r // bc))
     rp, kp = nblk * bc, pow2(k)
     if rp != r:
         scores = jnp.pad(scores, ((0, 0), (0, rp - r)))
-        ids = jnp.pad(ids, ((0, 0), (0, rp - r)), constant_values=-1)
+        ids = jnp.pad(ids, ((0, 0), (0, rp - r)),
+                      constant_values=False if ids.dtype == jnp.bool_ else -1)
     spec = pl.BlockSpec((None, nblk, bc), lambda i: (i, 0, 0))
     out = pl.BlockSpec((None, kp), lambda i: (i, 0))
     pos, val = pl.pallas_call(

@@ -49,6 +49,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -80,6 +81,8 @@ class FusedConfig:
     threshold_kernel: bool
     interpret: bool
     prefetch: bool = False  # the select loop loads chunk i + 1 before it scans chunk i
+    compare: str = "float"  # select's test: "float" x >= f32(t) where exact, else "keys"
+    stop_early: bool = True  # the finish's radix search stops at a prefix of exactly m keys
 
     @property
     def kn(self) -> int:
@@ -108,7 +111,8 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 4096, sampl
                  window: int = 8, floor_bits: int = 20, digit_bits: int = 4,
                  fallback_chunk: int = 1024, select_warps: int = 8, finish_warps: int = 16,
                  threshold_kernel: bool | None = None, scan_rows: int = 32,
-                 prefetch: bool = False, interpret: bool | None = None) -> FusedConfig:
+                 prefetch: bool = False, compare: str = "float", stop_early: bool = True,
+                 interpret: bool | None = None) -> FusedConfig:
     """Tunables fitted to rows of N (call outside jit when interpret is None). threshold_kernel
     None: the separate threshold launch when a row has more than two select programs (H200,
     B 64, session 12, ms per call in a batch of 8: 262144 / k 2048 0.139 with it vs 0.197
@@ -131,11 +135,17 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 4096, sampl
     the same slots. Off by default until the GPU says it is faster (session 39: prepared;
     ptxas for sm_90a at 64 x 262144, k 2048: with 8 warps and chunk 4096 216 registers against
     128 without, one program a SM instead of two; chunk 2048 126, chunk 1024 80, 16 warps 126).
+    compare: how select tests a score against t: "float" x >= f32(t), one compare, wherever
+    that picks the same set (``_float_exact``; else the key path), "keys" the canonical score's
+    order key against t (session 44's form). stop_early: the finish's radix search stops at
+    a prefix holding exactly m candidates (``triton.radix_search``).
     Raises ValueError when KP > 8192 (the finish keeps CR >= 2 KP keys in registers)."""
     for name, v in (("block", block), ("chunk", chunk), ("sample", sample), ("window", window),
                     ("fallback_chunk", fallback_chunk), ("scan_rows", scan_rows)):
         if v < 1 or v & (v - 1):
             raise ValueError(f"topk_fused: {name}={v} must be a power of two")
+    if compare not in ("float", "keys"):
+        raise ValueError(f"topk_fused: compare={compare!r} must be 'float' or 'keys'")
     if digit_bits not in (1, 2, 4, 8) or not 1 <= floor_bits <= 32:
         raise ValueError(f"topk_fused: digit_bits={digit_bits} (1, 2, 4, 8) or floor_bits="
                          f"{floor_bits} (1..32) out of range")
@@ -162,7 +172,7 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 4096, sampl
                        fallback_chunk=min(fallback_chunk, np_), select_warps=select_warps,
                        finish_warps=finish_warps, threshold_kernel=bool(threshold_kernel),
                        scan_rows=min(scan_rows, chunk), interpret=bool(interpret),
-                       prefetch=bool(prefetch))
+                       prefetch=bool(prefetch), compare=compare, stop_early=bool(stop_early))
 
 
 # ----------------------------------------------------------------------------- in-kernel pieces
@@ -198,14 +208,30 @@ def _sample_floor(row_ref, length, m, cfg: FusedConfig):
 
 
 def _exclusive_count(ci, rows: int):
-    """The exclusive prefix sum of indicators ci [CH] (cumsum(ci) - ci): one scan of CH, or
-    (rows > 1) through a [rows, CH / rows] view: each row's offset (a scan of the row totals)
-    plus the row's own scan."""
+    """(the exclusive prefix sum of indicators ci [CH] (cumsum(ci) - ci), their sum): one scan
+    of CH, or (rows > 1) through a [rows, CH / rows] view: each row's offset (a scan of the
+    row totals) plus the row's own scan; the sum is then the row totals' (no second reduction
+    over CH)."""
     if rows == 1:
-        return jnp.cumsum(ci) - ci
+        return jnp.cumsum(ci) - ci, jnp.sum(ci)
     c2 = ci.reshape(rows, ci.shape[0] // rows)
     tot = jnp.sum(c2, axis=1)
-    return ((jnp.cumsum(tot) - tot)[:, None] + (jnp.cumsum(c2, axis=1) - c2)).reshape(-1)
+    before = (jnp.cumsum(tot) - tot)[:, None] + (jnp.cumsum(c2, axis=1) - c2)
+    return before.reshape(-1), jnp.sum(tot)
+
+
+def from_key(t):
+    """The f32 whose order key is t (``reference.order_keys`` is its own inverse on bits)."""
+    return lax.bitcast_convert_type(t ^ ((t >> 31) & 0x7FFFFFFF), jnp.float32)
+
+
+def _float_exact(tf):
+    """Whether ``x >= tf`` picks exactly the canonical scores with key >= key(tf), denormal
+    flushing or not: tf normal (|tf| >= 2^-126) or +inf. A flushed denormal x compares as
+    +-0, on the same side of a normal tf as x itself; NaN compares false, as its canonical
+    -inf would below tf > -inf; -0.0 == +0.0. Not at tf = +-0 or denormal (a flushed
+    denormal would tie with it) nor at -inf (NaN would count)."""
+    return (jnp.abs(tf) >= jnp.float32(np.finfo(np.float32).tiny)) & (tf > -jnp.inf)
 
 
 def _segment(j, length, cfg: FusedConfig):
@@ -252,34 +278,49 @@ def _select_kernel(len_ref, t_src_ref, x_ref, pos_ref, val_ref, cnt_ref, *, cfg:
     live = jnp.clip(length - j * cfg.block, 0, cfg.block)
     lane = lax.broadcasted_iota(jnp.int32, (ch,), 0)
 
-    def take(s, x, count):  # chunk at offset s (x its scores) -> count after it
-        pos, key = tk.eligible_keys(x, j * cfg.block + s, length)
-        is_c = key >= t  # t >= key(-inf) > INT32_MIN: ineligible never counts
-        ci = is_c.astype(jnp.int32)
-        slot = start + count + _exclusive_count(ci, cfg.scan_rows)
-        ok = is_c & (slot < end)
-        slot = jnp.where(ok, slot, cfg.cr + lane)
-        plgpu.store(pos_ref.at[slot], pos, mask=ok)
-        plgpu.store(val_ref.at[slot], x, mask=ok)
-        return count + jnp.sum(ci)
+    def by_key(x, pos):  # the rule itself: eligible, key >= t (t >= key(-inf) > INT32_MIN)
+        return jnp.where(pos < length, tk.order_keys(canonical_scores(x)), INT32_MIN) >= t
 
-    def step(i, count):
-        s = pl.multiple_of(i * ch, ch)
-        return take(s, x_ref[pl.ds(s, ch)], count)
+    tf = from_key(t)
 
-    def step_ahead(i, carry):  # chunk i's scores loaded, then chunk i - 1 scanned
-        count, x = carry
-        s = pl.multiple_of(i * ch, ch)
-        x_next = x_ref[pl.ds(s, ch)]
-        return take(s - ch, x, count), x_next
+    def by_float(x, pos):  # the same set while tf is normal or +inf (``_float_exact``)
+        return (x >= tf) & (pos < length)
 
-    # chunk 0 always (past L it holds no candidate), then the other chunks below L
-    chunks = jnp.maximum((live + ch - 1) // ch, 1)
-    if cfg.prefetch:
-        count, x = lax.fori_loop(1, chunks, step_ahead, (jnp.int32(0), x0))
-        count = take(pl.multiple_of((chunks - 1) * ch, ch), x, count)
+    def scan_block(is_cand):  # the block's candidates into its segment -> their count
+        def take(s, x, count):  # chunk at offset s (x its scores) -> count after it
+            pos = j * cfg.block + s + lane
+            is_c = is_cand(x, pos)
+            before, n = _exclusive_count(is_c.astype(jnp.int32), cfg.scan_rows)
+            slot = start + count + before
+            ok = is_c & (slot < end)
+            if cfg.interpret:  # the interpreter scatters every lane: dropped lanes past CR
+                slot = jnp.where(ok, slot, cfg.cr + lane)
+            plgpu.store(pos_ref.at[slot], pos, mask=ok)
+            plgpu.store(val_ref.at[slot], x, mask=ok)
+            return count + n
+
+        def step(i, count):
+            s = pl.multiple_of(i * ch, ch)
+            return take(s, x_ref[pl.ds(s, ch)], count)
+
+        def step_ahead(i, carry):  # chunk i's scores loaded, then chunk i - 1 scanned
+            count, x = carry
+            s = pl.multiple_of(i * ch, ch)
+            x_next = x_ref[pl.ds(s, ch)]
+            return take(s - ch, x, count), x_next
+
+        # chunk 0 always (past L it holds no candidate), then the other chunks below L
+        chunks = jnp.maximum((live + ch - 1) // ch, 1)
+        if cfg.prefetch:
+            count, x = lax.fori_loop(1, chunks, step_ahead, (jnp.int32(0), x0))
+            return take(pl.multiple_of((chunks - 1) * ch, ch), x, count)
+        return lax.fori_loop(1, chunks, step, take(0, x0, jnp.int32(0)))
+
+    if cfg.compare == "keys":
+        count = scan_block(by_key)
     else:
-        count = lax.fori_loop(1, chunks, step, take(0, x0, jnp.int32(0)))
+        count = lax.cond(_float_exact(tf), lambda: scan_block(by_float),
+                         lambda: scan_block(by_key))
     slots = lax.broadcasted_iota(jnp.int32, (cfg.cr,), 0)
     plgpu.store(pos_ref, jnp.full((cfg.cr,), -1, jnp.int32),
                 mask=(slots >= start + count) & (slots < end))
@@ -318,7 +359,8 @@ def _finish_kernel(len_ref, cnt_ref, cpos_ref, cval_ref, row_ref, pos_ref, val_r
         key = jnp.where(cpos >= 0, tk.order_keys(canonical_scores(cval)), INT32_MIN)
         # candidates lie in [t, max]: the search starts below the bits these share
         p0, u0 = tk._shared_digits(t, jnp.maximum(jnp.max(key), t) + 1, 1)
-        tk.take_top_registers(key, cpos, cval, m, 0, p0, u0, pos_ref, val_ref)
+        tk.take_top_registers(key, cpos, cval, m, 0, p0, u0, pos_ref, val_ref,
+                              stop_early=cfg.stop_early)
 
     @pl.when(jnp.logical_not(ok))
     def _():
