@@ -155,12 +155,13 @@ ATTENTION_S44 = {"default": {}, "c2w4": dict(col_splits=2, num_warps=4),
 # --set s45 (session 45): topk's select testing a score with one f32 compare (the default,
 # ``fused_config(compare="float")``) against the order-key path (canonical score, key,
 # compare: session 44's select), the finish's radix search with and without the early stop
-# at a prefix of exactly m candidates, the threshold / finish kernels at 8 warps, select at
-# 4 warps or chunk 2048 (select's work a score is smaller now), and a floor hint; run
+# at a prefix of exactly m candidates, the threshold / finish kernels at 8 warps, select's
+# chunk 2048 (its work a score is smaller now; ptxas sm_90a: 114 registers against 125 at
+# 4096, 127 with keys), and a floor hint; run
 # with --busy (device time a call from profiles, the ratios of interleaved wall times too)
 TOPK_S45 = {"default": {}, "keys": dict(compare="keys"), "nostop": dict(stop_early=False),
             "s44": dict(compare="keys", stop_early=False), "fw8": dict(finish_warps=8),
-            "sw4": dict(select_warps=4), "c2048": dict(chunk=2048), "floor": dict(floor=True)}
+            "c2048": dict(chunk=2048), "floor": dict(floor=True)}
 SETS = {"s38": {"topk": _on(TOPK_S38_DEFAULT, TOPK),
                 "sparse_attention": _on(ATTENTION_S38_DEFAULT, ATTENTION, "block_k"),
                 "index_scores": _on(INDEX_S38_DEFAULT, INDEX, "block_c")},
