@@ -14,7 +14,8 @@ Sets (--set): index_logits (default) at a V4 prefill tile (1024 queries x 64 hea
 64), contiguous (``index_scores``) and paged (``index_scores_paged``), each with f32 q (two
 bf16 dots) and fp8 x fp8 (``fp8=True``), at the launch ``default_config`` gives N; fp8: every
 kernel with e4m3 x e4m3 dots (``_fp8_kernels``), which should show ``wgmma ... e4m3.e4m3``;
-attention: sparse_attention at issue 16's shape (``_attention_kernels``).
+attention: sparse_attention at issue 16's shape (``_attention_kernels``); topk: the fused
+top-k's select and finish kernels (``_topk_kernels``).
 The IR goes through the TTIR stage's passes first (``pallas_kernels.ptx.ttir_passes``, as XLA
 does on the GPU; before session 43 this script skipped them, which changed registers and
 spills, e.g. sparse_attention's ~1.2 KB of spills that the GPU's kernel does not have).
@@ -117,6 +118,31 @@ def _attention_kernels() -> dict:
     return out
 
 
+def _topk_kernels() -> dict:
+    """topk "triton_fused"'s select kernel (with a floor hint: the one launch ahead of the
+    finish) and finish kernel at issue 16's 64 x 262144, k 2048: select's compare "float" /
+    "keys" and chunk 2048, the finish with and without the early stop (session 45)."""
+    from pallas_kernels.topk import fused
+
+    b, n, k = 64, 262144, 2048
+    out = {}
+    for name, tun in (("float", {}), ("keys", dict(compare="keys")),
+                      ("float, chunk 2048", dict(chunk=2048))):
+        cfg = fused.fused_config(n, k, interpret=False, **tun)
+        out[f"topk select {name}"] = (
+            functools.partial(fused.select_call, cfg=cfg),
+            (S((b, n), jnp.float32), S((b, 1), jnp.int32), S((b,), jnp.float32)),
+            {"num_warps": cfg.select_warps, "num_stages": 1})
+    for name, tun in (("early stop", {}), ("32 steps", dict(stop_early=False))):
+        cfg = fused.fused_config(n, k, interpret=False, **tun)
+        out[f"topk finish {name}"] = (
+            functools.partial(fused.finish_call, cfg=cfg),
+            (S((b, 1), jnp.int32), S((b, 16, 2), jnp.int32), S((b, cfg.cr), jnp.int32),
+             S((b, cfg.cr), jnp.float32), S((b, n), jnp.float32)),
+            {"num_warps": cfg.finish_warps, "num_stages": 1})
+    return out
+
+
 SETS = {
     "index_logits": lambda: {
         "index_logits": (functools.partial(index_logits, implementation="triton"), IL_SPECS,
@@ -126,6 +152,7 @@ SETS = {
     "index_scores": _index_scores_kernels,
     "fp8": _fp8_kernels,
     "attention": _attention_kernels,
+    "topk": _topk_kernels,
 }
 
 
