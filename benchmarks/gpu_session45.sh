@@ -7,7 +7,8 @@
 #   then launch_variants_gpu.py --set s45 (topk at 64 x 262144, k 2048: compare "float" /
 #   "keys", the finish's early stop on / off, 8 finish warps, a floor hint; 15 rounds, and
 #   device time a call from 3 profiles each) -> $OUT/lv/.
-# STEP=min (~170 s): STEP a's fused-topk GPU tests (default, keys, nostop) and the s45 set in
+# (No GPU came in session 45: none of these steps has run yet.)
+# STEP=min (~170 s): STEP a's fused-topk GPU tests (default, float, stop) and the s45 set in
 #   5 rounds of 3 repeats, 2 profiles each (the device-time budget left for a last call).
 # STEP=kc (~450 s): the default kernel_compare config, all five ops at issue 16's shapes,
 #   traced (as gpu_session43.sh STEP=kc) -> $OUT/kc/.
@@ -23,7 +24,7 @@ case "${STEP:-a}" in
     LV_ARGS="--busy 3" variants lv s45 15 ${LV_S:-150} ;;
   min)  # the least that says whether select's f32 compare is right and faster on a GPU
     TAIL=6 part gputests ${TESTS_S:-70} "python3 -m pytest -q -m gpu -p no:cacheprovider \
-      tests/test_kernel_topk.py -k 'fused_on_gpu and (default or keys or nostop)'"
+      tests/test_kernel_topk.py -k 'fused_on_gpu and (default or float or stop)'"
     LV_ARGS="--busy 2 --repeats 3" variants lv s45 ${LV_ROUNDS:-5} ${LV_S:-90} ;;
   kc)
     TAIL=60 part kc $(( ${KC_BUDGET_S:-300} + 150 )) "python3 -m experiments.cli run \

@@ -152,16 +152,17 @@ ATTENTION_S44 = {"default": {}, "c2w4": dict(col_splits=2, num_warps=4),
                  "c2w4bk16s3": dict(col_splits=2, num_warps=4, block_k=16, num_stages=3),
                  "c2w4s2": dict(col_splits=2, num_warps=4, num_stages=2),
                  "bk64s2": dict(block_k=64, num_stages=2)}
-# --set s45 (session 45): topk's select testing a score with one f32 compare (the default,
-# ``fused_config(compare="float")``) against the order-key path (canonical score, key,
-# compare: session 44's select), the finish's radix search with and without the early stop
-# at a prefix of exactly m candidates, the threshold / finish kernels at 8 warps, select's
-# chunk 2048 (its work a score is smaller now; ptxas sm_90a: 114 registers against 125 at
-# 4096, 127 with keys), and a floor hint; run
-# with --busy (device time a call from profiles, the ratios of interleaved wall times too)
-TOPK_S45 = {"default": {}, "keys": dict(compare="keys"), "nostop": dict(stop_early=False),
-            "s44": dict(compare="keys", stop_early=False), "fw8": dict(finish_warps=8),
-            "c2048": dict(chunk=2048), "floor": dict(floor=True)}
+# --set s45 (session 45; prepared, not yet run: no GPU came): topk's select testing a score
+# with one f32 compare (``fused_config(compare="float")``) against the default order-key path
+# (canonical score, key, compare), the finish's radix search with the early stop at a prefix
+# of exactly m candidates (stop_early=True) against its 32 steps, both, both with select's
+# chunk 2048 (ptxas sm_90a: 114 registers against 125 at 4096, 127 with keys), the threshold
+# / finish kernels at 8 warps, and a floor hint; run with --busy (device time a call from
+# profiles; the ratios of interleaved wall times too)
+TOPK_S45 = {"default": {}, "float": dict(compare="float"), "stop": dict(stop_early=True),
+            "float_stop": dict(compare="float", stop_early=True),
+            "float_stop_c2048": dict(compare="float", stop_early=True, chunk=2048),
+            "fw8": dict(finish_warps=8), "floor": dict(floor=True)}
 SETS = {"s38": {"topk": _on(TOPK_S38_DEFAULT, TOPK),
                 "sparse_attention": _on(ATTENTION_S38_DEFAULT, ATTENTION, "block_k"),
                 "index_scores": _on(INDEX_S38_DEFAULT, INDEX, "block_c")},

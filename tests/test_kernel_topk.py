@@ -279,15 +279,16 @@ def test_fused_prefetch_gives_the_same_candidate_rows(kind):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("kind", ["normal", "extreme", "relu"])
+@pytest.mark.parametrize("kind", ["normal", "ties", "extreme", "relu"])
 def test_fused_float_compare_gives_the_key_paths_candidate_rows(kind):
-    """select's f32 compare (``compare="float"``, the default) against the order-key path:
-    the reference's sets, and bit for bit the same candidate rows, counts and floors, where
-    the floor is a normal float (normal), and where it is +-0, denormal or -inf (relu,
-    extreme: the kernel's key branch)."""
+    """select's f32 compare (``compare="float"``) against the order-key path (the default):
+    the reference's sets (with the finish's early stop, ``stop_early``, ties cut at the m-th
+    key included), and bit for bit the same candidate rows, counts and floors, where the floor
+    is a normal float (normal, ties), and where it is +-0, denormal or -inf (relu, extreme:
+    the kernel's key branch)."""
     scores, lengths, k = _fused_rows(51, kind)
     lengths[1], lengths[2] = 2000, 700
-    _check_fused(scores, lengths, k, **FUSED_TUN)
+    _check_fused(scores, lengths, k, compare="float", stop_early=True, **FUSED_TUN)
     args = (jnp.asarray(scores), jnp.asarray(lengths).reshape(-1, 1))
     outs = [fused.select_call(*args, None, fused.fused_config(2000, k, compare=how,
                                                               **FUSED_TUN))
@@ -501,12 +502,12 @@ def test_triton_matches_xla_on_gpu(b, n, k, kind):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["normal", "ties", "relu"])
 @pytest.mark.parametrize("variant", ["default", "thr_kernel", "b8192", "hint_above", "hint_ok",
-                                     "r1", "prefetch", "keys", "nostop"])
+                                     "r1", "prefetch", "float", "stop"])
 def test_fused_on_gpu(variant, kind):
     """fused.py's compiled kernels at the target shape against XLA: the defaults, the separate
     threshold launch, 32 programs a row, floor hints that send every row to the whole-row
     scan or finish it from the candidates, the prefix count in one scan (the default: 32
-    row scans), select's order-key compare and the finish's search without its early stop;
+    row scans), select's f32 compare with the finish's early stop and the early stop alone;
     one ascending row (crowded last blocks) in each."""
     b, n, k = 64, 262144, 2048
     scores, lengths = _gpu_case(3 * b + k, b, n, k, kind)
@@ -521,5 +522,6 @@ def test_fused_on_gpu(variant, kind):
                                      -np.inf).astype(np.float32))
     tun = {"thr_kernel": dict(threshold_kernel=True), "b8192": dict(block=8192),
            "r1": dict(scan_rows=1), "prefetch": dict(prefetch=True),
-           "keys": dict(compare="keys"), "nostop": dict(stop_early=False)}.get(variant, {})
+           "float": dict(compare="float", stop_early=True),
+           "stop": dict(stop_early=True)}.get(variant, {})
     assert_topk_equal(fused.topk_fused(*args, floor=floor, **tun), want)

@@ -369,7 +369,7 @@ def radix_search(count_at, m, stop_at_m: bool = False, first_bit=0, u0=0):
 
 
 def take_top_registers(key, pos, val, r, c, first_bit, t_u, wpos_ref, wval_ref,
-                       stop_early: bool = True):
+                       stop_early: bool = False):
     """Writes the r best of candidates held in registers at output slots [c, c + r), in
     candidate order (equal keys: the earlier candidates win). key [size] int32 (INT32_MIN:
     not a candidate), pos / val [size] aligned (val raw, canonicalised on the way out).
