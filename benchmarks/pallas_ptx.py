@@ -8,7 +8,8 @@ IR that Pallas embeds in the custom call (MLIR bytecode), prints it as text thro
 bindings with the Triton dialect (``jax._src.lib``: internal, a jax upgrade may break this
 script, not the kernels), compiles it with the triton package for sm_90 (num_warps and
 num_stages as the kernel's defaults) and runs triton's bundled ptxas for sm_90a. Counts, not
-timings: whether the dots became wgmma, what goes through shared memory, register pressure.
+timings: whether the dots became wgmma, what goes through shared memory, register pressure,
+and (where triton bundles nvdisasm) each loop's SASS instructions a trip (``sass_loops``).
 Sets (--set): index_logits (default) at a V4 prefill tile (1024 queries x 64 heads x 128,
 32768 keys); index_scores: the decode indexer at 512K (N 131104, 64 heads x 128, pages of
 64), contiguous (``index_scores``) and paged (``index_scores_paged``), each with f32 q (two
@@ -126,14 +127,14 @@ def _topk_kernels() -> dict:
 
     b, n, k = 64, 262144, 2048
     out = {}
-    for name, tun in (("float", {}), ("keys", dict(compare="keys")),
-                      ("float, chunk 2048", dict(chunk=2048))):
+    for name, tun in (("float", dict(compare="float")), ("keys (default)", {}),
+                      ("float, chunk 2048", dict(compare="float", chunk=2048))):
         cfg = fused.fused_config(n, k, interpret=False, **tun)
         out[f"topk select {name}"] = (
             functools.partial(fused.select_call, cfg=cfg),
             (S((b, n), jnp.float32), S((b, 1), jnp.int32), S((b,), jnp.float32)),
             {"num_warps": cfg.select_warps, "num_stages": 1})
-    for name, tun in (("early stop", {}), ("32 steps", dict(stop_early=False))):
+    for name, tun in (("early stop", dict(stop_early=True)), ("32 steps (default)", {})):
         cfg = fused.fused_config(n, k, interpret=False, **tun)
         out[f"topk finish {name}"] = (
             functools.partial(fused.finish_call, cfg=cfg),
@@ -154,6 +155,45 @@ SETS = {
     "attention": _attention_kernels,
     "topk": _topk_kernels,
 }
+
+
+def sass_loops(sass: str) -> list[dict]:
+    """The loops of nvdisasm's SASS (``-c``): each backward branch to a label and the
+    instructions from that label to it, as {"instructions": n, "ops": {opcode: count}} (an
+    opcode without its predicate and modifiers); a nested loop is counted again inside its
+    outer one. A static count of one trip, not a timing."""
+    labels, ins = {}, []
+    for line in sass.splitlines():
+        if m := re.match(r"\s*\.(L_x_\d+):", line):
+            labels[m[1]] = len(ins)
+        elif m := re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?)\s*;", line):
+            ins.append(m[1])
+    loops = []
+    for i, op in enumerate(ins):
+        m = re.search(r"BRA\s+`\(\.(L_x_\d+)\)", op)
+        if m and labels.get(m[1], i) < i:  # (a label's branch to itself ends the kernel)
+            body = ins[labels[m[1]]:i + 1]
+            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", o).split()[0].split(".")[0]
+                                      for o in body)
+            loops.append({"instructions": len(body), "ops": dict(ops.most_common())})
+    return loops
+
+
+def sass_of(ptx: str) -> str | None:
+    """nvdisasm's SASS of PTX compiled by triton's bundled ptxas for sm_90a (None without
+    them)."""
+    import triton
+
+    bin_dir = pathlib.Path(triton.__file__).parent / "backends/nvidia/bin"
+    if not (bin_dir / "ptxas").exists() or not (bin_dir / "nvdisasm").exists():
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cubin = pathlib.Path(tmp) / "k.ptx", pathlib.Path(tmp) / "k.cubin"
+        src.write_text(ptx)
+        subprocess.run([str(bin_dir / "ptxas"), "-arch=sm_90a", str(src), "-o", str(cubin)],
+                       capture_output=True, check=True)
+        return subprocess.run([str(bin_dir / "nvdisasm"), "-c", str(cubin)],
+                              capture_output=True, text=True, check=True).stdout
 
 
 def ptxas_resources(ptx: str) -> dict | None:
@@ -201,10 +241,14 @@ def main(argv=None) -> int:
         ptx = compile_sm90(triton_ir_text(common.lower_for_cuda(fn, *specs)),
                            cfg["num_warps"], cfg["num_stages"])
         shapes = [[list(x.shape), jnp.dtype(x.dtype).name] for x in specs]
+        sass = sass_of(ptx)
         rec = dict(kernel=name, shapes=shapes, config=cfg, instructions=census(ptx),
-                   ptxas=ptxas_resources(ptx))
+                   ptxas=ptxas_resources(ptx),
+                   sass_loops=None if sass is None else sass_loops(sass))
         records.append(rec)
-        print(f"{name}: ptxas {rec['ptxas']}\n  {rec['instructions']}")
+        loops = ", ".join(f"{lp['instructions']}" for lp in rec["sass_loops"] or [])
+        print(f"{name}: ptxas {rec['ptxas']}; SASS loops (instructions a trip): {loops}\n"
+              f"  {rec['instructions']}")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(

@@ -55,3 +55,34 @@ def test_ttir_passes_fold_the_accumulator_update_into_the_dot():
     assert _zero_accumulators(raw) == (4, 4)
     assert _zero_accumulators(ttir_passes(raw, 8, 2)) == (4, 2)
 
+
+
+def test_sass_loops_counts_each_backward_branchs_body():
+    """``benchmarks/pallas_ptx.py``'s loop census of nvdisasm text: a backward branch's body
+    from its label, predicates and modifiers stripped; forward branches and the kernel's
+    closing branch-to-itself are not loops."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "pallas_ptx.py"
+    spec = importlib.util.spec_from_file_location("pallas_ptx", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sass_loops = module.sass_loops
+
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/              @!P0 BRA `(.L_x_1) ;
+.L_x_0:
+        /*0020*/                   FSETP.GE.AND P1, PT, R2, R3, PT ;
+        /*0030*/               @P1 STG.E desc[UR4][R4.64], R5 ;
+        /*0040*/                   IMAD.IADD R6, R6, 0x1, R7 ;
+        /*0050*/                   ISETP.GE.AND P2, PT, R6, R8, PT ;
+        /*0060*/              @!P2 BRA `(.L_x_0) ;
+.L_x_1:
+        /*0070*/                   EXIT ;
+.L_x_2:
+        /*0080*/                   BRA `(.L_x_2);
+"""
+    assert sass_loops(sass) == [{"instructions": 5, "ops": {"FSETP": 1, "STG": 1, "IMAD": 1,
+                                                            "ISETP": 1, "BRA": 1}}]
