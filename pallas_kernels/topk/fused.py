@@ -142,7 +142,8 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 4096, sampl
     went 7.5 -> 6.5 us with it, session 44). Both exact, both off by default until the GPU
     says they are faster (session 45 prepared them, with ``launch_variants_gpu.py --set
     s45``; no GPU came; ptxas sm_90a: select 125 registers with "float", 127 with "keys",
-    the finish 108 either way, ``results/pallas_ptx_topk/``).
+    the finish 108 either way; select's chunk loop 619 SASS instructions a trip with
+    "float", 714 with "keys", ``results/pallas_ptx_topk/``).
     Raises ValueError when KP > 8192 (the finish keeps CR >= 2 KP keys in registers)."""
     for name, v in (("block", block), ("chunk", chunk), ("sample", sample), ("window", window),
                     ("fallback_chunk", fallback_chunk), ("scan_rows", scan_rows)):
