@@ -179,41 +179,38 @@ def sass_loops(sass: str) -> list[dict]:
     return loops
 
 
-def sass_of(ptx: str) -> str | None:
-    """nvdisasm's SASS of PTX compiled by triton's bundled ptxas for sm_90a (None without
-    them)."""
+def ptxas_run(ptx: str) -> tuple[str, str | None] | None:
+    """PTX compiled by triton's bundled ptxas for sm_90a: (ptxas -v's log, nvdisasm's SASS of
+    the cubin, or None without nvdisasm); None without ptxas."""
     import triton
 
     bin_dir = pathlib.Path(triton.__file__).parent / "backends/nvidia/bin"
-    if not (bin_dir / "ptxas").exists() or not (bin_dir / "nvdisasm").exists():
+    if not (bin_dir / "ptxas").exists():
         return None
     with tempfile.TemporaryDirectory() as tmp:
         src, cubin = pathlib.Path(tmp) / "k.ptx", pathlib.Path(tmp) / "k.cubin"
         src.write_text(ptx)
-        subprocess.run([str(bin_dir / "ptxas"), "-arch=sm_90a", str(src), "-o", str(cubin)],
-                       capture_output=True, check=True)
-        return subprocess.run([str(bin_dir / "nvdisasm"), "-c", str(cubin)],
-                              capture_output=True, text=True, check=True).stdout
+        log = subprocess.run([str(bin_dir / "ptxas"), "-arch=sm_90a", "-v", str(src), "-o",
+                              str(cubin)], capture_output=True, text=True, check=True).stderr
+        if not (bin_dir / "nvdisasm").exists():
+            return log, None
+        return log, subprocess.run([str(bin_dir / "nvdisasm"), "-c", str(cubin)],
+                                   capture_output=True, text=True, check=True).stdout
 
 
-def ptxas_resources(ptx: str) -> dict | None:
-    """Registers and spill bytes from triton's bundled ptxas for sm_90a (None without it)."""
-    import triton
-
-    ptxas = pathlib.Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
-    if not ptxas.exists():
-        return None
-    with tempfile.TemporaryDirectory() as tmp:
-        src = pathlib.Path(tmp) / "k.ptx"
-        src.write_text(ptx)
-        log = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(src), "-o",
-                              str(pathlib.Path(tmp) / "k.cubin")],
-                             capture_output=True, text=True, check=True).stderr
+def resources(log: str) -> dict:
+    """Registers and spill bytes from ptxas -v's log."""
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     return {"registers": int(regs[1]) if regs else None,
             "spill_store_bytes": int(spills[1]) if spills else None,
             "spill_load_bytes": int(spills[2]) if spills else None}
+
+
+def ptxas_resources(ptx: str) -> dict | None:
+    """Registers and spill bytes from triton's bundled ptxas for sm_90a (None without it)."""
+    run = ptxas_run(ptx)
+    return None if run is None else resources(run[0])
 
 
 def census(ptx: str) -> dict:
@@ -241,9 +238,9 @@ def main(argv=None) -> int:
         ptx = compile_sm90(triton_ir_text(common.lower_for_cuda(fn, *specs)),
                            cfg["num_warps"], cfg["num_stages"])
         shapes = [[list(x.shape), jnp.dtype(x.dtype).name] for x in specs]
-        sass = sass_of(ptx)
+        log, sass = ptxas_run(ptx) or (None, None)
         rec = dict(kernel=name, shapes=shapes, config=cfg, instructions=census(ptx),
-                   ptxas=ptxas_resources(ptx),
+                   ptxas=None if log is None else resources(log),
                    sass_loops=None if sass is None else sass_loops(sass))
         records.append(rec)
         loops = ", ".join(f"{lp['instructions']}" for lp in rec["sass_loops"] or [])

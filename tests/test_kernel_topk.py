@@ -300,9 +300,9 @@ def test_fused_float_compare_gives_the_key_paths_candidate_rows(kind):
 def test_float_compare_is_exact_where_it_is_used():
     """``fused._float_exact(tf)`` => (x >= tf) == (key(canonical(x)) >= key(tf)) for every x,
     denormals, +-0, +-inf and NaN included, under this backend's compare (XLA:CPU flushes
-    denormals); it refuses exactly the floors that are +-0, denormal or -inf; ``from_key``
-    inverts ``order_keys``."""
-    from pallas_kernels.topk.reference import canonical_scores, order_keys
+    denormals); it refuses exactly the floors that are +-0, denormal or -inf;
+    ``from_order_keys`` inverts ``order_keys``."""
+    from pallas_kernels.topk.reference import canonical_scores, from_order_keys, order_keys
 
     tiny = np.finfo(np.float32).tiny
     special = [0.0, -0.0, 1e-45, -1e-45, tiny / 2, -tiny / 2, tiny, -tiny, 1.0, -1.0, 3e38,
@@ -320,9 +320,9 @@ def test_float_compare_is_exact_where_it_is_used():
     exact, by_float, by_key = map(np.asarray, table(jnp.asarray(floors)))
     np.testing.assert_array_equal(by_float[:, exact], by_key[:, exact])
     assert exact.tolist() == [abs(t) >= tiny and t > -np.inf for t in floors.tolist()]
-    for t in (1.0, -2.5, -1e-45, 0.0, np.inf, -np.inf, 3e38):  # from_key inverts order_keys
+    for t in (1.0, -2.5, -1e-45, 0.0, np.inf, -np.inf, 3e38):  # the inverse of order_keys
         key = order_keys(jnp.float32(t))
-        assert np.asarray(fused.from_key(key)).tobytes() == np.float32(t).tobytes()
+        assert np.asarray(from_order_keys(key)).tobytes() == np.float32(t).tobytes()
 
 
 def test_fused_scan_rows_lowers_for_cuda():

@@ -7,12 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.topk.reference import canonical_scores, order_keys
-
-
-def from_order_keys(key: jnp.ndarray) -> jnp.ndarray:
-    """Inverse of ``order_keys``: the f32 score of an int32 key (the map is an involution)."""
-    return jax.lax.bitcast_convert_type(key ^ ((key >> 31) & 0x7FFFFFFF), jnp.float32)
+from pallas_kernels.topk.reference import canonical_scores, from_order_keys, order_keys
 
 
 def kth_largest(scores, valid, k: int):

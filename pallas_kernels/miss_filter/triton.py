@@ -21,9 +21,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import common
-from pallas_kernels.miss_filter.reference import from_order_keys
 from pallas_kernels.topk.candidates import pow2, total
-from pallas_kernels.topk.reference import canonical_scores, order_keys
+from pallas_kernels.topk.reference import canonical_scores, from_order_keys, order_keys
 from pallas_kernels.topk.triton import INT32_MIN, radix_search
 
 

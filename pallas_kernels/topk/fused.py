@@ -56,7 +56,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import common
 from pallas_kernels.topk import triton as tk
-from pallas_kernels.topk.reference import canonical_scores
+from pallas_kernels.topk.reference import canonical_scores, from_order_keys
 
 INT32_MIN, INT32_MAX, KEY_NEG_INF = tk.INT32_MIN, tk.INT32_MAX, tk.KEY_NEG_INF
 
@@ -225,11 +225,6 @@ def _exclusive_count(ci, rows: int):
     return before.reshape(-1), jnp.sum(tot)
 
 
-def from_key(t):
-    """The f32 whose order key is t (``reference.order_keys`` is its own inverse on bits)."""
-    return lax.bitcast_convert_type(t ^ ((t >> 31) & 0x7FFFFFFF), jnp.float32)
-
-
 def _float_exact(tf):
     """Whether ``x >= tf`` picks exactly the canonical scores with key >= key(tf), denormal
     flushing or not: tf normal (|tf| >= 2^-126) or +inf. A flushed denormal x compares as
@@ -283,18 +278,19 @@ def _select_kernel(len_ref, t_src_ref, x_ref, pos_ref, val_ref, cnt_ref, *, cfg:
     live = jnp.clip(length - j * cfg.block, 0, cfg.block)
     lane = lax.broadcasted_iota(jnp.int32, (ch,), 0)
 
-    def by_key(x, pos):  # the rule itself: eligible, key >= t (t >= key(-inf) > INT32_MIN)
-        return jnp.where(pos < length, tk.order_keys(canonical_scores(x)), INT32_MIN) >= t
+    def by_key(x, s):  # the rule itself: eligible, key >= t (t >= key(-inf) > INT32_MIN)
+        pos, key = tk.eligible_keys(x, j * cfg.block + s, length)
+        return pos, key >= t
 
-    tf = from_key(t)
+    tf = from_order_keys(t)
 
-    def by_float(x, pos):  # the same set while tf is normal or +inf (``_float_exact``)
-        return (x >= tf) & (pos < length)
+    def by_float(x, s):  # the same set while tf is normal or +inf (``_float_exact``)
+        pos = j * cfg.block + s + lane
+        return pos, (x >= tf) & (pos < length)
 
     def scan_block(is_cand):  # the block's candidates into its segment -> their count
         def take(s, x, count):  # chunk at offset s (x its scores) -> count after it
-            pos = j * cfg.block + s + lane
-            is_c = is_cand(x, pos)
+            pos, is_c = is_cand(x, s)
             before, n = _exclusive_count(is_c.astype(jnp.int32), cfg.scan_rows)
             slot = start + count + before
             ok = is_c & (slot < end)

@@ -56,6 +56,11 @@ def order_keys(x: jnp.ndarray) -> jnp.ndarray:
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
+def from_order_keys(key: jnp.ndarray) -> jnp.ndarray:
+    """Inverse of ``order_keys``: the f32 score of an int32 key (the map is an involution)."""
+    return jax.lax.bitcast_convert_type(key ^ ((key >> 31) & 0x7FFFFFFF), jnp.float32)
+
+
 @functools.partial(jax.jit, static_argnames=("k",))
 def topk_xla(scores: jnp.ndarray, lengths: jnp.ndarray, k: int):
     """Top-k eligible positions of each row: scores [B, N] f32, lengths [B] int ->
