@@ -51,6 +51,7 @@ from experiments import validate as v
 from experiments.common import (
     fill_added_fields,
     pyplot,
+    results_json,
     run_dir,
     selection_recall,
     write_results,
@@ -841,7 +842,7 @@ def write_merged(paths: list[str], out: str) -> dict:
     merged = merge_results(runs, [str(p) for p in paths])
     out_dir = pathlib.Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.json").write_text(json.dumps(merged, indent=2) + "\n")
+    (out_dir / "results.json").write_text(results_json(merged))
     (out_dir / "table.md").write_text(merged["table"] + "\n")
     tasks = sorted({c["task"] for c in merged["cells"]}, key=TASKS.index)
     lengths = sorted({c["length"] for c in merged["cells"]})

@@ -42,7 +42,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from experiments.common import cdf_plot, fit_max_len, run_dir, write_results
+from experiments.common import cdf_plot, fit_max_len, results_json, run_dir, write_results
 from lsparse_jax.config import (
     CacheConfig,
     EngineConfig,
@@ -253,7 +253,7 @@ def merge_runs(paths: list[str], out_dir: str) -> dict:
         merged["merged_from"].append({"source": str(path), "methods": list(run["methods"])})
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(merged, indent=2) + "\n")
+    (out / "results.json").write_text(results_json(merged))
     config = pathlib.Path(paths[0]).with_name("config.gin")  # the same settings in every run
     if config.exists():
         (out / "config.gin").write_text(merged_config(config.read_text(),

@@ -271,6 +271,29 @@ def test_resume_keeps_only_finished_groups_of_the_same_settings(tmp_path):
                         seeds)
 
 
+def test_results_json_holds_the_same_value_a_record_a_line(tmp_path):
+    """results.json's text (``experiments.common.results_json``): the value json.dumps gives,
+    each top-level record on one line (the rest indented), and a resumed run reads it back."""
+    from experiments.common import results_json
+
+    seeds = range(10, 13)
+    records = _rows("resident", seeds, [1, 0, 1])
+    records[1].update(note="@records@", x=np.float32(0.5))  # the writer's mark, a numpy value
+    results = {"settings": {"num_slots": 4}, "records": records, "after": [1, 2]}
+    text = results_json(results)
+    assert json.loads(text) == json.loads(json.dumps(results, default=float))
+    lines = [line.rstrip(",") for line in text.splitlines()]
+    for r in records:
+        assert "    " + json.dumps(r, default=float) in lines
+    assert '  "after": [' in lines  # the rest as json.dumps(indent=2) writes it
+    no_records = {"settings": {"a": 1}, "records": []}
+    assert results_json(no_records) == json.dumps(no_records, indent=2) + "\n"
+    path = tmp_path / "results.json"
+    path.write_text(text)
+    assert resumed_records(path, {"num_slots": 4}, ("niah",), (1024,), ("resident",),
+                           seeds) == json.loads(json.dumps(records, default=float))
+
+
 def test_controller_warmup_without_writeback_compiles_none(monkeypatch):
     """``Engine.warmup(writeback=False)`` (the accuracy study's) leaves the paged methods'
     completed-page writeback uncompiled; the default compiles one width per power of two up
