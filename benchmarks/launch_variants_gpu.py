@@ -152,17 +152,19 @@ ATTENTION_S44 = {"default": {}, "c2w4": dict(col_splits=2, num_warps=4),
                  "c2w4bk16s3": dict(col_splits=2, num_warps=4, block_k=16, num_stages=3),
                  "c2w4s2": dict(col_splits=2, num_warps=4, num_stages=2),
                  "bk64s2": dict(block_k=64, num_stages=2)}
-# --set s45 (session 45; prepared, not yet run: no GPU came): topk's select testing a score
-# with one f32 compare (``fused_config(compare="float")``) against the default order-key path
+# --set s45 (session 45; ran in session 46, results/launch_variants_s46/): topk's select
+# testing a score with one f32 compare (``fused_config(compare="float")``) against the key path
 # (canonical score, key, compare), the finish's radix search with the early stop at a prefix
 # of exactly m candidates (stop_early=True) against its 32 steps, both, both with select's
 # chunk 2048 (ptxas sm_90a: 114 registers against 125 at 4096, 127 with keys), the threshold
 # / finish kernels at 8 warps, and a floor hint; run with --busy (device time a call from
-# profiles; the ratios of interleaved wall times too)
-TOPK_S45 = {"default": {}, "float": dict(compare="float"), "stop": dict(stop_early=True),
-            "float_stop": dict(compare="float", stop_early=True),
-            "float_stop_c2048": dict(compare="float", stop_early=True, chunk=2048),
-            "fw8": dict(finish_warps=8), "floor": dict(floor=True)}
+# profiles; the ratios of interleaved wall times too). Its "default" stays session 45's
+# (keys, 32 steps); float_stop is fused_config's default since session 46
+TOPK_S45 = _on(dict(compare="keys", stop_early=False),
+               {"default": {}, "float": dict(compare="float"), "stop": dict(stop_early=True),
+                "float_stop": dict(compare="float", stop_early=True),
+                "float_stop_c2048": dict(compare="float", stop_early=True, chunk=2048),
+                "fw8": dict(finish_warps=8), "floor": dict(floor=True)})
 SETS = {"s38": {"topk": _on(TOPK_S38_DEFAULT, TOPK),
                 "sparse_attention": _on(ATTENTION_S38_DEFAULT, ATTENTION, "block_k"),
                 "index_scores": _on(INDEX_S38_DEFAULT, INDEX, "block_c")},

@@ -127,14 +127,14 @@ def _topk_kernels() -> dict:
 
     b, n, k = 64, 262144, 2048
     out = {}
-    for name, tun in (("float", dict(compare="float")), ("keys (default)", {}),
-                      ("float, chunk 2048", dict(compare="float", chunk=2048))):
+    for name, tun in (("float (default)", {}), ("keys", dict(compare="keys")),
+                      ("float, chunk 2048", dict(chunk=2048))):
         cfg = fused.fused_config(n, k, interpret=False, **tun)
         out[f"topk select {name}"] = (
             functools.partial(fused.select_call, cfg=cfg),
             (S((b, n), jnp.float32), S((b, 1), jnp.int32), S((b,), jnp.float32)),
             {"num_warps": cfg.select_warps, "num_stages": 1})
-    for name, tun in (("early stop", dict(stop_early=True)), ("32 steps (default)", {})):
+    for name, tun in (("early stop (default)", {}), ("32 steps", dict(stop_early=False))):
         cfg = fused.fused_config(n, k, interpret=False, **tun)
         out[f"topk finish {name}"] = (
             functools.partial(fused.finish_call, cfg=cfg),

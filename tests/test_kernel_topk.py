@@ -281,7 +281,7 @@ def test_fused_prefetch_gives_the_same_candidate_rows(kind):
 
 @pytest.mark.parametrize("kind", ["normal", "ties", "extreme", "relu"])
 def test_fused_float_compare_gives_the_key_paths_candidate_rows(kind):
-    """select's f32 compare (``compare="float"``) against the order-key path (the default):
+    """select's f32 compare (``compare="float"``, the default) against the order-key path:
     the reference's sets (with the finish's early stop, ``stop_early``, ties cut at the m-th
     key included), and bit for bit the same candidate rows, counts and floors, where the floor
     is a normal float (normal, ties), and where it is +-0, denormal or -inf (relu, extreme:
@@ -502,7 +502,7 @@ def test_triton_matches_xla_on_gpu(b, n, k, kind):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["normal", "ties", "relu"])
 @pytest.mark.parametrize("variant", ["default", "thr_kernel", "b8192", "hint_above", "hint_ok",
-                                     "r1", "prefetch", "float", "stop"])
+                                     "r1", "prefetch", "keys", "keys_stop"])
 def test_fused_on_gpu(variant, kind):
     """fused.py's compiled kernels at the target shape against XLA: the defaults, the separate
     threshold launch, 32 programs a row, floor hints that send every row to the whole-row
@@ -522,6 +522,6 @@ def test_fused_on_gpu(variant, kind):
                                      -np.inf).astype(np.float32))
     tun = {"thr_kernel": dict(threshold_kernel=True), "b8192": dict(block=8192),
            "r1": dict(scan_rows=1), "prefetch": dict(prefetch=True),
-           "float": dict(compare="float", stop_early=True),
-           "stop": dict(stop_early=True)}.get(variant, {})
+           "keys": dict(compare="keys", stop_early=False),
+           "keys_stop": dict(compare="keys")}.get(variant, {})
     assert_topk_equal(fused.topk_fused(*args, floor=floor, **tun), want)

@@ -81,8 +81,8 @@ class FusedConfig:
     threshold_kernel: bool
     interpret: bool
     prefetch: bool = False  # the select loop loads chunk i + 1 before it scans chunk i
-    compare: str = "keys"  # select's test: "float" x >= f32(t) where exact, else "keys"
-    stop_early: bool = False  # the finish's radix search stops at a prefix of exactly m keys
+    compare: str = "float"  # select's test: "float" x >= f32(t) where exact, else "keys"
+    stop_early: bool = True  # the finish's radix search stops at a prefix of exactly m keys
 
     @property
     def kn(self) -> int:
@@ -111,7 +111,7 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 4096, sampl
                  window: int = 8, floor_bits: int = 20, digit_bits: int = 4,
                  fallback_chunk: int = 1024, select_warps: int = 8, finish_warps: int = 16,
                  threshold_kernel: bool | None = None, scan_rows: int = 32,
-                 prefetch: bool = False, compare: str = "keys", stop_early: bool = False,
+                 prefetch: bool = False, compare: str = "float", stop_early: bool = True,
                  interpret: bool | None = None) -> FusedConfig:
     """Tunables fitted to rows of N (call outside jit when interpret is None). threshold_kernel
     None: the separate threshold launch when a row has more than two select programs (H200,
@@ -135,15 +135,18 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 4096, sampl
     the same slots. Off by default until the GPU says it is faster (session 39: prepared;
     ptxas for sm_90a at 64 x 262144, k 2048: with 8 warps and chunk 4096 216 registers against
     128 without, one program a SM instead of two; chunk 2048 126, chunk 1024 80, 16 warps 126).
-    compare: how select tests a score against t: "float" x >= f32(t), one compare, wherever
-    that picks the same set (``_float_exact``; else the key path), "keys" the canonical score's
-    order key against t (session 44's form). stop_early: the finish's radix search stops at
-    a prefix holding exactly m candidates (``triton.radix_search``; candidate_topk's search
-    went 7.5 -> 6.5 us with it, session 44). Both exact, both off by default until the GPU
-    says they are faster (session 45 prepared them, with ``launch_variants_gpu.py --set
-    s45``; no GPU came; ptxas sm_90a: select 125 registers with "float", 127 with "keys",
-    the finish 108 either way; select's chunk loop 619 SASS instructions a trip with
-    "float", 714 with "keys", ``results/pallas_ptx_topk/``).
+    compare: how select tests a score against t: "float" (default) x >= f32(t), one
+    compare, wherever that picks the same set (``_float_exact``; else the key path), "keys"
+    the canonical score's order key against t (session 44's form). stop_early (default on):
+    the finish's radix search stops at a prefix holding exactly m candidates
+    (``triton.radix_search``), instead of its 32 steps. Both exact: the same candidate rows
+    and winners. Defaults since session 46 (H100, 64 x 262144, k 2048,
+    ``launch_variants_gpu.py --set s45``, 5 interleaved rounds against the key path with 32
+    steps, ``results/launch_variants_s46/``): both 0.975x a call (0.955-0.984, faster in 5 of
+    5; busy 77.8 vs 80.3 us), "float" alone 0.981x, the early stop alone 0.989x; select's chunk
+    2048 with both gains nothing (1.000x). ptxas sm_90a: select 125 registers with "float",
+    127 with "keys"; its chunk loop 619 SASS instructions a trip with "float", 714 with
+    "keys" (``results/pallas_ptx_topk/``).
     Raises ValueError when KP > 8192 (the finish keeps CR >= 2 KP keys in registers)."""
     for name, v in (("block", block), ("chunk", chunk), ("sample", sample), ("window", window),
                     ("fallback_chunk", fallback_chunk), ("scan_rows", scan_rows)):
