@@ -9,7 +9,8 @@
 #   device time a call from 3 profiles each) -> $OUT/lv/.
 # STEP=ap (~520 s; session 46): STEP a with 100 s of GPU tests and a 130 s variant set, then
 #   STEP p512 in the same call (one machine start for both, where starts are scarce).
-# (No GPU came in session 45: none of these steps has run yet.)
+# (No GPU came in session 45. Session 46 ran STEP=min, STEP=kc with KC_BUDGET_S=120 and
+# STEP=p512; STEP=a and STEP=ap have not run.)
 # STEP=min (~170 s): STEP a's fused-topk GPU tests (default, float, stop) and the s45 set in
 #   5 rounds of 3 repeats, 2 profiles each (the device-time budget left for a last call).
 # STEP=kc (~450 s): the default kernel_compare config, all five ops at issue 16's shapes,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 46's GPU calls (device tool, carry [".whl"]); the card is printed first.
-# STEP=topk (~90 s): kernel_compare's topk rows (64 x 262144, k 2048; XLA and triton_fused)
+# STEP=topk (~10 s on a warm machine, its first compile included): kernel_compare's topk rows (64 x 262144, k 2048; XLA and triton_fused)
 #   with fused_config's new defaults (select's f32 compare, the finish's early stop), traced
 #   -> $OUT/kc/.
 # (Session 46's other runs: gpu_session45.sh STEP=min, STEP=kc with KC_BUDGET_S=120, and
