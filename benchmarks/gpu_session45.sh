@@ -7,10 +7,8 @@
 #   then launch_variants_gpu.py --set s45 (topk at 64 x 262144, k 2048: compare "float" /
 #   "keys", the finish's early stop on / off, 8 finish warps, a floor hint; 15 rounds, and
 #   device time a call from 3 profiles each) -> $OUT/lv/.
-# STEP=ap (~520 s; session 46): STEP a with 100 s of GPU tests and a 130 s variant set, then
-#   STEP p512 in the same call (one machine start for both, where starts are scarce).
 # (No GPU came in session 45. Session 46 ran STEP=min, STEP=kc with KC_BUDGET_S=120 and
-# STEP=p512; STEP=a and STEP=ap have not run.)
+# STEP=p512; STEP=a has not run.)
 # STEP=min (~170 s): STEP a's fused-topk GPU tests (default, float, stop) and the s45 set in
 #   5 rounds of 3 repeats, 2 profiles each (the device-time budget left for a last call).
 # STEP=kc (~450 s): the default kernel_compare config, all five ops at issue 16's shapes,
@@ -25,9 +23,6 @@ case "${STEP:-a}" in
       tests/test_kernel_topk.py tests/test_kernel_candidate_topk.py \
       tests/test_kernel_miss_filter.py 'tests/test_kernel_index_scores.py::test_gpu_fp8_variants_at_v4_shape'"
     LV_ARGS="--busy 3" variants lv s45 15 ${LV_S:-150} ;;
-  ap)
-    STEP=a TESTS_S=${TESTS_S:-100} LV_S=${LV_S:-130} bash "$0"
-    PROFILE_GIN=$FP8_GIN profile p512 524288 36 ${PROFILE_S:-220} ;;
   min)  # the least that says whether select's f32 compare is right and faster on a GPU
     TAIL=6 part gputests ${TESTS_S:-70} "python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/test_kernel_topk.py -k 'fused_on_gpu and (default or float or stop)'"
@@ -38,5 +33,5 @@ case "${STEP:-a}" in
       --gin.kernel_compare.profile=True 2>&1 | grep -v ' spent$'" ;;
   p512)
     PROFILE_GIN=$FP8_GIN profile p512 524288 36 ${PROFILE_S:-220} ;;
-  *) echo "STEP=${STEP}: unknown (a | ap | min | kc | p512)"; exit 2 ;;
+  *) echo "STEP=${STEP}: unknown (a | min | kc | p512)"; exit 2 ;;
 esac
