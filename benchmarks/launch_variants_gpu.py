@@ -116,10 +116,8 @@ INDEX_S39C = {"default": {}, "w8": dict(num_warps=8), "steps1": dict(steps=1),
 # at the default chunk 4096 with 8 warps 216 registers (128 without: one program a SM instead
 # of two), so prefetch goes with a smaller chunk or 16 warps: chunk 2048 126 (122 without),
 # chunk 1024 80, 16 warps 126 (116 without)
-TOPK_S40 = {"default": {}, "c2048": dict(chunk=2048), "c1024": dict(chunk=1024),
-            "pf_c2048": dict(prefetch=True, chunk=2048),
-            "pf_c1024": dict(prefetch=True, chunk=1024),
-            "pf_sw16": dict(prefetch=True, select_warps=16)}
+# (prefetch was removed in session 47; its variants are gone from this set)
+TOPK_S40 = {"default": {}, "c2048": dict(chunk=2048), "c1024": dict(chunk=1024)}
 # --set s41 (prepared in session 40, not yet run): HiSparse's decode indexer over device pages
 # (``index_scores_paged``, B 36 requests x N 131104 keys at 512K, pages of 64, f32 q: the
 # operating point of issue 13), which session 40's profile put at 28% of HBM (0.74 ms a layer
@@ -165,6 +163,15 @@ TOPK_S45 = _on(dict(compare="keys", stop_early=False),
                 "float_stop": dict(compare="float", stop_early=True),
                 "float_stop_c2048": dict(compare="float", stop_early=True, chunk=2048),
                 "fw8": dict(finish_warps=8), "floor": dict(floor=True)})
+# --set s47 (session 47): topk's select now stores each candidate as one 8-byte (position,
+# score bits) pair: its chunk and warps again (the store instructions, not the loads, set its
+# time: benchmarks/select_probe_gpu.py), a longer block, and the finish at 8 warps
+# (ran with chunk 4096 as fused_config's default, results/launch_variants_s47/; chunk 2048 is
+# the default since)
+TOPK_S47 = _on(dict(chunk=4096),
+               {"default": {}, "c2048": dict(chunk=2048),
+                "c2048w4": dict(chunk=2048, select_warps=4), "b32768": dict(block=32768),
+                "fw8": dict(finish_warps=8)})
 SETS = {"s38": {"topk": _on(TOPK_S38_DEFAULT, TOPK),
                 "sparse_attention": _on(ATTENTION_S38_DEFAULT, ATTENTION, "block_k"),
                 "index_scores": _on(INDEX_S38_DEFAULT, INDEX, "block_c")},
@@ -179,7 +186,7 @@ SETS = {"s38": {"topk": _on(TOPK_S38_DEFAULT, TOPK),
         "s42": {"index_scores_paged_fp8": INDEX_PAGED_S42, "index_scores_fp8": FP8_S42,
                 "index_topk_fp8": FP8_S42, "pq_coarse_fp8": FP8_S42},
         "s44": {"sparse_attention": ATTENTION_S44},
-        "s45": {"topk": TOPK_S45}}
+        "s45": {"topk": TOPK_S45}, "s47": {"topk": TOPK_S47}}
 SHAPES = {"topk": dict(b=64, n=262144, k=2048), "sparse_attention": dict(b=64, k=512, w=128),
           "sparse_attention_fp8": dict(b=64, k=512, w=128), "index_scores": dict(b=64, c=2048),
           "index_scores_paged": dict(b=36, n=131104),

@@ -122,13 +122,14 @@ def _attention_kernels() -> dict:
 def _topk_kernels() -> dict:
     """topk "triton_fused"'s select kernel (with a floor hint: the one launch ahead of the
     finish) and finish kernel at issue 16's 64 x 262144, k 2048: select's compare "float" /
-    "keys" and chunk 2048, the finish with and without the early stop (session 45)."""
+    "keys" and chunk 4096 (the default before session 47), the finish with and without the
+    early stop (session 45)."""
     from pallas_kernels.topk import fused
 
     b, n, k = 64, 262144, 2048
     out = {}
     for name, tun in (("float (default)", {}), ("keys", dict(compare="keys")),
-                      ("float, chunk 2048", dict(chunk=2048))):
+                      ("float, chunk 4096", dict(chunk=4096))):
         cfg = fused.fused_config(n, k, interpret=False, **tun)
         out[f"topk select {name}"] = (
             functools.partial(fused.select_call, cfg=cfg),
@@ -138,8 +139,8 @@ def _topk_kernels() -> dict:
         cfg = fused.fused_config(n, k, interpret=False, **tun)
         out[f"topk finish {name}"] = (
             functools.partial(fused.finish_call, cfg=cfg),
-            (S((b, 1), jnp.int32), S((b, 16, 2), jnp.int32), S((b, cfg.cr), jnp.int32),
-             S((b, cfg.cr), jnp.float32), S((b, n), jnp.float32)),
+            (S((b, 1), jnp.int32), S((b, 16, 2), jnp.int32), S((b, cfg.cr, 2), jnp.int32),
+             S((b, n), jnp.float32)),
             {"num_warps": cfg.finish_warps, "num_stages": 1})
     return out
 

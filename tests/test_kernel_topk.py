@@ -261,20 +261,23 @@ def test_fused_scan_rows_gives_the_same_sets(kind, scan_rows):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("kind", ["normal", "ties"])
-def test_fused_prefetch_gives_the_same_candidate_rows(kind):
-    """``prefetch`` (the select loop loads chunk i + 1 before it scans chunk i): the sets of the
-    reference and, bit for bit, the select kernel's candidate rows, counts and keys without
-    it, for rows of one chunk, of several, of a partial last chunk, and blocks past the
-    length (no chunk live: chunk 0 alone, as without prefetch)."""
-    scores, lengths, k = _fused_rows(41, kind)
-    lengths[1], lengths[2], lengths[3] = 2000, 50, 700  # several / one / partial chunks
-    scores[1] = np.sort(scores[1])
-    _check_fused(scores, lengths, k, prefetch=True, **FUSED_TUN)
+@pytest.mark.parametrize("kind", ["normal", "ties", "relu"])
+def test_fused_each_floor_source_matches_xla(kind):
+    """The select kernel's three floors (its own sample search, which loads chunk 0 early
+    and tests its positions; the threshold launch's key; a floor hint), over rows of one
+    chunk, several, a partial last chunk and blocks past the length (chunks wholly below
+    the length skip the position test), against XLA and numpy, with identical candidate
+    rows for the sample and the threshold launch."""
+    scores, lengths, k = _fused_rows(61, kind)
+    lengths[1], lengths[2] = 2000, 700
+    for tun in (dict(threshold_kernel=False), dict(threshold_kernel=True)):
+        _check_fused(scores, lengths, k, **(FUSED_TUN | tun))
+    hint = np.sort(np.where(np.isnan(scores), -np.inf, scores), axis=1)[:, -k]
+    _check_fused(scores, lengths, k, floor=hint, **FUSED_TUN)
     args = (jnp.asarray(scores), jnp.asarray(lengths).reshape(-1, 1))
-    outs = [fused.select_call(*args, None, fused.fused_config(2000, k, prefetch=ahead,
+    outs = [fused.select_call(*args, None, fused.fused_config(2000, k, threshold_kernel=how,
                                                               **FUSED_TUN))
-            for ahead in (False, True)]
+            for how in (False, True)]
     for a, b in zip(*outs):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -328,13 +331,12 @@ def test_float_compare_is_exact_where_it_is_used():
 def test_fused_scan_rows_lowers_for_cuda():
     specs = (jax.ShapeDtypeStruct((64, 262144), jnp.float32),
              jax.ShapeDtypeStruct((64,), jnp.int32))
-    for ahead in (False, True):
-        text = common.lower_for_cuda(functools.partial(fused.topk_fused, k=2048, scan_rows=32,
-                                                       prefetch=ahead), *specs)
-        assert text.count(common.TRITON_CALL_TARGET) == 3 and _xla_ops(text) == []
+    text = common.lower_for_cuda(functools.partial(fused.topk_fused, k=2048, scan_rows=32),
+                                 *specs)
+    assert text.count(common.TRITON_CALL_TARGET) == 3 and _xla_ops(text) == []
     with pytest.raises(ValueError, match="scan_rows=3 must be a power of two"):
         fused.fused_config(2000, 64, scan_rows=3)
-    assert fused.fused_config(262144, 2048, scan_rows=8192).scan_rows == 4096  # <= CH
+    assert fused.fused_config(262144, 2048, scan_rows=8192).scan_rows == 2048  # <= CH
     assert fused.fused_config(16, 4).scan_rows == 16  # the default 32, clipped to CH
 
 
@@ -502,7 +504,7 @@ def test_triton_matches_xla_on_gpu(b, n, k, kind):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["normal", "ties", "relu"])
 @pytest.mark.parametrize("variant", ["default", "thr_kernel", "b8192", "hint_above", "hint_ok",
-                                     "r1", "prefetch", "keys", "keys_stop"])
+                                     "r1", "keys", "keys_stop"])
 def test_fused_on_gpu(variant, kind):
     """fused.py's compiled kernels at the target shape against XLA: the defaults, the separate
     threshold launch, 32 programs a row, floor hints that send every row to the whole-row
@@ -521,7 +523,7 @@ def test_fused_on_gpu(variant, kind):
         floor = jnp.asarray(np.where(np.isfinite(floor) | (variant == "hint_above"), floor,
                                      -np.inf).astype(np.float32))
     tun = {"thr_kernel": dict(threshold_kernel=True), "b8192": dict(block=8192),
-           "r1": dict(scan_rows=1), "prefetch": dict(prefetch=True),
+           "r1": dict(scan_rows=1),
            "keys": dict(compare="keys", stop_early=False),
            "keys_stop": dict(compare="keys")}.get(variant, {})
     assert_topk_equal(fused.topk_fused(*args, floor=floor, **tun), want)

@@ -7,8 +7,8 @@ them; the host never waits on a device value):
   1. select, grid (B, nblk), >= 2 programs per row when N > BLOCK: each program computes its
      row's floor t from a sample of the row (every program of the row the same t, redundantly:
      S scores, a few KB from L2) or takes the row's floor hint, then writes its block's
-     eligible keys >= t, in position order, into its own segment of the row's candidate
-     buffer, and its count c_j.
+     eligible scores with key >= t (as (position, score bits) pairs), in position order, into
+     its own segment of the row's candidate buffer, and its count c_j.
   2. finish, grid (B,): a row is ok when c(t) = sum_j c_j >= m and no block overflowed its
      segment; its m winners are then the m best candidates, found on keys held in registers
      (``triton.take_top_registers``). Otherwise (a floor above the m-th key, or a crowded
@@ -80,7 +80,6 @@ class FusedConfig:
     scan_rows: int      # the select chunk's prefix count: one scan (1) or rows x (CH / rows)
     threshold_kernel: bool
     interpret: bool
-    prefetch: bool = False  # the select loop loads chunk i + 1 before it scans chunk i
     compare: str = "float"  # select's test: "float" x >= f32(t) where exact, else "keys"
     stop_early: bool = True  # the finish's radix search stops at a prefix of exactly m keys
 
@@ -107,11 +106,11 @@ def fits(n: int, k: int) -> bool:
     return 2 * tk._next_pow2(min(int(k), int(n))) <= tk.REGISTER_FINISH_MAX
 
 
-def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 4096, sample: int = 4096,
+def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 2048, sample: int = 4096,
                  window: int = 8, floor_bits: int = 20, digit_bits: int = 4,
                  fallback_chunk: int = 1024, select_warps: int = 8, finish_warps: int = 16,
                  threshold_kernel: bool | None = None, scan_rows: int = 32,
-                 prefetch: bool = False, compare: str = "float", stop_early: bool = True,
+                 compare: str = "float", stop_early: bool = True,
                  interpret: bool | None = None) -> FusedConfig:
     """Tunables fitted to rows of N (call outside jit when interpret is None). threshold_kernel
     None: the separate threshold launch when a row has more than two select programs (H200,
@@ -129,12 +128,27 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 4096, sampl
     session 39, ``benchmarks/launch_variants_gpu.py``, interleaved rounds against 8 warps,
     the same index sets and values) 0.962x / 0.973x / 0.967x in three runs, faster in 14 of
     15, 15 of 25 and 25 of 35 rounds (``results/launch_variants_s39/``).
-    prefetch: the select loop carries the next chunk's scores, loaded before this chunk's
-    scan and stores, so their latency overlaps that work (Triton 3.6 does not pipeline the
-    loop's loads itself: no cp.async at num_stages 1-3, session 38); the same candidates in
-    the same slots. Off by default until the GPU says it is faster (session 39: prepared;
-    ptxas for sm_90a at 64 x 262144, k 2048: with 8 warps and chunk 4096 216 registers against
-    128 without, one program a SM instead of two; chunk 2048 126, chunk 1024 80, 16 warps 126).
+    The select loop has no prefetch of the next chunk (removed in session 47: H100, session
+    40, 35 rounds, 1.000x at chunk 2048 and slower otherwise; Triton 3.6 does not pipeline
+    the loop's loads itself, session 38). Chunks wholly below the row's length skip the
+    position test (ptxas sm_90a: the float loop's trip 619 -> 534 SASS instructions).
+    A candidate is stored as one 8-byte (position, score bits) pair (session 47). What the
+    select kernel's time is (H100, 64 x 262144, k 2048, ``benchmarks/select_probe_gpu.py``,
+    device time): its loads alone 24.6 us (2.7 TB/s), with the compare and count 24.3, with
+    the prefix sums 26.6; with two 4-byte scatters (position, score) 58.8, the same at 0 and
+    at 7500 candidates a row (58.2-59.2): the store instructions, issued for every lane of a
+    chunk under their masks, cost it, not the candidates (without the score's scatter 41.5,
+    without both 29.6). One 8-byte scatter of pairs: select 44.3 / 44.6 us in two runs (the
+    finish, reading the pairs, 15.1 -> 18.0 us), the whole top-k 80.2 -> 69.6-69.9 us busy.
+    chunk 2048 (default since session 47): select 40.9 / 40.8 us, top-k 66.5 / 65.8 us busy
+    (ptxas sm_90a: 63 registers against 118 at 4096, four programs a SM instead of two;
+    ``launch_variants_gpu.py --set s47``, ``results/launch_variants_s47/``; chunk 2048 with 4
+    warps 68.6 / 68.4, block 32768 67.7 / 67.9). Not faster: the chunk as [CH / 16, 4, 4],
+    16 consecutive scores a thread for both the loads and the scatter (25% fewer SASS
+    instructions, no shared-memory relayout: 61.2 us); each thread's first 4 candidates found
+    from its bits and stored as 4 [CH / 16] stores (49.8 us, against 41.7 for the flat
+    positions-only scatter); the positions alone with the finish gathering the scores (select
+    39.0, the finish 15.1 -> 25.9 us: ptxas issues its 16 gathers a thread one after another).
     compare: how select tests a score against t: "float" (default) x >= f32(t), one
     compare, wherever that picks the same set (``_float_exact``; else the key path), "keys"
     the canonical score's order key against t (session 44's form). stop_early (default on):
@@ -180,7 +194,7 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 4096, sampl
                        fallback_chunk=min(fallback_chunk, np_), select_warps=select_warps,
                        finish_warps=finish_warps, threshold_kernel=bool(threshold_kernel),
                        scan_rows=min(scan_rows, chunk), interpret=bool(interpret),
-                       prefetch=bool(prefetch), compare=compare, stop_early=bool(stop_early))
+                       compare=compare, stop_early=bool(stop_early))
 
 
 # ----------------------------------------------------------------------------- in-kernel pieces
@@ -255,20 +269,24 @@ def _threshold_kernel(len_ref, row_ref, t_ref, *, cfg: FusedConfig):
     t_ref[...] = jnp.full((1,), _sample_floor(row_ref, length, m, cfg), jnp.int32)
 
 
-def _select_kernel(len_ref, t_src_ref, x_ref, pos_ref, val_ref, cnt_ref, *, cfg: FusedConfig,
+def _select_kernel(len_ref, t_src_ref, x_ref, pair_ref, cnt_ref, *, cfg: FusedConfig,
                    t_from):
     """Step 1 for block j of a row: candidates key >= t into the block's segment.
 
     Refs: inputs  len_ref [1] int32 (raw length), t_src_ref: the row [NP] f32 (t_from =
                   "sample"), its floor hint [1] f32 ("floor") or its key t [1] int32 ("key"),
                   x_ref [BLOCK] f32 (the block; the last may run past N)
-          outputs pos_ref / val_ref [CR] (the whole candidate row; this block writes its
-                  segment: candidates in position order, then -1 positions; candidates past
+          outputs pair_ref [CR, 2] int32 (the whole candidate row: (position, the score's
+                  bits) a candidate, stored as one 8-byte store; this block writes its
+                  segment: candidates in position order, then position -1; candidates past
                   the segment are dropped), cnt_ref [2] int32 (c_j, t)
     """
     j = pl.program_id(1)
     ch = cfg.chunk
-    x0 = x_ref[pl.ds(0, ch)]  # loaded first: its latency overlaps the floor search
+    lane = lax.broadcasted_iota(jnp.int32, (ch,), 0)
+    two = lax.broadcasted_iota(jnp.int32, (ch, 2), 1)
+    # with a sample floor, chunk 0 is loaded first: its latency overlaps the floor search
+    x0 = x_ref[pl.ds(0, ch)] if t_from == "sample" else None
     length, m = _row_sizes(len_ref, cfg)
     if t_from == "sample":
         t = _sample_floor(t_src_ref, length, m, cfg)
@@ -279,66 +297,76 @@ def _select_kernel(len_ref, t_src_ref, x_ref, pos_ref, val_ref, cnt_ref, *, cfg:
         t = t_src_ref[0]
     start, end = _segment(j, length, cfg)
     live = jnp.clip(length - j * cfg.block, 0, cfg.block)
-    lane = lax.broadcasted_iota(jnp.int32, (ch,), 0)
-
-    def by_key(x, s):  # the rule itself: eligible, key >= t (t >= key(-inf) > INT32_MIN)
-        pos, key = tk.eligible_keys(x, j * cfg.block + s, length)
-        return pos, key >= t
-
     tf = from_order_keys(t)
 
-    def by_float(x, s):  # the same set while tf is normal or +inf (``_float_exact``)
-        pos = j * cfg.block + s + lane
-        return pos, (x >= tf) & (pos < length)
+    def by_key(x, pos, masked):  # the rule itself: eligible, key >= t (t >= key(-inf))
+        key = tk.order_keys(canonical_scores(x))
+        return ((key >= t) & (pos < length)) if masked else key >= t
+
+    def by_float(x, pos, masked):  # the same set while tf is normal or +inf (``_float_exact``)
+        return ((x >= tf) & (pos < length)) if masked else x >= tf
 
     def scan_block(is_cand):  # the block's candidates into its segment -> their count
-        def take(s, x, count):  # chunk at offset s (x its scores) -> count after it
-            pos, is_c = is_cand(x, s)
+        def take(s, x, count, masked):  # chunk at offset s (x its scores) -> count after it
+            pos = j * cfg.block + s + lane
+            is_c = is_cand(x, pos, masked)
             before, n = _exclusive_count(is_c.astype(jnp.int32), cfg.scan_rows)
             slot = start + count + before
             ok = is_c & (slot < end)
             if cfg.interpret:  # the interpreter scatters every lane: dropped lanes past CR
                 slot = jnp.where(ok, slot, cfg.cr + lane)
-            plgpu.store(pos_ref.at[slot], pos, mask=ok)
-            plgpu.store(val_ref.at[slot], x, mask=ok)
+            pair = jnp.where(two == 0, pos[:, None],
+                             lax.bitcast_convert_type(x, jnp.int32)[:, None])
+            plgpu.store(pair_ref.at[slot[:, None], two], pair, mask=ok[:, None])
             return count + n
 
-        def step(i, count):
-            s = pl.multiple_of(i * ch, ch)
-            return take(s, x_ref[pl.ds(s, ch)], count)
+        def step(masked):
+            def body(i, count):
+                s = pl.multiple_of(i * ch, ch)
+                return take(s, x_ref[pl.ds(s, ch)], count, masked)
+            return body
 
-        def step_ahead(i, carry):  # chunk i's scores loaded, then chunk i - 1 scanned
-            count, x = carry
-            s = pl.multiple_of(i * ch, ch)
-            x_next = x_ref[pl.ds(s, ch)]
-            return take(s - ch, x, count), x_next
-
-        # chunk 0 always (past L it holds no candidate), then the other chunks below L
-        chunks = jnp.maximum((live + ch - 1) // ch, 1)
-        if cfg.prefetch:
-            count, x = lax.fori_loop(1, chunks, step_ahead, (jnp.int32(0), x0))
-            return take(pl.multiple_of((chunks - 1) * ch, ch), x, count)
-        return lax.fori_loop(1, chunks, step, take(0, x0, jnp.int32(0)))
+        # chunks wholly below L skip the position test; then the partial chunk, if any (chunk
+        # 0 of a block past L included: it holds no candidate, and writes the block's -1s)
+        full, chunks = live // ch, jnp.maximum((live + ch - 1) // ch, 1)
+        if x0 is None:
+            count = lax.fori_loop(0, full, step(False), jnp.int32(0))
+        else:  # chunk 0, loaded early, with the position test
+            count = lax.fori_loop(1, full, step(False), take(0, x0, jnp.int32(0), True))
+            full = jnp.maximum(full, 1)
+        return lax.fori_loop(full, chunks, step(True), count)
 
     if cfg.compare == "keys":
         count = scan_block(by_key)
     else:
         count = lax.cond(_float_exact(tf), lambda: scan_block(by_float),
                          lambda: scan_block(by_key))
-    slots = lax.broadcasted_iota(jnp.int32, (cfg.cr,), 0)
-    plgpu.store(pos_ref, jnp.full((cfg.cr,), -1, jnp.int32),
-                mask=(slots >= start + count) & (slots < end))
+    # the segment's unused slots [start + c_j, end) get position -1, in pieces of a full
+    # row's segment (a store of all CR slots under a mask costs every thread CR / threads
+    # store instructions, a third of the kernel's at 64 x 262144)
+    w = min(cfg.cr, tk._next_pow2(max(cfg.cr // cfg.nblk, 16)))
+    piece = lax.broadcasted_iota(jnp.int32, (w,), 0)
+
+    def fill(i, carry):
+        at = start + count + i * w + piece
+        ok = at < end
+        if cfg.interpret:
+            at = jnp.where(ok, at, cfg.cr + piece)
+        plgpu.store(pair_ref.at[at, piece * 0], jnp.full((w,), -1, jnp.int32), mask=ok)
+        return carry
+
+    lax.fori_loop(0, (jnp.maximum(end - start - count, 0) + w - 1) // w, fill, 0)
     two = lax.broadcasted_iota(jnp.int32, (2,), 0)
     cnt_ref[...] = jnp.where(two == 0, count, t)
 
 
-def _finish_kernel(len_ref, cnt_ref, cpos_ref, cval_ref, row_ref, pos_ref, val_ref, *,
+def _finish_kernel(len_ref, cnt_ref, pair_ref, row_ref, pos_ref, val_ref, *,
                    cfg: FusedConfig):
     """Step 2 of one row: its m winners at output slots [0, m), then -1 / -inf.
 
     Refs: inputs  len_ref [1] int32, cnt_ref [NBP, 2] (c_j, t per block; rows >= nblk
-                  unset), cpos_ref / cval_ref [CR] (step 1's candidate row), row_ref [NP]
-                  (the row, read only by the fallback)
+                  unset), pair_ref [CR, 2] (step 1's candidate row), row_ref [NP] (the
+                  row, read only by the fallback)
           outputs pos_ref [KP] int32, val_ref [KP] f32
     """
     length, m = _row_sizes(len_ref, cfg)
@@ -358,8 +386,11 @@ def _finish_kernel(len_ref, cnt_ref, cpos_ref, cval_ref, row_ref, pos_ref, val_r
 
     @pl.when(ok)
     def _():
-        cpos = cpos_ref[...]
-        cval = cval_ref[...]
+        pairs = pair_ref[...]  # [CR, 2], one contiguous load; columns by in-thread sums
+        two = lax.broadcasted_iota(jnp.int32, pairs.shape, 1)
+        cpos = jnp.sum(jnp.where(two == 0, pairs, 0), axis=1)
+        cval = lax.bitcast_convert_type(jnp.sum(jnp.where(two == 1, pairs, 0), axis=1),
+                                        jnp.float32)
         key = jnp.where(cpos >= 0, tk.order_keys(canonical_scores(cval)), INT32_MIN)
         # candidates lie in [t, max]: the search starts below the bits these share
         p0, u0 = tk._shared_digits(t, jnp.maximum(jnp.max(key), t) + 1, 1)
@@ -452,8 +483,8 @@ def topk_fused(scores, lengths, k: int, *, floor=None, interpret: bool | None = 
 def _topk_fused(scores, lengths, floor=None, *, cfg: FusedConfig):
     lens = lengths.astype(jnp.int32).reshape(-1, 1)
     scores = scores.astype(jnp.float32)
-    cpos, cval, cnt = select_call(scores, lens, floor, cfg)
-    pos, val = finish_call(lens, cnt, cpos, cval, scores, cfg)
+    pairs, cnt = select_call(scores, lens, floor, cfg)
+    pos, val = finish_call(lens, cnt, pairs, scores, cfg)
     if cfg.kp != cfg.k:  # [B, KP] -> [B, k]: the first min(k, N) slots, then -1 / -inf
         pad = ((0, 0), (0, cfg.k - cfg.kn))
         pos = jnp.pad(pos[:, :cfg.kn], pad, constant_values=-1)
@@ -466,8 +497,9 @@ _ONE = pl.BlockSpec((None, 1), lambda i, *_: (i, 0))
 
 def select_call(scores, lens, floor, cfg: FusedConfig):
     """Step 1 (and the threshold launch when cfg.threshold_kernel): scores [B, N] f32, lens
-    [B, 1] int32, floor [B] f32 or None -> (cpos [B, CR] int32, cval [B, CR] f32, cnt
-    [B, NBP, 2] int32: c_j and t per block, rows >= nblk unset)."""
+    [B, 1] int32, floor [B] f32 or None -> (pairs [B, CR, 2] int32: the candidates'
+    positions and their scores' bits, cnt [B, NBP, 2] int32: c_j and t per block, rows >=
+    nblk unset)."""
     b = scores.shape[0]
     whole_row = pl.BlockSpec((None, cfg.np_), lambda i, *_: (i, 0))
     if floor is not None:
@@ -481,32 +513,30 @@ def select_call(scores, lens, floor, cfg: FusedConfig):
             name="topk_fused_threshold", **_params(cfg, cfg.finish_warps))(lens, scores)
     else:
         t_from, t_src, t_spec = "sample", scores, whole_row
-    row = pl.BlockSpec((None, cfg.cr), lambda i, j: (i, 0))
+    row = pl.BlockSpec((None, cfg.cr, 2), lambda i, j: (i, 0, 0))
     return pl.pallas_call(
         functools.partial(_select_kernel, cfg=cfg, t_from=t_from),
         grid=(b, cfg.nblk),
         in_specs=[_ONE, t_spec, pl.BlockSpec((None, cfg.block), lambda i, j: (i, j))],
-        out_specs=[row, row, pl.BlockSpec((None, None, 2), lambda i, j: (i, j, 0))],
-        out_shape=[jax.ShapeDtypeStruct((b, cfg.cr), jnp.int32),
-                   jax.ShapeDtypeStruct((b, cfg.cr), jnp.float32),
+        out_specs=[row, pl.BlockSpec((None, None, 2), lambda i, j: (i, j, 0))],
+        out_shape=[jax.ShapeDtypeStruct((b, cfg.cr, 2), jnp.int32),
                    jax.ShapeDtypeStruct((b, tk._next_pow2(cfg.nblk), 2), jnp.int32)],
         name="topk_fused_select", **_params(cfg, cfg.select_warps))(lens, t_src, scores)
 
 
-def finish_call(lens, cnt, cpos, cval, scores, cfg: FusedConfig):
+def finish_call(lens, cnt, pairs, scores, cfg: FusedConfig):
     """Step 2: (positions [B, KP] int32, values [B, KP] f32) from step 1's outputs."""
     b, nbp = scores.shape[0], cnt.shape[1]
     one_row = lambda i: (i, 0)  # noqa: E731
     return pl.pallas_call(
         functools.partial(_finish_kernel, cfg=cfg), grid=(b,),
         in_specs=[_ONE, pl.BlockSpec((None, nbp, 2), lambda i: (i, 0, 0)),
-                  pl.BlockSpec((None, cfg.cr), one_row), pl.BlockSpec((None, cfg.cr), one_row),
+                  pl.BlockSpec((None, cfg.cr, 2), lambda i: (i, 0, 0)),
                   pl.BlockSpec((None, cfg.np_), one_row)],
         out_specs=[pl.BlockSpec((None, cfg.kp), one_row)] * 2,
         out_shape=[jax.ShapeDtypeStruct((b, cfg.kp), jnp.int32),
                    jax.ShapeDtypeStruct((b, cfg.kp), jnp.float32)],
-        name="topk_fused_finish", **_params(cfg, cfg.finish_warps))(lens, cnt, cpos, cval,
-                                                                    scores)
+        name="topk_fused_finish", **_params(cfg, cfg.finish_warps))(lens, cnt, pairs, scores)
 
 
 def fast_rows(scores, lengths, k: int, *, floor=None, interpret: bool | None = None,
@@ -520,7 +550,7 @@ def fast_rows(scores, lengths, k: int, *, floor=None, interpret: bool | None = N
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _fast_rows(scores, lengths, floor=None, *, cfg: FusedConfig):
     lens = lengths.astype(jnp.int32).reshape(-1, 1)
-    cnt = select_call(scores.astype(jnp.float32), lens, floor, cfg)[2][:, :cfg.nblk, 0]
+    cnt = select_call(scores.astype(jnp.float32), lens, floor, cfg)[1][:, :cfg.nblk, 0]
     length = jnp.clip(lens, 0, cfg.n)
     start, end = _segment(jnp.arange(cfg.nblk, dtype=jnp.int32)[None], length, cfg)
     return (jnp.sum(cnt, 1) >= jnp.minimum(length[:, 0], cfg.k)) & jnp.all(cnt <= end - start, 1)
