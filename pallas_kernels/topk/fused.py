@@ -131,7 +131,8 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 2048, sampl
     The select loop has no prefetch of the next chunk (removed in session 47: H100, session
     40, 35 rounds, 1.000x at chunk 2048 and slower otherwise; Triton 3.6 does not pipeline
     the loop's loads itself, session 38). Chunks wholly below the row's length skip the
-    position test (ptxas sm_90a: the float loop's trip 619 -> 534 SASS instructions).
+    position test (ptxas sm_90a, chunk 4096: the float loop's trip 619 -> 534 SASS
+    instructions).
     A candidate is stored as one 8-byte (position, score bits) pair (session 47). What the
     select kernel's time is (H100, 64 x 262144, k 2048, ``benchmarks/select_probe_gpu.py``,
     device time): its loads alone 24.6 us (2.7 TB/s), with the compare and count 24.3, with
@@ -326,14 +327,14 @@ def _select_kernel(len_ref, t_src_ref, x_ref, pair_ref, cnt_ref, *, cfg: FusedCo
                 return take(s, x_ref[pl.ds(s, ch)], count, masked)
             return body
 
-        # chunks wholly below L skip the position test; then the partial chunk, if any (chunk
-        # 0 of a block past L included: it holds no candidate, and writes the block's -1s)
-        full, chunks = live // ch, jnp.maximum((live + ch - 1) // ch, 1)
+        # chunks wholly below L skip the position test; then the partial chunk, if any (a
+        # block past L scans none)
+        full, chunks = live // ch, (live + ch - 1) // ch
         if x0 is None:
             count = lax.fori_loop(0, full, step(False), jnp.int32(0))
-        else:  # chunk 0, loaded early, with the position test
+        else:  # chunk 0, loaded early, with the position test (past L it holds no candidate)
             count = lax.fori_loop(1, full, step(False), take(0, x0, jnp.int32(0), True))
-            full = jnp.maximum(full, 1)
+            full, chunks = jnp.maximum(full, 1), jnp.maximum(chunks, 1)
         return lax.fori_loop(full, chunks, step(True), count)
 
     if cfg.compare == "keys":
