@@ -5,7 +5,7 @@ each a stage more of the real one, and the real one, device time a call from pro
     python benchmarks/select_probe_gpu.py --dry --out /tmp/probe   # CPU: tiny, interpreter
 
 Stages (scores [B, N] f32, grid (B, N / BLOCK), a loop over the block's chunks of CH):
-  read      each chunk loaded (as the layout says) and summed: the loads alone
+  read      each chunk loaded and summed: the loads alone
   count     + the compare with a floor tf and the count of candidates
   prefix    + the candidates' exclusive prefix sums, no stores
   select    fused.select_call itself (floor hint: no threshold launch), the candidates
@@ -19,6 +19,7 @@ positions alone): benchmarks/RESULTS.md "Session 47".
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import pathlib
@@ -77,15 +78,15 @@ def select_stage(scores, cfg, floor=FLOOR):
 
 class _without_stores:
     """Traces fused.py's kernels with some of their ``plgpu.store``s dropped (an ablation,
-    not a kernel): "fill" the -1 fill of the candidate row (a store of CR values), "scatter"
-    the candidates' stores (any other shape), "both"."""
+    not a kernel): "fill" the -1 fill of the candidate row (1-D values), "scatter" the
+    candidates' pair stores ([CH, 2] values), "both"."""
 
-    def __init__(self, drop: str, cr: int):
-        self.drop, self.cr, self.orig = drop, cr, fused.plgpu.store
+    def __init__(self, drop: str):
+        self.drop, self.orig = drop, fused.plgpu.store
 
     def __enter__(self):
         def store(ref, val, *a, **kw):
-            fill = getattr(val, "shape", None) == (self.cr,)
+            fill = jnp.ndim(val) == 1
             if self.drop == "both" or (self.drop == "fill") == fill:
                 return None
             return self.orig(ref, val, *a, **kw)
@@ -95,10 +96,10 @@ class _without_stores:
         fused.plgpu.store = self.orig
 
 
-LAUNCHES = {  # name: fused_config tunables
-    "c4096 w8 (default)": dict(),
+LAUNCHES = {  # name: fused_config tunables (session 47's runs: chunk 4096 the default then)
+    "c2048 w8 (default)": dict(),
+    "c4096 w8": dict(chunk=4096),
     "c2048 w4": dict(chunk=2048, select_warps=4),
-    "c2048 w8": dict(chunk=2048),
     "c2048 w4 b32768": dict(chunk=2048, select_warps=4, block=32768),
 }
 
@@ -170,10 +171,8 @@ def main(argv=None) -> int:
                                        floor=float(stage[7:]) if "@" in stage else FLOOR)
             else:
                 fn = functools.partial(probe_call, stage=stage, cfg=cfg)
-            if "-" in stage:
-                with _without_stores(stage.split("-")[1], cfg.cr):
-                    program = jax.jit(fn).lower(scores).compile()
-            else:
+            drop = stage.split("-")[1] if "-" in stage else None
+            with _without_stores(drop) if drop else contextlib.nullcontext():
                 program = jax.jit(fn).lower(scores).compile()
             jax.block_until_ready(program(scores))  # (--profiles 0: this run alone, for ncu)
             runs = [profile_program(program, (scores,), 1) for _ in range(args.profiles)]
