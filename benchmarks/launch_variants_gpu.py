@@ -24,7 +24,8 @@ a third run of topk's and index_scores' split winners, s40 topk's select loop wi
 s41 HiSparse's paged decode indexer at 512K, batch 36 (its launch and arithmetic), s42 the
 Pallas kernels' fp8 dots on fp8 wgmma (``pallas_kernels.fp8_dot``) against the widened form,
 s44 sparse_attention with one warpgroup a program (column splits), s45 topk's select compare
-and finish search (with --busy: device time a call from profiles).
+and finish search (with --busy: device time a call from profiles), s47 topk's select chunk
+and warps with pair stores, s48 topk's threshold launch against a floor in every select program.
 Timing: ``timing.time_program`` (one jitted program, built once a variant, calling the op on
 --sets input sets, so dispatch is amortized as in kernel_compare; median of --repeats
 programs) once a round for each variant, --rounds rounds, the order rotated a round
@@ -172,6 +173,24 @@ TOPK_S47 = _on(dict(chunk=4096),
                {"default": {}, "c2048": dict(chunk=2048),
                 "c2048w4": dict(chunk=2048, select_warps=4), "b32768": dict(block=32768),
                 "fw8": dict(finish_warps=8)})
+# --set s48 (session 48): topk's threshold launch against the sample floor computed by every
+# select program (threshold_kernel=False; session 12 measured it slower, 16 programs a row
+# redoing the search, before the select's rewrites), a floor of 16 bits (4 search steps
+# fewer), and the finish's new forms: keys >= T kept after an early stop (skip_ties), prefix
+# sums through a [64, CR / 64] view (Triton's scan of a 1-D [8192] over 16 warps reads every
+# warp's partials for each of a thread's strided elements: ptxas sm_90a, the finish after
+# its search 2685 -> 1801 SASS instructions), two programs a row (128 programs on 132 SMs,
+# each ranking half of the candidates: 1523; with the view 1013), and the floor's and the
+# finish's searches by thirds (two counts a reduction: 0.63x the steps); LeanSparse's fused
+# rescoring + top-512 with its search by thirds
+TOPK_S48 = {"default": {}, "no_threshold_kernel": dict(threshold_kernel=False),
+            "floor_bits16": dict(floor_bits=16), "skip_ties": dict(skip_ties=True),
+            "sr64": dict(finish_scan_rows=64), "p2": dict(finish_programs=2),
+            "p2sr64": dict(finish_programs=2, finish_scan_rows=64),
+            "p2sr64skip": dict(finish_programs=2, finish_scan_rows=64, skip_ties=True),
+            "thirds": dict(search="thirds"),
+            "p2sr64skip_thirds": dict(finish_programs=2, finish_scan_rows=64, skip_ties=True,
+                                      search="thirds")}
 SETS = {"s38": {"topk": _on(TOPK_S38_DEFAULT, TOPK),
                 "sparse_attention": _on(ATTENTION_S38_DEFAULT, ATTENTION, "block_k"),
                 "index_scores": _on(INDEX_S38_DEFAULT, INDEX, "block_c")},
@@ -186,7 +205,9 @@ SETS = {"s38": {"topk": _on(TOPK_S38_DEFAULT, TOPK),
         "s42": {"index_scores_paged_fp8": INDEX_PAGED_S42, "index_scores_fp8": FP8_S42,
                 "index_topk_fp8": FP8_S42, "pq_coarse_fp8": FP8_S42},
         "s44": {"sparse_attention": ATTENTION_S44},
-        "s45": {"topk": TOPK_S45}, "s47": {"topk": TOPK_S47}}
+        "s45": {"topk": TOPK_S45}, "s47": {"topk": TOPK_S47},
+        "s48": {"topk": TOPK_S48, "index_topk_fp8": {"default": {},
+                                                      "thirds": dict(search="thirds")}}}
 SHAPES = {"topk": dict(b=64, n=262144, k=2048), "sparse_attention": dict(b=64, k=512, w=128),
           "sparse_attention_fp8": dict(b=64, k=512, w=128), "index_scores": dict(b=64, c=2048),
           "index_scores_paged": dict(b=36, n=131104),
@@ -333,7 +354,7 @@ def index_topk_fp8_op(shape, interpret):
     k = min(512, shape["c"] // 2)
 
     def call(params, *args):
-        return index_topk_triton(*args, k=k)
+        return index_topk_triton(*args, k=k, **params)
 
     def check(out, want):
         same = rows_same_set(out[0], want[0])

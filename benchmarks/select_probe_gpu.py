@@ -35,6 +35,7 @@ from jax.experimental.pallas import triton as plgpu  # noqa: E402
 
 from experiments.profiling import profile_program  # noqa: E402
 from pallas_kernels.topk import fused  # noqa: E402
+from pallas_kernels.topk import triton as tk  # noqa: E402
 
 FLOOR = 2.2
 
@@ -53,7 +54,7 @@ def probe_call(scores, stage: str, cfg: fused.FusedConfig):
             ci = (x >= FLOOR).astype(jnp.int32)
             if stage == "count":
                 return acc + jnp.sum(ci).astype(jnp.float32)
-            before, n = fused._exclusive_count(ci, cfg.scan_rows)
+            before, n = tk.exclusive_count(ci, cfg.scan_rows)
             return acc + jnp.sum(before).astype(jnp.float32) + n.astype(jnp.float32)
 
         acc = lax.fori_loop(0, cfg.block // ch, body, jnp.float32(0))

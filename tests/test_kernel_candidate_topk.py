@@ -83,6 +83,29 @@ def test_search_stops_on_a_prefix_that_is_a_key(k):
                         candidate_topk(scores, ids, k, implementation="xla"))
 
 
+@pytest.mark.parametrize("kind", ["normal", "ties", "special"])
+@pytest.mark.parametrize("r,k", [(300, 40), (2112, 512), (11, 4), (1000, 1000)])
+def test_search_by_thirds_writes_the_bits_outputs(kind, r, k):
+    """T searched by thirds (``search="thirds"``: two thresholds a count) gives bit for bit
+    the outputs of the search by bits (the same winners in the same slots), ties by id
+    and the early stop on a prefix that is a key included, with ids given and as
+    ``short_rows_topk``'s bool rows; rows of 2^16 entries refused."""
+    from pallas_kernels.topk.candidates import candidate_topk_triton
+
+    rng = np.random.default_rng(5 * r + k)
+    scores, ids = make_rows(rng, 3, r, kind)
+    if r == 11:
+        scores[0] = [1.0, 16.0, 0.5, 4.0, 8.0, 4.0, 2.0, 4.0, 0.25, 1.0, 64.0]
+    for i in (ids, ids >= 0):
+        got = candidate_topk_triton(scores, i, k=k, search="thirds")
+        want = candidate_topk_triton(scores, i, k=k)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="thirds"):
+        candidate_topk_triton(np.zeros((1, 1 << 16), np.float32),
+                              np.zeros((1, 1 << 16), np.int32), k=2, search="thirds")
+
+
 def test_ties_go_to_the_lower_id_not_the_earlier_entry():
     """All scores equal, ids falling along the row: the k smallest ids (the last entries)
     win, in the kernel as in the twin."""
@@ -130,7 +153,12 @@ def test_lowers_for_cuda_at_leansparse_shape():
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["normal", "ties"])
 def test_gpu_kernel_matches_twin(kind):
+    """At LeanSparse's shape, the search by bits (the default) and by thirds."""
+    from pallas_kernels.topk.candidates import candidate_topk_triton
+
     rng = np.random.default_rng(11)
     scores, ids = make_rows(rng, 64, 2112, kind)
-    assert_same_winners(candidate_topk(scores, ids, 512, implementation="triton"),
-                        candidate_topk(scores, ids, 512, implementation="xla"))
+    want = candidate_topk(scores, ids, 512, implementation="xla")
+    assert_same_winners(candidate_topk(scores, ids, 512, implementation="triton"), want)
+    assert_same_winners(candidate_topk_triton(jnp.asarray(scores), jnp.asarray(ids), k=512,
+                                              search="thirds"), want)

@@ -316,8 +316,9 @@ def test_index_topk_fused_is_the_top_k_of_its_scores(case, k):
 
 def test_split_form_and_short_rows_topk():
     """index_topk_split (fp8 score kernel, then the one-kernel top-k of short rows) gives the
-    fused kernel's outputs; short_rows_topk alone on tied, poisoned rows with C not a power of
-    two gives topk_positions' sets (ties to the lower index), -1 / -inf padding."""
+    fused kernel's outputs, as does the fused kernel searching T by thirds (bit for bit);
+    short_rows_topk alone on tied, poisoned rows with C not a power of two gives
+    topk_positions' sets (ties to the lower index), -1 / -inf padding."""
     from pallas_kernels.index_scores.topk_fused import (
         index_topk_split,
         index_topk_triton,
@@ -328,6 +329,8 @@ def test_split_form_and_short_rows_topk():
     args = [jnp.asarray(a) for a in _inputs(*CASES[0])]
     got, want = index_topk_split(*args, k=16), index_topk_triton(*args, k=16)
     assert_same_sets(got[0], want[0])
+    for a, b in zip(index_topk_triton(*args, k=16, search="thirds"), want):  # bit for bit
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert_close(got[2], want[2], "float32", mask=np.asarray(args[4]))
     rng = np.random.default_rng(4)
     scores = rng.integers(-2, 3, (3, 300)).astype(np.float32)
@@ -377,7 +380,8 @@ def test_fp8_variants_lower_for_cuda_at_v4_shape():
 def test_gpu_fp8_variants_at_v4_shape(nb):
     """On the GPU the fp8 x fp8 dots run on Hopper's fp8 MMA (``pallas_kernels.fp8_dot``),
     which accumulates with reduced precision: scores within tf32's tolerance of the twin (as
-    the pq kernels' fp8 path), the top-k sets those of the kernel's own scores."""
+    the pq kernels' fp8 path), the top-k sets those of the kernel's own scores (the fused
+    kernel, the split form, the fused kernel searching T by thirds)."""
     from pallas_kernels.index_scores import index_topk
 
     args = _inputs(**V4, nb=nb, pattern="prefix", seed=3)
@@ -385,9 +389,11 @@ def test_gpu_fp8_variants_at_v4_shape(nb):
     got = np.asarray(index_scores(*args, implementation="triton_fp8"))
     assert np.all(got[~valid] == -np.inf)
     assert_close(got, _twin_scores(args), "tf32", mask=valid)
-    from pallas_kernels.index_scores.topk_fused import index_topk_split
+    from pallas_kernels.index_scores.topk_fused import index_topk_split, index_topk_triton
 
-    for fn in (functools.partial(index_topk, implementation="triton_fp8"), index_topk_split):
+    thirds = functools.partial(index_topk_triton, search="thirds")
+    for fn in (functools.partial(index_topk, implementation="triton_fp8"), index_topk_split,
+               thirds):
         pos, val, scores = fn(*args, k=512)
         assert_close(scores, _twin_scores(args), "tf32", mask=valid)
         _assert_topk(pos, val, np.asarray(scores), valid, 512)

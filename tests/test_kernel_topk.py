@@ -300,6 +300,59 @@ def test_fused_float_compare_gives_the_key_paths_candidate_rows(kind):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+FINISH_FORMS = {"skip_ties": dict(skip_ties=True), "scan_rows": dict(finish_scan_rows=8),
+                "programs2": dict(finish_programs=2),
+                "thirds": dict(search="thirds"),
+                "thirds_bits_run": dict(search="thirds", stop_early=False),
+                "programs4_all": dict(finish_programs=4, finish_scan_rows=4, skip_ties=True,
+                                      search="thirds")}
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "extreme"])
+@pytest.mark.parametrize("form", list(FINISH_FORMS))
+def test_fused_finish_forms_write_the_same_winners(kind, form):
+    """The finish's forms: ``skip_ties`` (after an early stop, the keys >= T without tie
+    ranks), ``finish_scan_rows`` (its prefix sums through a [rows, CR / rows] view),
+    ``finish_programs`` (P programs a row, each writing its part's winners), ``search``
+    "thirds" (the floor's and the finish's searches by thirds; with and without the early
+    stop), all of them: the
+    reference's sets, and bit for bit the default finish's outputs (the same winners in the
+    same slots), ties at the m-th key and the whole-row fallback included."""
+    scores, lengths, k = _fused_rows(71, kind)
+    lengths[1], lengths[2] = 2000, 700
+    scores[1] = np.sort(scores[1])  # crowded last blocks: the fallback
+    args = (jnp.asarray(scores), jnp.asarray(lengths), k)
+    tun = FINISH_FORMS[form]
+    _check_fused(scores, lengths, k, **tun, **FUSED_TUN)
+    got = fused.topk_fused(*args, **tun, **FUSED_TUN)
+    want = fused.topk_fused(*args, **FUSED_TUN)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "extreme", "relu"])
+def test_thirds_floor_is_the_bits_floor_or_one_bucket_below(kind):
+    """The sample floor by thirds (``search="thirds"``: the range cut to a third a step
+    until it is narrower than 2^(32 - floor_bits), then those low bits cleared) against the
+    bit-by-bit floor: equal, or one bucket of 2^(32 - floor_bits) keys below it (never
+    above: both are at most the sample's (r + 1)-th key); both floors' rows finish from
+    their candidates alike."""
+    scores, lengths, k = _fused_rows(81, kind)
+    args = (jnp.asarray(scores), jnp.asarray(lengths).reshape(-1, 1))
+    floors = {}
+    for search in ("bits", "thirds"):
+        cfg = fused.fused_config(2000, k, search=search, floor_bits=12, **FUSED_TUN)
+        floors[search] = np.asarray(fused.select_call(*args, None, cfg)[1][:, 0, 1],
+                                    np.int64)
+    step = 1 << (32 - 12)
+    diff = floors["bits"] - floors["thirds"]
+    assert np.all((diff == 0) | (diff == step)), (floors, diff)
+    assert (diff == 0).any()
+    fast = [fused.fast_rows(jnp.asarray(scores), jnp.asarray(lengths), k, search=search,
+                            floor_bits=12, **FUSED_TUN) for search in ("bits", "thirds")]
+    assert np.asarray(fast[0]).tolist() == np.asarray(fast[1]).tolist()
+
+
 def test_float_compare_is_exact_where_it_is_used():
     """``fused._float_exact(tf)`` => (x >= tf) == (key(canonical(x)) >= key(tf)) for every x,
     denormals, +-0, +-inf and NaN included, under this backend's compare (XLA:CPU flushes
@@ -504,7 +557,8 @@ def test_triton_matches_xla_on_gpu(b, n, k, kind):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["normal", "ties", "relu"])
 @pytest.mark.parametrize("variant", ["default", "thr_kernel", "b8192", "hint_above", "hint_ok",
-                                     "r1", "keys", "keys_stop"])
+                                     "r1", "keys", "keys_stop", "skip_ties", "finish_2x64",
+                                     "thirds"])
 def test_fused_on_gpu(variant, kind):
     """fused.py's compiled kernels at the target shape against XLA: the defaults, the separate
     threshold launch, 32 programs a row, floor hints that send every row to the whole-row
@@ -525,5 +579,9 @@ def test_fused_on_gpu(variant, kind):
     tun = {"thr_kernel": dict(threshold_kernel=True), "b8192": dict(block=8192),
            "r1": dict(scan_rows=1),
            "keys": dict(compare="keys", stop_early=False),
-           "keys_stop": dict(compare="keys")}.get(variant, {})
+           "keys_stop": dict(compare="keys"),
+           "skip_ties": dict(skip_ties=True),
+           "finish_2x64": dict(finish_programs=2, finish_scan_rows=64, skip_ties=True),
+           "thirds": dict(search="thirds"),
+           }.get(variant, {})
     assert_topk_equal(fused.topk_fused(*args, floor=floor, **tun), want)

@@ -37,13 +37,13 @@ from pallas_kernels import common
 from pallas_kernels.fp8_dot import dot_f32
 from pallas_kernels.index_scores.reference import quantize_rows
 from pallas_kernels.index_scores.triton import check_triton_shapes, kernel_queries
-from pallas_kernels.topk.candidates import candidate_topk_triton, pow2, select_rows
+from pallas_kernels.topk.candidates import candidate_topk_triton, check_search, pow2, select_rows
 from pallas_kernels.topk.reference import canonical_scores, order_keys
 from pallas_kernels.topk.triton import INT32_MIN
 
 
 def _kernel(q_ref, w_ref, kv_ref, ks_ref, valid_ref, scores_ref, pos_ref, val_ref, *, nb, bs,
-            bc, nblk, c, k):
+            bc, nblk, c, k, search):
     # inputs  q_ref [HP, D] f32 / bf16 (quantized here: ``reference.quantize_rows``), w_ref
     #         [HP] f32, kv_ref [CP, D] fp8, ks_ref [CP] (NB = 1) or
     #         [CP, NB] f32, valid_ref [CP] bool (rows past C: masked loads, never used)
@@ -72,7 +72,7 @@ def _kernel(q_ref, w_ref, kv_ref, ks_ref, valid_ref, scores_ref, pos_ref, val_re
 
     keys, vals = lax.fori_loop(0, nblk, block, (jnp.full((nblk, bc), INT32_MIN, jnp.int32),
                                                 jnp.full((nblk, bc), -jnp.inf, jnp.float32)))
-    select_rows(keys, vals, pos_ref, val_ref, k=k)
+    select_rows(keys, vals, pos_ref, val_ref, k=k, search=search)
 
 
 def short_rows_topk(scores, valid, *, k: int, block_c: int = 128, num_warps: int = 8):
@@ -95,10 +95,11 @@ def index_topk_split(q, weights, key_values, key_scales, valid, *, k: int):
     return pos, val, scores
 
 
-@functools.partial(jax.jit, static_argnames=("k", "block_c", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("k", "block_c", "num_warps", "search"))
 def index_topk_triton(q, weights, key_values, key_scales, valid, *, k: int,
-                      block_c: int = 128, num_warps: int = 8):
-    """Fused fp8 scores + top-k (shapes checked by ``api.index_topk``).
+                      block_c: int = 128, num_warps: int = 8, search: str = "bits"):
+    """Fused fp8 scores + top-k (shapes checked by ``api.index_topk``); search: T's search
+    (``topk.candidates.select_rows``).
 
     Returns (positions [B, k] int32 in candidate order, -1 padded; values [B, k] f32, -inf
     padded; scores [B, C] f32, -inf invalid).
@@ -113,7 +114,8 @@ def index_topk_triton(q, weights, key_values, key_scales, valid, *, k: int,
     cp, kp = nblk * bc, pow2(k)
     scale_block = (None, cp, None if nb == 1 else nb)
     scores, pos, val = pl.pallas_call(
-        functools.partial(_kernel, nb=nb, bs=d // nb, bc=bc, nblk=nblk, c=c, k=k),
+        functools.partial(_kernel, nb=nb, bs=d // nb, bc=bc, nblk=nblk, c=c, k=k,
+                          search=check_search(search, cp)),
         out_shape=[jax.ShapeDtypeStruct((b, c), jnp.float32),
                    jax.ShapeDtypeStruct((b, kp), jnp.int32),
                    jax.ShapeDtypeStruct((b, kp), jnp.float32)],

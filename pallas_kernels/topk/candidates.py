@@ -37,7 +37,7 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import common
 from pallas_kernels.topk.reference import canonical_scores, order_keys
-from pallas_kernels.topk.triton import INT32_MAX, INT32_MIN, radix_search
+from pallas_kernels.topk.triton import INT32_MAX, INT32_MIN, count_pair, radix_search, thirds_search
 
 
 def pow2(n: int) -> int:
@@ -48,11 +48,13 @@ def total(x):  # sum over a block's two axes, one at a time (Triton reduces one 
     return jnp.sum(jnp.sum(x, axis=1), axis=0)
 
 
-def select_rows(keys, vals, pos_ref, val_ref, *, k, ids=None):
+def select_rows(keys, vals, pos_ref, val_ref, *, k, ids=None, search: str = "bits"):
     """Top-k of one row held as keys [NBLK, BC] (INT32_MIN = not eligible; entry n of the row
     = row * BC + lane) with values ``vals`` alike: the winners' ids (``ids`` [NBLK, BC]
     int32, >= 0 where eligible, distinct; None: the entry n) and values into pos_ref / val_ref
-    [KP] in row order, -1 / -inf after the m winners."""
+    [KP] in row order, -1 / -inf after the m winners. search: T's search, "bits"
+    (``radix_search``) or "thirds" (``thirds_search``, two counts a reduction; rows of fewer
+    than 2^16 entries), both with the early stop."""
     nblk, bc = keys.shape
     blk_of = lax.broadcasted_iota(jnp.int32, (nblk, bc), 0)
     flat = blk_of * bc + lax.broadcasted_iota(jnp.int32, (nblk, bc), 1)
@@ -73,7 +75,12 @@ def select_rows(keys, vals, pos_ref, val_ref, *, k, ids=None):
 
     @pl.when(m > 0)
     def _pick():
-        t = radix_search(lambda u: count_ge(keys, u), m, stop_at_m=True) ^ INT32_MIN
+        if search == "thirds":
+            u = thirds_search(functools.partial(count_pair, keys.reshape(nblk * bc)), m,
+                              stop_at_m=True)[0]
+            t = lax.bitcast_convert_type(u, jnp.int32) ^ INT32_MIN
+        else:
+            t = radix_search(lambda u: count_ge(keys, u), m, stop_at_m=True) ^ INT32_MIN
         ties = m - total((keys > t).astype(jnp.int32))
         tie = keys == t
         if ids is None:
@@ -98,25 +105,35 @@ def select_rows(keys, vals, pos_ref, val_ref, *, k, ids=None):
         plt.store(val_ref.at[slot], vals, mask=keep)
 
 
-def _kernel(x_ref, ids_ref, pos_ref, val_ref, *, k):
+def check_search(search: str, r: int) -> str:
+    """search, checked: "thirds" counts two thresholds in 16-bit fields (rows < 2^16)."""
+    if search not in ("bits", "thirds") or (search == "thirds" and r >= 1 << 16):
+        raise ValueError(f"candidate top-k: search={search!r} must be 'bits', or 'thirds' for "
+                         f"rows shorter than 65536 (R={r})")
+    return search
+
+
+def _kernel(x_ref, ids_ref, pos_ref, val_ref, *, k, search):
     # inputs  x_ref [NBLK, BC] f32 scores of one row, ids_ref [NBLK, BC] int32 (-1 = none),
     #         or a bool [NBLK, BC] (eligible; an entry's id is its index in the row)
     # outputs pos_ref / val_ref [KP]
     x = canonical_scores(x_ref[...])
     if ids_ref.dtype == jnp.bool_:
-        select_rows(jnp.where(ids_ref[...], order_keys(x), INT32_MIN), x, pos_ref, val_ref, k=k)
+        select_rows(jnp.where(ids_ref[...], order_keys(x), INT32_MIN), x, pos_ref, val_ref, k=k,
+                    search=search)
         return
     ids = ids_ref[...]
     keys = jnp.where(ids >= 0, order_keys(x), INT32_MIN)
-    select_rows(keys, x, pos_ref, val_ref, k=k, ids=ids)
+    select_rows(keys, x, pos_ref, val_ref, k=k, ids=ids, search=search)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "block_c", "num_warps"))
-def candidate_topk_triton(scores, ids, *, k: int, block_c: int = 256, num_warps: int = 8):
+@functools.partial(jax.jit, static_argnames=("k", "block_c", "num_warps", "search"))
+def candidate_topk_triton(scores, ids, *, k: int, block_c: int = 256, num_warps: int = 8,
+                          search: str = "bits"):
     """scores [B, R] f32, ids [B, R] int32 -> (ids [B, k] of the winners in row order, values
     [B, k]), -1 / -inf padded (shapes checked by ``api.candidate_topk``). ids may instead be
     a [B, R] bool (eligible): each entry's index in its row is its id, read in-kernel (no
-    [B, R] int32 of ids made and read)."""
+    [B, R] int32 of ids made and read). search: ``select_rows``'s."""
     b, r = scores.shape
     bc = min(block_c, pow2(r))
     nblk = pow2(-(-r // bc))
@@ -128,7 +145,7 @@ def candidate_topk_triton(scores, ids, *, k: int, block_c: int = 256, num_warps:
     spec = pl.BlockSpec((None, nblk, bc), lambda i: (i, 0, 0))
     out = pl.BlockSpec((None, kp), lambda i: (i, 0))
     pos, val = pl.pallas_call(
-        functools.partial(_kernel, k=k),
+        functools.partial(_kernel, k=k, search=check_search(search, rp)),
         out_shape=[jax.ShapeDtypeStruct((b, kp), jnp.int32),
                    jax.ShapeDtypeStruct((b, kp), jnp.float32)],
         grid=(b,),

@@ -82,6 +82,10 @@ class FusedConfig:
     interpret: bool
     compare: str = "float"  # select's test: "float" x >= f32(t) where exact, else "keys"
     stop_early: bool = True  # the finish's radix search stops at a prefix of exactly m keys
+    skip_ties: bool = False  # after an early stop the finish keeps keys >= T (no tie ranks)
+    finish_scan_rows: int = 1  # the finish's prefix sums: one scan (1) or rows x (CR / rows)
+    finish_programs: int = 1  # finish programs a row (each writes the winners of CR / P slots)
+    search: str = "bits"  # the floor's and the finish's searches: "bits" or "thirds"
 
     @property
     def kn(self) -> int:
@@ -110,7 +114,8 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 2048, sampl
                  window: int = 8, floor_bits: int = 20, digit_bits: int = 4,
                  fallback_chunk: int = 1024, select_warps: int = 8, finish_warps: int = 16,
                  threshold_kernel: bool | None = None, scan_rows: int = 32,
-                 compare: str = "float", stop_early: bool = True,
+                 compare: str = "float", stop_early: bool = True, skip_ties: bool = False,
+                 finish_scan_rows: int = 1, finish_programs: int = 1, search: str = "bits",
                  interpret: bool | None = None) -> FusedConfig:
     """Tunables fitted to rows of N (call outside jit when interpret is None). threshold_kernel
     None: the separate threshold launch when a row has more than two select programs (H200,
@@ -164,9 +169,13 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 2048, sampl
     "keys" (``results/pallas_ptx_topk/``).
     Raises ValueError when KP > 8192 (the finish keeps CR >= 2 KP keys in registers)."""
     for name, v in (("block", block), ("chunk", chunk), ("sample", sample), ("window", window),
-                    ("fallback_chunk", fallback_chunk), ("scan_rows", scan_rows)):
+                    ("fallback_chunk", fallback_chunk), ("scan_rows", scan_rows),
+                    ("finish_scan_rows", finish_scan_rows),
+                    ("finish_programs", finish_programs)):
         if v < 1 or v & (v - 1):
             raise ValueError(f"topk_fused: {name}={v} must be a power of two")
+    if search not in ("bits", "thirds"):
+        raise ValueError(f"topk_fused: search={search!r} must be 'bits' or 'thirds'")
     if compare not in ("float", "keys"):
         raise ValueError(f"topk_fused: compare={compare!r} must be 'float' or 'keys'")
     if digit_bits not in (1, 2, 4, 8) or not 1 <= floor_bits <= 32:
@@ -195,7 +204,10 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 2048, sampl
                        fallback_chunk=min(fallback_chunk, np_), select_warps=select_warps,
                        finish_warps=finish_warps, threshold_kernel=bool(threshold_kernel),
                        scan_rows=min(scan_rows, chunk), interpret=bool(interpret),
-                       compare=compare, stop_early=bool(stop_early))
+                       compare=compare, stop_early=bool(stop_early),
+                       skip_ties=bool(skip_ties),
+                       finish_scan_rows=min(finish_scan_rows, max(cr, kp) // finish_programs),
+                       finish_programs=min(finish_programs, max(cr, kp)), search=search)
 
 
 # ----------------------------------------------------------------------------- in-kernel pieces
@@ -221,6 +233,13 @@ def _sample_floor(row_ref, length, m, cfg: FusedConfig):
     q = m.astype(jnp.float32) * ns / jnp.maximum(length, 1).astype(jnp.float32) - 1.0
     r = (q + tk.ONE_READ_Z * jnp.sqrt(jnp.maximum(q, 0.0) + 1.0)).astype(jnp.int32) + 2
 
+    if cfg.search == "thirds":  # to within 2^(32 - floor_bits), then those bits cleared
+        low = (1 << (32 - cfg.floor_bits)) - 1
+        u, _ = tk.thirds_search(functools.partial(tk.count_pair, key), r + 1,
+                                stop_width=low)
+        t = lax.bitcast_convert_type(u & jnp.uint32(0xFFFFFFFF ^ low), jnp.int32) ^ INT32_MIN
+        return jnp.maximum(t, KEY_NEG_INF)
+
     def bit_step(b, t_u):  # T_u: the largest with #{u >= T_u} >= r + 1, bit by bit
         cand = t_u | lax.shift_left(jnp.int32(1), 31 - b)
         count = jnp.sum((key >= (cand ^ INT32_MIN)).astype(jnp.int32))
@@ -228,19 +247,6 @@ def _sample_floor(row_ref, length, m, cfg: FusedConfig):
 
     t = lax.fori_loop(0, cfg.floor_bits, bit_step, jnp.int32(0)) ^ INT32_MIN
     return jnp.maximum(t, KEY_NEG_INF)
-
-
-def _exclusive_count(ci, rows: int):
-    """(the exclusive prefix sum of indicators ci [CH] (cumsum(ci) - ci), their sum): one scan
-    of CH, or (rows > 1) through a [rows, CH / rows] view: each row's offset (a scan of the
-    row totals) plus the row's own scan; the sum is then the row totals' (no second reduction
-    over CH)."""
-    if rows == 1:
-        return jnp.cumsum(ci) - ci, jnp.sum(ci)
-    c2 = ci.reshape(rows, ci.shape[0] // rows)
-    tot = jnp.sum(c2, axis=1)
-    before = (jnp.cumsum(tot) - tot)[:, None] + (jnp.cumsum(c2, axis=1) - c2)
-    return before.reshape(-1), jnp.sum(tot)
 
 
 def _float_exact(tf):
@@ -311,7 +317,7 @@ def _select_kernel(len_ref, t_src_ref, x_ref, pair_ref, cnt_ref, *, cfg: FusedCo
         def take(s, x, count, masked):  # chunk at offset s (x its scores) -> count after it
             pos = j * cfg.block + s + lane
             is_c = is_cand(x, pos, masked)
-            before, n = _exclusive_count(is_c.astype(jnp.int32), cfg.scan_rows)
+            before, n = tk.exclusive_count(is_c.astype(jnp.int32), cfg.scan_rows)
             slot = start + count + before
             ok = is_c & (slot < end)
             if cfg.interpret:  # the interpreter scatters every lane: dropped lanes past CR
@@ -372,9 +378,11 @@ def _finish_kernel(len_ref, cnt_ref, pair_ref, row_ref, pos_ref, val_ref, *,
     """
     length, m = _row_sizes(len_ref, cfg)
     kp = pos_ref.shape[0]
+    h = pl.program_id(1)  # the program's part of the row (finish_programs)
     slots = lax.broadcasted_iota(jnp.int32, (kp,), 0)
-    plgpu.store(pos_ref, jnp.full((kp,), -1, jnp.int32), mask=slots >= m)
-    plgpu.store(val_ref, jnp.full((kp,), -jnp.inf, jnp.float32), mask=slots >= m)
+    pad = (slots >= m) & (h == 0)
+    plgpu.store(pos_ref, jnp.full((kp,), -1, jnp.int32), mask=pad)
+    plgpu.store(val_ref, jnp.full((kp,), -jnp.inf, jnp.float32), mask=pad)
 
     nbp = cnt_ref.shape[0]
     blocks = lax.broadcasted_iota(jnp.int32, (nbp,), 0)
@@ -387,20 +395,62 @@ def _finish_kernel(len_ref, cnt_ref, pair_ref, row_ref, pos_ref, val_ref, *,
 
     @pl.when(ok)
     def _():
-        pairs = pair_ref[...]  # [CR, 2], one contiguous load; columns by in-thread sums
-        two = lax.broadcasted_iota(jnp.int32, pairs.shape, 1)
-        cpos = jnp.sum(jnp.where(two == 0, pairs, 0), axis=1)
-        cval = lax.bitcast_convert_type(jnp.sum(jnp.where(two == 1, pairs, 0), axis=1),
-                                        jnp.float32)
-        key = jnp.where(cpos >= 0, tk.order_keys(canonical_scores(cval)), INT32_MIN)
-        # candidates lie in [t, max]: the search starts below the bits these share
-        p0, u0 = tk._shared_digits(t, jnp.maximum(jnp.max(key), t) + 1, 1)
-        tk.take_top_registers(key, cpos, cval, m, 0, p0, u0, pos_ref, val_ref,
-                              stop_early=cfg.stop_early)
+        key, cpos, cval, p0, u0 = candidate_keys(pair_ref[...], t)
+        if cfg.finish_programs == 1:
+            tk.take_top_registers(key, cpos, cval, m, 0, p0, u0, pos_ref, val_ref,
+                                  stop_early=cfg.stop_early, skip_ties=cfg.skip_ties,
+                                  scan_rows=cfg.finish_scan_rows, search=cfg.search)
+        else:
+            _take_part(pair_ref, h, key, m, p0, u0, pos_ref, val_ref, cfg)
 
-    @pl.when(jnp.logical_not(ok))
+    @pl.when(jnp.logical_not(ok) & (h == 0))
     def _():
         _fallback_row(row_ref, length, m, t, total, pos_ref, val_ref, cfg)
+
+
+def _take_part(pair_ref, h, key, m, p0, u0, pos_ref, val_ref, cfg: FusedConfig):
+    """finish_programs P > 1: program h writes the winners among candidate slots [h S,
+    (h + 1) S) (S = CR / P) at their output slots: T from all keys (every program of the row
+    the same search), the winners before the part counted, the part's own reloaded (an L2
+    read) and ranked. The same winners in the same slots as ``triton.take_top_registers``.
+
+    Notation: key [CR] the row's candidate keys, T the search's result, ties = m - #{key > T}
+    (how many keys == T win: the first ones), earlier = slots < h S.
+    """
+    part = cfg.cr // cfg.finish_programs
+    t, exact = tk.top_key(key, m, p0, u0, cfg.stop_early, cfg.search)
+    earlier = lax.broadcasted_iota(jnp.int32, key.shape, 0) < h * part
+    above, tie = key > t, key == t
+    ties = m - jnp.sum(above.astype(jnp.int32))
+    # #{earlier keys > T} and #{earlier keys == T} in one count (each < 2^16)
+    both = jnp.sum(jnp.where(earlier, above.astype(jnp.int32) + (tie.astype(jnp.int32) << 16),
+                             0))
+    ties_before = both >> 16
+    kept_before = (both & 0xFFFF) + jnp.minimum(ties_before, ties)
+    pkey, ppos, pval, _, _ = candidate_keys(pair_ref[pl.ds(h * part, part), :], t)
+    ptie = (pkey == t).astype(jnp.int32)
+    rank = ties_before + tk.exclusive_count(ptie, cfg.finish_scan_rows)[0]
+    keep = (pkey > t) | ((ptie != 0) & (rank < ties))
+    if cfg.skip_ties and cfg.stop_early:  # exactly m keys >= T: they are the winners
+        keep = jnp.where(exact, pkey >= t, keep)
+    lane = lax.broadcasted_iota(jnp.int32, (part,), 0)
+    before = tk.exclusive_count(keep.astype(jnp.int32), cfg.finish_scan_rows)[0]
+    slot = jnp.where(keep, kept_before + before, pos_ref.shape[0] + lane)
+    plgpu.store(pos_ref.at[slot], ppos, mask=keep)
+    plgpu.store(val_ref.at[slot], canonical_scores(pval), mask=keep)
+
+
+def candidate_keys(pairs, t):
+    """(key, cpos, cval [CR], p0, u0) of a candidate row pairs [CR, 2] (select's, loaded whole:
+    one contiguous load; its columns split by in-thread sums) with floor t: keys INT32_MIN at
+    unused slots, and the search's start (the bits that keys in [t, max] share)."""
+    two = lax.broadcasted_iota(jnp.int32, pairs.shape, 1)
+    cpos = jnp.sum(jnp.where(two == 0, pairs, 0), axis=1)
+    cval = lax.bitcast_convert_type(jnp.sum(jnp.where(two == 1, pairs, 0), axis=1),
+                                    jnp.float32)
+    key = jnp.where(cpos >= 0, tk.order_keys(canonical_scores(cval)), INT32_MIN)
+    p0, u0 = tk._shared_digits(t, jnp.maximum(jnp.max(key), t) + 1, 1)
+    return key, cpos, cval, p0, u0
 
 
 def _fallback_row(row_ref, length, m, t, total, pos_ref, val_ref, cfg: FusedConfig):
@@ -528,11 +578,11 @@ def select_call(scores, lens, floor, cfg: FusedConfig):
 def finish_call(lens, cnt, pairs, scores, cfg: FusedConfig):
     """Step 2: (positions [B, KP] int32, values [B, KP] f32) from step 1's outputs."""
     b, nbp = scores.shape[0], cnt.shape[1]
-    one_row = lambda i: (i, 0)  # noqa: E731
+    one_row = lambda i, *_: (i, 0)  # noqa: E731
     return pl.pallas_call(
-        functools.partial(_finish_kernel, cfg=cfg), grid=(b,),
-        in_specs=[_ONE, pl.BlockSpec((None, nbp, 2), lambda i: (i, 0, 0)),
-                  pl.BlockSpec((None, cfg.cr, 2), lambda i: (i, 0, 0)),
+        functools.partial(_finish_kernel, cfg=cfg), grid=(b, cfg.finish_programs),
+        in_specs=[_ONE, pl.BlockSpec((None, nbp, 2), lambda i, *_: (i, 0, 0)),
+                  pl.BlockSpec((None, cfg.cr, 2), lambda i, *_: (i, 0, 0)),
                   pl.BlockSpec((None, cfg.np_), one_row)],
         out_specs=[pl.BlockSpec((None, cfg.kp), one_row)] * 2,
         out_shape=[jax.ShapeDtypeStruct((b, cfg.kp), jnp.int32),

@@ -340,7 +340,8 @@ def _finish_row_registers(row_ref, cpos_ref, cval_ref, wpos_ref, wval_ref, *, di
                        wval_ref)
 
 
-def radix_search(count_at, m, stop_at_m: bool = False, first_bit=0, u0=0):
+def radix_search(count_at, m, stop_at_m: bool = False, first_bit=0, u0=0,
+                 with_stop: bool = False):
     """The largest int32 u (as unsigned bits, MSB first) with count_at(u) >= m for a count that
     falls as u grows (count_at(u), a scalar threshold -> the scalar count of keys >= u): one
     bit a step from bit 31 - first_bit down, the bits above it taken from u0 (a bracket's
@@ -354,7 +355,8 @@ def radix_search(count_at, m, stop_at_m: bool = False, first_bit=0, u0=0):
     the prefix, or every key equal to it is a winner. For distinct keys the search ends after
     the bits that separate the m-th key from the (m + 1)-th (candidate_topk 7.5 -> 6.5 us
     above). Not for a caller that needs the m-th key's value (``miss_filter``) or the m-th id
-    (candidate_topk's tie search)."""
+    (candidate_topk's tie search). with_stop (stop_at_m only): (u, whether the search stopped
+    early, i.e. exactly m keys are >= u)."""
     def body(state):
         p, u, _ = state
         c = u | lax.shift_left(jnp.int32(1), 31 - p)
@@ -364,36 +366,131 @@ def radix_search(count_at, m, stop_at_m: bool = False, first_bit=0, u0=0):
     first_bit, u0 = jnp.int32(first_bit), jnp.int32(u0)
     if not stop_at_m:
         return lax.fori_loop(first_bit, 32, lambda p, u: body((p, u, False))[1], u0)
-    return lax.while_loop(lambda s: (s[0] < 32) & jnp.logical_not(s[2]), body,
-                          (first_bit, u0, jnp.bool_(False)))[1]
+    _, u, stopped = lax.while_loop(lambda s: (s[0] < 32) & jnp.logical_not(s[2]), body,
+                                   (first_bit, u0, jnp.bool_(False)))
+    return (u, stopped) if with_stop else u
+
+
+def thirds_search(count2, m, stop_at_m: bool = False, lo=0, w=0xFFFFFFFF, stop_width=0):
+    """``radix_search``'s answer by thirds: the largest u (uint32) in [lo, lo + w] with
+    count(u) >= m, given count(lo) >= m, for a count that falls as u grows. count2(a, b):
+    a pair of uint32 thresholds -> (#keys >= a, #keys >= b), one reduction for both (two
+    16-bit counts in one int32: keys fewer than 2^16). Each step cuts the range to a third
+    (log_3 2 = 0.63 of a bit step's reductions). stop_at_m: stop at a threshold with
+    exactly m keys >= it (as ``radix_search``). stop_width: stop once the range's width w
+    (its size - 1) is at most this (the result is then within w of the answer, below it).
+    Returns (u, whether it stopped at exactly m).
+
+    Notation: the range [lo, lo + w]; s = w // 3 + 1, thresholds a = lo + s,
+    b = lo + min(2 s, w) (lo < a <= b <= lo + w for w >= 1)."""
+    u32 = jnp.uint32
+
+    def body(state):
+        lo, w, _ = state
+        s = w // u32(3) + u32(1)
+        a, b = lo + s, lo + jnp.minimum(s + s, w)
+        ca, cb = count2(a, b)
+        up, mid = cb >= m, ca >= m
+        new_lo = jnp.where(up, b, jnp.where(mid, a, lo))
+        new_w = jnp.where(up, w - (b - lo), jnp.where(mid, b - a - u32(1), s - u32(1)))
+        exact = stop_at_m & ((up & (cb == m)) | (~up & mid & (ca == m)))
+        return new_lo, new_w, exact
+
+    lo, _, exact = lax.while_loop(
+        lambda st: (st[1] > u32(stop_width)) & jnp.logical_not(st[2]), body,
+        (jnp.asarray(lo, u32), jnp.asarray(w, u32), jnp.bool_(False)))
+    return lo, exact
+
+
+def count_pair(key, a, b):
+    """(#key >= a, #key >= b) for uint32 thresholds in unsigned key order (u = key ^ INT32_MIN)
+    by one reduction of two 16-bit fields (key [size], size < 2^16)."""
+    ka = lax.bitcast_convert_type(a, jnp.int32) ^ INT32_MIN
+    kb = lax.bitcast_convert_type(b, jnp.int32) ^ INT32_MIN
+    both = jnp.sum(jnp.where(key >= ka, 1, 0) + jnp.where(key >= kb, 1 << 16, 0))
+    return both & 0xFFFF, lax.shift_right_logical(both, 16)
 
 
 def take_top_registers(key, pos, val, r, c, first_bit, t_u, wpos_ref, wval_ref,
-                       stop_early: bool = False):
+                       stop_early: bool = False, skip_ties: bool = False, scan_rows: int = 1,
+                       search: str = "bits"):
     """Writes the r best of candidates held in registers at output slots [c, c + r), in
     candidate order (equal keys: the earlier candidates win). key [size] int32 (INT32_MIN:
     not a candidate), pos / val [size] aligned (val raw, canonicalised on the way out).
     first_bit, t_u: the search starts at bit 31 - first_bit with T_u = t_u (the bits above
     it, known from a bracket; 0 and 0 for none). stop_early: ``radix_search``'s stop_at_m
-    (T may then be a prefix that no key equals; the same r winners).
+    (T may then be a prefix that no key equals; the same r winners); skip_ties, scan_rows,
+    search: ``top_slots``'s.
 
     Notation: u(key) = key ^ INT32_MIN; bit i (31 = top) is set in T_u when #{candidates
     with u >= T_u | 2^i} >= r; T = T_u ^ INT32_MIN is the r-th largest candidate key.
     """
-    kp, size = wpos_ref.shape[0], key.shape[0]
+    kp = wpos_ref.shape[0]
+    keep, slot = top_slots(key, r, c, kp, first_bit, t_u, stop_early, skip_ties, scan_rows,
+                           search)
+    plgpu.store(wpos_ref.at[slot], pos, mask=keep)
+    plgpu.store(wval_ref.at[slot], canonical_scores(val), mask=keep)
 
+
+def exclusive_count(ci, rows: int):
+    """(the exclusive prefix sum of indicators ci [CH] (cumsum(ci) - ci), their sum): one scan
+    of CH, or (rows > 1) through a [rows, CH / rows] view: each row's offset (a scan of the
+    row totals) plus the row's own scan; the sum is then the row totals' (no second reduction
+    over CH)."""
+    if rows == 1:
+        return jnp.cumsum(ci) - ci, jnp.sum(ci)
+    c2 = ci.reshape(rows, ci.shape[0] // rows)
+    tot = jnp.sum(c2, axis=1)
+    before = (jnp.cumsum(tot) - tot)[:, None] + (jnp.cumsum(c2, axis=1) - c2)
+    return before.reshape(-1), jnp.sum(tot)
+
+
+def top_key(key, r, first_bit, t_u, stop_early: bool = False, search: str = "bits"):
+    """(T, exact) of ``take_top_registers``: T the r-th largest of key [size] (or, stop_early,
+    a prefix with exactly r keys >= it), by ``radix_search`` over the keys in registers
+    (search "bits") or ``thirds_search`` over the same range (bits from first_bit down
+    free: [t_u, t_u + 2^(32 - first_bit) - 1]); exact: whether exactly r keys are >= T
+    (known when the search stopped early; else False, though it may hold)."""
     def count_at(u):
         return jnp.sum((key >= (u ^ INT32_MIN)).astype(jnp.int32))
 
-    t = radix_search(count_at, r, stop_early, first_bit, t_u) ^ INT32_MIN
-    ties = r - jnp.sum((key > t).astype(jnp.int32))
-    tie = (key == t).astype(jnp.int32)
-    keep = (key > t) | ((tie != 0) & (jnp.cumsum(tie) - tie < ties))
-    keep_i = keep.astype(jnp.int32)
-    lane = lax.broadcasted_iota(jnp.int32, (size,), 0)
-    slot = jnp.where(keep, c + jnp.cumsum(keep_i) - keep_i, kp + lane)
-    plgpu.store(wpos_ref.at[slot], pos, mask=keep)
-    plgpu.store(wval_ref.at[slot], canonical_scores(val), mask=keep)
+    if search == "thirds":
+        free = 32 - jnp.asarray(first_bit, jnp.int32)  # the low bits the range leaves free
+        w = jnp.where(free >= 32, jnp.uint32(0xFFFFFFFF),
+                      (jnp.uint32(1) << jnp.minimum(free, 31).astype(jnp.uint32)) - 1)
+        u, exact = thirds_search(functools.partial(count_pair, key), r, stop_early,
+                                 lax.bitcast_convert_type(jnp.asarray(t_u, jnp.int32),
+                                                          jnp.uint32), w)
+        exact = exact if stop_early else jnp.bool_(False)
+        return lax.bitcast_convert_type(u, jnp.int32) ^ INT32_MIN, exact
+    if not stop_early:
+        return radix_search(count_at, r, False, first_bit, t_u) ^ INT32_MIN, jnp.bool_(False)
+    u, exact = radix_search(count_at, r, True, first_bit, t_u, with_stop=True)
+    return u ^ INT32_MIN, exact
+
+
+def top_slots(key, r, c, kp, first_bit, t_u, stop_early: bool = False,
+              skip_ties: bool = False, scan_rows: int = 1, search: str = "bits"):
+    """(keep [size] bool, slot [size] int32) of ``take_top_registers``: the r winners (keys > T,
+    then the first keys == T) and their output slots c, c + 1, ... in candidate order (kp +
+    lane, past the output, for the others). skip_ties: when exactly r keys are >= T (the
+    search stopped early), the winners are those keys, without counting and ranking ties
+    (one reduction and one prefix sum fewer). scan_rows: the prefix sums' form
+    (``exclusive_count``); search: ``top_key``'s."""
+    t, exact = top_key(key, r, first_bit, t_u, stop_early, search)
+
+    def by_ties():
+        ties = r - jnp.sum((key > t).astype(jnp.int32))
+        tie = (key == t).astype(jnp.int32)
+        return (key > t) | ((tie != 0) & (exclusive_count(tie, scan_rows)[0] < ties))
+
+    if skip_ties and stop_early:
+        keep = lax.cond(exact, lambda: key >= t, by_ties)
+    else:
+        keep = by_ties()
+    lane = lax.broadcasted_iota(jnp.int32, key.shape, 0)
+    before = exclusive_count(keep.astype(jnp.int32), scan_rows)[0]
+    return keep, jnp.where(keep, c + before, kp + lane)
 
 
 def _finish_row(row_ref, cpos_ref, cval_ref, wpos_ref, wval_ref, *, digit_bits, chunk, by_pos):

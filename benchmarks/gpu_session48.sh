@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Session 48's GPU calls (device tool, carry [".whl"]); the card is printed first.
+# STEP=probe (~350 s): the GPU tests of the new forms (the fused topk's skip_ties, two finish
+#   programs a row with prefix sums through a view, searches by thirds; candidate_topk and
+#   the fused rescoring + top-512 searching by thirds) -> $OUT/gputests/;
+#   benchmarks/finish_probe_gpu.py: topk's finish kernel by stages (the candidate row's
+#   load, the keys, the radix search, the slots, the real finish) and its threshold launch
+#   (the sample's loads, the real one) -> $OUT/probe/; then launch_variants_gpu.py --set s48
+#   (the threshold launch against a floor search in every select program, a 16-bit floor,
+#   the finish's forms; device time from 2 profiles each) -> $OUT/lv/.
+source "$(dirname "$0")/gpu_lib.sh"
+case "${STEP:-probe}" in
+  probe)
+    TAIL=6 part gputests ${TESTS_S:-120} "python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/test_kernel_topk.py tests/test_kernel_candidate_topk.py \
+      tests/test_kernel_index_scores.py -k 'fused_on_gpu and (skip_ties or finish_2x64 or \
+      thirds) or gpu_kernel_matches_twin or gpu_fp8_variants'"
+    TAIL=20 part probe ${PROBE_S:-150} "python3 benchmarks/finish_probe_gpu.py --out \$OUT"
+    LV_ARGS="--busy 2" variants lv s48 ${LV_ROUNDS:-6} ${LV_S:-240} ;;
+  *) echo "STEP=${STEP}: unknown (probe)"; exit 2 ;;
+esac
