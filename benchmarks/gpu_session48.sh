@@ -5,9 +5,11 @@
 #   the fused rescoring + top-512 searching by thirds) -> $OUT/gputests/;
 #   benchmarks/finish_probe_gpu.py: topk's finish kernel by stages (the candidate row's
 #   load, the keys, the radix search, the slots, the real finish) and its threshold launch
-#   (the sample's loads, the real one) -> $OUT/probe/; then launch_variants_gpu.py --set s48
-#   (the threshold launch against a floor search in every select program, a 16-bit floor,
-#   the finish's forms; device time from 2 profiles each) -> $OUT/lv/.
+#   (the sample's loads, the real one) -> $OUT/probe/.
+# STEP=lv (~400 s): launch_variants_gpu.py --set s48 (topk: the threshold launch against a
+#   floor search in every select program, a 16-bit floor, the finish's forms, searches by
+#   thirds; the rescoring + top-512, fused and split, searching by thirds; device time from
+#   2 profiles each) -> $OUT/lv/.
 source "$(dirname "$0")/gpu_lib.sh"
 case "${STEP:-probe}" in
   probe)
@@ -15,7 +17,8 @@ case "${STEP:-probe}" in
       tests/test_kernel_topk.py tests/test_kernel_candidate_topk.py \
       tests/test_kernel_index_scores.py -k 'fused_on_gpu and (skip_ties or finish_2x64 or \
       thirds) or gpu_kernel_matches_twin or gpu_fp8_variants'"
-    TAIL=20 part probe ${PROBE_S:-150} "python3 benchmarks/finish_probe_gpu.py --out \$OUT"
-    LV_ARGS="--busy 2" variants lv s48 ${LV_ROUNDS:-6} ${LV_S:-240} ;;
-  *) echo "STEP=${STEP}: unknown (probe)"; exit 2 ;;
+    TAIL=20 part probe ${PROBE_S:-150} "python3 benchmarks/finish_probe_gpu.py --out \$OUT" ;;
+  lv)
+    LV_ARGS="--busy 2" variants lv s48 ${LV_ROUNDS:-6} ${LV_S:-400} ;;
+  *) echo "STEP=${STEP}: unknown (probe | lv)"; exit 2 ;;
 esac

@@ -181,8 +181,8 @@ TOPK_S47 = _on(dict(chunk=4096),
 # warp's partials for each of a thread's strided elements: ptxas sm_90a, the finish after
 # its search 2685 -> 1801 SASS instructions), two programs a row (128 programs on 132 SMs,
 # each ranking half of the candidates: 1523; with the view 1013), and the floor's and the
-# finish's searches by thirds (two counts a reduction: 0.63x the steps); LeanSparse's fused
-# rescoring + top-512 with its search by thirds
+# finish's searches by thirds (two counts a reduction: 0.63x the steps); LeanSparse's
+# rescoring + top-512 with its search by thirds, fused and split (kernel_compare's form)
 TOPK_S48 = {"default": {}, "no_threshold_kernel": dict(threshold_kernel=False),
             "floor_bits16": dict(floor_bits=16), "skip_ties": dict(skip_ties=True),
             "sr64": dict(finish_scan_rows=64), "p2": dict(finish_programs=2),
@@ -191,6 +191,8 @@ TOPK_S48 = {"default": {}, "no_threshold_kernel": dict(threshold_kernel=False),
             "thirds": dict(search="thirds"),
             "p2sr64skip_thirds": dict(finish_programs=2, finish_scan_rows=64, skip_ties=True,
                                       search="thirds")}
+INDEX_TOPK_S48 = {"default": {}, "thirds": dict(search="thirds"), "split": dict(split=True),
+                  "split_thirds": dict(split=True, search="thirds")}
 SETS = {"s38": {"topk": _on(TOPK_S38_DEFAULT, TOPK),
                 "sparse_attention": _on(ATTENTION_S38_DEFAULT, ATTENTION, "block_k"),
                 "index_scores": _on(INDEX_S38_DEFAULT, INDEX, "block_c")},
@@ -206,8 +208,7 @@ SETS = {"s38": {"topk": _on(TOPK_S38_DEFAULT, TOPK),
                 "index_topk_fp8": FP8_S42, "pq_coarse_fp8": FP8_S42},
         "s44": {"sparse_attention": ATTENTION_S44},
         "s45": {"topk": TOPK_S45}, "s47": {"topk": TOPK_S47},
-        "s48": {"topk": TOPK_S48, "index_topk_fp8": {"default": {},
-                                                      "thirds": dict(search="thirds")}}}
+        "s48": {"topk": TOPK_S48, "index_topk_fp8": INDEX_TOPK_S48}}
 SHAPES = {"topk": dict(b=64, n=262144, k=2048), "sparse_attention": dict(b=64, k=512, w=128),
           "sparse_attention_fp8": dict(b=64, k=512, w=128), "index_scores": dict(b=64, c=2048),
           "index_scores_paged": dict(b=36, n=131104),
@@ -348,12 +349,15 @@ def index_topk_fp8_op(shape, interpret):
     """LeanSparse's rescoring: fp8 x fp8 scores of C candidates and their top-512 in one
     kernel (``index_scores.topk_fused``); checked as sets of positions."""
     from experiments.kernel_compare import index_scores_case
-    from pallas_kernels.index_scores.topk_fused import index_topk_triton
+    from pallas_kernels.index_scores.topk_fused import index_topk_split, index_topk_triton
 
     make = index_scores_case(shape["b"], shape["c"]).make
     k = min(512, shape["c"] // 2)
 
     def call(params, *args):
+        params = dict(params)
+        if params.pop("split", False):  # kernel_compare's form: score kernel, short-row top-k
+            return index_topk_split(*args, k=k, **params)
         return index_topk_triton(*args, k=k, **params)
 
     def check(out, want):

@@ -75,23 +75,26 @@ def _kernel(q_ref, w_ref, kv_ref, ks_ref, valid_ref, scores_ref, pos_ref, val_re
     select_rows(keys, vals, pos_ref, val_ref, k=k, search=search)
 
 
-def short_rows_topk(scores, valid, *, k: int, block_c: int = 128, num_warps: int = 8):
+def short_rows_topk(scores, valid, *, k: int, block_c: int = 128, num_warps: int = 8,
+                    search: str = "bits"):
     """Top-k of short rows in one kernel, one program per row holding the row in registers
     (the split form's second kernel): ``topk.candidates.candidate_topk_triton`` with each
     valid entry's index as its id (ties to the lower index; ``valid`` passed as is, so no ids
     array is made). scores [B, C] f32, valid [B, C] bool -> (positions [B, k] in row order,
     values [B, k]), -1 / -inf padded; C up to a few thousand."""
     return candidate_topk_triton(scores, valid.astype(jnp.bool_), k=k, block_c=block_c,
-                                 num_warps=num_warps)
+                                 num_warps=num_warps, search=search)
 
 
-def index_topk_split(q, weights, key_values, key_scales, valid, *, k: int):
+def index_topk_split(q, weights, key_values, key_scales, valid, *, k: int,
+                     search: str = "bits"):
     """The split form of ``index_topk_triton``: the fp8 score kernel (``index_scores``
-    "triton_fp8", many programs per request), then ``short_rows_topk``. Same outputs."""
+    "triton_fp8", many programs per request), then ``short_rows_topk`` (search: its T's
+    search). Same outputs."""
     from pallas_kernels.index_scores.triton import index_scores_triton
 
     scores = index_scores_triton(q, weights, key_values, key_scales, valid, fp8=True)
-    pos, val = short_rows_topk(scores, valid, k=k)
+    pos, val = short_rows_topk(scores, valid, k=k, search=search)
     return pos, val, scores
 
 
