@@ -6,7 +6,7 @@
 #   benchmarks/finish_probe_gpu.py: topk's finish kernel by stages (the candidate row's
 #   load, the keys, the radix search, the slots, the real finish) and its threshold launch
 #   (the sample's loads, the real one) -> $OUT/probe/.
-# STEP=lv (~400 s): launch_variants_gpu.py --set s48 (topk: the threshold launch against a
+# STEP=lv (~500 s): the GPU tests as STEP=probe, then launch_variants_gpu.py --set s48 (topk: the threshold launch against a
 #   floor search in every select program, a 16-bit floor, the finish's forms, searches by
 #   thirds; the rescoring + top-512, fused and split, searching by thirds; device time from
 #   2 profiles each) -> $OUT/lv/.
@@ -19,6 +19,10 @@ case "${STEP:-probe}" in
       thirds) or gpu_kernel_matches_twin or gpu_fp8_variants'"
     TAIL=20 part probe ${PROBE_S:-150} "python3 benchmarks/finish_probe_gpu.py --out \$OUT" ;;
   lv)
-    LV_ARGS="--busy 2" variants lv s48 ${LV_ROUNDS:-6} ${LV_S:-400} ;;
+    TAIL=6 part gputests ${TESTS_S:-120} "python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/test_kernel_topk.py tests/test_kernel_candidate_topk.py \
+      tests/test_kernel_index_scores.py -k 'fused_on_gpu and (skip_ties or finish_2x64 or \
+      thirds) or gpu_kernel_matches_twin or gpu_fp8_variants'"
+    LV_ARGS="--busy 2" variants lv s48 ${LV_ROUNDS:-5} ${LV_S:-380} ;;
   *) echo "STEP=${STEP}: unknown (probe | lv)"; exit 2 ;;
 esac

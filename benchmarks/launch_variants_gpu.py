@@ -175,17 +175,16 @@ TOPK_S47 = _on(dict(chunk=4096),
                 "fw8": dict(finish_warps=8)})
 # --set s48 (session 48): topk's threshold launch against the sample floor computed by every
 # select program (threshold_kernel=False; session 12 measured it slower, 16 programs a row
-# redoing the search, before the select's rewrites), a floor of 16 bits (4 search steps
-# fewer), and the finish's new forms: keys >= T kept after an early stop (skip_ties), prefix
-# sums through a [64, CR / 64] view (Triton's scan of a 1-D [8192] over 16 warps reads every
-# warp's partials for each of a thread's strided elements: ptxas sm_90a, the finish after
-# its search 2685 -> 1801 SASS instructions), two programs a row (128 programs on 132 SMs,
+# redoing the search, before the select's rewrites), and the finish's new forms: keys >= T
+# kept after an early stop (skip_ties), prefix sums through a [64, CR / 64] view (Triton's
+# scan of a 1-D [8192] over 16 warps reads every warp's partials for each of a thread's
+# strided elements: ptxas sm_90a, the finish after its search 2685 -> 1801 SASS
+# instructions), two programs a row (128 programs on 132 SMs,
 # each ranking half of the candidates: 1523; with the view 1013), and the floor's and the
 # finish's searches by thirds (two counts a reduction: 0.63x the steps); LeanSparse's
 # rescoring + top-512 with its search by thirds, fused and split (kernel_compare's form)
 TOPK_S48 = {"default": {}, "no_threshold_kernel": dict(threshold_kernel=False),
-            "floor_bits16": dict(floor_bits=16), "skip_ties": dict(skip_ties=True),
-            "sr64": dict(finish_scan_rows=64), "p2": dict(finish_programs=2),
+            "skip_ties": dict(skip_ties=True), "sr64": dict(finish_scan_rows=64),
             "p2sr64": dict(finish_programs=2, finish_scan_rows=64),
             "p2sr64skip": dict(finish_programs=2, finish_scan_rows=64, skip_ties=True),
             "thirds": dict(search="thirds"),

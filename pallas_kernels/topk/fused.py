@@ -167,6 +167,16 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 2048, sampl
     2048 with both gains nothing (1.000x). ptxas sm_90a: select 125 registers with "float",
     127 with "keys"; its chunk loop 619 SASS instructions a trip with "float", 714 with
     "keys" (``results/pallas_ptx_topk/``).
+    The finish's forms (session 48; all exact, the same winners in the same slots):
+    skip_ties: after an early stop (exactly m keys >= T) the winners are the keys >= T, with
+    no tie count and tie ranks; finish_scan_rows: its prefix sums through a [rows, CR / rows]
+    view (Triton scans a 1-D [8192] over 16 warps by reading every warp's partial for each of
+    a thread's strided elements: ptxas sm_90a, the finish after its search 2685 SASS
+    instructions, 1801 at 64 rows); finish_programs P: P programs a row (grid (B, P)), each
+    searching T over all CR keys and writing the winners of its CR / P slots (P = 2: 128
+    programs on 132 SMs, 1013 instructions after the search with 64 rows). search: the
+    floor's and the finish's searches, "bits" (one count a step) or "thirds"
+    (``triton.thirds_search``: two counts in one reduction, a third of the range a step).
     Raises ValueError when KP > 8192 (the finish keeps CR >= 2 KP keys in registers)."""
     for name, v in (("block", block), ("chunk", chunk), ("sample", sample), ("window", window),
                     ("fallback_chunk", fallback_chunk), ("scan_rows", scan_rows),
