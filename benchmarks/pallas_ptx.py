@@ -9,7 +9,8 @@ bindings with the Triton dialect (``jax._src.lib``: internal, a jax upgrade may 
 script, not the kernels), compiles it with the triton package for sm_90 (num_warps and
 num_stages as the kernel's defaults) and runs triton's bundled ptxas for sm_90a. Counts, not
 timings: whether the dots became wgmma, what goes through shared memory, register pressure,
-and (where triton bundles nvdisasm) each loop's SASS instructions a trip (``sass_loops``).
+and (where triton bundles nvdisasm) each loop's SASS instructions a trip (``sass_loops``)
+and the kernel's static SASS instruction count (``sass_instructions``).
 Sets (--set): index_logits (default) at a V4 prefill tile (1024 queries x 64 heads x 128,
 32768 keys); index_scores: the decode indexer at 512K (N 131104, 64 heads x 128, pages of
 64), contiguous (``index_scores``) and paged (``index_scores_paged``), each with f32 q (two
@@ -123,7 +124,8 @@ def _topk_kernels() -> dict:
     """topk "triton_fused"'s select kernel (with a floor hint: the one launch ahead of the
     finish) and finish kernel at issue 16's 64 x 262144, k 2048: select's compare "float" /
     "keys" and chunk 4096 (the default before session 47), the finish with and without the
-    early stop (session 45)."""
+    early stop (session 45) and its session 48 forms, and the threshold launch (the first of
+    its select_call's two kernels; the census reads the first) by bits and by thirds."""
     from pallas_kernels.topk import fused
 
     b, n, k = 64, 262144, 2048
@@ -135,12 +137,24 @@ def _topk_kernels() -> dict:
             functools.partial(fused.select_call, cfg=cfg),
             (S((b, n), jnp.float32), S((b, 1), jnp.int32), S((b,), jnp.float32)),
             {"num_warps": cfg.select_warps, "num_stages": 1})
-    for name, tun in (("early stop (default)", {}), ("32 steps", dict(stop_early=False))):
+    for name, tun in (("early stop (default)", {}), ("32 steps", dict(stop_early=False)),
+                      ("prefix sums of 64 rows", dict(finish_scan_rows=64)),
+                      ("2 programs a row, 64 rows, skip_ties",
+                       dict(finish_programs=2, finish_scan_rows=64, skip_ties=True)),
+                      ("2 programs a row, 64 rows, skip_ties, thirds",
+                       dict(finish_programs=2, finish_scan_rows=64, skip_ties=True,
+                            search="thirds"))):
         cfg = fused.fused_config(n, k, interpret=False, **tun)
         out[f"topk finish {name}"] = (
             functools.partial(fused.finish_call, cfg=cfg),
             (S((b, 1), jnp.int32), S((b, 16, 2), jnp.int32), S((b, cfg.cr, 2), jnp.int32),
              S((b, n), jnp.float32)),
+            {"num_warps": cfg.finish_warps, "num_stages": 1})
+    for name, search in (("bits (default)", "bits"), ("thirds", "thirds")):
+        cfg = fused.fused_config(n, k, interpret=False, threshold_kernel=True, search=search)
+        out[f"topk threshold {name}"] = (  # select_call's first launch
+            functools.partial(fused.select_call, floor=None, cfg=cfg),
+            (S((b, n), jnp.float32), S((b, 1), jnp.int32)),
             {"num_warps": cfg.finish_warps, "num_stages": 1})
     return out
 
@@ -171,7 +185,7 @@ def sass_loops(sass: str) -> list[dict]:
             ins.append(m[1])
     loops = []
     for i, op in enumerate(ins):
-        m = re.search(r"BRA\s+`\(\.(L_x_\d+)\)", op)
+        m = re.search(r"BRA\s+(?:!?U?P\w+,\s*)?`\(\.(L_x_\d+)\)", op)  # (@P BRA P5, `(...))
         if m and labels.get(m[1], i) < i:  # (a label's branch to itself ends the kernel)
             body = ins[labels[m[1]]:i + 1]
             ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", o).split()[0].split(".")[0]
@@ -242,7 +256,9 @@ def main(argv=None) -> int:
         log, sass = ptxas_run(ptx) or (None, None)
         rec = dict(kernel=name, shapes=shapes, config=cfg, instructions=census(ptx),
                    ptxas=None if log is None else resources(log),
-                   sass_loops=None if sass is None else sass_loops(sass))
+                   sass_loops=None if sass is None else sass_loops(sass),
+                   sass_instructions=None if sass is None else len(re.findall(
+                       r"^\s*/\*[0-9a-f]+\*/\s+\S", sass, re.M)))
         records.append(rec)
         loops = ", ".join(f"{lp['instructions']}" for lp in rec["sass_loops"] or [])
         print(f"{name}: ptxas {rec['ptxas']}; SASS loops (instructions a trip): {loops}\n"
