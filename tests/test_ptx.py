@@ -59,8 +59,8 @@ def test_ttir_passes_fold_the_accumulator_update_into_the_dot():
 
 def test_sass_loops_counts_each_backward_branchs_body():
     """``benchmarks/pallas_ptx.py``'s loop census of nvdisasm text: a backward branch's body
-    from its label, predicates and modifiers stripped; forward branches and the kernel's
-    closing branch-to-itself are not loops."""
+    from its label, predicates and modifiers stripped (also a branch with a second
+    predicate); forward branches and the kernel's closing branch-to-itself are not loops."""
     import importlib.util
     from pathlib import Path
 
@@ -86,3 +86,7 @@ def test_sass_loops_counts_each_backward_branchs_body():
 """
     assert sass_loops(sass) == [{"instructions": 5, "ops": {"FSETP": 1, "STG": 1, "IMAD": 1,
                                                             "ISETP": 1, "BRA": 1}}]
+    # a loop closed by a branch with a second predicate (a while loop's exit test; before
+    # session 48 the census missed the finish kernel's search loop of this form)
+    two = sass.replace("@!P2 BRA `(.L_x_0)", "@P3 BRA P2, `(.L_x_0)")
+    assert sass_loops(two) == sass_loops(sass)
