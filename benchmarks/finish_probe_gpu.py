@@ -85,13 +85,7 @@ def finish_stage(lens, cnt, pairs, stage: str, cfg: fused.FusedConfig):
 def sample_load(scores, lens, cfg: fused.FusedConfig):
     """[B, 1] int32: the threshold kernel's sample loads alone (their bits summed)."""
     def kernel(len_ref, row_ref, o_ref):
-        length = fused._row_sizes(len_ref, cfg)[0]
-        s, w = cfg.sample, cfg.window
-        ws = jnp.maximum(w, length // (s // w))
-        i = lax.broadcasted_iota(jnp.int32, (s,), 0)
-        p = (i // w) * ws + (i % w)
-        inside = p < length
-        x = plgpu.load(row_ref.at[jnp.where(inside, p, 0)], mask=inside, other=0.0)
+        x, _ = fused.sample_scores(row_ref, fused._row_sizes(len_ref, cfg)[0], cfg)
         o_ref[...] = jnp.full((1,), jnp.sum(lax.bitcast_convert_type(x, jnp.int32)),
                               jnp.int32)
 

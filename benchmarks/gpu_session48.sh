@@ -6,10 +6,10 @@
 #   benchmarks/finish_probe_gpu.py: topk's finish kernel by stages (the candidate row's
 #   load, the keys, the radix search, the slots, the real finish) and its threshold launch
 #   (the sample's loads, the real one) -> $OUT/probe/.
-# STEP=lv (~500 s): the GPU tests as STEP=probe, then launch_variants_gpu.py --set s48 (topk: the threshold launch against a
-#   floor search in every select program, a 16-bit floor, the finish's forms, searches by
-#   thirds; the rescoring + top-512, fused and split, searching by thirds; device time from
-#   2 profiles each) -> $OUT/lv/.
+# STEP=lv (~500 s): the GPU tests as STEP=probe (PARTS=lv skips them), then
+#   launch_variants_gpu.py --set s48 (topk: the threshold launch against a floor search in
+#   every select program, the finish's forms, searches by thirds; the rescoring + top-512, fused and split, searching by thirds; device time from
+#   2 profiles each; LV_OPS=topk: its topk rows alone) -> $OUT/lv/.
 source "$(dirname "$0")/gpu_lib.sh"
 case "${STEP:-probe}" in
   probe)
@@ -23,6 +23,6 @@ case "${STEP:-probe}" in
       tests/test_kernel_topk.py tests/test_kernel_candidate_topk.py \
       tests/test_kernel_index_scores.py -k 'fused_on_gpu and (skip_ties or finish_2x64 or \
       thirds) or gpu_kernel_matches_twin or gpu_fp8_variants'"
-    LV_ARGS="--busy 2" variants lv s48 ${LV_ROUNDS:-5} ${LV_S:-380} ;;
+    LV_ARGS="--busy 2 ${LV_OPS:+--ops $LV_OPS}" variants lv s48 ${LV_ROUNDS:-5} ${LV_S:-380} ;;
   *) echo "STEP=${STEP}: unknown (probe | lv)"; exit 2 ;;
 esac

@@ -229,15 +229,20 @@ def _row_sizes(len_ref, cfg: FusedConfig):
     return length, jnp.minimum(length, cfg.k)
 
 
-def _sample_floor(row_ref, length, m, cfg: FusedConfig):
-    """The row's floor key t from its windowed sample (module docstring). row_ref [NP]: the
-    row (only sample positions < L are loaded)."""
+def sample_scores(row_ref, length, cfg: FusedConfig):
+    """(x [S] the row's windowed sample, inside [S]: its positions < L; x is 0 elsewhere).
+    row_ref [NP]: the row (only sample positions < L are loaded)."""
     s, w = cfg.sample, cfg.window
     ws = jnp.maximum(w, length // (s // w))
     i = lax.broadcasted_iota(jnp.int32, (s,), 0)
     p = (i // w) * ws + (i % w)
     inside = p < length
-    x = plgpu.load(row_ref.at[jnp.where(inside, p, 0)], mask=inside, other=0.0)
+    return plgpu.load(row_ref.at[jnp.where(inside, p, 0)], mask=inside, other=0.0), inside
+
+
+def _sample_floor(row_ref, length, m, cfg: FusedConfig):
+    """The row's floor key t from its windowed sample (module docstring)."""
+    x, inside = sample_scores(row_ref, length, cfg)
     key = jnp.where(inside, tk.order_keys(canonical_scores(x)), INT32_MIN)
     ns = jnp.sum(inside.astype(jnp.int32)).astype(jnp.float32)
     q = m.astype(jnp.float32) * ns / jnp.maximum(length, 1).astype(jnp.float32) - 1.0
