@@ -171,10 +171,10 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 2048, sampl
     skip_ties: after an early stop (exactly m keys >= T) the winners are the keys >= T, with
     no tie count and tie ranks; finish_scan_rows: its prefix sums through a [rows, CR / rows]
     view (Triton scans a 1-D [8192] over 16 warps by reading every warp's partial for each of
-    a thread's strided elements: ptxas sm_90a, the finish after its search 2685 SASS
-    instructions, 1801 at 64 rows); finish_programs P: P programs a row (grid (B, P)), each
+    a thread's strided elements: ptxas sm_90a, the finish after its search 2680 SASS
+    instructions, 1842 at 64 rows); finish_programs P: P programs a row (grid (B, P)), each
     searching T over all CR keys and writing the winners of its CR / P slots (P = 2: 128
-    programs on 132 SMs, 1013 instructions after the search with 64 rows). search: the
+    programs on 132 SMs, 1069 instructions after the search with 64 rows). search: the
     floor's and the finish's searches, "bits" (one count a step) or "thirds"
     (``triton.thirds_search``: two counts in one reduction, a third of the range a step).
     Raises ValueError when KP > 8192 (the finish keeps CR >= 2 KP keys in registers)."""
@@ -436,21 +436,15 @@ def _take_part(pair_ref, h, key, m, p0, u0, pos_ref, val_ref, cfg: FusedConfig):
     t, exact = tk.top_key(key, m, p0, u0, cfg.stop_early, cfg.search)
     earlier = lax.broadcasted_iota(jnp.int32, key.shape, 0) < h * part
     above, tie = key > t, key == t
-    ties = m - jnp.sum(above.astype(jnp.int32))
     # #{earlier keys > T} and #{earlier keys == T} in one count (each < 2^16)
     both = jnp.sum(jnp.where(earlier, above.astype(jnp.int32) + (tie.astype(jnp.int32) << 16),
                              0))
-    ties_before = both >> 16
-    kept_before = (both & 0xFFFF) + jnp.minimum(ties_before, ties)
+    ties, ties_before = m - jnp.sum(above.astype(jnp.int32)), both >> 16
+    kept_before = (both & 0xFFFF) + jnp.minimum(ties_before, ties)  # the earlier winners
     pkey, ppos, pval, _, _ = candidate_keys(pair_ref[pl.ds(h * part, part), :], t)
-    ptie = (pkey == t).astype(jnp.int32)
-    rank = ties_before + tk.exclusive_count(ptie, cfg.finish_scan_rows)[0]
-    keep = (pkey > t) | ((ptie != 0) & (rank < ties))
-    if cfg.skip_ties and cfg.stop_early:  # exactly m keys >= T: they are the winners
-        keep = jnp.where(exact, pkey >= t, keep)
-    lane = lax.broadcasted_iota(jnp.int32, (part,), 0)
-    before = tk.exclusive_count(keep.astype(jnp.int32), cfg.finish_scan_rows)[0]
-    slot = jnp.where(keep, kept_before + before, pos_ref.shape[0] + lane)
+    keep, slot = tk.winner_slots(pkey, t, exact, lambda: ties - ties_before, kept_before,
+                                 pos_ref.shape[0], cfg.skip_ties and cfg.stop_early,
+                                 cfg.finish_scan_rows)
     plgpu.store(pos_ref.at[slot], ppos, mask=keep)
     plgpu.store(val_ref.at[slot], canonical_scores(pval), mask=keep)
 

@@ -461,7 +461,6 @@ def top_key(key, r, first_bit, t_u, stop_early: bool = False, search: str = "bit
         u, exact = thirds_search(functools.partial(count_pair, key), r, stop_early,
                                  lax.bitcast_convert_type(jnp.asarray(t_u, jnp.int32),
                                                           jnp.uint32), w)
-        exact = exact if stop_early else jnp.bool_(False)
         return lax.bitcast_convert_type(u, jnp.int32) ^ INT32_MIN, exact
     if not stop_early:
         return radix_search(count_at, r, False, first_bit, t_u) ^ INT32_MIN, jnp.bool_(False)
@@ -478,19 +477,26 @@ def top_slots(key, r, c, kp, first_bit, t_u, stop_early: bool = False,
     (one reduction and one prefix sum fewer). scan_rows: the prefix sums' form
     (``exclusive_count``); search: ``top_key``'s."""
     t, exact = top_key(key, r, first_bit, t_u, stop_early, search)
+    return winner_slots(key, t, exact, lambda: r - jnp.sum((key > t).astype(jnp.int32)), c,
+                        kp, skip_ties and stop_early, scan_rows)
 
+
+def winner_slots(key, t, exact, tie_budget, first_slot, kp, skip_ties: bool = False,
+                 scan_rows: int = 1):
+    """(keep, slot) of keys [size] (all or a part of a candidate row) given T: the keys > T and
+    the first tie_budget() keys == T, at slots first_slot, first_slot + 1, ... in key order
+    (kp + lane for the others). tie_budget: a callable (evaluated only where ties are
+    ranked) -> how many of these keys == T win. skip_ties: where exact (exactly the winners
+    are >= T), keep the keys >= T without the tie count and ranks (a cond: the rank path's
+    reduction and prefix sum are skipped)."""
     def by_ties():
-        ties = r - jnp.sum((key > t).astype(jnp.int32))
         tie = (key == t).astype(jnp.int32)
-        return (key > t) | ((tie != 0) & (exclusive_count(tie, scan_rows)[0] < ties))
+        return (key > t) | ((tie != 0) & (exclusive_count(tie, scan_rows)[0] < tie_budget()))
 
-    if skip_ties and stop_early:
-        keep = lax.cond(exact, lambda: key >= t, by_ties)
-    else:
-        keep = by_ties()
+    keep = lax.cond(exact, lambda: key >= t, by_ties) if skip_ties else by_ties()
     lane = lax.broadcasted_iota(jnp.int32, key.shape, 0)
     before = exclusive_count(keep.astype(jnp.int32), scan_rows)[0]
-    return keep, jnp.where(keep, c + before, kp + lane)
+    return keep, jnp.where(keep, first_slot + before, kp + lane)
 
 
 def _finish_row(row_ref, cpos_ref, cval_ref, wpos_ref, wval_ref, *, digit_bits, chunk, by_pos):
