@@ -180,7 +180,7 @@ TOPK_S47 = _on(dict(chunk=4096),
 # scan of a 1-D [8192] over 16 warps reads every warp's partials for each of a thread's
 # strided elements: ptxas sm_90a, the finish after its search 2680 -> 1842 SASS
 # instructions), two programs a row (128 programs on 132 SMs,
-# each ranking half of the candidates: 1523; with the view 1069), and the floor's and the
+# each ranking half of the candidates: 1488; with the view 1069), and the floor's and the
 # finish's searches by thirds (two counts a reduction: 0.63x the steps); LeanSparse's
 # rescoring + top-512 with its search by thirds, fused and split (kernel_compare's form)
 TOPK_S48 = {"default": {}, "no_threshold_kernel": dict(threshold_kernel=False),
