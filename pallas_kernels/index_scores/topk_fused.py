@@ -37,9 +37,9 @@ from pallas_kernels import common
 from pallas_kernels.fp8_dot import dot_f32
 from pallas_kernels.index_scores.reference import quantize_rows
 from pallas_kernels.index_scores.triton import check_triton_shapes, kernel_queries
-from pallas_kernels.topk.candidates import candidate_topk_triton, check_search, pow2, select_rows
+from pallas_kernels.topk.candidates import candidate_topk_triton, pow2, select_rows
 from pallas_kernels.topk.reference import canonical_scores, order_keys
-from pallas_kernels.topk.triton import INT32_MIN
+from pallas_kernels.topk.triton import INT32_MIN, check_search
 
 
 def _kernel(q_ref, w_ref, kv_ref, ks_ref, valid_ref, scores_ref, pos_ref, val_ref, *, nb, bs,
@@ -118,7 +118,7 @@ def index_topk_triton(q, weights, key_values, key_scales, valid, *, k: int,
     scale_block = (None, cp, None if nb == 1 else nb)
     scores, pos, val = pl.pallas_call(
         functools.partial(_kernel, nb=nb, bs=d // nb, bc=bc, nblk=nblk, c=c, k=k,
-                          search=check_search(search, cp)),
+                          search=check_search(search, cp, "index_topk")),
         out_shape=[jax.ShapeDtypeStruct((b, c), jnp.float32),
                    jax.ShapeDtypeStruct((b, kp), jnp.int32),
                    jax.ShapeDtypeStruct((b, kp), jnp.float32)],

@@ -37,7 +37,7 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import common
 from pallas_kernels.topk.reference import canonical_scores, order_keys
-from pallas_kernels.topk.triton import INT32_MAX, INT32_MIN, count_pair, radix_search, thirds_search
+from pallas_kernels.topk.triton import INT32_MAX, INT32_MIN, check_search, radix_search, top_key
 
 
 def pow2(n: int) -> int:
@@ -75,12 +75,7 @@ def select_rows(keys, vals, pos_ref, val_ref, *, k, ids=None, search: str = "bit
 
     @pl.when(m > 0)
     def _pick():
-        if search == "thirds":
-            u = thirds_search(functools.partial(count_pair, keys.reshape(nblk * bc)), m,
-                              stop_at_m=True)[0]
-            t = lax.bitcast_convert_type(u, jnp.int32) ^ INT32_MIN
-        else:
-            t = radix_search(lambda u: count_ge(keys, u), m, stop_at_m=True) ^ INT32_MIN
+        t = top_key(keys.reshape(nblk * bc), m, 0, 0, stop_early=True, search=search)[0]
         ties = m - total((keys > t).astype(jnp.int32))
         tie = keys == t
         if ids is None:
@@ -103,14 +98,6 @@ def select_rows(keys, vals, pos_ref, val_ref, *, k, ids=None, search: str = "bit
         slot = jnp.where(keep, before(keep.astype(jnp.int32)), kp + flat)  # past KP: dropped
         plt.store(pos_ref.at[slot], out, mask=keep)
         plt.store(val_ref.at[slot], vals, mask=keep)
-
-
-def check_search(search: str, r: int) -> str:
-    """search, checked: "thirds" counts two thresholds in 16-bit fields (rows < 2^16)."""
-    if search not in ("bits", "thirds") or (search == "thirds" and r >= 1 << 16):
-        raise ValueError(f"candidate top-k: search={search!r} must be 'bits', or 'thirds' for "
-                         f"rows shorter than 65536 (R={r})")
-    return search
 
 
 def _kernel(x_ref, ids_ref, pos_ref, val_ref, *, k, search):
@@ -145,7 +132,7 @@ def candidate_topk_triton(scores, ids, *, k: int, block_c: int = 256, num_warps:
     spec = pl.BlockSpec((None, nblk, bc), lambda i: (i, 0, 0))
     out = pl.BlockSpec((None, kp), lambda i: (i, 0))
     pos, val = pl.pallas_call(
-        functools.partial(_kernel, k=k, search=check_search(search, rp)),
+        functools.partial(_kernel, k=k, search=check_search(search, rp, "candidate top-k")),
         out_shape=[jax.ShapeDtypeStruct((b, kp), jnp.int32),
                    jax.ShapeDtypeStruct((b, kp), jnp.float32)],
         grid=(b,),

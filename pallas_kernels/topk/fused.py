@@ -184,8 +184,6 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 2048, sampl
                     ("finish_programs", finish_programs)):
         if v < 1 or v & (v - 1):
             raise ValueError(f"topk_fused: {name}={v} must be a power of two")
-    if search not in ("bits", "thirds"):
-        raise ValueError(f"topk_fused: search={search!r} must be 'bits' or 'thirds'")
     if compare not in ("float", "keys"):
         raise ValueError(f"topk_fused: compare={compare!r} must be 'float' or 'keys'")
     if digit_bits not in (1, 2, 4, 8) or not 1 <= floor_bits <= 32:
@@ -209,6 +207,7 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 2048, sampl
         interpret = common.interpret()
     if threshold_kernel is None:
         threshold_kernel = np_ > 2 * block
+    tk.check_search(search, max(sample, cr, kp), "topk_fused")  # the floor's, the finish's
     return FusedConfig(k=k, n=n, block=block, chunk=chunk, sample=sample, window=window,
                        floor_bits=int(floor_bits), cr=max(cr, kp), digit_bits=digit_bits,
                        fallback_chunk=min(fallback_chunk, np_), select_warps=select_warps,

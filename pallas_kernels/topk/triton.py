@@ -402,6 +402,15 @@ def thirds_search(count2, m, stop_at_m: bool = False, lo=0, w=0xFFFFFFFF, stop_w
     return lo, exact
 
 
+def check_search(search: str, size: int, who: str) -> str:
+    """search, checked for ``top_key`` / ``thirds_search`` over ``size`` keys: "bits", or
+    "thirds" when size < 2^16 (``count_pair``'s 16-bit fields)."""
+    if search not in ("bits", "thirds") or (search == "thirds" and size >= 1 << 16):
+        raise ValueError(f"{who}: search={search!r} must be 'bits', or 'thirds' for rows of "
+                         f"fewer than 65536 keys (here {size})")
+    return search
+
+
 def count_pair(key, a, b):
     """(#key >= a, #key >= b) for uint32 thresholds in unsigned key order (u = key ^ INT32_MIN)
     by one reduction of two 16-bit fields (key [size], size < 2^16)."""
