@@ -36,11 +36,12 @@ def check_step(resident, adaptive):
 
 # 5: constant reclaiming; kv_dtype on both sides (lent pages hold the stored rows);
 # device_pages: exact keys in device pools, 32 pages = the most held at once (12 + 9 + 11),
-# the fourth request reuses the first one's pages; (5, 1, f32, None) is slow (~15 s: the same
-# load pattern runs with FP8 rows and with device pools in the fast suite)
+# the fourth request reuses the first one's pages; (5, 1, f32, None) and (since session 49)
+# (5, 1, fp8_v4, None) are slow: the same load pattern runs with device pools in the fast
+# suite, and FP8 rows keep their identities in test_kv_rows
 @pytest.mark.parametrize("optional,refill,kv_dtype,device_pages", [
     pytest.param(5, 1, "f32", None, marks=pytest.mark.slow), (40, 4, "f32", None),
-    (5, 1, "fp8_v4", None), (5, 1, "f32", 32)])
+    pytest.param(5, 1, "fp8_v4", None, marks=pytest.mark.slow), (5, 1, "f32", 32)])
 def test_adaptive_bit_identical_to_resident_under_load_changes(optional, refill, kv_dtype,
                                                                device_pages):
     cfg = tiny(max_len=512, kv_dtype=kv_dtype)
@@ -146,10 +147,11 @@ def test_optional_pages_only_with_adaptive():
         CacheConfig(refill_pages=0)
 
 
-# fp8_v4 is slow (~1.5 min interpreted); the kernels' FP8 rows are also tested in their own files
+# slow tier: fp8_v4 ~1.5 min interpreted (the kernels' FP8 rows are tested in their own files),
+# f32 since session 49 (46 s; hisparse's engine runs the same kernels in test_hierarchy)
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_dtype,precision", [
-    ("f32", "f32"), pytest.param("fp8_v4", "f32", marks=pytest.mark.slow),
-    pytest.param("fp8_v4", "bf16", marks=pytest.mark.slow)])
+    ("f32", "f32"), ("fp8_v4", "f32"), ("fp8_v4", "bf16")])
 def test_adaptive_with_the_triton_kernels_is_bit_identical(kv_dtype, precision):
     """Lent pages resolve before the hot_resolve kernel; sparse_attention reads them alike
     (attention_precision "bf16": FP8 rows in place, from lent pages and the hot cache)."""
@@ -166,6 +168,9 @@ def test_adaptive_with_the_triton_kernels_is_bit_identical(kv_dtype, precision):
     assert (sources > 0).all()  # lent pages / tail, hot hits and host copies all occurred
 
 
+# slow tier (session 49): an experiment CLI (40 s); adaptive residency's identities stay in this
+# file
+@pytest.mark.slow
 def test_residency_experiment_cli(tmp_path, monkeypatch):
     """The load-step study end to end (shortened): it checks token identity with resident
     itself; at step 0 a lone request with every prompt page lent copies nothing from the host,

@@ -65,6 +65,9 @@ def test_mcnemar_exact_values():
     assert mcnemar(a, a)["p"] == 1.0
 
 
+# slow tier (session 49): an experiment CLI (42 s); the checkpoint's answers stay in
+# test_hisparse_answers_equal_resident_on_every_example
+@pytest.mark.slow
 def test_accuracy_cli_on_the_checkpoint(tmp_path, monkeypatch):
     """The accuracy study end to end (shortened): results, table and per-example records; the
     lossless method answers exactly as resident on every example, and the McNemar test of two

@@ -270,6 +270,9 @@ def test_paged_index_kernel_reads_pools_in_place_bit_for_bit(method):
     assert calls and set(calls) == {"triton"}
 
 
+# slow tier (session 49): 56 s; pooled rows read in place by a kernel stay in
+# test_paged_index_kernel_reads_pools_in_place_bit_for_bit
+@pytest.mark.slow
 def test_hca_rows_are_attended_in_place_with_bf16_attention():
     """With kernels and attention_precision "bf16" (FP8 rows read as stored) an HCA layer's
     decode attends in sparse_attention to its rows where they lie: the device pool itself,

@@ -29,6 +29,8 @@ TC = DrafterTrainConfig(seq_len=320, batch=2, steps=4, lr=3e-3, warmup=1, anchor
                         mix=(("niah", 1.0),), checkpoint_every=2)
 
 
+# slow tier (session 49): 17 s of training steps
+@pytest.mark.slow
 def test_drafter_steps_reduce_the_distillation_loss():
     """Three optimizer steps on one batch of NIAH text lower the drafter's loss against a
     frozen (random) target; the target's parameters are untouched (frozen)."""

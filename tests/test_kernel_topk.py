@@ -300,7 +300,10 @@ def test_fused_float_compare_gives_the_key_paths_candidate_rows(kind):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-FINISH_FORMS = {"skip_ties": dict(skip_ties=True), "scan_rows": dict(finish_scan_rows=8),
+# session 47's finish (one program a row, one scan of CR, tie ranks after an early stop)
+PLAIN_FINISH = dict(skip_ties=False, finish_scan_rows=1, finish_programs=1)
+FINISH_FORMS = {"default": None, "skip_ties": dict(skip_ties=True),
+                "scan_rows": dict(finish_scan_rows=8),
                 "programs2": dict(finish_programs=2),
                 "thirds": dict(search="thirds"),
                 "thirds_bits_run": dict(search="thirds", stop_early=False),
@@ -315,17 +318,17 @@ def test_fused_finish_forms_write_the_same_winners(kind, form):
     ranks), ``finish_scan_rows`` (its prefix sums through a [rows, CR / rows] view),
     ``finish_programs`` (P programs a row, each writing its part's winners), ``search``
     "thirds" (the floor's and the finish's searches by thirds; with and without the early
-    stop), all of them: the
-    reference's sets, and bit for bit the default finish's outputs (the same winners in the
-    same slots), ties at the m-th key and the whole-row fallback included."""
+    stop), all of them, and the defaults (two programs, 64 rows, skip_ties): the reference's
+    sets, and bit for bit session 47's finish's outputs (``PLAIN_FINISH``: the same winners in
+    the same slots), ties at the m-th key and the whole-row fallback included."""
     scores, lengths, k = _fused_rows(71, kind)
     lengths[1], lengths[2] = 2000, 700
     scores[1] = np.sort(scores[1])  # crowded last blocks: the fallback
     args = (jnp.asarray(scores), jnp.asarray(lengths), k)
-    tun = FINISH_FORMS[form]
+    tun = {} if FINISH_FORMS[form] is None else {**PLAIN_FINISH, **FINISH_FORMS[form]}
     _check_fused(scores, lengths, k, **tun, **FUSED_TUN)
     got = fused.topk_fused(*args, **tun, **FUSED_TUN)
-    want = fused.topk_fused(*args, **FUSED_TUN)
+    want = fused.topk_fused(*args, **PLAIN_FINISH, **FUSED_TUN)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -557,8 +560,8 @@ def test_triton_matches_xla_on_gpu(b, n, k, kind):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["normal", "ties", "relu"])
 @pytest.mark.parametrize("variant", ["default", "thr_kernel", "b8192", "hint_above", "hint_ok",
-                                     "r1", "keys", "keys_stop", "skip_ties", "finish_2x64",
-                                     "thirds"])
+                                     "r1", "keys", "keys_stop", "finish_plain",
+                                     "skip_ties_only", "thirds"])
 def test_fused_on_gpu(variant, kind):
     """fused.py's compiled kernels at the target shape against XLA: the defaults, the separate
     threshold launch, 32 programs a row, floor hints that send every row to the whole-row
@@ -580,8 +583,8 @@ def test_fused_on_gpu(variant, kind):
            "r1": dict(scan_rows=1),
            "keys": dict(compare="keys", stop_early=False),
            "keys_stop": dict(compare="keys"),
-           "skip_ties": dict(skip_ties=True),
-           "finish_2x64": dict(finish_programs=2, finish_scan_rows=64, skip_ties=True),
+           "finish_plain": PLAIN_FINISH,
+           "skip_ties_only": dict(PLAIN_FINISH, skip_ties=True),
            "thirds": dict(search="thirds"),
            }.get(variant, {})
     assert_topk_equal(fused.topk_fused(*args, floor=floor, **tun), want)

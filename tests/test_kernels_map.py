@@ -46,6 +46,8 @@ def test_own_names_pass_through_and_unknown_names_raise():
         EngineConfig(model=tiny(max_len=64), implementation="triton_fused")
 
 
+# slow tier (session 49): 30 s; the family map's other tests stay
+@pytest.mark.slow
 def test_jax_triton_family_runs_hisparse_as_triton_on_cpu():
     """HiSparse calls no jax-triton kernel: its "jax_triton" engine runs the Triton kernels
     (interpret mode here) and equals the "triton" engine bit for bit (before, hot_resolve

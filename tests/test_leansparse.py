@@ -270,6 +270,9 @@ def test_kernel_step_selects_as_the_xla_step():
     kernel_step_against_xla(lean, lean, steps=8)
 
 
+# slow tier (session 49): 50 s; the kernels' wiring stays in
+# test_kernel_step_selects_as_the_xla_step, pooled codes in the XLA tests
+@pytest.mark.slow
 def test_pooled_codes_are_read_in_place_bit_for_bit_with_kernels():
     """With kernels (implementation="triton", interpret mode) and PQ codes in device pools the
     coarse pass reads the codes in place through the slot's page table (``pq_topc``'s paged

@@ -57,8 +57,9 @@ def assert_trees_equal(want, got, what):
                                       err_msg=f"{what}{jax.tree_util.keystr(path)}")
 
 
-@pytest.mark.parametrize("name", ["resident", "hisparse", "leansparse", *[
-    pytest.param(n, marks=pytest.mark.slow) for n in ("echo", "adaptive", "dsa_shared")]])
+# resident and hisparse: slow tier since session 49 (leansparse runs the most of the mixed step)
+@pytest.mark.parametrize("name", ["leansparse", *[pytest.param(n, marks=pytest.mark.slow) for n in (
+    "resident", "hisparse", "echo", "adaptive", "dsa_shared")]])
 def test_mixed_step_equals_decode_step_and_forward_chunk(name):
     """Two of three slots decoding (one idle) beside a prompt's second chunk (partial): the
     state, DecodeOutput (logits, tokens, selections, sources), chunk logits and caches equal

@@ -162,6 +162,8 @@ def test_valid_npz_defaults(tmp_path):
 # --------------------------------------------------------------------------------------- CLI
 
 
+# slow tier (session 49): an experiment CLI; the traces' identities stay in this file
+@pytest.mark.slow
 def test_cli_writes_results_for_every_source(tmp_path, monkeypatch):
     monkeypatch.setenv("LSPARSE_RUNS", str(tmp_path))
     keys, queries, weights = synthetic_data(96, 6, 8, 2, clusters=4, df=3.0, seed=5,

@@ -11,6 +11,9 @@ from lsparse_jax.config import LeanSparseConfig
 from lsparse_jax.model import preset
 
 
+# slow tier (session 49): an experiment CLI (62 s); the scale cells' engines are tested in their
+# own files
+@pytest.mark.slow
 def test_scale_study_runs_every_cell_and_resumes(tmp_path, monkeypatch):
     monkeypatch.setenv("LSPARSE_RUNS", str(tmp_path))
     args = ["run", "configs/experiments/scale.gin", "--gin.model_preset.name='tiny'",

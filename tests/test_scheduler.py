@@ -416,6 +416,8 @@ def test_chunked_prefill_metrics_exact(resident):
         assert r.tokens == alone(resident, r)
 
 
+# slow tier (session 49): an experiment CLI (28 s); the scheduler's behaviour stays in this file
+@pytest.mark.slow
 def test_serve_experiment_smoke(tmp_path, monkeypatch):
     from experiments.cli import main
 

@@ -111,6 +111,9 @@ def _prompts():
     return [rng.integers(0, 256, n).astype(np.int32) for n in (95, 130)]
 
 
+# slow tier (session 49; 31 s): fp8 scores keep identity 6 (leansparse) and run through the
+# kernels in the fast suite
+@pytest.mark.slow
 def test_fp8_scores_keep_hisparse_identical_to_resident_and_change_selections():
     """At "fp8" HiSparse (exact keys in device pools: the paged op) equals resident (the
     contiguous op) bit for bit; and its selections are not f32's at every step."""

@@ -165,7 +165,7 @@ def test_serving_params_casts_only_the_matmul_weights():
         tiny(matmul_precision="bf16", weight_dtype="fp8")
 
 
-@pytest.mark.parametrize("method", ["resident", "hisparse"])
+@pytest.mark.parametrize("method", ["resident", pytest.param("hisparse", marks=pytest.mark.slow)])
 def test_bf16_stored_weights_serve_as_f32_weights_of_the_same_values(method):
     """An engine storing its matmul weights bf16 (``weight_dtype``) gives the tokens and
     logits, bit for bit, of one given f32 weights holding the same bf16 values."""

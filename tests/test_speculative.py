@@ -108,6 +108,9 @@ def test_greedy_speculative_equals_plain_greedy_on_gpu(method, implementation):
     check_greedy_exact(method, 150, 40, implementation)
 
 
+# slow tier (session 49): 47 s; the identity stays at XLA
+# (test_greedy_speculative_equals_plain_greedy)
+@pytest.mark.slow
 def test_greedy_speculative_equals_plain_greedy_with_kernels():
     """The identity with implementation "triton" (interpret mode): plain steps and
     verification blocks attend through the sparse_attention kernel, select through the

@@ -35,6 +35,9 @@ def test_v4_cost_side_config_runs_greedy_exact_without_checkpoints(tmp_path):
     assert 0.0 <= spec["union_miss_ratio"] <= 1.0
 
 
+# slow tier (session 49): an experiment CLI (45 s); speculative decoding's identities stay in
+# test_speculative
+@pytest.mark.slow
 def test_repeats_rerun_each_cell_on_warm_engines_with_the_same_tokens(tmp_path):
     """repeats = 2: two serving runs per engine, plain and speculative alternating; the
     reported tok/s is the runs' median, each pair's ratio is kept, and every rerun emits the

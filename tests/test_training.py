@@ -89,6 +89,8 @@ def test_training_sequence_answers_are_the_needle_values():
         assert tokenizer.decode(seq[span]) == values[key]
 
 
+# slow tier (session 49): 60 s; the training losses keep test_training's fast tests
+@pytest.mark.slow
 def test_train_resumes_to_the_same_parameters(tmp_path):
     """Two steps straight == one step, stop, resume, one more step (orbax state + data stream
     are both resumable), and the exported params load back."""

@@ -82,9 +82,9 @@ class FusedConfig:
     interpret: bool
     compare: str = "float"  # select's test: "float" x >= f32(t) where exact, else "keys"
     stop_early: bool = True  # the finish's radix search stops at a prefix of exactly m keys
-    skip_ties: bool = False  # after an early stop the finish keeps keys >= T (no tie ranks)
-    finish_scan_rows: int = 1  # the finish's prefix sums: one scan (1) or rows x (CR / rows)
-    finish_programs: int = 1  # finish programs a row (each writes the winners of CR / P slots)
+    skip_ties: bool = True  # after an early stop the finish keeps keys >= T (no tie ranks)
+    finish_scan_rows: int = 64  # the finish's prefix sums: one scan (1) or rows x (CR / rows)
+    finish_programs: int = 2  # finish programs a row (each writes the winners of CR / P slots)
     search: str = "bits"  # the floor's and the finish's searches: "bits" or "thirds"
 
     @property
@@ -114,8 +114,8 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 2048, sampl
                  window: int = 8, floor_bits: int = 20, digit_bits: int = 4,
                  fallback_chunk: int = 1024, select_warps: int = 8, finish_warps: int = 16,
                  threshold_kernel: bool | None = None, scan_rows: int = 32,
-                 compare: str = "float", stop_early: bool = True, skip_ties: bool = False,
-                 finish_scan_rows: int = 1, finish_programs: int = 1, search: str = "bits",
+                 compare: str = "float", stop_early: bool = True, skip_ties: bool = True,
+                 finish_scan_rows: int = 64, finish_programs: int = 2, search: str = "bits",
                  interpret: bool | None = None) -> FusedConfig:
     """Tunables fitted to rows of N (call outside jit when interpret is None). threshold_kernel
     None: the separate threshold launch when a row has more than two select programs (H200,
@@ -177,6 +177,16 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 2048, sampl
     programs on 132 SMs, 1069 instructions after the search with 64 rows). search: the
     floor's and the finish's searches, "bits" (one count a step) or "thirds"
     (``triton.thirds_search``: two counts in one reduction, a third of the range a step).
+    Defaults since session 49 (H100, 64 x 262144, k 2048, ``launch_variants_gpu.py --set
+    s48``, 3 interleaved rounds, device time from 2 profiles each,
+    ``results/launch_variants_s49/``): the finish 18.9 -> 14.5 us busy with two programs a
+    row and 64-row prefix sums (the top-k 64.7 -> 60.7 us); skip_ties on top of them changes
+    nothing measurable (14.62 vs 14.54 us) and is kept as the shorter path; each alone
+    17.6-17.8 us; "thirds" slower (the finish 19.1 us, the threshold 6.8 -> 7.9-8.1: its steps
+    cost more than the steps it saves). The calls' wall times in the same rounds are noisy
+    (0.87-1.07x). ``finish_probe_gpu.py`` (session 49, the session-47 finish, cumulative
+    stages): the candidate row's load 2.1 us, the keys 2.2, the search 8.7, the slots 16.3,
+    the whole finish 17.9.
     Raises ValueError when KP > 8192 (the finish keeps CR >= 2 KP keys in registers)."""
     for name, v in (("block", block), ("chunk", chunk), ("sample", sample), ("window", window),
                     ("fallback_chunk", fallback_chunk), ("scan_rows", scan_rows),

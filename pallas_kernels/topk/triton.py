@@ -467,9 +467,11 @@ def top_key(key, r, first_bit, t_u, stop_early: bool = False, search: str = "bit
         free = 32 - jnp.asarray(first_bit, jnp.int32)  # the low bits the range leaves free
         w = jnp.where(free >= 32, jnp.uint32(0xFFFFFFFF),
                       (jnp.uint32(1) << jnp.minimum(free, 31).astype(jnp.uint32)) - 1)
-        u, exact = thirds_search(functools.partial(count_pair, key), r, stop_early,
-                                 lax.bitcast_convert_type(jnp.asarray(t_u, jnp.int32),
-                                                          jnp.uint32), w)
+        # a Python t_u becomes a uint32 constant here: jax 0.11.2's Triton lowering cannot
+        # bitcast a literal inside a cond (AttributeError, H100, session 49)
+        lo = (jnp.uint32(t_u & 0xFFFFFFFF) if isinstance(t_u, int)
+              else lax.bitcast_convert_type(jnp.asarray(t_u, jnp.int32), jnp.uint32))
+        u, exact = thirds_search(functools.partial(count_pair, key), r, stop_early, lo, w)
         return lax.bitcast_convert_type(u, jnp.int32) ^ INT32_MIN, exact
     if not stop_early:
         return radix_search(count_at, r, False, first_bit, t_u) ^ INT32_MIN, jnp.bool_(False)
