@@ -9,11 +9,13 @@ them; the host never waits on a device value):
      S scores, a few KB from L2) or takes the row's floor hint, then writes its block's
      eligible scores with key >= t (as (position, score bits) pairs), in position order, into
      its own segment of the row's candidate buffer, and its count c_j.
-  2. finish, grid (B,): a row is ok when c(t) = sum_j c_j >= m and no block overflowed its
-     segment; its m winners are then the m best candidates, found on keys held in registers
-     (``triton.take_top_registers``). Otherwise (a floor above the m-th key, or a crowded
-     block) the same program scans the whole row: a radix search of the m-th key over it,
-     then one take pass in position order. Exact either way; the fallback only costs time.
+  2. finish, grid (B, P) (P = finish_programs, 2 by default): a row is ok when c(t) =
+     sum_j c_j >= m and no block overflowed its segment; its m winners are then the m best
+     candidates, found on keys held in registers (``triton.take_top_registers``; with P > 1
+     each program writes the winners among its CR / P candidates, ``_take_part``).
+     Otherwise (a floor above the m-th key, or a crowded block) the row's first program
+     scans the whole row: a radix search of the m-th key over it, then one take pass in
+     position order. Exact either way; the fallback only costs time.
 
 ``threshold_kernel=True`` computes t in its own grid (B,) launch before step 1 instead (three
 launches, no redundant sample work); the default past two select programs a row
