@@ -110,12 +110,22 @@ def put(a, sharding: NamedSharding) -> jax.Array:
     fills its own devices' shards from its copy (``device_put`` would compare the processes'
     values first, and NaN poison never compares equal)."""
     if jax.process_count() == 1:
-        return jax.device_put(a, sharding)
+        return jax.device_put(np.asarray(a) if _host_on_cpu(a) else a, sharding)
     if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):  # typed keys: place their data
         return jax.random.wrap_key_data(put(jax.random.key_data(a), sharding),
                                         impl=jax.random.key_impl(a))
     host = np.asarray(a)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def _host_on_cpu(a) -> bool:
+    """Whether ``a`` is a CPU array in a host memory kind. jax 0.12's CPU client cannot
+    device_put such an array that a jitted program wrote (its layout carries the memory space:
+    "UNIMPLEMENTED: Unsupported layout used for PjRt CPU buffers"), so ``put`` copies it
+    through numpy (the same values; CPU only, where host and device memory are one)."""
+    s = getattr(a, "sharding", None)
+    return (s is not None and s.memory_kind not in (None, "device")
+            and all(d.platform == "cpu" for d in s.device_set))
 
 
 def shard_params(params, mesh: Mesh):

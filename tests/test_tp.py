@@ -50,6 +50,31 @@ def check(results: dict, methods) -> None:
         assert r["recompiles"] == 0, f"{method}: the decode step compiled again"
 
 
+_REPLICATE_HOST = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from lsparse_jax.parallel import make_mesh, replicate
+host = NamedSharding(make_mesh(1), P(), memory_kind="pinned_host")
+a = jax.jit(lambda: jnp.arange(64 * 32, dtype=jnp.float32).reshape(64, 32), out_shardings=host)()
+b = replicate({"a": a}, make_mesh(2))["a"]
+assert b.sharding.memory_kind == "pinned_host" and len(b.sharding.device_set) == 2
+for shard in b.addressable_shards:
+    np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(a))
+print("ok")
+"""
+
+
+def test_replicate_copies_host_arrays_a_program_wrote():
+    """``parallel.replicate`` of a pinned_host array that a jitted program wrote: on two CPU
+    devices, each holds the same values in pinned_host (jax 0.12's CPU client refuses to
+    device_put such an array directly; ``put`` copies it through numpy there)."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), XLA_FLAGS=flags.strip())
+    done = subprocess.run([sys.executable, "-c", _REPLICATE_HOST], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-4000:]
+
+
 def test_tp2_equals_tp1_resident():
     """The default suite's check (two layers, CSA and HCA, to keep it fast): the split heads
     of the model math, the exact index scores summed before top-k, the replicated state."""
