@@ -24,13 +24,18 @@ ROOT = Path(__file__).resolve().parents[1]
 LOGIT_ATOL = 1e-4
 
 
-def run_identity(*args: str, timeout: int = 900) -> dict:
-    # the parent's XLA_FLAGS (tests/conftest.py's CPU optimization level) go along: both
-    # engines of the comparison run in the subprocess under the same flags
+def two_cpu_devices(argv: list[str], timeout: int) -> subprocess.CompletedProcess:
+    """``python argv`` in a subprocess with two CPU devices. The parent's XLA_FLAGS
+    (tests/conftest.py's CPU optimization level) go along: both engines of a comparison run
+    in the subprocess under the same flags."""
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), XLA_FLAGS=flags.strip())
-    done = subprocess.run([sys.executable, "-m", "tests.tp_identity", *args], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def run_identity(*args: str, timeout: int = 900) -> dict:
+    done = two_cpu_devices(["-m", "tests.tp_identity", *args], timeout)
     assert done.returncode == 0, done.stderr[-4000:]
     results = {}
     for line in done.stdout.strip().splitlines():
@@ -68,10 +73,7 @@ def test_replicate_copies_host_arrays_a_program_wrote():
     """``parallel.replicate`` of a pinned_host array that a jitted program wrote: on two CPU
     devices, each holds the same values in pinned_host (jax 0.12's CPU client refuses to
     device_put such an array directly; ``put`` copies it through numpy there)."""
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), XLA_FLAGS=flags.strip())
-    done = subprocess.run([sys.executable, "-c", _REPLICATE_HOST], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = two_cpu_devices(["-c", _REPLICATE_HOST], 300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-4000:]
 
 

@@ -186,7 +186,7 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 2048, sampl
     nothing measurable (14.62 vs 14.54 us) and is kept as the shorter path; each alone
     17.6-17.8 us; "thirds" slower (the finish 19.1 us, the threshold 6.8 -> 7.9-8.1: its steps
     cost more than the steps it saves). The calls' wall times in the same rounds are noisy
-    (0.87-1.07x). ``finish_probe_gpu.py`` (session 49, the session-47 finish, cumulative
+    (0.87-1.18x). ``finish_probe_gpu.py`` (session 49, the session-47 finish, cumulative
     stages): the candidate row's load 2.1 us, the keys 2.2, the search 8.7, the slots 16.3,
     the whole finish 17.9.
     Raises ValueError when KP > 8192 (the finish keeps CR >= 2 KP keys in registers)."""
