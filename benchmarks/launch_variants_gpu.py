@@ -25,7 +25,8 @@ s41 HiSparse's paged decode indexer at 512K, batch 36 (its launch and arithmetic
 Pallas kernels' fp8 dots on fp8 wgmma (``pallas_kernels.fp8_dot``) against the widened form,
 s44 sparse_attention with one warpgroup a program (column splits), s45 topk's select compare
 and finish search (with --busy: device time a call from profiles), s47 topk's select chunk
-and warps with pair stores, s48 topk's threshold launch against a floor in every select program.
+and warps with pair stores, s48 topk's threshold launch against a floor in every select program,
+s50 the threshold launch's warps and select blocks of 8192.
 Timing: ``timing.time_program`` (one jitted program, built once a variant, calling the op on
 --sets input sets, so dispatch is amortized as in kernel_compare; median of --repeats
 programs) once a round for each variant, --rounds rounds, the order rotated a round
@@ -192,6 +193,11 @@ TOPK_S48 = {"default": {}, "no_threshold_kernel": dict(threshold_kernel=False),
                                       search="thirds")}
 INDEX_TOPK_S48 = {"default": {}, "thirds": dict(search="thirds"), "split": dict(split=True),
                   "split_thirds": dict(split=True, search="thirds")}
+# --set s50 (session 50): the threshold launch's own warps (16 until now, finish_warps's),
+# select blocks of 8192 (32 programs a row, four chunk trips each), and the floor hint (no
+# threshold launch: what the select and finish take alone)
+TOPK_S50 = {"default": {}, "tw4": dict(threshold_warps=4), "tw8": dict(threshold_warps=8),
+            "b8192": dict(block=8192), "floor": dict(floor=True)}
 SETS = {"s38": {"topk": _on(TOPK_S38_DEFAULT, TOPK),
                 "sparse_attention": _on(ATTENTION_S38_DEFAULT, ATTENTION, "block_k"),
                 "index_scores": _on(INDEX_S38_DEFAULT, INDEX, "block_c")},
@@ -207,7 +213,7 @@ SETS = {"s38": {"topk": _on(TOPK_S38_DEFAULT, TOPK),
                 "index_topk_fp8": FP8_S42, "pq_coarse_fp8": FP8_S42},
         "s44": {"sparse_attention": ATTENTION_S44},
         "s45": {"topk": TOPK_S45}, "s47": {"topk": TOPK_S47},
-        "s48": {"topk": TOPK_S48, "index_topk_fp8": INDEX_TOPK_S48}}
+        "s48": {"topk": TOPK_S48, "index_topk_fp8": INDEX_TOPK_S48}, "s50": {"topk": TOPK_S50}}
 SHAPES = {"topk": dict(b=64, n=262144, k=2048), "sparse_attention": dict(b=64, k=512, w=128),
           "sparse_attention_fp8": dict(b=64, k=512, w=128), "index_scores": dict(b=64, c=2048),
           "index_scores_paged": dict(b=36, n=131104),

@@ -561,13 +561,13 @@ def test_triton_matches_xla_on_gpu(b, n, k, kind):
 @pytest.mark.parametrize("kind", ["normal", "ties", "relu"])
 @pytest.mark.parametrize("variant", ["default", "thr_kernel", "b8192", "hint_above", "hint_ok",
                                      "r1", "keys", "keys_stop", "finish_plain",
-                                     "skip_ties_only", "thirds"])
+                                     "skip_ties_only", "thirds", "thr_warps4"])
 def test_fused_on_gpu(variant, kind):
     """fused.py's compiled kernels at the target shape against XLA: the defaults, the separate
     threshold launch, 32 programs a row, floor hints that send every row to the whole-row
     scan or finish it from the candidates, the prefix count in one scan (the default: 32
-    row scans), select's f32 compare with the finish's early stop and the early stop alone;
-    one ascending row (crowded last blocks) in each."""
+    row scans), select's f32 compare with the finish's early stop and the early stop alone,
+    the threshold launch at 4 warps; one ascending row (crowded last blocks) in each."""
     b, n, k = 64, 262144, 2048
     scores, lengths = _gpu_case(3 * b + k, b, n, k, kind)
     scores[9] = np.sort(scores[9])
@@ -586,5 +586,6 @@ def test_fused_on_gpu(variant, kind):
            "finish_plain": PLAIN_FINISH,
            "skip_ties_only": dict(PLAIN_FINISH, skip_ties=True),
            "thirds": dict(search="thirds"),
+           "thr_warps4": dict(threshold_kernel=True, threshold_warps=4),
            }.get(variant, {})
     assert_topk_equal(fused.topk_fused(*args, floor=floor, **tun), want)

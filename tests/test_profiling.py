@@ -100,3 +100,34 @@ def test_time_case_donates_fresh_copies_of_the_donated_args_only(per_call_mode):
     for x, y in made:
         assert not x.is_deleted() and not y.is_deleted()
         jnp.asarray(x + y).block_until_ready()  # still readable
+
+
+def test_pipelined_timing_dispatches_programs_back_to_back_and_skips_donated_cases():
+    """seconds_pipelined: PIPELINED_PROGRAMS programs a round on the same sets, divided by
+    programs x sets; a case with donated arguments gets none (each program would need fresh
+    copies inside the clock)."""
+    import jax.numpy as jnp
+
+    from experiments.kernel_compare import PIPELINED_PROGRAMS, Case, pipelined_seconds, time_case
+
+    calls = []
+
+    def program(own, kept):
+        calls.append((own, kept))
+        return [jnp.zeros(2)]
+
+    assert pipelined_seconds(program, "own", "kept", rotate=8, repeats=12) > 0
+    assert calls == [("own", "kept")] * (3 * PIPELINED_PROGRAMS)  # max(3, 12 // 4) rounds
+
+    def make(key):
+        return (jnp.ones((4, 8)),)
+
+    def call(impl, x):
+        return x * 2.0
+
+    kept = time_case(Case("t", {}, 0.0, 1.0, make, call), "xla", repeats=2, warmup=1)
+    donated = time_case(Case("t", {}, 0.0, 1.0, make, call, donate=(0,)), "xla", repeats=2,
+                        warmup=1)
+    assert kept["sets"] == donated["sets"] == 32  # tiny sets: the most, 32
+    assert kept["seconds_pipelined"] > 0
+    assert "seconds_pipelined" not in donated

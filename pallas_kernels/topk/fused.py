@@ -88,6 +88,7 @@ class FusedConfig:
     finish_scan_rows: int = 64  # the finish's prefix sums: one scan (1) or rows x (CR / rows)
     finish_programs: int = 2  # finish programs a row (each writes the winners of CR / P slots)
     search: str = "bits"  # the floor's and the finish's searches: "bits" or "thirds"
+    threshold_warps: int = 16  # the threshold launch's warps (finish_warps until session 50)
 
     @property
     def kn(self) -> int:
@@ -118,7 +119,7 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 2048, sampl
                  threshold_kernel: bool | None = None, scan_rows: int = 32,
                  compare: str = "float", stop_early: bool = True, skip_ties: bool = True,
                  finish_scan_rows: int = 64, finish_programs: int = 2, search: str = "bits",
-                 interpret: bool | None = None) -> FusedConfig:
+                 threshold_warps: int = 16, interpret: bool | None = None) -> FusedConfig:
     """Tunables fitted to rows of N (call outside jit when interpret is None). threshold_kernel
     None: the separate threshold launch when a row has more than two select programs (H200,
     B 64, session 12, ms per call in a batch of 8: 262144 / k 2048 0.139 with it vs 0.197
@@ -134,7 +135,8 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 2048, sampl
     finish_warps (the threshold and finish kernels' warps) 16: at 64 x 262144, k 2048 (H100,
     session 39, ``benchmarks/launch_variants_gpu.py``, interleaved rounds against 8 warps,
     the same index sets and values) 0.962x / 0.973x / 0.967x in three runs, faster in 14 of
-    15, 15 of 25 and 25 of 35 rounds (``results/launch_variants_s39/``).
+    15, 15 of 25 and 25 of 35 rounds (``results/launch_variants_s39/``). threshold_warps:
+    the threshold launch's own (16, as it was with finish_warps; session 50 times 4 and 8).
     The select loop has no prefetch of the next chunk (removed in session 47: H100, session
     40, 35 rounds, 1.000x at chunk 2048 and slower otherwise; Triton 3.6 does not pipeline
     the loop's loads itself, session 38). Chunks wholly below the row's length skip the
@@ -192,6 +194,7 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 2048, sampl
     Raises ValueError when KP > 8192 (the finish keeps CR >= 2 KP keys in registers)."""
     for name, v in (("block", block), ("chunk", chunk), ("sample", sample), ("window", window),
                     ("fallback_chunk", fallback_chunk), ("scan_rows", scan_rows),
+                    ("threshold_warps", threshold_warps),
                     ("finish_scan_rows", finish_scan_rows),
                     ("finish_programs", finish_programs)):
         if v < 1 or v & (v - 1):
@@ -228,7 +231,8 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 2048, sampl
                        compare=compare, stop_early=bool(stop_early),
                        skip_ties=bool(skip_ties),
                        finish_scan_rows=min(finish_scan_rows, max(cr, kp) // finish_programs),
-                       finish_programs=min(finish_programs, max(cr, kp)), search=search)
+                       finish_programs=min(finish_programs, max(cr, kp)), search=search,
+                       threshold_warps=threshold_warps)
 
 
 # ----------------------------------------------------------------------------- in-kernel pieces
@@ -581,7 +585,7 @@ def select_call(scores, lens, floor, cfg: FusedConfig):
             functools.partial(_threshold_kernel, cfg=cfg), grid=(b,),
             in_specs=[_ONE, whole_row], out_specs=_ONE,
             out_shape=jax.ShapeDtypeStruct((b, 1), jnp.int32),
-            name="topk_fused_threshold", **_params(cfg, cfg.finish_warps))(lens, scores)
+            name="topk_fused_threshold", **_params(cfg, cfg.threshold_warps))(lens, scores)
     else:
         t_from, t_src, t_spec = "sample", scores, whole_row
     row = pl.BlockSpec((None, cfg.cr, 2), lambda i, j: (i, 0, 0))
