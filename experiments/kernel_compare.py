@@ -14,8 +14,9 @@ back to back with one sync after the last, per call: what the op costs inside a 
 program such as the decode step, where nothing waits for the host between calls. The
 median over repeats is reported, with the binding roofline: max(FLOPs / 790 TFLOP/s (bf16
 tensor cores), bytes / 3.0 TB/s (HBM), host-link bytes / 48 GB/s (hot_resolve's missed rows
-over PCIe)). Implementations an op does not have are
-skipped (``SUPPORTED``); the new variants of issue 16: hot_resolve "triton_fused" (control
+over PCIe)). Ops of ~15 us or less stay dispatch-bound even pipelined (session 50, H100: eight
+calls are less GPU work than one program's dispatch). Implementations an op does not have
+are skipped (``SUPPORTED``); the new variants of issue 16: hot_resolve "triton_fused" (control
 in-kernel), index_scores "triton_fp8" (fp8 x fp8) and "xla_top512" / "triton_fp8_top512" (scores
 plus the top-512: XLA, and the fused one-kernel form), topk "triton_oneread" and "triton_fused"
 (two or three launches, ``pallas_kernels/topk/fused.py``), pq_topc
