@@ -195,9 +195,11 @@ INDEX_TOPK_S48 = {"default": {}, "thirds": dict(search="thirds"), "split": dict(
                   "split_thirds": dict(split=True, search="thirds")}
 # --set s50 (session 50): the threshold launch's own warps (16 until now, finish_warps's),
 # select blocks of 8192 (32 programs a row, four chunk trips each), and the floor hint (no
-# threshold launch: what the select and finish take alone)
+# threshold launch: what the select and finish take alone); tw32 (Hopper's most, 1024 threads;
+# it lowers for sm_90) was added after session 50's run: results/launch_variants_s50/ lacks it
 TOPK_S50 = {"default": {}, "tw4": dict(threshold_warps=4), "tw8": dict(threshold_warps=8),
-            "b8192": dict(block=8192), "floor": dict(floor=True)}
+            "tw32": dict(threshold_warps=32), "b8192": dict(block=8192),
+            "floor": dict(floor=True)}
 SETS = {"s38": {"topk": _on(TOPK_S38_DEFAULT, TOPK),
                 "sparse_attention": _on(ATTENTION_S38_DEFAULT, ATTENTION, "block_k"),
                 "index_scores": _on(INDEX_S38_DEFAULT, INDEX, "block_c")},
