@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
-# Session 50's GPU calls (device tool, carry [".whl"], kind nvidia-h200: the card is printed
-# first; the kind may be served by an H100).
-# STEP=kc (~330 s): kernel_compare at issue 16's target shapes only (pq_topc B 64 N 131072,
-#   topk 64 x 262144 k 2048, index_scores / sparse_attention B 64, hot_resolve B 64 at 5% and
-#   0% misses), every implementation, per call batched in one program and profiled (busy
-#   time) -> $OUT/kc/.
-# STEP=lv (~240 s): topk's GPU test of the default and of threshold_warps 4, then
-#   launch_variants_gpu.py --set s50 (topk: the threshold launch at 4 and 8
-#   warps, select blocks of 8192, the floor hint), 3 interleaved rounds, device time from 2
-#   profiles a variant -> $OUT/lv/.
-# STEP=p512 (~220 s): the 512K batch-36 fp8 decode profile (as gpu_session49.sh STEP=p512)
-#   -> $OUT/p512/.
+# Session 50's GPU calls (device tool, carry [".whl"]; they ran on nvidia-h100-x1 after
+# nvidia-h200 was refused five times; the card is printed first).
+# STEP: one or more of the steps below, in order (e.g. STEP="kc lv").
+# STEP=kc (93.6 s with KC_S=230 on the H100): kernel_compare at issue 16's target shapes only
+#   (pq_topc B 64 N 131072, topk 64 x 262144 k 2048, index_scores / sparse_attention B 64,
+#   hot_resolve B 64 at 5% and 0% misses), every implementation, per call batched in one
+#   program, pipelined, and profiled (busy time) -> $OUT/kc/.
+# STEP=lv (19.0 s warm): topk's GPU test of the default and of threshold_warps 4, then
+#   launch_variants_gpu.py --set s50 (topk: the threshold launch at 4, 8 and 32 warps -- 32
+#   added after the run --, select blocks of 8192, the floor hint), 3 interleaved rounds,
+#   device time from 2 profiles a variant -> $OUT/lv/.
+# STEP=p512 (~220 s; not run in session 50): the 512K batch-36 fp8 decode profile (as
+#   gpu_session49.sh STEP=p512) -> $OUT/p512/.
 source "$(dirname "$0")/gpu_lib.sh"
-for step in ${STEP:-kc}; do  # STEP: one or more of the steps above, in order
+for step in ${STEP:-kc}; do
 case "$step" in
   kc)
     TAIL=40 part kc ${KC_S:-330} "python3 -m experiments.cli run \
