@@ -10,6 +10,7 @@
 #   launch_variants_gpu.py --set s50 (topk: the threshold launch at 4, 8 and 32 warps -- 32
 #   added after the run --, select blocks of 8192, the floor hint), 3 interleaved rounds,
 #   device time from 2 profiles a variant -> $OUT/lv/.
+# KC_NAME: the kc run's name (default kernel_compare_s50; gpu_session51.sh STEP=kc: _s51).
 # STEP=p512 (~220 s; not run in session 50): the 512K batch-36 fp8 decode profile (as
 #   gpu_session49.sh STEP=p512) -> $OUT/p512/.
 source "$(dirname "$0")/gpu_lib.sh"
@@ -20,12 +21,12 @@ case "$step" in
       configs/experiments/kernel_compare.gin --gin.kernel_compare.batches='(64,)' \
       --gin.kernel_compare.histories='(131072,)' \
       \"--gin.kernel_compare.topk_shapes=((64, 262144, 2048),)\" \
-      --gin.kernel_compare.profile=True --gin.run.name=\"'kernel_compare_s50'\" \
+      --gin.kernel_compare.profile=True --gin.run.name=\"'${KC_NAME:-kernel_compare_s50}'\" \
       2>&1 | grep -v ' spent$'" ;;
   lv)
     TAIL=6 part gputests ${TESTS_S:-90} "python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/test_kernel_topk.py -k 'thr_warps4 or (test_fused_on_gpu and default)'"
-    LV_ARGS="--busy 2" variants lv s50 ${LV_ROUNDS:-3} ${LV_S:-150} ;;
+    LV_ARGS="--busy 2" variants lv ${LV_SET:-s50} ${LV_ROUNDS:-3} ${LV_S:-150} ;;
   p512) PROFILE_GIN=$FP8_GIN profile p512 524288 36 ${PROFILE_S:-210} ;;
   *) echo "STEP=${step}: unknown (kc | lv | p512)"; exit 2 ;;
 esac

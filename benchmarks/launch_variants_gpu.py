@@ -26,7 +26,8 @@ Pallas kernels' fp8 dots on fp8 wgmma (``pallas_kernels.fp8_dot``) against the w
 s44 sparse_attention with one warpgroup a program (column splits), s45 topk's select compare
 and finish search (with --busy: device time a call from profiles), s47 topk's select chunk
 and warps with pair stores, s48 topk's threshold launch against a floor in every select program,
-s50 the threshold launch's warps and select blocks of 8192.
+s50 the threshold launch's warps and select blocks of 8192, s51 sparse_attention's in-kernel
+combine and topk's threshold launch at 32 warps.
 Timing: ``timing.time_program`` (one jitted program, built once a variant, calling the op on
 --sets input sets, so dispatch is amortized as in kernel_compare; median of --repeats
 programs) once a round for each variant, --rounds rounds, the order rotated a round
@@ -200,6 +201,11 @@ INDEX_TOPK_S48 = {"default": {}, "thirds": dict(search="thirds"), "split": dict(
 TOPK_S50 = {"default": {}, "tw4": dict(threshold_warps=4), "tw8": dict(threshold_warps=8),
             "tw32": dict(threshold_warps=32), "b8192": dict(block=8192),
             "floor": dict(floor=True)}
+# --set s51 (session 51): sparse_attention's split partials merged inside the kernel by the
+# last split of each request to finish (``fused_combine``: no combine launch in XLA, the
+# partials read back from L2), bf16 and V4 FP8 rows; topk's threshold launch at 32 warps
+ATTENTION_S51 = {"default": {}, "fused": dict(fused_combine=True)}
+TOPK_S51 = {"default": {}, "tw32": dict(threshold_warps=32)}
 SETS = {"s38": {"topk": _on(TOPK_S38_DEFAULT, TOPK),
                 "sparse_attention": _on(ATTENTION_S38_DEFAULT, ATTENTION, "block_k"),
                 "index_scores": _on(INDEX_S38_DEFAULT, INDEX, "block_c")},
@@ -215,7 +221,9 @@ SETS = {"s38": {"topk": _on(TOPK_S38_DEFAULT, TOPK),
                 "index_topk_fp8": FP8_S42, "pq_coarse_fp8": FP8_S42},
         "s44": {"sparse_attention": ATTENTION_S44},
         "s45": {"topk": TOPK_S45}, "s47": {"topk": TOPK_S47},
-        "s48": {"topk": TOPK_S48, "index_topk_fp8": INDEX_TOPK_S48}, "s50": {"topk": TOPK_S50}}
+        "s48": {"topk": TOPK_S48, "index_topk_fp8": INDEX_TOPK_S48}, "s50": {"topk": TOPK_S50},
+        "s51": {"sparse_attention": ATTENTION_S51, "sparse_attention_fp8": ATTENTION_S51,
+                "topk": TOPK_S51}}
 SHAPES = {"topk": dict(b=64, n=262144, k=2048), "sparse_attention": dict(b=64, k=512, w=128),
           "sparse_attention_fp8": dict(b=64, k=512, w=128), "index_scores": dict(b=64, c=2048),
           "index_scores_paged": dict(b=36, n=131104),

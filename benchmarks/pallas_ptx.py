@@ -102,7 +102,8 @@ def _fp8_kernels() -> dict:
 
 def _attention_kernels() -> dict:
     """sparse_attention's Triton kernel at issue 16's shape (B 64, 64 heads, D 512, K 512, W
-    128, bf16 rows) at its default launch and the launches sessions 24-39 timed."""
+    128, bf16 rows) at its default launch, the launches sessions 24-39 timed and the in-kernel
+    combine (session 51)."""
     from pallas_kernels.sparse_attention.triton import default_config, sparse_attention_triton
 
     s, h, d, k, w, r = 64, 64, 512, 512, 128, 4096
@@ -112,8 +113,10 @@ def _attention_kernels() -> dict:
     out = {}
     for name, launch in (("default", {}), ("2 stages", dict(num_stages=2)),
                          ("BK 64, 2 stages", dict(block_k=64, num_stages=2)),
-                         ("BK 16", dict(block_k=16))):
-        cfg = default_config(s, h, d, k, w, 2 * d, **launch)
+                         ("BK 16", dict(block_k=16)),
+                         ("fused combine", dict(fused_combine=True))):
+        cfg = default_config(s, h, d, k, w, 2 * d, **{
+            key: v for key, v in launch.items() if key != "fused_combine"})
         out[f"sparse_attention {name}"] = (
             functools.partial(sparse_attention_triton, **launch), specs,
             {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})

@@ -25,11 +25,13 @@ def attribute_bytes(stablehlo: str, name: str) -> bytes:
 
 def triton_ir_text(stablehlo: str) -> str:
     """The Triton IR of the (single) Pallas-Triton custom call in ``stablehlo``, as text."""
+    from jax._src.interpreters import mlir as jax_mlir
     from jax._src.lib import triton as jax_triton_dialect
     from jax._src.lib.mlir import ir
 
     data = attribute_bytes(stablehlo, "ir")
-    with ir.Context() as ctx, ir.Location.unknown():
+    # jax's context: its dialects include gpu (``debug_barrier`` lowers to gpu.barrier)
+    with jax_mlir.make_ir_context() as ctx, ir.Location.unknown():
         jax_triton_dialect.dialect.register_dialect(ctx)
         return ir.Module.parse(data).operation.get_asm()
 

@@ -106,6 +106,8 @@ def test_sparse_attention(impl, case):
     dict(version=1, block_h=16, block_k=16, splits=4),  # the previous kernel (triton_v1)
     dict(block_h=16, block_k=16, col_splits=2),         # output columns over 2 programs
     dict(block_k=16, splits=3, col_splits=2),
+    dict(block_k=16, block_d=16, splits=4, fused_combine=True),  # merged in the kernel
+    dict(block_k=16, splits=3, col_splits=2, fused_combine=True),
 ])
 def test_tilings_in_interpret_mode(tiling):
     """Head blocks, row blocks, column chunks, splits of the row loop (merged by
@@ -119,6 +121,43 @@ def test_tilings_in_interpret_mode(tiling):
     args[0][:] *= 20
     got = kernel(*map(jnp.asarray, args), **tiling)
     _check(got, args, "float32")
+
+
+@pytest.mark.parametrize("rows", ["float32", "fp8"])
+def test_fused_combine_equals_the_xla_combine(rows):
+    """fused_combine (the last split to finish merges the partials in the kernel) against the
+    same launch merged by ``combine`` in XLA and against the model: dense rows over 3 splits
+    and 2 head blocks, FP8 rows in 64-wide scale blocks over 4 splits (interpret mode)."""
+    from pallas_kernels.sparse_attention.triton import sparse_attention_triton
+
+    if rows == "fp8":
+        args, tiling = _fp8(_inputs(3, 8, 192, 40, 37, 20, seed=6), 64), dict(splits=4)
+        truth_args, tol = _dense_twin(args), "bfloat16"  # q and p rounded to bf16
+    else:
+        args = _inputs(3, 32, 32, 50, 45, 20, seed=3)
+        args[0][:] *= 20  # logits of std ~40: the splits' maxima differ
+        tiling, truth_args, tol = dict(block_h=16, block_k=16, splits=3), args, "float32"
+    args = tuple(a if isinstance(a, tuple) else jnp.asarray(a) for a in args)
+    fused = sparse_attention_triton(*args, **tiling, fused_combine=True)
+    split = sparse_attention_triton(*args, **tiling)
+    np.testing.assert_allclose(np.asarray(fused), np.asarray(split), rtol=1e-6, atol=1e-6)
+    _check(fused, truth_args, tol)
+
+
+def test_fused_combine_lowers_to_one_launch_with_aliased_counters():
+    """At the V4 shape with 2 requests (several splits): one Triton call, its counters an
+    input aliased to an output (zeros each call), and no combine after it."""
+    from pallas_kernels.sparse_attention.triton import sparse_attention_triton
+
+    def after_call(fused):
+        fn = functools.partial(sparse_attention_triton, fused_combine=fused)
+        text = common.lower_for_cuda(fn, *_specs(2, **V4))
+        assert text.count(common.TRITON_CALL_TARGET) == 1
+        assert ("output_operand_aliases" in text) == fused
+        return text.split(common.TRITON_CALL_TARGET)[1]
+
+    assert "stablehlo.exp2" in after_call(False)  # XLA's combine
+    assert "stablehlo.exp2" not in after_call(True)
 
 
 def _fp8(args, rope):
@@ -495,6 +534,27 @@ def test_gpu_v4_shape_matches_reference(s):
     assert_close(got, want, "bfloat16")
     if s == 2:
         _check(got, args, "bfloat16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", ["bfloat16", "fp8"])
+@pytest.mark.parametrize("s", [2, 64])
+def test_gpu_fused_combine_matches_the_xla_combine(s, rows):
+    """fused_combine on the GPU (the programs race to the counters) at the V4-Flash shape:
+    the same output as the launch merged in XLA, within f32 rounding, and the XLA reference;
+    three calls, so a counter left nonzero by one call would show in the next."""
+    from pallas_kernels.sparse_attention.triton import sparse_attention_triton
+
+    args = _inputs(s, **V4, seed=9)
+    if rows == "fp8":
+        args = _fp8(args, 64)
+    args = tuple(a if isinstance(a, tuple) else jnp.asarray(a) for a in args)
+    want = np.asarray(sparse_attention(*args, implementation="xla"))
+    split = np.asarray(sparse_attention_triton(*args))
+    for _ in range(3):
+        fused = np.asarray(sparse_attention_triton(*args, fused_combine=True))
+        np.testing.assert_allclose(fused, split, rtol=1e-5, atol=1e-6)
+        assert_close(fused, want, "bfloat16")
 
 
 @pytest.mark.gpu

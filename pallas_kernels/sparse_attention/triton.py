@@ -180,7 +180,8 @@ def _chunks(table, d: int, block_d: int) -> list[tuple[int, int, str, int]]:
 
 def _kernel(q_ref, sink_ref, slots_ref, *refs, chunks, fp8: bool, bk: int, nk: int, nw: int,
             per: int, splits: int, k: int, w: int, num_rows: int, qk_scale: float,
-            cdtype, prec, fp8_n: int, d_model: int, csplit: int, shared: bool):
+            cdtype, prec, fp8_n: int, d_model: int, csplit: int, shared: bool,
+            fused: bool = False, interpret: bool = False):
     # inputs
     #   q_ref      [BH, D]     f32 / bf16 (request s, heads of block h)
     #   sink_ref   [BH]        f32
@@ -192,8 +193,15 @@ def _kernel(q_ref, sink_ref, slots_ref, *refs, chunks, fp8: bool, bk: int, nk: i
     # outputs
     #   P = 1: out_ref [BH, D / C] f32 (normalized; C = col_splits column parts of the output)
     #   P > 1: acc_ref [BH, D / C], m_ref [BH], den_ref [BH] f32 (this split's partial softmax)
+    #   P > 1, fused: acc_all [S, P, A, BH, D / C], m_all / den_all [S, P, A, BH] f32 (ANY;
+    #          A = grid axis 0: every program's partial), out_ref [BH, D / C] f32 (written by
+    #          the last split of (s, i) to finish), cnt_ref [S, A] int32 (ANY, zeros on entry:
+    #          the splits that finished)
     # scratch: none
     ntab = 3 if fp8 else 1
+    # (the input refs after the window: the fused form's zero counters, aliased to cnt_ref)
+    if fused:
+        refs = refs[:ntab + 2] + refs[ntab + 3:]
     tab = dict(zip(("nope", "scales", "rope") if fp8 else ("dense",), refs[:ntab]))
     window_ref, wmask_ref = refs[ntab:ntab + 2]
     out_refs = refs[ntab + 2:]
@@ -330,12 +338,55 @@ def _kernel(q_ref, sink_ref, slots_ref, *refs, chunks, fp8: bool, bk: int, nk: i
         (out_ref,) = out_refs
         for (c0, cw), acc in zip(parts, accs):
             out_ref[:, pl.ds(c0, cw)] = acc / den[:, None]         # den >= 1 (the sink)
+    elif fused:
+        _combine_last(out_refs, parts, accs, m, den, splits=splits, interpret=interpret)
     else:
         acc_ref, m_ref, den_ref = out_refs
         for (c0, cw), acc in zip(parts, accs):
             acc_ref[:, pl.ds(c0, cw)] = acc
         m_ref[...] = m
         den_ref[...] = den
+
+
+def _combine_last(out_refs, parts, accs, m, den, *, splits: int, interpret: bool):
+    """fused_combine: program (i, j, s) publishes its partial (acc, m, den) and counts itself
+    done on cnt[s, i]; the last of the P splits to finish merges all P partials as
+    ``combine`` does (in split order: the same sums whichever finishes last) and writes out.
+    Publication: every thread's stores, a CTA barrier, then one acq_rel atomic at GPU scope
+    (cumulative: it releases the barrier-ordered stores of the whole program); the last
+    program's atomic acquires them, and it reads them from L2 (``.cg``)."""
+    acc_all, m_all, den_all, out_ref, cnt_ref = out_refs
+    i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    for (c0, cw), acc in zip(parts, accs):
+        acc_all[s, j, i, :, pl.ds(c0, cw)] = acc
+    m_all[s, j, i, :] = m
+    den_all[s, j, i, :] = den
+    if not interpret:  # (the interpreter runs the programs one after another)
+        plt.debug_barrier()
+    done = plt.atomic_add(cnt_ref, (s, i), jnp.ones((), jnp.int32))
+
+    @pl.when(done == splits - 1)
+    def _():
+        def load(ref, *idx):
+            return plt.load(ref.at[idx], cache_modifier=None if interpret else ".cg")
+
+        def part(ref, jj, *cols):  # split jj's [BH] (m, den) or [BH, w] (acc columns)
+            return plt.load(ref.at[(s, jj, i, slice(None), *cols)],
+                            cache_modifier=None if interpret else ".cg")
+
+        mx = jax.lax.fori_loop(1, splits, lambda jj, mx: jnp.maximum(mx, part(m_all, jj)),
+                               part(m_all, jnp.int32(0)))          # M = max_j m_j
+        wgt = lambda jj: jnp.exp2(part(m_all, jj) - mx)            # noqa: E731
+        total = jax.lax.fori_loop(0, splits, lambda jj, t: t + wgt(jj) * part(den_all, jj),
+                                  jnp.zeros_like(mx))
+        for c0, cw in parts:
+            cols = pl.ds(c0, cw)
+
+            def add(jj, t, cols=cols):
+                return t + wgt(jj)[:, None] * part(acc_all, jj, cols)
+
+            num = jax.lax.fori_loop(0, splits, add, jnp.zeros((mx.shape[0], cw), jnp.float32))
+            out_ref[:, cols] = num / total[:, None]
 
 
 def combine(acc: jnp.ndarray, m: jnp.ndarray, den: jnp.ndarray) -> jnp.ndarray:
@@ -353,13 +404,14 @@ def row_bytes(table) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("block_h", "block_k", "block_d", "splits",
-                                             "num_warps", "num_stages", "col_splits"))
+                                             "num_warps", "num_stages", "col_splits",
+                                             "fused_combine"))
 def sparse_attention_triton(q: jnp.ndarray, table, slots: jnp.ndarray, window: jnp.ndarray,
                             window_mask: jnp.ndarray, sink: jnp.ndarray, *,
                             block_h: int | None = None, block_k: int | None = None,
                             block_d: int | None = None, splits: int | None = None,
                             num_warps: int | None = None, num_stages: int | None = None,
-                            col_splits: int = 1) -> jnp.ndarray:
+                            col_splits: int = 1, fused_combine: bool = False) -> jnp.ndarray:
     """Pallas-Triton ``sparse_attention`` (interpret mode without a GPU).
 
     Inputs: q [S, H, D] f32/bf16; table [S, R, D] f32/bf16 or the FP8 leaves (nope, scales,
@@ -370,7 +422,9 @@ def sparse_attention_triton(q: jnp.ndarray, table, slots: jnp.ndarray, window: j
     Tuning (None = ``default_config``): block_h (BH), block_k (BK), block_d (dense chunk
     width), powers of two >= 16; splits (P >= 1); num_warps; num_stages; col_splits (C: the
     output columns cut over C programs, each computing all logits: a [BH, D / C] accumulator,
-    rows read C times, C - 1 of them from L2; not with FP8 rows in 64-wide blocks).
+    rows read C times, C - 1 of them from L2; not with FP8 rows in 64-wide blocks);
+    fused_combine (P > 1: the last split of a request to finish merges the P partials in the
+    kernel, ``_combine_last``, instead of ``combine`` in XLA after it).
     """
     fp8 = rowfmt.is_fp8(table)
     table = tuple(table) if fp8 else table
@@ -420,14 +474,29 @@ def sparse_attention_triton(q: jnp.ndarray, table, slots: jnp.ndarray, window: j
         _kernel, chunks=chunks, fp8=fp8, bk=block_k, nk=nk, nw=nw, per=per, splits=splits,
         k=k, w=w, num_rows=num_rows, qk_scale=LOG2E / math.sqrt(d), cdtype=cdtype, prec=prec,
         fp8_n=table[0].shape[-1] if fp8 else d, d_model=d, csplit=csplit,
-        shared=rowfmt.shared(table, s))
+        shared=rowfmt.shared(table, s), fused=fused_combine and splits > 1,
+        interpret=interpret)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     dh = d // csplit  # grid axis 0: head blocks x column parts
     acc_spec = pl.BlockSpec((None, None, block_h, dh),
                             lambda i, j, r: (r, j, i // csplit, i % csplit))
+    fused = fused_combine and splits > 1
+    extra_in, aliases = [], {}
     if splits == 1:
         out_shape = [jax.ShapeDtypeStruct((s, 1, hp, d), jnp.float32)]
         out_specs = [acc_spec]
+    elif fused:  # every program's partial (ANY), the output, the counters (zeros, aliased)
+        a = hp // block_h * csplit
+        out_shape = [jax.ShapeDtypeStruct((s, splits, a, block_h, dh), jnp.float32),
+                     jax.ShapeDtypeStruct((s, splits, a, block_h), jnp.float32),
+                     jax.ShapeDtypeStruct((s, splits, a, block_h), jnp.float32),
+                     jax.ShapeDtypeStruct((s, 1, hp, d), jnp.float32),
+                     jax.ShapeDtypeStruct((s, a), jnp.int32)]
+        out_specs = [any_spec] * 3 + [pl.BlockSpec(
+            (None, None, block_h, dh), lambda i, j, r: (r, 0, i // csplit, i % csplit)),
+            any_spec]
+        extra_in = [jnp.zeros((s, a), jnp.int32)]
+        aliases = {5 + len(leaves): 4}  # q, sink, slots, leaves, window, mask
     else:
         vec_spec = pl.BlockSpec((None, None, block_h), lambda i, j, r: (r, j, i // csplit))
         out_shape = [jax.ShapeDtypeStruct((s, splits, hp, d), jnp.float32),
@@ -444,12 +513,14 @@ def sparse_attention_triton(q: jnp.ndarray, table, slots: jnp.ndarray, window: j
             any_spec,                                                      # slots
             *[any_spec] * len(leaves),                                     # table leaves
             any_spec, any_spec,                                            # window, mask
+            *[any_spec] * len(extra_in),                                   # fused: counters
         ],
+        input_output_aliases=aliases,
         out_specs=out_specs,
         compiler_params=plt.CompilerParams(num_warps=cfg["num_warps"],
                                            num_stages=cfg["num_stages"]),
         interpret=interpret,
         name="sparse_attention_v2",
-    )(q, sink, slots, *leaves, window, window_mask)
-    out = outs[0][:, 0] if splits == 1 else combine(*outs)
+    )(q, sink, slots, *leaves, window, window_mask, *extra_in)
+    out = outs[0][:, 0] if splits == 1 else outs[3][:, 0] if fused else combine(*outs)
     return out[:, :h]
