@@ -19,7 +19,8 @@ calls are less GPU work than one program's dispatch). Implementations an op does
 are skipped (``SUPPORTED``); the new variants of issue 16: hot_resolve "triton_fused" (control
 in-kernel), index_scores "triton_fp8" (fp8 x fp8) and "xla_top512" / "triton_fp8_top512" (scores
 plus the top-512: XLA, and the fused one-kernel form), topk "triton_oneread" and "triton_fused"
-(two or three launches, ``pallas_kernels/topk/fused.py``), pq_topc
+(two or three launches, ``pallas_kernels/topk/fused.py``), sparse_attention "triton_fused"
+(the splits merged in the kernel, ``fused_combine``; session 51, not yet timed), pq_topc
 "jax_triton" (plain Triton, codebook on chip, its default smem gather: lane l reads word l of
 one key), "jax_triton_smem" (the bank-swizzled book), "jax_triton_shuffle" (its warp-shuffle
 gather lowering), "jax_triton_linear" (the smem gather without the swizzle) and
@@ -200,7 +201,7 @@ SUPPORTED = {  # the implementations each op has (others are skipped, not timed)
     "topk": ("xla", "triton", "triton_oneread", "triton_fused"),
     "index_scores": ("xla", "triton", "jax_triton", "triton_fp8", "xla_top512",
                      "triton_fp8_top512", "triton_fp8_split_top512"),
-    "sparse_attention": ("xla", "triton", "mosaic"),
+    "sparse_attention": ("xla", "triton", "triton_fused", "mosaic"),
     "hot_resolve": ("xla", "triton", "triton_fused", "triton_copy"),
     "candidate_topk": ("xla", "triton"),
 }

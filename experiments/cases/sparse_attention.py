@@ -41,8 +41,14 @@ def sparse_attention_case(batch, k=512, window=128, heads=64, dim=512, rows=2048
     """``experiments.kernel_compare.Case`` of ``sparse_attention`` at one shape."""
     from experiments.kernel_compare import Case  # lazy: kernel_compare registers this case
     from pallas_kernels.sparse_attention.api import sparse_attention
+    from pallas_kernels.sparse_attention.triton import sparse_attention_triton
 
     flops, nbytes = flops_and_bytes(batch, k, window, heads, dim, dtype)
+
+    def call(impl, *args):  # "triton_fused": the Triton kernel with its splits merged inside
+        if impl == "triton_fused":
+            return sparse_attention_triton(*args, fused_combine=True)
+        return sparse_attention(*args, implementation=impl)
 
     def make(key):
         return make_inputs(key, batch, k, window, heads, dim, rows, dtype)
@@ -50,4 +56,4 @@ def sparse_attention_case(batch, k=512, window=128, heads=64, dim=512, rows=2048
     return Case("sparse_attention", dict(B=batch, k=k, W=window, H=heads, D=dim, R=rows,
                                          dtype=dtype),
                 flops=flops, bytes=nbytes, make=make,
-                call=lambda impl, *a: sparse_attention(*a, implementation=impl))
+                call=call)
