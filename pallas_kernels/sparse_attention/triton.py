@@ -367,9 +367,6 @@ def _combine_last(out_refs, parts, accs, m, den, *, splits: int, interpret: bool
 
     @pl.when(done == splits - 1)
     def _():
-        def load(ref, *idx):
-            return plt.load(ref.at[idx], cache_modifier=None if interpret else ".cg")
-
         def part(ref, jj, *cols):  # split jj's [BH] (m, den) or [BH, w] (acc columns)
             return plt.load(ref.at[(s, jj, i, slice(None), *cols)],
                             cache_modifier=None if interpret else ".cg")
@@ -470,17 +467,16 @@ def sparse_attention_triton(q: jnp.ndarray, table, slots: jnp.ndarray, window: j
     bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.uint8)
     leaves = (bits(table[0]), bits(table[1]), table[2]) if fp8 else (table,)
     chunks = _chunks(table, d, cfg["block_d"])
+    fused = fused_combine and splits > 1
     kernel = functools.partial(
         _kernel, chunks=chunks, fp8=fp8, bk=block_k, nk=nk, nw=nw, per=per, splits=splits,
         k=k, w=w, num_rows=num_rows, qk_scale=LOG2E / math.sqrt(d), cdtype=cdtype, prec=prec,
         fp8_n=table[0].shape[-1] if fp8 else d, d_model=d, csplit=csplit,
-        shared=rowfmt.shared(table, s), fused=fused_combine and splits > 1,
-        interpret=interpret)
+        shared=rowfmt.shared(table, s), fused=fused, interpret=interpret)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     dh = d // csplit  # grid axis 0: head blocks x column parts
     acc_spec = pl.BlockSpec((None, None, block_h, dh),
                             lambda i, j, r: (r, j, i // csplit, i % csplit))
-    fused = fused_combine and splits > 1
     extra_in, aliases = [], {}
     if splits == 1:
         out_shape = [jax.ShapeDtypeStruct((s, 1, hp, d), jnp.float32)]
