@@ -79,9 +79,10 @@ def test_full_residency_serves_imported_history_without_host_copies():
     nothing from the host, while hisparse does; both equal resident."""
     cfg = tiny(max_len=512)
     params, prompt = model_and_tokens(cfg, 320, seed=5)  # 80 rows = 10 complete pages
-    resident = make(cfg, params, "resident", slots=1)
-    hisparse = make(cfg, params, "hisparse", slots=1)
-    adaptive = make(cfg, params, "adaptive", 10, slots=1)
+    # 3 slots (one used): the load test's resident engine, its compiled step reused
+    resident = make(cfg, params, "resident")
+    hisparse = make(cfg, params, "hisparse")
+    adaptive = make(cfg, params, "adaptive", 10)
     for e in (resident, hisparse, adaptive):
         e.admit(prompt, max_new_tokens=20)
     host = {"hisparse": 0, "adaptive": 0}
@@ -293,7 +294,7 @@ def test_shared_budget_counts_request_extra_bytes():
     from lsparse_jax.memory.accounting import request_bytes
     from lsparse_jax.methods.adaptive import SharedBudgetError
 
-    cfg = tiny(max_len=128)
+    cfg = tiny(max_len=512)  # the model of the tests above: its prefill chunks are compiled
     params, _ = model_and_tokens(cfg, 1, seed=5)
     probe = make(cfg, params, "adaptive", optional=8, slots=4)
     need = request_bytes(probe.config, 30).gpu_total

@@ -82,8 +82,10 @@ def test_request_limits_and_timestamps():
     with pytest.raises(ValueError, match="max_new_tokens=0"):
         Request([1, 2], max_new_tokens=0)
     cfg, params, _ = setup()
-    engine = Engine(EngineConfig(model=cfg, cache=CacheConfig(num_slots=1, prefill_chunk=32)),
-                    params)
+    # the config of test_a_new_method_is_one_registered_class's reference engine (its compiled
+    # step reused); one request in its first slot
+    engine = Engine(EngineConfig(model=cfg, cache=CacheConfig(num_slots=2, prefill_chunk=32,
+                                                              page_size=8)), params)
     req = Request(np.arange(40) % 256, max_new_tokens=4, stop_tokens=(7,), id="r1")
     slot = engine.admit(req)
     while not req.done:

@@ -182,7 +182,7 @@ def test_engine_with_streamed_prefill_serves_like_monolithic():
     through the stream and decodes exactly as one admitting through monolithic prefill."""
     from lsparse_jax.serving.engine import Engine
 
-    cfg = tiny(max_len=256)
+    cfg = setup("v4")[0]  # the identity tests' model: its prefill chunks of 16 are compiled
     params, prompt = model_and_tokens(cfg, 70, seed=3)
     outs = []
     for streamed in (False, True):

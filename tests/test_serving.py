@@ -83,7 +83,7 @@ def test_engine_generates_greedy_continuation_of_forward():
 
 
 def test_engine_refuses_when_full():
-    cfg = tiny(max_len=64)
+    cfg = tiny(max_len=128)  # the model above: its prefill chunks of 8 are compiled
     params, prompt = model_and_tokens(cfg, 10)
     engine = Engine(EngineConfig(model=cfg, cache=CacheConfig(num_slots=1, prefill_chunk=8)),
                     params)
