@@ -26,7 +26,7 @@ case "$step" in
   lv)
     TAIL=6 part gputests ${TESTS_S:-90} "python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/test_kernel_topk.py -k 'thr_warps4 or (test_fused_on_gpu and default)'"
-    LV_ARGS="--busy 2" variants lv ${LV_SET:-s50} ${LV_ROUNDS:-3} ${LV_S:-150} ;;
+    LV_ARGS="--busy 2" variants lv s50 ${LV_ROUNDS:-3} ${LV_S:-150} ;;
   p512) PROFILE_GIN=$FP8_GIN profile p512 524288 36 ${PROFILE_S:-210} ;;
   *) echo "STEP=${step}: unknown (kc | lv | p512)"; exit 2 ;;
 esac

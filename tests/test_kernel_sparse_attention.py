@@ -540,9 +540,10 @@ def test_gpu_v4_shape_matches_reference(s):
 @pytest.mark.parametrize("rows", ["bfloat16", "fp8"])
 @pytest.mark.parametrize("s", [2, 64])
 def test_gpu_fused_combine_matches_the_xla_combine(s, rows):
-    """fused_combine on the GPU (the programs race to the counters) at the V4-Flash shape:
-    the same output as the launch merged in XLA, within f32 rounding, and the XLA reference;
-    three calls, so a counter left nonzero by one call would show in the next."""
+    """fused_combine on the GPU (the programs race to the counters) at the V4-Flash shape
+    (B 2: 20 splits a request; B 64: 2): the same output as the launch merged in XLA, within
+    f32 rounding, and the XLA reference, in each of three calls (the order in which the
+    splits finish varies between calls)."""
     from pallas_kernels.sparse_attention.triton import sparse_attention_triton
 
     args = _inputs(s, **V4, seed=9)
