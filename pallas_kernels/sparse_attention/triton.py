@@ -32,8 +32,10 @@ head blocks x C): each computes all logits but accumulates only [BH, D / C] (the
 accumulator is 128 registers a thread at 8 warps), re-gathering its value columns (L1/L2).
 m starts at the sink logit (finite, no -inf - -inf) and den at 1 in split 0 (the sink's
 exp(sink_h)), 0 in the others. P = 1 writes out = acc / den; P > 1 writes (acc, m, den) per split
-and ``combine`` merges them (log-sum-exp). Dots: bf16 operands for bf16 and FP8 rows (q and p
-rounded to bf16), f32 rows as 3-pass TF32 on the GPU (IEEE f32 in interpret mode).
+and ``combine`` merges them (log-sum-exp) after the kernel, or with ``fused_combine`` the last
+split of each request to finish merges them inside it (``_combine_last``). Dots: bf16
+operands for bf16 and FP8 rows (q and p rounded to bf16), f32 rows as 3-pass TF32 on the GPU
+(IEEE f32 in interpret mode).
 
 Traffic: each valid row once, (K + W) row_bytes a request; FLOPs 4 S H (K + W) D.
 Slots >= R (undefined input) are clamped to R - 1.
