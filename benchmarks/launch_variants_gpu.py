@@ -203,8 +203,12 @@ TOPK_S50 = {"default": {}, "tw4": dict(threshold_warps=4), "tw8": dict(threshold
             "floor": dict(floor=True)}
 # --set s51 (session 51): sparse_attention's split partials merged inside the kernel by the
 # last split of each request to finish (``fused_combine``: no combine launch in XLA, the
-# partials read back from L2), bf16 and V4 FP8 rows; topk's threshold launch at 32 warps
-ATTENTION_S51 = {"default": {}, "fused": dict(fused_combine=True)}
+# partials read back from L2), bf16 and V4 FP8 rows, at the default P = 2 splits and at 4 and 5
+# (more programs to hide the row gathers' latency, the merge no longer an XLA launch's cost);
+# topk's threshold launch at 32 warps
+ATTENTION_S51 = {"default": {}, "fused": dict(fused_combine=True), "s4": dict(splits=4),
+                 "fused_s4": dict(fused_combine=True, splits=4),
+                 "fused_s5": dict(fused_combine=True, splits=5)}
 TOPK_S51 = {"default": {}, "tw32": dict(threshold_warps=32)}
 SETS = {"s38": {"topk": _on(TOPK_S38_DEFAULT, TOPK),
                 "sparse_attention": _on(ATTENTION_S38_DEFAULT, ATTENTION, "block_k"),
