@@ -7,7 +7,8 @@
 #   16 item 5), run name kernel_compare, under a budget of KCD_S - 30 s -> $OUT/kcd/.
 # STEP=lv: launch_variants_gpu.py --set s51 (sparse_attention bf16 / FP8 rows: fused_combine at
 #   2, 4 and 5 splits against the XLA combine; topk: the threshold launch at 32 warps), 3
-#   interleaved rounds, device time from 2 profiles a variant -> $OUT/lv/.
+#   interleaved rounds, device time from 2 profiles a variant -> $OUT/lv/ (LV_OPS: a comma list
+#   of the set's ops, default all).
 source "$(dirname "$0")/gpu_lib.sh"
 for step in ${STEP:-gt kcd}; do
 case "$step" in
@@ -18,7 +19,7 @@ case "$step" in
     TAIL=60 part kcd ${KCD_S:-360} "python3 -m experiments.cli run \
       configs/experiments/kernel_compare.gin --gin.kernel_compare.budget_s=$(( ${KCD_S:-360} - 30 )) \
       --gin.run.name=\"'kernel_compare'\" 2>&1 | grep -v ' spent$'" ;;
-  lv) LV_ARGS="--busy 2" variants lv s51 ${LV_ROUNDS:-3} ${LV_S:-200} ;;
+  lv) LV_ARGS="--busy 2 ${LV_OPS:+--ops $LV_OPS}" variants lv s51 ${LV_ROUNDS:-3} ${LV_S:-200} ;;
   *) echo "STEP=${step}: unknown (gt | kcd | lv)"; exit 2 ;;
 esac
 done
