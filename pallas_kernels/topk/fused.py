@@ -138,7 +138,8 @@ def fused_config(n: int, k: int, *, block: int = 16384, chunk: int = 2048, sampl
     15, 15 of 25 and 25 of 35 rounds (``results/launch_variants_s39/``). threshold_warps:
     the threshold launch's own, 16 (as it was with finish_warps): its bit search is faster with
     more warps (H100, 64 x 262144, k 2048, session 50, ``launch_variants_gpu.py --set s50``,
-    ``results/launch_variants_s50/``: 4 warps 11.2 us, 8 warps 8.4, 16 warps 6.8).
+    ``results/launch_variants_s50/``: 4 warps 11.2 us, 8 warps 8.4, 16 warps 6.8; session 52,
+    ``results/launch_variants_s52_call1/``: 16 warps 6.9, 32 warps 6.7, the top-k 60.2 vs 59.9).
     The select loop has no prefetch of the next chunk (removed in session 47: H100, session
     40, 35 rounds, 1.000x at chunk 2048 and slower otherwise; Triton 3.6 does not pipeline
     the loop's loads itself, session 38). Chunks wholly below the row's length skip the
