@@ -202,10 +202,10 @@ TOPK_S50 = {"default": {}, "tw4": dict(threshold_warps=4), "tw8": dict(threshold
             "tw32": dict(threshold_warps=32), "b8192": dict(block=8192),
             "floor": dict(floor=True)}
 # --set s51 (session 51): sparse_attention's split partials merged inside the kernel by the
-# last split of each request to finish (``fused_combine``: no combine launch in XLA, the
-# partials read back from L2), bf16 and V4 FP8 rows, at the default P = 2 splits and at 4 and 5
-# (more programs to hide the row gathers' latency, the merge no longer an XLA launch's cost);
-# topk's threshold launch at 32 warps
+# last split of each request to finish (``fused_combine``: no combine launch in XLA), bf16 and
+# V4 FP8 rows, at the default P = 2 splits and at 4 and 5 (more programs to hide the row
+# gathers' latency, the merge no longer an XLA launch's cost); topk's threshold launch at 32
+# warps
 ATTENTION_S51 = {"default": {}, "fused": dict(fused_combine=True), "s4": dict(splits=4),
                  "fused_s4": dict(fused_combine=True, splits=4),
                  "fused_s5": dict(fused_combine=True, splits=5)}

@@ -356,10 +356,10 @@ def _combine_last(out_refs, parts, accs, m, den, *, splits: int, interpret: bool
     ``combine`` does (in split order: the same sums whichever finishes last) and writes out.
     Publication: every thread's stores, a CTA barrier, then one acq_rel atomic at GPU scope
     (cumulative: it releases the barrier-ordered stores of the whole program); the last
-    program's atomic acquires them (a GPU-scope acquire: the SM's L1 holds no stale line after
-    it), then a barrier orders every thread's loads of the partials after it. Plain loads:
-    jax 0.11.2's Triton lowering cannot spell ``.cg`` (it looks up ".cg" in a table keyed
-    "cg": KeyError, H100, session 52)."""
+    program's atomic acquires them, and a barrier after it puts every thread's loads of the
+    partials after the acquire (PTX's memory model: those loads must see the released
+    stores). Plain loads: jax 0.11.2's Triton lowering cannot spell ``.cg`` (it looks up
+    ".cg" in a table keyed "cg": KeyError, H100, session 52)."""
     acc_all, m_all, den_all, out_ref, cnt_ref = out_refs
     i, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     for (c0, cw), acc in zip(parts, accs):
