@@ -2,13 +2,21 @@
 # (carried wheels into /tmp/site, a persistent compilation cache within the call), `quiet` (drops
 # progress-bar lines), `part` (one bounded piece of a call) and `pack` (one tar to bring back).
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+# once a call: a session script that runs another one's steps (which sources this again) skips
+# the install and the card's lines
+if [ -z "${GPU_LIB_SET_UP:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    || exit 1
+fi
 export PYTHONPATH=/tmp/site:$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
 export JAX_COMPILATION_CACHE_DIR=/tmp/jax_cache
 OUT=${OUT:-/tmp/out}
 export LSPARSE_RUNS=$OUT ROOT=$PWD
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+if [ -z "${GPU_LIB_SET_UP:-}" ]; then
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+  export GPU_LIB_SET_UP=1
+fi
 
 quiet() { tr '\r' '\n' | grep -v "it/s\]\|tok/s\]\|req/s\]\|example/s\]\|Deprecation" ; }
 

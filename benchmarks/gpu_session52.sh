@@ -8,7 +8,7 @@
 source "$(dirname "$0")/gpu_lib.sh"
 for step in ${STEP:-gt kcd}; do
 case "$step" in
-  gt|lv) (STEP=$step bash "$(dirname "$0")/gpu_session51.sh" | tail -n +3) ;;  # (card printed)
+  gt|lv) (STEP=$step bash "$(dirname "$0")/gpu_session51.sh") ;;
   kcd)
     TAIL=60 part kcd ${KCD_S:-360} "python3 -m experiments.cli run \
       configs/experiments/kernel_compare.gin --gin.kernel_compare.budget_s=$(( ${KCD_S:-360} - 30 )) \
